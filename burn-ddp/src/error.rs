@@ -1,0 +1,165 @@
+//! Error types, one per layer: environment ([`InitError`]), rendezvous store ([`StoreError`]),
+//! collectives ([`CollectiveError`]) and the DDP layer on top of them ([`DdpError`]).
+//!
+//! Every message says what failed, where (rank, peer address, operation and sequence number) and,
+//! when there is one, what to do about it.
+
+use std::time::Duration;
+
+use crate::group::CollectiveDesc;
+
+/// The process could not find out who it is from the environment (see [`crate::env`]).
+#[derive(Debug, thiserror::Error)]
+pub enum InitError {
+    /// A variable that must be present is absent.
+    #[error("environment variable {name} is not set ({hint})")]
+    Missing { name: &'static str, hint: &'static str },
+    /// A variable is present but does not parse.
+    #[error("environment variable {name}={value:?} is not valid: {reason}")]
+    Invalid {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
+    /// Values that are fine one by one disagree with each other.
+    #[error("inconsistent distributed environment: {0}")]
+    Inconsistent(String),
+}
+
+/// A failure of the rendezvous store (client or server).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The server could not bind its address (port in use, address not local, ...).
+    #[error("cannot host the rendezvous store on {addr}: {source} (is another job using this port? choose another MASTER_PORT, or let the launcher pick a free one)")]
+    Bind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The client never reached the server.
+    #[error("could not reach the rendezvous store at {addr} within {timeout:?}: {last_error} (is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)")]
+    Connect {
+        addr: String,
+        timeout: Duration,
+        last_error: String,
+    },
+    /// A blocking call ran past its deadline.
+    #[error("rendezvous store at {addr}: {operation} timed out after {timeout:?}")]
+    Timeout {
+        addr: String,
+        operation: String,
+        timeout: Duration,
+    },
+    /// The connection broke or the server went away.
+    #[error("rendezvous store at {addr}: connection lost during {operation}: {source}")]
+    Io {
+        addr: String,
+        operation: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Bytes on the wire that do not follow the protocol.
+    #[error("rendezvous store at {addr}: protocol error: {source}")]
+    Protocol {
+        addr: String,
+        #[source]
+        source: WireError,
+    },
+    /// The server refused the request (bad token, value too large, ...).
+    #[error("rendezvous store at {addr} refused {operation}: {message}")]
+    Refused {
+        addr: String,
+        operation: String,
+        message: String,
+    },
+}
+
+/// A malformed frame; produced by the pure decoders, never by I/O.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+    TooLarge { len: usize, max: usize },
+    #[error("frame truncated: needed {needed} more bytes for {what}")]
+    Truncated { what: &'static str, needed: usize },
+    #[error("unknown {what} code {code}")]
+    UnknownCode { what: &'static str, code: u8 },
+    #[error("{what} is not valid UTF-8")]
+    BadUtf8 { what: &'static str },
+    #[error("{extra} unexpected bytes after the end of the frame")]
+    TrailingBytes { extra: usize },
+    #[error("bad magic number {found:#010x} (expected {expected:#010x}): the peer does not speak this protocol")]
+    BadMagic { found: u32, expected: u32 },
+}
+
+/// A collective operation failed. After any such error the group is broken: every later call
+/// returns [`CollectiveError::Aborted`] (as an aborted NCCL communicator does), because the ranks
+/// no longer agree on where in the stream of collectives they are.
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    /// Forming the group failed (rendezvous, ring connections, inconsistent world sizes).
+    #[error("rank {rank}: process group set-up failed: {message}")]
+    Setup { rank: usize, message: String },
+    /// Setting up through the store failed.
+    #[error("rank {rank}: process group set-up failed: {source}")]
+    Store {
+        rank: usize,
+        #[source]
+        source: StoreError,
+    },
+    /// The arguments are wrong on this rank alone (checked before anything is sent).
+    #[error("rank {rank}: invalid {desc}: {message}")]
+    InvalidArgument {
+        rank: usize,
+        desc: CollectiveDesc,
+        message: String,
+    },
+    /// Two ranks called different collectives, or the same one with different arguments.
+    #[error("rank {rank}: collective mismatch with rank {peer}: this rank called {ours}, rank {peer} called {theirs}. Every rank must call the same collectives in the same order with the same lengths")]
+    Mismatch {
+        rank: usize,
+        peer: usize,
+        ours: CollectiveDesc,
+        theirs: CollectiveDesc,
+    },
+    /// No progress before the deadline.
+    #[error("rank {rank}: {desc} timed out after {elapsed:?} (timeout {timeout:?}) waiting for {waiting_on}")]
+    Timeout {
+        rank: usize,
+        desc: CollectiveDesc,
+        elapsed: Duration,
+        timeout: Duration,
+        waiting_on: String,
+    },
+    /// A peer closed its connection or the network failed.
+    #[error("rank {rank}: {desc}: connection with rank {peer} ({peer_addr}) failed: {source}. Rank {peer} probably exited or crashed: look at its log")]
+    PeerLost {
+        rank: usize,
+        peer: usize,
+        peer_addr: String,
+        desc: CollectiveDesc,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A peer sent bytes that are not a frame of this protocol.
+    #[error("rank {rank}: {desc}: malformed data from rank {peer}: {source}")]
+    Protocol {
+        rank: usize,
+        peer: usize,
+        desc: CollectiveDesc,
+        #[source]
+        source: WireError,
+    },
+    /// An earlier collective failed; the group can no longer be used.
+    #[error("rank {rank}: the process group was aborted by an earlier error ({first_error}); create a new group")]
+    Aborted { rank: usize, first_error: String },
+}
+
+/// A failure of the DDP layer (parameter broadcast, gradient synchronisation).
+#[derive(Debug, thiserror::Error)]
+pub enum DdpError {
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// The model's parameters are not what the DDP layer can handle.
+    #[error("DDP: {0}")]
+    Unsupported(String),
+}

@@ -1,0 +1,172 @@
+//! Process groups: the collectives every rank calls together.
+//!
+//! - [`ProcessGroup`]: the trait (PyTorch's `ProcessGroup`): all-reduce, broadcast, all-gather,
+//!   reduce-scatter and barrier over host buffers.
+//! - [`ring`]: the pure plan of the bandwidth-optimal ring algorithms (which chunk goes where at
+//!   each step); no I/O, tested by simulation.
+//! - [`wire`]: the pure encoding of the ring's hello and per-collective header.
+//! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets, for CPUs and for any device whose
+//!   tensors are staged through the host.
+//!
+//! # Contract shared by every collective
+//! - **Collective**: every rank of the group must call the same collectives in the same order,
+//!   with the same element type, length (per rank for all-gather/reduce-scatter), reduce op and
+//!   root. Each call carries a sequence number and these fields; a rank that sees a neighbour
+//!   disagree fails with [`CollectiveError::Mismatch`] naming both calls, instead of hanging or
+//!   reducing garbage.
+//! - **Deadline**: a call that does not finish within the group's timeout fails with
+//!   [`CollectiveError::Timeout`]; a peer that dies makes its neighbours fail with
+//!   [`CollectiveError::PeerLost`], which propagates around the ring.
+//! - **After an error** the group is aborted: its sockets are closed and every later call fails at
+//!   once. Create a new group to go on.
+//! - **Results are identical on every rank**, bit for bit (each chunk is reduced on one rank, in
+//!   one order, then copied to the others), so replicas that apply the same update stay equal.
+
+pub mod ring;
+pub mod tcp;
+pub mod wire;
+
+use std::fmt;
+
+pub use tcp::{TcpGroupOptions, TcpProcessGroup};
+
+use crate::error::CollectiveError;
+
+/// How values from different ranks are combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    /// The sum divided by the world size (integer division for integer types).
+    Avg,
+    Max,
+    Min,
+}
+
+/// The element type of a buffer, carried in every collective's header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DataType {
+    F32,
+    F64,
+    I32,
+    I64,
+    U8,
+}
+
+/// A type that collectives can move and reduce: plain old data with a reduction.
+pub trait Element: bytemuck::Pod + Send + Sync + PartialOrd + fmt::Debug {
+    const DTYPE: DataType;
+    /// `self op other` for Sum/Avg (the division happens once, at the end), Max and Min.
+    fn combine(self, other: Self, op: ReduceOp) -> Self;
+    /// Divides by the world size (for [`ReduceOp::Avg`]).
+    fn div_world(self, world_size: usize) -> Self;
+}
+
+macro_rules! element {
+    ($t:ty, $dtype:ident, float) => {
+        impl Element for $t {
+            const DTYPE: DataType = DataType::$dtype;
+            #[inline]
+            fn combine(self, other: Self, op: ReduceOp) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => self + other,
+                    ReduceOp::Max => self.max(other),
+                    ReduceOp::Min => self.min(other),
+                }
+            }
+            fn div_world(self, world_size: usize) -> Self {
+                self / world_size as $t
+            }
+        }
+    };
+    ($t:ty, $dtype:ident, int) => {
+        impl Element for $t {
+            const DTYPE: DataType = DataType::$dtype;
+            #[inline]
+            fn combine(self, other: Self, op: ReduceOp) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => self.wrapping_add(other),
+                    ReduceOp::Max => self.max(other),
+                    ReduceOp::Min => self.min(other),
+                }
+            }
+            fn div_world(self, world_size: usize) -> Self {
+                self / world_size as $t
+            }
+        }
+    };
+}
+element!(f32, F32, float);
+element!(f64, F64, float);
+element!(i32, I32, int);
+element!(i64, I64, int);
+element!(u8, U8, int);
+
+/// Which collective, with the arguments that must agree across ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CollectiveKind {
+    AllReduce(ReduceOp),
+    Broadcast { root: usize },
+    AllGather,
+    ReduceScatter(ReduceOp),
+    Barrier,
+}
+
+/// One call of a collective, as checked across ranks and named in errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CollectiveDesc {
+    /// The call's number in this group, counted from 0 on every rank.
+    pub seq: u64,
+    pub kind: CollectiveKind,
+    pub dtype: DataType,
+    /// Elements per rank (the output length of reduce-scatter, the input of all-gather).
+    pub len: u64,
+}
+
+impl fmt::Display for CollectiveDesc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dtype = format!("{:?}", self.dtype).to_lowercase();
+        match self.kind {
+            CollectiveKind::AllReduce(op) => write!(f, "all_reduce({op:?}, ")?,
+            CollectiveKind::Broadcast { root } => write!(f, "broadcast(root {root}, ")?,
+            CollectiveKind::AllGather => write!(f, "all_gather(")?,
+            CollectiveKind::ReduceScatter(op) => write!(f, "reduce_scatter({op:?}, ")?,
+            CollectiveKind::Barrier => return write!(f, "barrier #{}", self.seq),
+        }
+        write!(f, "{dtype}, {} elements) #{}", self.len, self.seq)
+    }
+}
+
+/// A group of processes that run collectives together. See the module docs for the contract
+/// every method shares (collective, same order on every rank, deadline, abort on error).
+pub trait ProcessGroup {
+    /// This process's rank, `0..world_size()`.
+    fn rank(&self) -> usize;
+    /// Number of processes in the group.
+    fn world_size(&self) -> usize;
+
+    /// Combines `buffer` across ranks with `op`, in place: afterwards every rank holds the result.
+    /// `buffer.len()` must be equal on every rank.
+    fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp)
+        -> Result<(), CollectiveError>;
+
+    /// Copies `root`'s `buffer` into every other rank's `buffer`. Lengths must be equal.
+    fn broadcast<T: Element>(&mut self, buffer: &mut [T], root: usize)
+        -> Result<(), CollectiveError>;
+
+    /// Concatenates every rank's `input` in rank order into `output`
+    /// (`output.len() == world_size * input.len()`).
+    fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T])
+        -> Result<(), CollectiveError>;
+
+    /// Reduces `input` (`world_size` blocks of `output.len()` elements) across ranks and leaves
+    /// block `rank` of the result in `output`.
+    fn reduce_scatter<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&mut self) -> Result<(), CollectiveError>;
+}

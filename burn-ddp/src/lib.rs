@@ -1,0 +1,33 @@
+//! # burn-ddp: data-parallel training for Burn, one process per device
+//!
+//! The layers, bottom up (one concept per file):
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables |
+//! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]) |
+//! | [`group`] | the [`group::ProcessGroup`] trait; the ring plan (pure); the TCP ring backend |
+//! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
+//! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
+//! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer |
+//! | [`error`] | typed errors per layer |
+//!
+//! ## How a gradient travels
+//! `loss.backward()` gives Burn's gradients; `GradientsParams::from_grads` keys them by
+//! parameter; [`ddp::Reducer::sync`] walks the model's parameters in visit order (the same on
+//! every rank), packs the gradients into buckets of at most `bucket_cap_mb`, all-reduces each
+//! bucket with [`group::ReduceOp::Avg`] over the process group, and puts the averaged gradients
+//! back; the optimizer step then sees the same gradients on every rank, so replicas stay equal.
+
+pub mod ddp;
+pub mod env;
+pub mod error;
+pub mod group;
+pub mod init;
+pub mod sampler;
+pub mod store;
+
+pub use env::DistEnv;
+pub use error::{CollectiveError, DdpError, InitError, StoreError};
+pub use group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};
+pub use init::Distributed;

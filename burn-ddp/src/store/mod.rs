@@ -1,0 +1,122 @@
+//! The rendezvous store: a small key-value service every rank can reach, used to exchange ring
+//! addresses, world sizes, config hashes and (on GPUs) the NCCL unique id before any collective
+//! runs. The role of PyTorch's `TCPStore`.
+//!
+//! - [`wire`]: the frame format (pure encode/decode).
+//! - [`memory`]: [`MemoryStore`], the state and its blocking semantics, usable in-process.
+//! - [`server`]: [`TcpStoreServer`], a [`MemoryStore`] served over TCP (hosted by rank 0 or by the
+//!   launcher).
+//! - [`client`]: [`TcpStore`], the client every rank uses.
+
+pub mod client;
+mod connection;
+pub mod memory;
+pub mod server;
+pub mod wire;
+
+use std::time::Duration;
+
+pub use client::TcpStore;
+pub use memory::MemoryStore;
+pub use server::TcpStoreServer;
+
+use crate::error::StoreError;
+
+/// A key-value store shared by all ranks of a job.
+///
+/// None of these calls is collective: any rank may call any of them at any time. Calls that wait
+/// take a timeout and return [`StoreError::Timeout`] when it passes; the others use the client's
+/// default timeout for the round trip.
+pub trait Store: Send + Sync {
+    /// Stores `value` under `key`, replacing any previous value, and wakes every waiter.
+    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
+    /// Returns the value under `key`, waiting up to `timeout` for some rank to set it.
+    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError>;
+    /// Atomically adds `delta` to the counter under `key` (absent counts as 0); returns the new
+    /// value. Counters are stored as decimal text, so `get` reads them too.
+    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError>;
+    /// Waits up to `timeout` until every key in `keys` is set.
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError>;
+    /// Whether every key in `keys` is set, without waiting.
+    fn check(&self, keys: &[&str]) -> Result<bool, StoreError>;
+    /// Removes `key`; returns whether it was present.
+    fn delete_key(&self, key: &str) -> Result<bool, StoreError>;
+}
+
+#[cfg(test)]
+pub(crate) mod conformance {
+    //! One contract suite, run against every [`Store`] implementation.
+    use super::*;
+    use std::sync::Arc;
+
+    pub fn run_all<S: Store + 'static>(make: impl Fn() -> (Arc<S>, Arc<S>)) {
+        set_get_overwrite(make());
+        get_waits_for_a_later_set(make());
+        get_times_out_with_the_key_in_the_message(make());
+        add_is_atomic(make());
+        wait_and_check(make());
+        delete(make());
+    }
+
+    fn set_get_overwrite<S: Store + 'static>((a, b): (Arc<S>, Arc<S>)) {
+        a.set("k", b"one").unwrap();
+        assert_eq!(b.get("k", Duration::from_secs(5)).unwrap(), b"one");
+        b.set("k", b"").unwrap();
+        assert_eq!(a.get("k", Duration::from_secs(5)).unwrap(), b"");
+    }
+
+    fn get_waits_for_a_later_set<S: Store + 'static>((a, b): (Arc<S>, Arc<S>)) {
+        let setter = std::thread::spawn(move || {
+            // Waits until the getter is registered as waiting, so the set really is later.
+            a.wait(&["getter-ready"], Duration::from_secs(30)).unwrap();
+            a.set("late", b"v").unwrap();
+        });
+        b.set("getter-ready", b"").unwrap();
+        assert_eq!(b.get("late", Duration::from_secs(30)).unwrap(), b"v");
+        setter.join().unwrap();
+    }
+
+    fn get_times_out_with_the_key_in_the_message<S: Store + 'static>((a, _): (Arc<S>, Arc<S>)) {
+        let err = a.get("never", Duration::from_millis(50)).unwrap_err();
+        assert!(matches!(err, StoreError::Timeout { .. }), "{err}");
+        assert!(err.to_string().contains("never"), "{err}");
+    }
+
+    fn add_is_atomic<S: Store + 'static>((a, b): (Arc<S>, Arc<S>)) {
+        let handles: Vec<_> = [a.clone(), b.clone()]
+            .into_iter()
+            .map(|s| {
+                std::thread::spawn(move || {
+                    for _ in 0..200 {
+                        s.add("counter", 1).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+        assert_eq!(a.add("counter", 0).unwrap(), 400);
+        assert_eq!(b.get("counter", Duration::from_secs(1)).unwrap(), b"400");
+        assert_eq!(a.add("counter", -401).unwrap(), -1);
+    }
+
+    fn wait_and_check<S: Store + 'static>((a, b): (Arc<S>, Arc<S>)) {
+        assert!(a.check(&[]).unwrap());
+        assert!(!a.check(&["x", "y"]).unwrap());
+        b.set("x", b"1").unwrap();
+        assert!(!a.check(&["x", "y"]).unwrap());
+        let err = a.wait(&["x", "y"], Duration::from_millis(50)).unwrap_err();
+        assert!(err.to_string().contains('y'), "{err}");
+        b.set("y", b"2").unwrap();
+        a.wait(&["x", "y"], Duration::from_secs(5)).unwrap();
+        assert!(a.check(&["x", "y"]).unwrap());
+    }
+
+    fn delete<S: Store + 'static>((a, b): (Arc<S>, Arc<S>)) {
+        a.set("d", b"1").unwrap();
+        assert!(b.delete_key("d").unwrap());
+        assert!(!b.delete_key("d").unwrap());
+        assert!(!a.check(&["d"]).unwrap());
+    }
+}

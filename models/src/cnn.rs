@@ -1,0 +1,237 @@
+//! `cnn`: a small convolutional network for single-channel images.
+
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use serde::Deserialize;
+
+use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, ModelTask};
+
+/// Options of the `cnn` model (keys of the `[model]` table).
+///
+/// ```toml
+/// [model]
+/// name = "cnn"
+/// channels = [16, 32]   # output channels of the two 3x3 convolutions
+/// hidden = 64           # width of the fully connected hidden layer
+/// dropout = 0.1         # before each fully connected layer, training only
+/// ```
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CnnOptions {
+    /// Output channels of the first and second convolution. Default `[16, 32]`.
+    pub channels: [usize; 2],
+    /// Width of the fully connected hidden layer. Default `64`.
+    pub hidden: usize,
+    /// Dropout probability before each fully connected layer, `0 <= p < 1`;
+    /// `0` (the default) adds no dropout layer.
+    pub dropout: f64,
+}
+
+impl Default for CnnOptions {
+    fn default() -> Self {
+        Self {
+            channels: [16, 32],
+            hidden: 64,
+            dropout: 0.0,
+        }
+    }
+}
+
+/// Side of the square max-pooling window (and its stride).
+const POOL: usize = 2;
+
+impl CnnOptions {
+    /// Initialises a [`Cnn`] for the `input.image` shape on `device`, drawing
+    /// the weights from the backend's RNG (Burn's default Kaiming-uniform
+    /// initialisation).
+    ///
+    /// # Panics
+    ///
+    /// If the options or the input do not pass [`ModelOptions::check`] (for
+    /// example on non-image input); the registry always checks first.
+    pub fn init<B: Backend>(&self, input: &InputShape, device: &B::Device) -> Cnn<B> {
+        let Some((height, width)) = input.image else {
+            panic!("CnnOptions::init needs image input, got {input:?} (call check first)");
+        };
+        let [c1, c2] = self.channels;
+        let conv = |channels_in, channels_out| {
+            Conv2dConfig::new([channels_in, channels_out], [3, 3])
+                .with_padding(PaddingConfig2d::Same)
+                .init(device)
+        };
+        let flat = c2 * (height / POOL) * (width / POOL);
+        let dropout = (self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init());
+        Cnn {
+            image: [height, width],
+            conv1: conv(1, c1),
+            conv2: conv(c1, c2),
+            pool: MaxPool2dConfig::new([POOL, POOL]).init(),
+            fc1: LinearConfig::new(flat, self.hidden).init(device),
+            fc2: LinearConfig::new(self.hidden, input.classes).init(device),
+            activation: Relu::new(),
+            dropout,
+        }
+    }
+}
+
+impl ModelOptions for CnnOptions {
+    fn check(&self, input: &InputShape) -> Result<(), CheckError> {
+        let Some((height, width)) = input.image else {
+            return Err(CheckError::input(format!(
+                "it needs single-channel image data (an image shape height x width), \
+                 but got flat data with {} features and no image shape",
+                input.features
+            )));
+        };
+        if height < POOL || width < POOL {
+            return Err(CheckError::input(format!(
+                "it needs images of at least {POOL}x{POOL} pixels for its {POOL}x{POOL} max \
+                 pooling, but got {height}x{width}"
+            )));
+        }
+        if let Some(index) = self.channels.iter().position(|&c| c == 0) {
+            return Err(CheckError::option(
+                "channels",
+                format!("channel counts must be positive, found 0 at index {index}"),
+            ));
+        }
+        if self.hidden == 0 {
+            return Err(CheckError::option(
+                "hidden",
+                "the hidden layer width must be positive, found 0",
+            ));
+        }
+        check_dropout(self.dropout)
+    }
+
+    fn build<B: AutodiffBackend, T: ModelTask<B>>(
+        &self,
+        input: &InputShape,
+        device: &B::Device,
+        task: T,
+    ) -> T::Output {
+        task.run(self.init::<B>(input, device))
+    }
+}
+
+/// Small CNN for single-channel images given as flat row-major features:
+///
+/// `[batch, h*w] -> [batch, 1, h, w] -> Conv2d(3x3, same) -> ReLU -> Conv2d(3x3, same) -> ReLU
+///  -> MaxPool2d(2x2) -> flatten [-> Dropout] -> Linear -> ReLU [-> Dropout] -> Linear`.
+///
+/// On the 8x8 digits the pooled map is `channels[1] x 4 x 4`. Built by
+/// [`CnnOptions::init`]. Output logits `[batch, classes]`.
+#[derive(Module, Debug)]
+pub struct Cnn<B: Backend> {
+    /// `[height, width]` of the input images.
+    image: [usize; 2],
+    conv1: Conv2d<B>,
+    conv2: Conv2d<B>,
+    pool: MaxPool2d,
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    activation: Relu,
+    /// Present when `dropout > 0`.
+    dropout: Option<Dropout>,
+}
+
+impl<B: Backend> Cnn<B> {
+    fn dropout<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        match &self.dropout {
+            Some(dropout) => dropout.forward(x),
+            None => x,
+        }
+    }
+}
+
+impl<B: Backend> Classifier<B> for Cnn<B> {
+    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+        let [batch, _features] = inputs.dims();
+        let [height, width] = self.image;
+        let x = inputs.reshape([batch, 1, height, width]);
+        let x = self.activation.forward(self.conv1.forward(x));
+        let x = self.activation.forward(self.conv2.forward(x));
+        let x: Tensor<B, 2> = self.pool.forward(x).flatten(1, 3);
+        let x = self.activation.forward(self.fc1.forward(self.dropout(x)));
+        self.fc2.forward(self.dropout(x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::{digits, TestAutodiffBackend, TestBackend};
+
+    #[test]
+    fn forward_shape() {
+        let device = Default::default();
+        let model = CnnOptions::default().init::<TestBackend>(&digits(), &device);
+        let logits = model.forward(Tensor::zeros([3, 64], &device));
+        assert_eq!(logits.dims(), [3, 10]);
+    }
+
+    #[test]
+    fn forward_shape_autodiff_odd_image_with_dropout() {
+        let device = Default::default();
+        let options = CnnOptions {
+            channels: [4, 6],
+            hidden: 8,
+            dropout: 0.25,
+        };
+        let input = InputShape::image(5, 7, 3);
+        options.check(&input).expect("valid");
+        let model = options.init::<TestAutodiffBackend>(&input, &device);
+        let logits = model.forward(Tensor::ones([2, 35], &device));
+        assert_eq!(logits.dims(), [2, 3]);
+    }
+
+    #[test]
+    fn parameter_count() {
+        let model = CnnOptions::default().init::<TestBackend>(&digits(), &Default::default());
+        let conv1 = 16 * 9 + 16;
+        let conv2 = 32 * 16 * 9 + 32;
+        let fc1 = 32 * 4 * 4 * 64 + 64;
+        let fc2 = 64 * 10 + 10;
+        assert_eq!(model.num_params(), conv1 + conv2 + fc1 + fc2);
+    }
+
+    #[test]
+    fn check_rejects_flat_and_tiny_images() {
+        let options = CnnOptions::default();
+        match options.check(&InputShape::flat(64, 10)) {
+            Err(CheckError::Input(reason)) => {
+                assert!(reason.contains("image"), "{reason}");
+                assert!(reason.contains("64 features"), "{reason}");
+            }
+            other => panic!("expected an input error, got {other:?}"),
+        }
+        assert!(matches!(
+            options.check(&InputShape::image(1, 8, 10)),
+            Err(CheckError::Input(_))
+        ));
+    }
+
+    #[test]
+    fn check_rejects_bad_options() {
+        let input = digits();
+        let zero_channels = CnnOptions {
+            channels: [0, 8],
+            ..CnnOptions::default()
+        };
+        assert!(matches!(
+            zero_channels.check(&input),
+            Err(CheckError::Option { field: "channels", .. })
+        ));
+        let zero_hidden = CnnOptions {
+            hidden: 0,
+            ..CnnOptions::default()
+        };
+        assert!(matches!(
+            zero_hidden.check(&input),
+            Err(CheckError::Option { field: "hidden", .. })
+        ));
+    }
+}

@@ -1,0 +1,230 @@
+//! Reference classifiers for `burn-ddp`, generic over the Burn backend.
+//!
+//! Every model here takes flat features `[batch, features]` (images flattened
+//! row-major) and returns logits `[batch, classes]`; see [`Classifier`]. The
+//! trainer never names a model type: it passes the `[model]` table of the
+//! user's TOML to [`with_model`] (or [`validate`] to check it before starting
+//! any process), and the registry builds the model and hands it to a
+//! [`ModelTask`].
+//!
+//! | name  | options ([`MlpOptions`], [`CnnOptions`])                       | input            |
+//! |-------|----------------------------------------------------------------|------------------|
+//! | `mlp` | `hidden = [128]`, `dropout = 0.0`                              | any              |
+//! | `cnn` | `channels = [16, 32]`, `hidden = 64`, `dropout = 0.0`          | single-channel images |
+//!
+//! ```toml
+//! [model]
+//! name = "cnn"
+//! channels = [16, 32]
+//! dropout = 0.1
+//! ```
+//!
+//! Options are strict: an unknown key, a wrongly typed value or an out-of-range
+//! value is a [`ModelError::InvalidOptions`] that names the key.
+//!
+//! Initialisation draws only from the backend's RNG, so a model is identical
+//! on every rank after `B::seed(&device, seed)`.
+//!
+//! # Adding a model
+//!
+//! One file and one registry line. Write `src/my_model.rs` with an options
+//! struct (serde, `deny_unknown_fields`, a default for every field) that
+//! implements [`ModelOptions`], and a `#[derive(Module, Debug)]` struct that
+//! implements [`Classifier`]:
+//!
+//! ```ignore
+//! use burn::nn::{Linear, LinearConfig};
+//! use burn::prelude::*;
+//! use burn::tensor::backend::AutodiffBackend;
+//! use serde::Deserialize;
+//!
+//! use crate::{CheckError, Classifier, InputShape, ModelOptions, ModelTask};
+//!
+//! #[derive(Clone, Debug, Default, Deserialize)]
+//! #[serde(default, deny_unknown_fields)]
+//! pub struct LinearProbeOptions {}
+//!
+//! #[derive(Module, Debug)]
+//! pub struct LinearProbe<B: Backend> {
+//!     linear: Linear<B>,
+//! }
+//!
+//! impl<B: Backend> Classifier<B> for LinearProbe<B> {
+//!     fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+//!         self.linear.forward(inputs)
+//!     }
+//! }
+//!
+//! impl ModelOptions for LinearProbeOptions {
+//!     fn check(&self, _input: &InputShape) -> Result<(), CheckError> {
+//!         Ok(())
+//!     }
+//!     fn build<B: AutodiffBackend, T: ModelTask<B>>(
+//!         &self,
+//!         input: &InputShape,
+//!         device: &B::Device,
+//!         task: T,
+//!     ) -> T::Output {
+//!         let linear = LinearConfig::new(input.features, input.classes).init(device);
+//!         task.run(LinearProbe { linear })
+//!     }
+//! }
+//! ```
+//!
+//! then declare the module in `lib.rs` (`mod linear_probe;` plus a `pub use`)
+//! and add its line to the `registry!` list in `src/registry.rs`:
+//!
+//! ```ignore
+//! registry! {
+//!     "mlp" => MlpOptions,
+//!     "cnn" => CnnOptions,
+//!     "linear_probe" => LinearProbeOptions,
+//! }
+//! ```
+//!
+//! The name appears in [`MODEL_NAMES`] and in the "unknown model" error from
+//! then on.
+
+use burn::module::AutodiffModule;
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use serde::de::DeserializeOwned;
+
+mod cnn;
+mod error;
+mod mlp;
+mod registry;
+
+pub use cnn::{Cnn, CnnOptions};
+pub use error::{CheckError, ModelError};
+pub use mlp::{Mlp, MlpOptions};
+pub use registry::{validate, with_model, MODEL_NAMES};
+
+/// A classifier the trainer can train: flat features in, logits out.
+pub trait Classifier<B: Backend>: Module<B> + core::fmt::Debug {
+    /// `inputs`: [batch, features] (images flattened row-major). Returns logits [batch, classes].
+    ///
+    /// Layers with train-only behaviour (dropout) are active only on an
+    /// autodiff backend, as in Burn: the `valid()` copy of a model evaluates
+    /// deterministically.
+    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2>;
+}
+
+/// What a model needs to know about the data.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InputShape {
+    /// Number of input features per sample (the width of `inputs`).
+    pub features: usize,
+    /// Number of classes (the width of the logits).
+    pub classes: usize,
+    /// Some((height, width)) for image data (height*width == features), None otherwise
+    pub image: Option<(usize, usize)>,
+}
+
+impl InputShape {
+    /// Flat (non-image) data with `features` features per sample.
+    pub fn flat(features: usize, classes: usize) -> Self {
+        Self {
+            features,
+            classes,
+            image: None,
+        }
+    }
+
+    /// Single-channel `height` x `width` images, flattened row-major.
+    pub fn image(height: usize, width: usize, classes: usize) -> Self {
+        Self {
+            features: height * width,
+            classes,
+            image: Some((height, width)),
+        }
+    }
+}
+
+/// Work the trainer does with a concrete model type (the registry calls `run` with the model it built).
+pub trait ModelTask<B: AutodiffBackend> {
+    /// What the work returns; [`with_model`] passes it through.
+    type Output;
+    /// Runs the work with a freshly initialised model on the device given to [`with_model`].
+    fn run<M>(self, model: M) -> Self::Output
+    where
+        M: Classifier<B> + AutodiffModule<B> + 'static,
+        M::InnerModule: Classifier<B::InnerBackend>;
+}
+
+/// The options of one kind of model: deserialized from the `[model]` table
+/// (without its `name` key), checked against the data, then used to build the
+/// model.
+///
+/// Implementors use `#[serde(default, deny_unknown_fields)]` so that every key
+/// is optional and a misspelt key is an error.
+pub trait ModelOptions: DeserializeOwned + Default + core::fmt::Debug {
+    /// Checks the option values against each other and against the data,
+    /// without allocating any tensor. [`build`](Self::build) is only called
+    /// after this returned `Ok`, so it may rely on what is checked here.
+    fn check(&self, input: &InputShape) -> Result<(), CheckError>;
+
+    /// Initialises the model on `device` (drawing only from the backend's
+    /// seeded RNG) and passes it to `task`.
+    fn build<B: AutodiffBackend, T: ModelTask<B>>(
+        &self,
+        input: &InputShape,
+        device: &B::Device,
+        task: T,
+    ) -> T::Output;
+}
+
+/// Checks a dropout probability option: PyTorch and Burn accept `0 <= p < 1`
+/// (`p = 1` would zero every activation and divide by zero when rescaling).
+pub(crate) fn check_dropout(dropout: f64) -> Result<(), CheckError> {
+    if (0.0..1.0).contains(&dropout) {
+        Ok(())
+    } else {
+        Err(CheckError::option(
+            "dropout",
+            format!("expected a probability in [0, 1), found {dropout}"),
+        ))
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_util {
+    use super::*;
+    use burn::backend::{Autodiff, Flex};
+
+    pub type TestBackend = Flex;
+    pub type TestAutodiffBackend = Autodiff<Flex>;
+
+    /// Parses a TOML snippet into the `[model]` table the trainer would pass.
+    pub fn table(src: &str) -> toml::Table {
+        src.parse::<toml::Table>().expect("test TOML is valid")
+    }
+
+    /// The shape of the 8x8 digits data.
+    pub fn digits() -> InputShape {
+        InputShape::image(8, 8, 10)
+    }
+
+    /// A [`ModelTask`] that runs one forward pass on the autodiff model and
+    /// one on its `valid()` copy, and returns both output shapes.
+    pub struct ForwardShapes {
+        pub batch: usize,
+        pub features: usize,
+    }
+
+    impl<B: AutodiffBackend> ModelTask<B> for ForwardShapes {
+        type Output = ([usize; 2], [usize; 2]);
+
+        fn run<M>(self, model: M) -> Self::Output
+        where
+            M: Classifier<B> + AutodiffModule<B> + 'static,
+            M::InnerModule: Classifier<B::InnerBackend>,
+        {
+            let device = Default::default();
+            let inputs = Tensor::<B, 2>::ones([self.batch, self.features], &device);
+            let train = model.forward(inputs.clone()).dims();
+            let valid = model.valid().forward(inputs.inner()).dims();
+            (train, valid)
+        }
+    }
+}
