@@ -1,1 +1,343 @@
+//! Which samples each rank takes: [`DistributedSampler`] (PyTorch's `DistributedSampler`
+//! semantics, plus resume at a global position and an exact evaluation mode) and
+//! [`WeightedDistributedSampler`] for imbalanced classes. Pure functions of their inputs.
+//!
+//! # Training semantics
+//! - Every epoch has one **global order**, identical on every rank: a permutation of `0..len`
+//!   seeded by `seed + epoch` (or `0..len` without shuffling). The permutation never depends on
+//!   the rank or the world size, so the same order is seen by 1 process or 8.
+//! - Rank `r` of `W` takes positions `r, r + W, r + 2W, …` of that order. With a per-rank batch
+//!   `b`, the union of the ranks' `k`-th batches is exactly positions `k·b·W .. (k+1)·b·W`: the
+//!   `k`-th batch of one process with batch `b·W`. That is what makes N processes train the same
+//!   model as one with the same global batch.
+//! - So that every rank takes the same number of steps, the order is padded by repeating its
+//!   first positions up to a multiple of `W` (or truncated, with `drop_last`) — as in PyTorch.
+//! - **Resume**: `consumed` global positions of the epoch can be skipped; the rest is re-sharded
+//!   over the current world size, which may differ from the one that consumed the first part.
+//!   The trainer advances the epoch itself: there is no `set_epoch` to forget.
+//!
+//! # Evaluation semantics
+//! [`DistributedSampler::eval_indices`] gives every sample to exactly one rank with no padding
+//! (ranks may get one sample more than others); metrics must then be summed with their real
+//! counts, not averaged per rank — padded duplicates would otherwise skew them.
 
+/// A deterministic generator (splitmix64). Written out rather than taken from a crate because
+/// the sample order is part of the checkpoint contract: it must be identical on every rank,
+/// platform and version of this project, forever.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (Lemire's multiply-shift; the bias is below 2^-40 for any data set).
+    pub fn below(&mut self, n: usize) -> usize {
+        ((self.next_u64() as u128 * n as u128) >> 64) as usize
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A Fisher–Yates permutation of `0..len` seeded by `seed`.
+pub fn permutation(len: usize, seed: u64) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..len).collect();
+    let mut rng = SplitMix64::new(seed);
+    for i in (1..len).rev() {
+        order.swap(i, rng.below(i + 1));
+    }
+    order
+}
+
+/// One sample a rank takes, and whether it is a padding duplicate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// Index into the data set.
+    pub index: usize,
+    /// Position in the epoch's global order (`>= len` for padding).
+    pub position: usize,
+    pub is_padding: bool,
+}
+
+/// Shards data-set indices over the ranks of a job. See the module docs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DistributedSampler {
+    pub len: usize,
+    pub world_size: usize,
+    pub rank: usize,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub drop_last: bool,
+}
+
+impl DistributedSampler {
+    /// A shuffling sampler with seed 0 that pads (PyTorch's defaults).
+    ///
+    /// # Panics
+    /// If `world_size == 0` or `rank >= world_size` (a broken invariant of the caller: both come
+    /// from a formed process group).
+    pub fn new(len: usize, world_size: usize, rank: usize) -> Self {
+        assert!(world_size > 0 && rank < world_size, "rank {rank} of {world_size}");
+        Self {
+            len,
+            world_size,
+            rank,
+            shuffle: true,
+            seed: 0,
+            drop_last: false,
+        }
+    }
+
+    pub fn with_seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    pub fn with_shuffle(mut self, shuffle: bool) -> Self {
+        self.shuffle = shuffle;
+        self
+    }
+
+    pub fn with_drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// The epoch's global order, identical on every rank and for every world size.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        if self.shuffle {
+            permutation(self.len, self.seed.wrapping_add(epoch))
+        } else {
+            (0..self.len).collect()
+        }
+    }
+
+    /// This rank's samples of `epoch`, skipping the first `consumed` global positions.
+    pub fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
+        shard(&self.epoch_order(epoch), consumed, self.world_size, self.rank, self.drop_last)
+    }
+
+    /// This rank's data-set indices of `epoch` after `consumed` global positions.
+    pub fn indices(&self, epoch: u64, consumed: usize) -> Vec<usize> {
+        self.samples(epoch, consumed).iter().map(|s| s.index).collect()
+    }
+
+    /// Global positions consumed once every rank has taken `steps` batches of `batch_size`
+    /// after starting at `consumed`; capped at `len` (the epoch is over).
+    pub fn advance(&self, consumed: usize, steps: usize, batch_size: usize) -> usize {
+        (consumed + steps * batch_size * self.world_size).min(self.len)
+    }
+
+    /// Evaluation shard: every index exactly once over all ranks, no padding, no shuffling.
+    pub fn eval_indices(&self) -> Vec<usize> {
+        (self.rank..self.len).step_by(self.world_size).collect()
+    }
+}
+
+/// Rank `rank`'s part of `order[consumed..]` (module docs): strided, padded or truncated to a
+/// multiple of `world_size`.
+fn shard(order: &[usize], consumed: usize, world_size: usize, rank: usize, drop_last: bool) -> Vec<Sample> {
+    let rest = &order[consumed.min(order.len())..];
+    let total = if drop_last {
+        rest.len() / world_size * world_size
+    } else {
+        rest.len().div_ceil(world_size) * world_size
+    };
+    (rank..total)
+        .step_by(world_size)
+        .map(|i| Sample {
+            index: rest[i % rest.len()],
+            position: consumed + i,
+            is_padding: i >= rest.len(),
+        })
+        .collect()
+}
+
+/// Draws `num_samples` indices per epoch with probability proportional to `weights` (with
+/// replacement, like PyTorch's `WeightedRandomSampler`), then shards them like
+/// [`DistributedSampler`]. Use it to rebalance imbalanced classes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WeightedDistributedSampler {
+    /// Cumulative weights, normalised to end at 1.
+    cumulative: Vec<f64>,
+    pub num_samples: usize,
+    pub world_size: usize,
+    pub rank: usize,
+    pub seed: u64,
+}
+
+impl WeightedDistributedSampler {
+    /// `weights[i]` is the relative probability of drawing sample `i`. Returns `None` when the
+    /// weights are empty, negative, not finite, or all zero.
+    pub fn new(weights: &[f64], num_samples: usize, world_size: usize, rank: usize, seed: u64) -> Option<Self> {
+        if world_size == 0 || rank >= world_size || weights.iter().any(|w| !w.is_finite() || *w < 0.0) {
+            return None;
+        }
+        let total: f64 = weights.iter().sum();
+        if total <= 0.0 {
+            return None;
+        }
+        let mut acc = 0.0;
+        let cumulative = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect();
+        Some(Self {
+            cumulative,
+            num_samples,
+            world_size,
+            rank,
+            seed,
+        })
+    }
+
+    /// The epoch's draws, identical on every rank.
+    pub fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut rng = SplitMix64::new(self.seed.wrapping_add(epoch));
+        let last = self.cumulative.len() - 1;
+        (0..self.num_samples)
+            .map(|_| {
+                let u = rng.unit();
+                self.cumulative.partition_point(|&c| c <= u).min(last)
+            })
+            .collect()
+    }
+
+    /// This rank's samples of `epoch` after `consumed` global positions (padded).
+    pub fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
+        shard(&self.epoch_order(epoch), consumed, self.world_size, self.rank, false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn all_ranks(len: usize, world: usize, drop_last: bool, epoch: u64, consumed: usize) -> Vec<Vec<Sample>> {
+        (0..world)
+            .map(|r| {
+                DistributedSampler::new(len, world, r)
+                    .with_seed(7)
+                    .with_drop_last(drop_last)
+                    .samples(epoch, consumed)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn shards_are_disjoint_cover_the_data_and_have_equal_sizes() {
+        for len in [0, 1, 5, 10, 97, 100] {
+            for world in 1..6 {
+                let shards = all_ranks(len, world, false, 3, 0);
+                assert!(shards.iter().all(|s| s.len() == shards[0].len()), "equal steps");
+                let mut real: Vec<usize> = shards.iter().flatten().filter(|s| !s.is_padding).map(|s| s.index).collect();
+                real.sort_unstable();
+                assert_eq!(real, (0..len).collect::<Vec<_>>(), "len {len} world {world}");
+                let padding = shards.iter().flatten().filter(|s| s.is_padding).count();
+                assert!(padding < world);
+
+                let dropped = all_ranks(len, world, true, 3, 0);
+                let mut seen: Vec<usize> = dropped.iter().flatten().map(|s| s.index).collect();
+                assert!(dropped.iter().all(|s| s.len() == len / world));
+                seen.sort_unstable();
+                seen.dedup();
+                assert_eq!(seen.len(), len / world * world, "drop_last never repeats");
+            }
+        }
+    }
+
+    #[test]
+    fn permutation_changes_with_epoch_not_with_rank() {
+        let s0 = DistributedSampler::new(50, 2, 0).with_seed(1);
+        let s1 = DistributedSampler::new(50, 2, 1).with_seed(1);
+        assert_eq!(s0.epoch_order(4), s1.epoch_order(4));
+        assert_ne!(s0.epoch_order(4), s0.epoch_order(5));
+        let mut sorted = s0.epoch_order(4);
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..50).collect::<Vec<_>>());
+        assert_eq!(DistributedSampler::new(5, 1, 0).with_shuffle(false).indices(9, 0), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn union_of_kth_batches_is_the_single_process_kth_batch() {
+        let (len, b) = (64, 4);
+        let single = DistributedSampler::new(len, 1, 0).with_seed(3).indices(2, 0);
+        for world in [2, 4] {
+            let shards: Vec<Vec<usize>> = (0..world)
+                .map(|r| DistributedSampler::new(len, world, r).with_seed(3).indices(2, 0))
+                .collect();
+            for k in 0..len / (b * world) {
+                let mut union: Vec<usize> = shards.iter().flat_map(|s| s[k * b..(k + 1) * b].to_vec()).collect();
+                let mut expected = single[k * b * world..(k + 1) * b * world].to_vec();
+                union.sort_unstable();
+                expected.sort_unstable();
+                assert_eq!(union, expected, "world {world} batch {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn resume_with_another_world_size_visits_every_sample_once() {
+        let (len, b) = (103, 4);
+        // Two ranks take 5 steps, then the job resumes on 1 and on 3 ranks.
+        let before = all_ranks(len, 2, false, 1, 0);
+        let consumed = DistributedSampler::new(len, 2, 0).advance(0, 5, b);
+        assert_eq!(consumed, 40);
+        for new_world in [1, 3] {
+            let mut count: BTreeMap<usize, usize> = BTreeMap::new();
+            for shard in &before {
+                for s in &shard[..5 * b] {
+                    *count.entry(s.index).or_default() += 1;
+                }
+            }
+            for shard in all_ranks(len, new_world, false, 1, consumed) {
+                for s in shard.iter().filter(|s| !s.is_padding) {
+                    *count.entry(s.index).or_default() += 1;
+                }
+            }
+            assert_eq!(count.len(), len);
+            assert!(count.values().all(|&c| c == 1), "world {new_world}");
+        }
+    }
+
+    #[test]
+    fn eval_indices_cover_each_sample_exactly_once() {
+        for world in 1..5 {
+            let mut all: Vec<usize> = (0..world).flat_map(|r| DistributedSampler::new(10, world, r).eval_indices()).collect();
+            all.sort_unstable();
+            assert_eq!(all, (0..10).collect::<Vec<_>>());
+        }
+    }
+
+    #[test]
+    fn weighted_sampler_follows_the_weights_and_agrees_across_ranks() {
+        let weights = [0.0, 1.0, 3.0];
+        let s0 = WeightedDistributedSampler::new(&weights, 4000, 2, 0, 5).unwrap();
+        let s1 = WeightedDistributedSampler::new(&weights, 4000, 2, 1, 5).unwrap();
+        let order = s0.epoch_order(0);
+        assert_eq!(order, s1.epoch_order(0));
+        let ones = order.iter().filter(|&&i| i == 1).count() as f64;
+        let threes = order.iter().filter(|&&i| i == 2).count() as f64;
+        assert!(!order.contains(&0), "zero weight is never drawn");
+        assert!((threes / ones - 3.0).abs() < 0.4, "{ones} {threes}");
+        assert_eq!(s0.samples(0, 0).len(), 2000);
+        assert!(WeightedDistributedSampler::new(&[0.0], 1, 1, 0, 0).is_none());
+        assert!(WeightedDistributedSampler::new(&[f64::NAN], 1, 1, 0, 0).is_none());
+    }
+}

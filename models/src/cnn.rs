@@ -223,7 +223,10 @@ mod tests {
         };
         assert!(matches!(
             zero_channels.check(&input),
-            Err(CheckError::Option { field: "channels", .. })
+            Err(CheckError::Option {
+                field: "channels",
+                ..
+            })
         ));
         let zero_hidden = CnnOptions {
             hidden: 0,
@@ -231,7 +234,10 @@ mod tests {
         };
         assert!(matches!(
             zero_hidden.check(&input),
-            Err(CheckError::Option { field: "hidden", .. })
+            Err(CheckError::Option {
+                field: "hidden",
+                ..
+            })
         ));
     }
 }

@@ -141,7 +141,8 @@ mod tests {
 
     #[test]
     fn parameter_count() {
-        let model = MlpOptions::default().init::<TestBackend>(&InputShape::flat(64, 10), &Default::default());
+        let model = MlpOptions::default()
+            .init::<TestBackend>(&InputShape::flat(64, 10), &Default::default());
         assert_eq!(model.num_params(), 64 * 128 + 128 + 128 * 10 + 10);
     }
 
@@ -154,7 +155,10 @@ mod tests {
         };
         assert!(matches!(
             zero.check(&input),
-            Err(CheckError::Option { field: "hidden", .. })
+            Err(CheckError::Option {
+                field: "hidden",
+                ..
+            })
         ));
         for dropout in [-0.1, 1.0, f64::NAN] {
             let bad = MlpOptions {
@@ -163,7 +167,10 @@ mod tests {
             };
             assert!(matches!(
                 bad.check(&input),
-                Err(CheckError::Option { field: "dropout", .. })
+                Err(CheckError::Option {
+                    field: "dropout",
+                    ..
+                })
             ));
         }
     }

@@ -1,8 +1,10 @@
 //! Model registry: `[model] name = "..."` -> options type -> model.
 
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 
-use crate::{CnnOptions, InputShape, MlpOptions, ModelError, ModelOptions, ModelTask};
+use crate::{Classifier, CnnOptions, InputShape, MlpOptions, ModelError, ModelOptions, ModelTask};
 
 /// Declares the registry: one `"name" => OptionsType` line per model.
 ///
@@ -44,7 +46,10 @@ trait Visitor {
 ///   key (a `name` key still present is ignored). Every key is optional; an
 ///   unknown, wrongly typed or out-of-range key is an error naming it.
 /// - The model is initialised from the backend's RNG only: call
-///   `B::seed(device, seed)` first for identical models on every rank.
+///   `B::seed(device, seed)` first for identical models on every rank. Burn
+///   draws parameters lazily, on first use; every parameter is drawn here, in
+///   declaration order, before `task` gets the model, so the values depend
+///   only on the seed and not on what the task touches first.
 ///
 /// # Errors
 ///
@@ -70,7 +75,8 @@ pub fn with_model<B: AutodiffBackend, T: ModelTask<B>>(
 
         fn visit<O: ModelOptions>(self, name: &'static str) -> Result<T::Output, ModelError> {
             let options = parse::<O>(name, self.options, self.input)?;
-            Ok(options.build::<B, T>(self.input, self.device, self.task))
+            let task = Materialized(self.task);
+            Ok(options.build::<B, _>(self.input, self.device, task))
         }
     }
 
@@ -108,6 +114,38 @@ pub fn validate(name: &str, options: &toml::Table, input: &InputShape) -> Result
     }
 
     dispatch(name, Check { options, input })
+}
+
+/// Wraps a task so that the model's parameters are all drawn, in declaration
+/// order, before the task sees the model (see [`with_model`]).
+struct Materialized<T>(T);
+
+impl<B: AutodiffBackend, T: ModelTask<B>> ModelTask<B> for Materialized<T> {
+    type Output = T::Output;
+
+    fn run<M>(self, model: M) -> T::Output
+    where
+        M: Classifier<B> + AutodiffModule<B> + 'static,
+        M::InnerModule: Classifier<B::InnerBackend>,
+    {
+        struct DrawParams;
+
+        impl<B: Backend> ModuleVisitor<B> for DrawParams {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                // `val` runs the lazy initialiser once and caches the tensor.
+                drop(param.val());
+            }
+            fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
+                drop(param.val());
+            }
+            fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
+                drop(param.val());
+            }
+        }
+
+        model.visit(&mut DrawParams);
+        self.0.run(model)
+    }
 }
 
 /// Deserializes and checks the options of model `model`.
@@ -171,7 +209,10 @@ fn deserialize<O: ModelOptions>(model: &str, options: &toml::Table) -> Result<O,
     });
     let (field, error) = match culprit {
         Some(found) => found,
-        None => (options.keys().cloned().collect::<Vec<_>>().join(", "), error),
+        None => (
+            options.keys().cloned().collect::<Vec<_>>().join(", "),
+            error,
+        ),
     };
     Err(ModelError::InvalidOptions {
         model: model.to_owned(),
@@ -185,12 +226,22 @@ mod tests {
     use super::*;
     use crate::test_util::{digits, table, ForwardShapes, TestAutodiffBackend};
 
-    fn build(name: &str, options: &str, input: &InputShape) -> Result<([usize; 2], [usize; 2]), ModelError> {
+    fn build(
+        name: &str,
+        options: &str,
+        input: &InputShape,
+    ) -> Result<([usize; 2], [usize; 2]), ModelError> {
         let task = ForwardShapes {
             batch: 3,
             features: input.features,
         };
-        with_model::<TestAutodiffBackend, _>(name, &table(options), input, &Default::default(), task)
+        with_model::<TestAutodiffBackend, _>(
+            name,
+            &table(options),
+            input,
+            &Default::default(),
+            task,
+        )
     }
 
     #[test]
@@ -204,9 +255,17 @@ mod tests {
 
     #[test]
     fn options_are_applied() {
-        let shapes = build("mlp", "hidden = [8, 4]\ndropout = 0.5", &InputShape::flat(5, 2));
+        let shapes = build(
+            "mlp",
+            "hidden = [8, 4]\ndropout = 0.5",
+            &InputShape::flat(5, 2),
+        );
         assert_eq!(shapes, Ok(([3, 2], [3, 2])));
-        let shapes = build("cnn", "channels = [2, 3]\nhidden = 4\ndropout = 0.1", &digits());
+        let shapes = build(
+            "cnn",
+            "channels = [2, 3]\nhidden = 4\ndropout = 0.1",
+            &digits(),
+        );
         assert_eq!(shapes, Ok(([3, 10], [3, 10])));
     }
 
@@ -235,7 +294,10 @@ mod tests {
         assert_eq!((model.as_str(), field.as_str()), ("mlp", "hiden_layers"));
         let message = error.to_string();
         assert!(message.contains("`hiden_layers`"), "{message}");
-        assert!(message.contains("expected `hidden` or `dropout`"), "{message}");
+        assert!(
+            message.contains("expected `hidden` or `dropout`"),
+            "{message}"
+        );
     }
 
     #[test]
@@ -270,11 +332,20 @@ mod tests {
     #[test]
     fn cnn_on_flat_input_is_incompatible() {
         let error = build("cnn", "", &InputShape::flat(64, 10)).unwrap_err();
-        assert!(matches!(error, ModelError::IncompatibleInput { .. }), "{error:?}");
+        assert!(
+            matches!(error, ModelError::IncompatibleInput { .. }),
+            "{error:?}"
+        );
         let message = error.to_string();
-        assert!(message.contains("'cnn'") && message.contains("image"), "{message}");
+        assert!(
+            message.contains("'cnn'") && message.contains("image"),
+            "{message}"
+        );
         // The MLP takes the same data.
-        assert_eq!(validate("mlp", &toml::Table::new(), &InputShape::flat(64, 10)), Ok(()));
+        assert_eq!(
+            validate("mlp", &toml::Table::new(), &InputShape::flat(64, 10)),
+            Ok(())
+        );
     }
 
     #[test]
@@ -288,7 +359,10 @@ mod tests {
         for input in [bad_image, empty] {
             for name in MODEL_NAMES {
                 let error = validate(name, &toml::Table::new(), &input).unwrap_err();
-                assert!(matches!(error, ModelError::IncompatibleInput { .. }), "{error:?}");
+                assert!(
+                    matches!(error, ModelError::IncompatibleInput { .. }),
+                    "{error:?}"
+                );
             }
         }
     }

@@ -861,3 +861,75 @@ impl ProcessGroup for TcpProcessGroup {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Threads in one process, real sockets on loopback. The multi-process suite lives in the
+    //! workspace's `tests/`.
+    use super::*;
+    use crate::store::MemoryStore;
+
+    fn with_group<R: Send + 'static>(
+        world: usize,
+        options: TcpGroupOptions,
+        body: impl Fn(&mut TcpProcessGroup) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let body = Arc::new(body);
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (store, body, options) = (store.clone(), body.clone(), options.clone());
+                std::thread::spawn(move || {
+                    let mut group = TcpProcessGroup::new(store, rank, world, options).unwrap();
+                    body(&mut group)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn collectives_on_threads() {
+        let options = TcpGroupOptions {
+            piece_bytes: 16, // many pieces, to exercise the pipeline
+            ..Default::default()
+        };
+        let results = with_group(3, options, |g| {
+            let r = g.rank() as i64;
+            let mut a: Vec<i64> = (0..10).map(|i| i * 10 + r).collect();
+            g.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+            let mut m = vec![r as f32; 5];
+            g.all_reduce(&mut m, ReduceOp::Max).unwrap();
+            let mut b = vec![r; 7];
+            g.broadcast(&mut b, 1).unwrap();
+            let mut gathered = vec![0i64; 6];
+            g.all_gather(&[r, -r], &mut gathered).unwrap();
+            let mut out = [0i64; 2];
+            g.reduce_scatter(&[1, 2, 3, 4, 5, 6], &mut out, ReduceOp::Sum).unwrap();
+            g.barrier().unwrap();
+            (a, m, b, gathered, out)
+        });
+        for (rank, (a, m, b, gathered, out)) in results.into_iter().enumerate() {
+            assert_eq!(a, (0..10).map(|i| 30 * i + 3).collect::<Vec<i64>>());
+            assert_eq!(m, vec![2.0; 5]);
+            assert_eq!(b, vec![1; 7]);
+            assert_eq!(gathered, vec![0, 0, 1, -1, 2, -2]);
+            let r = rank as i64;
+            assert_eq!(out, [3 * (2 * r + 1), 3 * (2 * r + 2)]);
+        }
+    }
+
+    #[test]
+    fn mismatched_lengths_name_both_sides() {
+        let results = with_group(2, TcpGroupOptions::default(), |g| {
+            let mut buf = vec![0f32; 4 + g.rank()];
+            let first = g.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err().to_string();
+            let second = g.barrier().unwrap_err();
+            (first, second)
+        });
+        for (first, second) in results {
+            assert!(first.contains("mismatch") && first.contains("4 elements") && first.contains("5 elements"), "{first}");
+            assert!(matches!(second, CollectiveError::Aborted { .. }), "{second}");
+        }
+    }
+}
