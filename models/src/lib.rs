@@ -27,18 +27,19 @@
 //!
 //! # Adding a model
 //!
-//! One file and one registry line. Write `src/my_model.rs` with an options
-//! struct (serde, `deny_unknown_fields`, a default for every field) that
-//! implements [`ModelOptions`], and a `#[derive(Module, Debug)]` struct that
-//! implements [`Classifier`]:
+//! One file and one registry line. Write `src/linear_probe.rs` with an
+//! options struct (serde, `deny_unknown_fields`, a default for every field)
+//! that implements [`ModelOptions`], and a `#[derive(Module, Debug)]` struct
+//! that implements [`Classifier`] (this example is compiled as a doc test,
+//! hence `models::`; inside the crate write `crate::`):
 //!
-//! ```ignore
+//! ```
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::prelude::*;
 //! use burn::tensor::backend::AutodiffBackend;
 //! use serde::Deserialize;
 //!
-//! use crate::{CheckError, Classifier, InputShape, ModelOptions, ModelTask};
+//! use models::{CheckError, Classifier, InputShape, ModelOptions, ModelTask};
 //!
 //! #[derive(Clone, Debug, Default, Deserialize)]
 //! #[serde(default, deny_unknown_fields)]
@@ -74,7 +75,7 @@
 //! then declare the module in `lib.rs` (`mod linear_probe;` plus a `pub use`)
 //! and add its line to the `registry!` list in `src/registry.rs`:
 //!
-//! ```ignore
+//! ```text
 //! registry! {
 //!     "mlp" => MlpOptions,
 //!     "cnn" => CnnOptions,
@@ -84,6 +85,8 @@
 //!
 //! The name appears in [`MODEL_NAMES`] and in the "unknown model" error from
 //! then on.
+
+#![warn(missing_docs)]
 
 use burn::module::AutodiffModule;
 use burn::prelude::*;

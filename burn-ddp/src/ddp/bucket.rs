@@ -1,0 +1,74 @@
+//! Bucket assignment (pure): which gradients are all-reduced together.
+//!
+//! Gradients are packed into buckets of at most `cap` elements so that many small tensors cost
+//! one collective, and a huge model is not copied into one giant buffer. Like PyTorch, the plan
+//! walks the parameters in **reverse** visit order — roughly the order in which backward
+//! produces their gradients — so a future overlap of communication with backward keeps the same
+//! plan. A parameter larger than the cap gets a bucket of its own. The plan is a function of the
+//! parameter sizes only, hence identical on every rank.
+
+use std::ops::Range;
+
+/// One bucket: parameters (indices in visit order) and their element ranges in the bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    pub params: Vec<usize>,
+    pub ranges: Vec<Range<usize>>,
+    pub numel: usize,
+}
+
+/// Assigns parameters of the given sizes to buckets of at most `cap` elements (see module docs).
+pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
+    let mut buckets = Vec::new();
+    let mut current = Bucket {
+        params: Vec::new(),
+        ranges: Vec::new(),
+        numel: 0,
+    };
+    for (index, &n) in numels.iter().enumerate().rev() {
+        if n == 0 {
+            continue;
+        }
+        if current.numel > 0 && current.numel + n > cap {
+            buckets.push(std::mem::replace(
+                &mut current,
+                Bucket {
+                    params: Vec::new(),
+                    ranges: Vec::new(),
+                    numel: 0,
+                },
+            ));
+        }
+        current.params.push(index);
+        current.ranges.push(current.numel..current.numel + n);
+        current.numel += n;
+    }
+    if current.numel > 0 {
+        buckets.push(current);
+    }
+    buckets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_respect_the_cap_and_cover_every_parameter_once() {
+        let numels = [10, 0, 300, 5, 5, 120, 7];
+        let buckets = plan_buckets(&numels, 128);
+        let mut seen: Vec<usize> = buckets.iter().flat_map(|b| b.params.clone()).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, vec![0, 2, 3, 4, 5, 6]);
+        for b in &buckets {
+            assert!(b.numel <= 128 || b.params.len() == 1, "{b:?}");
+            assert_eq!(b.ranges.last().map(|r| r.end), Some(b.numel));
+            for (p, r) in b.params.iter().zip(&b.ranges) {
+                assert_eq!(r.len(), numels[*p]);
+            }
+        }
+        assert_eq!(buckets[0].params, vec![6, 5], "reverse visit order");
+        assert_eq!(plan_buckets(&numels, usize::MAX).len(), 1);
+        assert!(plan_buckets(&[], 10).is_empty());
+    }
+}
