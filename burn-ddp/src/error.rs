@@ -158,6 +158,8 @@ pub enum CollectiveError {
 #[derive(Debug, thiserror::Error)]
 pub enum DdpError {
     #[error(transparent)]
+    Init(#[from] InitError),
+    #[error(transparent)]
     Collective(#[from] CollectiveError),
     /// The model's parameters are not what the DDP layer can handle.
     #[error("DDP: {0}")]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::env::DistEnv;
 use crate::error::CollectiveError;
 use crate::group::{TcpGroupOptions, TcpProcessGroup};
-use crate::store::{Store, TcpStore, TcpStoreServer};
+use crate::store::{MemoryStore, Store, TcpStore, TcpStoreServer};
 
 /// Environment variable with the job's token (the launcher generates one per job; on several
 /// machines set the same value on every node). Peers without it are refused.
@@ -21,7 +21,7 @@ pub const AGENT_STORE_VAR: &str = "BURN_DDP_USE_AGENT_STORE";
 pub struct Distributed {
     pub env: DistEnv,
     pub group: TcpProcessGroup,
-    pub store: Arc<TcpStore>,
+    pub store: Arc<dyn Store>,
     _server: Option<TcpStoreServer>,
 }
 
@@ -60,15 +60,16 @@ impl Distributed {
                 source,
             },
         )?;
-        let store = Arc::new(store);
         if options.advertise_ip.is_none() {
             options.advertise_ip = store.local_ip();
         }
+        let store = Arc::new(store);
         if options.advertise_ip.is_none() {
             return Err(setup(format!("cannot tell which local address reaches {endpoint}")));
         }
+        let store: Arc<dyn Store> = store;
         let group = TcpProcessGroup::new(
-            store.clone() as Arc<dyn Store>,
+            store.clone(),
             env.rank,
             env.world_size,
             options,
@@ -79,6 +80,41 @@ impl Distributed {
             store,
             _server: server,
         })
+    }
+
+    /// [`Distributed::init`] when a launcher's variables are present ([`DistEnv::is_present`]),
+    /// else [`Distributed::standalone`]: a plain `trainer --config` run is a job of one.
+    pub fn from_env_or_standalone(options: TcpGroupOptions) -> Result<Self, crate::DdpError> {
+        if DistEnv::is_present() {
+            let env = DistEnv::from_env()?;
+            Ok(Self::init(env, options)?)
+        } else {
+            Ok(Self::standalone())
+        }
+    }
+
+    /// A job of one process: world size 1, an in-process store, no sockets.
+    pub fn standalone() -> Self {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let env = DistEnv {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            master_addr: "127.0.0.1".into(),
+            master_port: 0,
+        };
+        // World size 1 never touches the store or the network, so this cannot fail.
+        let group = match TcpProcessGroup::new(store.clone(), 0, 1, TcpGroupOptions::default()) {
+            Ok(g) => g,
+            Err(e) => unreachable!("a group of one cannot fail to form: {e}"),
+        };
+        Self {
+            env,
+            group,
+            store,
+            _server: None,
+        }
     }
 }
 

@@ -7,10 +7,10 @@
 //! any process), and the registry builds the model and hands it to a
 //! [`ModelTask`].
 //!
-//! | name  | options ([`MlpOptions`], [`CnnOptions`])                       | input            |
-//! |-------|----------------------------------------------------------------|------------------|
-//! | `mlp` | `hidden = [128]`, `dropout = 0.0`                              | any              |
-//! | `cnn` | `channels = [16, 32]`, `hidden = 64`, `dropout = 0.0`          | single-channel images |
+//! | name  | options and defaults ([`MlpOptions`], [`CnnOptions`]) | input            |
+//! |-------|-------------------------------------------------------|------------------|
+//! | `mlp` | `hidden = [128]`, `dropout = 0.0`                     | any              |
+//! | `cnn` | `channels = [16, 32]`, `hidden = 64`, `dropout = 0.0` | 1-channel images |
 //!
 //! ```toml
 //! [model]
@@ -22,8 +22,10 @@
 //! Options are strict: an unknown key, a wrongly typed value or an out-of-range
 //! value is a [`ModelError::InvalidOptions`] that names the key.
 //!
-//! Initialisation draws only from the backend's RNG, so a model is identical
-//! on every rank after `B::seed(&device, seed)`.
+//! Initialisation draws only from the backend's RNG, and [`with_model`] draws
+//! every parameter before handing the model over (Burn initialises parameters
+//! lazily), so a model is identical on every rank after
+//! `B::seed(&device, seed)`.
 //!
 //! # Adding a model
 //!
@@ -126,6 +128,7 @@ pub struct InputShape {
 
 impl InputShape {
     /// Flat (non-image) data with `features` features per sample.
+    #[must_use]
     pub fn flat(features: usize, classes: usize) -> Self {
         Self {
             features,
@@ -135,6 +138,7 @@ impl InputShape {
     }
 
     /// Single-channel `height` x `width` images, flattened row-major.
+    #[must_use]
     pub fn image(height: usize, width: usize, classes: usize) -> Self {
         Self {
             features: height * width,
@@ -144,7 +148,8 @@ impl InputShape {
     }
 }
 
-/// Work the trainer does with a concrete model type (the registry calls `run` with the model it built).
+/// Work the trainer does with a concrete model type (the registry calls `run`
+/// with the model it built).
 pub trait ModelTask<B: AutodiffBackend> {
     /// What the work returns; [`with_model`] passes it through.
     type Output;
@@ -165,6 +170,13 @@ pub trait ModelOptions: DeserializeOwned + Default + core::fmt::Debug {
     /// Checks the option values against each other and against the data,
     /// without allocating any tensor. [`build`](Self::build) is only called
     /// after this returned `Ok`, so it may rely on what is checked here.
+    ///
+    /// # Errors
+    ///
+    /// [`CheckError::Option`] naming the key of an out-of-range or
+    /// inconsistent value, or [`CheckError::Input`] for data the model cannot
+    /// take. Type errors and unknown keys never get here: deserialization
+    /// reports them.
     fn check(&self, input: &InputShape) -> Result<(), CheckError>;
 
     /// Initialises the model on `device` (drawing only from the backend's
@@ -177,8 +189,9 @@ pub trait ModelOptions: DeserializeOwned + Default + core::fmt::Debug {
     ) -> T::Output;
 }
 
-/// Checks a dropout probability option: PyTorch and Burn accept `0 <= p < 1`
-/// (`p = 1` would zero every activation and divide by zero when rescaling).
+/// Checks a `dropout` probability option: `0 <= p < 1`. Burn's
+/// `DropoutConfig::init` panics outside `[0, 1]`, and `p = 1` would zero every
+/// activation (and rescale by `1 / 0`).
 pub(crate) fn check_dropout(dropout: f64) -> Result<(), CheckError> {
     if (0.0..1.0).contains(&dropout) {
         Ok(())

@@ -12,7 +12,7 @@ use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, Mod
 /// ```toml
 /// [model]
 /// name = "mlp"
-/// hidden = [256, 128]   # widths of the hidden layers; [] gives a linear (softmax regression) model
+/// hidden = [256, 128]   # hidden layer widths; [] gives a linear (softmax regression) model
 /// dropout = 0.1         # after each hidden ReLU, training only
 /// ```
 #[derive(Clone, Debug, PartialEq, Deserialize)]

@@ -253,6 +253,49 @@ mod tests {
         }
     }
 
+    /// Returns whether every parameter was drawn before the task got the model.
+    struct AllDrawn;
+
+    impl<B: AutodiffBackend> ModelTask<B> for AllDrawn {
+        type Output = (usize, usize);
+
+        fn run<M>(self, model: M) -> (usize, usize)
+        where
+            M: Classifier<B> + AutodiffModule<B> + 'static,
+            M::InnerModule: Classifier<B::InnerBackend>,
+        {
+            struct Count(usize, usize);
+
+            impl<B: Backend> ModuleVisitor<B> for Count {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                    self.0 += 1;
+                    self.1 += usize::from(param.is_initialized());
+                }
+            }
+
+            let mut count = Count(0, 0);
+            model.visit(&mut count);
+            (count.0, count.1)
+        }
+    }
+
+    #[test]
+    fn parameters_are_drawn_before_the_task_runs() {
+        for name in MODEL_NAMES {
+            let device = Default::default();
+            let (params, drawn) = with_model::<TestAutodiffBackend, _>(
+                name,
+                &toml::Table::new(),
+                &digits(),
+                &device,
+                AllDrawn,
+            )
+            .expect("builds");
+            assert!(params > 0, "{name}");
+            assert_eq!(drawn, params, "{name}");
+        }
+    }
+
     #[test]
     fn options_are_applied() {
         let shapes = build(

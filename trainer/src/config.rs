@@ -1,0 +1,504 @@
+//! The TOML configuration: schema, defaults and validation. Every error names the file and the
+//! field, and is a usage error (exit code 2).
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// A whole configuration file. Unknown keys are errors everywhere except inside `[model]`,
+/// whose keys the chosen model checks itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelSection,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    #[serde(default)]
+    pub training: TrainingConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub distributed: DistributedConfig,
+    #[serde(default)]
+    pub output: OutputConfig,
+}
+
+/// `[model]`: `name` picks the model from the registry; the other keys are its options.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ModelSection {
+    pub name: String,
+    #[serde(flatten)]
+    pub options: toml::Table,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DataSource {
+    /// The vendored UCI digits (8x8 images, 10 classes).
+    Digits,
+    /// Random data of the configured shape, for benchmarks.
+    Synthetic,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub source: DataSource,
+    /// The digits file (relative paths are relative to the working directory).
+    #[serde(default = "default_data_path")]
+    pub path: PathBuf,
+    /// Fraction held out for validation, after a seeded shuffle.
+    #[serde(default = "default_validation_fraction")]
+    pub validation_fraction: f64,
+    /// Seed of the train/validation split (fixed, independent of the training seed).
+    #[serde(default)]
+    pub split_seed: u64,
+    /// Synthetic data only: number of samples, features and classes.
+    #[serde(default = "default_synthetic_samples")]
+    pub samples: usize,
+    #[serde(default = "default_synthetic_features")]
+    pub features: usize,
+    #[serde(default = "default_synthetic_classes")]
+    pub classes: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerName {
+    Sgd,
+    Adam,
+    AdamW,
+}
+
+/// How the learning rate grows with the world size (Goyal et al.: linear; Krizhevsky/Hoffer:
+/// square root). `None` keeps the configured rate.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LrScaling {
+    #[default]
+    None,
+    Linear,
+    Sqrt,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    #[default]
+    Constant,
+    /// Cosine decay to zero over the whole run (after the warm-up).
+    Cosine,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    pub name: OptimizerName,
+    pub learning_rate: f64,
+    /// SGD momentum (0 disables it).
+    #[serde(default)]
+    pub momentum: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+    #[serde(default)]
+    pub lr_scaling: LrScaling,
+    #[serde(default)]
+    pub schedule: LrSchedule,
+    /// Linear warm-up from 0 over this many optimizer steps.
+    #[serde(default)]
+    pub warmup_steps: usize,
+}
+
+impl OptimizerConfig {
+    /// The learning rate of optimizer step `step` (0-based) in a run of `total_steps` steps on
+    /// `world_size` ranks: the configured rate, scaled by the world size as `lr_scaling` says,
+    /// with a linear warm-up and the configured decay. A pure function of its inputs, so a
+    /// resumed run continues the same schedule.
+    pub fn learning_rate(&self, world_size: usize, step: usize, total_steps: usize) -> f64 {
+        let scale = match self.lr_scaling {
+            LrScaling::None => 1.0,
+            LrScaling::Linear => world_size as f64,
+            LrScaling::Sqrt => (world_size as f64).sqrt(),
+        };
+        let base = self.learning_rate * scale;
+        if step < self.warmup_steps {
+            return base * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        match self.schedule {
+            LrSchedule::Constant => base,
+            LrSchedule::Cosine => {
+                let span = total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
+                let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
+                base * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            name: OptimizerName::Adam,
+            learning_rate: 1e-3,
+            momentum: 0.0,
+            weight_decay: 0.0,
+            lr_scaling: LrScaling::None,
+            schedule: LrSchedule::Constant,
+            warmup_steps: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainingConfig {
+    pub epochs: usize,
+    /// Samples per rank per micro-batch; the global batch is this x world size x accumulation.
+    pub batch_size: usize,
+    /// Micro-batches per optimizer step; gradients are communicated once per step.
+    #[serde(default = "one")]
+    pub accumulation_steps: usize,
+    pub seed: u64,
+    /// Drop the tail of each epoch that does not fill every rank equally (else pad, as PyTorch).
+    #[serde(default)]
+    pub drop_last: bool,
+    /// Shuffle the training order every epoch (seeded by seed + epoch).
+    #[serde(default = "yes")]
+    pub shuffle: bool,
+    /// Stop after this many optimizer steps in total (for tests and benchmarks).
+    #[serde(default)]
+    pub max_steps: Option<usize>,
+    /// Log (and average across ranks) the training loss every this many steps.
+    #[serde(default = "default_log_every")]
+    pub log_every: usize,
+    /// Compare a checksum of the parameters across ranks every this many steps (0: never).
+    #[serde(default)]
+    pub check_replicas_every: usize,
+}
+
+impl Default for TrainingConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 10,
+            batch_size: 32,
+            accumulation_steps: 1,
+            seed: 0,
+            drop_last: false,
+            shuffle: true,
+            max_steps: None,
+            log_every: default_log_every(),
+            check_replicas_every: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Where rank 0 writes checkpoints; `None` disables them.
+    pub dir: Option<PathBuf>,
+    /// Also checkpoint every this many optimizer steps (0: only at the end of epochs).
+    #[serde(default)]
+    pub every_steps: usize,
+    /// Checkpoint at the end of every this many epochs (0: never at epoch ends).
+    #[serde(default = "one")]
+    pub every_epochs: usize,
+    /// Keep this many newest checkpoints.
+    #[serde(default = "default_keep_last")]
+    pub keep_last: usize,
+    /// Resume from the newest complete checkpoint in `dir` when there is one.
+    #[serde(default = "yes")]
+    pub resume: bool,
+    /// How long ranks other than 0 wait for rank 0 to finish writing.
+    #[serde(default = "default_checkpoint_timeout")]
+    pub timeout_secs: u64,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            dir: None,
+            every_steps: 0,
+            every_epochs: 1,
+            keep_last: default_keep_last(),
+            resume: true,
+            timeout_secs: default_checkpoint_timeout(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DistributedConfig {
+    /// Largest gradient bucket in MiB (PyTorch's default, 25).
+    #[serde(default = "default_bucket_cap_mb")]
+    pub bucket_cap_mb: f64,
+    /// Deadline of set-up and of every collective.
+    #[serde(default = "default_timeout")]
+    pub timeout_secs: u64,
+    /// Warn about ranks that have not arrived after this long in one collective.
+    #[serde(default = "default_stall")]
+    pub stall_warning_secs: u64,
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            bucket_cap_mb: default_bucket_cap_mb(),
+            timeout_secs: default_timeout(),
+            stall_warning_secs: default_stall(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+    Wgpu,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OutputConfig {
+    /// Metrics (`metrics.jsonl`) and per-rank logs go here.
+    #[serde(default = "default_output_dir")]
+    pub dir: PathBuf,
+    #[serde(default)]
+    pub device: DeviceKind,
+    /// Write each rank's visited sample indices to `samples-rank<R>.txt` (for tests).
+    #[serde(default)]
+    pub log_samples: bool,
+}
+
+impl Default for OutputConfig {
+    fn default() -> Self {
+        Self {
+            dir: default_output_dir(),
+            device: DeviceKind::Cpu,
+            log_samples: false,
+        }
+    }
+}
+
+/// FNV-1a as hex: stable across runs, platforms and Rust versions (std's hasher is not).
+fn fnv_hex(text: &str) -> String {
+    let hash = text
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    format!("{hash:016x}")
+}
+
+fn one() -> usize {
+    1
+}
+fn yes() -> bool {
+    true
+}
+fn default_data_path() -> PathBuf {
+    PathBuf::from("data/digits.csv.gz")
+}
+fn default_validation_fraction() -> f64 {
+    0.2
+}
+fn default_synthetic_samples() -> usize {
+    4096
+}
+fn default_synthetic_features() -> usize {
+    784
+}
+fn default_synthetic_classes() -> usize {
+    10
+}
+fn default_log_every() -> usize {
+    10
+}
+fn default_keep_last() -> usize {
+    3
+}
+fn default_checkpoint_timeout() -> u64 {
+    600
+}
+fn default_bucket_cap_mb() -> f64 {
+    25.0
+}
+fn default_timeout() -> u64 {
+    300
+}
+fn default_stall() -> u64 {
+    60
+}
+fn default_output_dir() -> PathBuf {
+    PathBuf::from("runs/default")
+}
+
+/// A configuration problem: the user must fix the file (exit code 2).
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config file {path}: {field} {problem}")]
+    Invalid {
+        path: PathBuf,
+        field: &'static str,
+        problem: String,
+    },
+}
+
+impl Config {
+    /// Reads, parses and validates `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and validates `text`; `path` is only used in messages.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        config.validate(path)?;
+        Ok(config)
+    }
+
+    fn validate(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |field: &'static str, problem: String| {
+            Err(ConfigError::Invalid {
+                path: path.to_path_buf(),
+                field,
+                problem,
+            })
+        };
+        let t = &self.training;
+        if t.batch_size == 0 {
+            return invalid("training.batch_size", "must be at least 1 (got 0)".into());
+        }
+        if t.accumulation_steps == 0 {
+            return invalid("training.accumulation_steps", "must be at least 1 (got 0)".into());
+        }
+        if t.log_every == 0 {
+            return invalid("training.log_every", "must be at least 1 (got 0)".into());
+        }
+        let lr = self.optimizer.learning_rate;
+        if !(lr.is_finite() && lr > 0.0) {
+            return invalid("optimizer.learning_rate", format!("must be a positive number (got {lr})"));
+        }
+        let vf = self.data.validation_fraction;
+        if !(0.0..1.0).contains(&vf) {
+            return invalid("data.validation_fraction", format!("must be in [0, 1) (got {vf})"));
+        }
+        if self.data.source == DataSource::Synthetic
+            && (self.data.samples == 0 || self.data.features == 0 || self.data.classes < 2)
+        {
+            return invalid(
+                "data.samples/features/classes",
+                "must be at least 1, 1 and 2 for synthetic data".into(),
+            );
+        }
+        if !(self.distributed.bucket_cap_mb > 0.0) {
+            return invalid("distributed.bucket_cap_mb", format!("must be positive (got {})", self.distributed.bucket_cap_mb));
+        }
+        if self.distributed.timeout_secs == 0 {
+            return invalid("distributed.timeout_secs", "must be at least 1 (got 0)".into());
+        }
+        if self.checkpoint.keep_last == 0 {
+            return invalid("checkpoint.keep_last", "must be at least 1 (got 0)".into());
+        }
+        Ok(())
+    }
+
+    /// A stable hash of the settings that shape the model and its training, compared across
+    /// ranks at start-up (ranks with different settings refuse to start).
+    pub fn fingerprint(&self) -> String {
+        fnv_hex(&toml::to_string(&(&self.model, &self.data, &self.optimizer, &self.training)).unwrap_or_default())
+    }
+
+    /// A stable hash of the model section alone: a checkpoint can only be loaded into a model
+    /// with the same fingerprint.
+    pub fn model_fingerprint(&self) -> String {
+        fnv_hex(&toml::to_string(&self.model).unwrap_or_default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[model]
+name = "mlp"
+hidden = [32]
+[data]
+source = "digits"
+[training]
+epochs = 1
+batch_size = 8
+seed = 1
+"#;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(text, Path::new("test.toml"))
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.model.name, "mlp");
+        assert!(c.model.options.contains_key("hidden"));
+        assert_eq!(c.training.accumulation_steps, 1);
+        assert_eq!(c.distributed.bucket_cap_mb, 25.0);
+        assert_eq!(c.checkpoint.dir, None);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = parse(&format!("{MINIMAL}\n[distributed]\nbucket_cap = 3\n")).unwrap_err().to_string();
+        assert!(err.contains("bucket_cap") && err.contains("test.toml"), "{err}");
+        let err = parse(&MINIMAL.replace("epochs = 1", "epochs = \"one\"")).unwrap_err().to_string();
+        assert!(err.contains("epochs"), "{err}");
+        let err = parse(&MINIMAL.replace("batch_size = 8", "batch_size = 0")).unwrap_err().to_string();
+        assert!(err.contains("training.batch_size"), "{err}");
+        let err = parse(&MINIMAL.replace("source = \"digits\"", "source = \"mnist\"")).unwrap_err().to_string();
+        assert!(err.contains("mnist"), "{err}");
+    }
+
+    #[test]
+    fn learning_rate_schedule() {
+        let mut o = OptimizerConfig {
+            learning_rate: 0.1,
+            lr_scaling: LrScaling::Linear,
+            warmup_steps: 4,
+            schedule: LrSchedule::Cosine,
+            ..Default::default()
+        };
+        assert!((o.learning_rate(2, 0, 100) - 0.05).abs() < 1e-12);
+        assert!((o.learning_rate(2, 4, 100) - 0.2).abs() < 1e-12);
+        assert!(o.learning_rate(2, 100, 100).abs() < 1e-12);
+        o.lr_scaling = LrScaling::Sqrt;
+        o.schedule = LrSchedule::Constant;
+        assert!((o.learning_rate(4, 50, 100) - 0.2).abs() < 1e-12);
+    }
+
+    #[test]
+    fn fingerprint_tracks_training_settings_only() {
+        let a = parse(MINIMAL).unwrap();
+        let mut b = a.clone();
+        b.output.dir = "elsewhere".into();
+        assert_eq!(a.fingerprint(), b.fingerprint());
+        b.training.seed = 2;
+        assert_ne!(a.fingerprint(), b.fingerprint());
+    }
+}

@@ -1,0 +1,237 @@
+//! The launcher: `--nproc-per-node N` starts N ranks of this same program on this machine and
+//! supervises them, like `torchrun`.
+//!
+//! - On the first node (`--node-rank 0`) the launcher hosts the rendezvous store itself (so the
+//!   port is bound before any rank starts: no race for a "free" port), on loopback when every
+//!   rank is local and on all interfaces otherwise. Without `--master-port` on a single node the
+//!   OS picks a free port, so two jobs on one machine never collide.
+//! - Each child gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job token, and dies with the
+//!   launcher (`PR_SET_PDEATHSIG`), so no orphan outlives it.
+//! - The first rank to fail stops the others (SIGTERM, then SIGKILL after a grace period), and
+//!   the launcher reports which rank failed and how, last, where the user looks.
+
+use std::io::Read;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::process::{Child, Command, ExitCode, ExitStatus};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use burn_ddp::init::{AGENT_STORE_VAR, TOKEN_VAR};
+use burn_ddp::store::TcpStoreServer;
+use clap::Args;
+
+use crate::cli::{UsageError, WORKER_VAR};
+
+/// torchrun-style launch options.
+#[derive(Args, Debug, Clone, Default)]
+pub struct LaunchArgs {
+    /// Start this many ranks on this machine and supervise them.
+    #[arg(long)]
+    pub nproc_per_node: Option<usize>,
+    /// Number of machines in the job.
+    #[arg(long, default_value_t = 1)]
+    pub nnodes: usize,
+    /// This machine's index, 0..nnodes (node 0 hosts the rendezvous store).
+    #[arg(long, default_value_t = 0)]
+    pub node_rank: usize,
+    /// Address of node 0, reachable from every node (default 127.0.0.1 on one node).
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// Port of the rendezvous store on node 0 (default: a free port on one node, 29500 on
+    /// several).
+    #[arg(long)]
+    pub master_port: Option<u16>,
+}
+
+/// How long ranks get to exit after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(10);
+
+/// Starts the local ranks and waits for them. `config` is checked first, so a bad file fails
+/// once, with exit code 2, before any rank starts.
+pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let nproc = args.nproc_per_node.unwrap_or(1);
+    if nproc == 0 {
+        return Err(UsageError("--nproc-per-node must be at least 1".into()).into());
+    }
+    if args.nnodes == 0 || args.node_rank >= args.nnodes {
+        return Err(UsageError(format!(
+            "--node-rank {} is not in 0..{} (--nnodes)",
+            args.node_rank, args.nnodes
+        ))
+        .into());
+    }
+    if let Some(path) = config {
+        crate::train::preflight(path)?;
+    }
+    let master_addr = match (&args.master_addr, args.nnodes) {
+        (Some(a), _) => a.clone(),
+        (None, 1) => "127.0.0.1".to_string(),
+        (None, _) => {
+            return Err(UsageError("--master-addr (node 0's address) is required with --nnodes > 1".into()).into())
+        }
+    };
+    let token = std::env::var(TOKEN_VAR).unwrap_or_else(|_| random_token());
+    let world_size = nproc * args.nnodes;
+
+    let (server, port) = if args.node_rank == 0 {
+        let port = args.master_port.unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
+        let local_only = args.nnodes == 1 && is_loopback_name(&master_addr);
+        let bind = format!("{}:{port}", if local_only { "127.0.0.1" } else { "0.0.0.0" });
+        let server = TcpStoreServer::bind(&bind, &token).map_err(|e| UsageError(e.to_string()))?;
+        let port = server.local_addr().port();
+        (Some(server), port)
+    } else {
+        (None, args.master_port.unwrap_or(29500))
+    };
+    tracing::info!(
+        "launching {nproc} rank(s) on node {} of {} (world size {world_size}), store at {master_addr}:{port}",
+        args.node_rank,
+        args.nnodes
+    );
+
+    let exe = std::env::current_exe().context("cannot find this program's path to start ranks")?;
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut children = Vec::with_capacity(nproc);
+    for local_rank in 0..nproc {
+        let rank = args.node_rank * nproc + local_rank;
+        let mut cmd = Command::new(&exe);
+        cmd.args(&argv)
+            .env(WORKER_VAR, "1")
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("LOCAL_WORLD_SIZE", nproc.to_string())
+            .env("GROUP_RANK", args.node_rank.to_string())
+            .env("MASTER_ADDR", &master_addr)
+            .env("MASTER_PORT", port.to_string())
+            .env(TOKEN_VAR, &token)
+            .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
+        die_with_parent(&mut cmd);
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start rank {rank} ({})", exe.display()))?;
+        children.push((rank, child));
+    }
+    let code = supervise(children);
+    drop(server);
+    Ok(code)
+}
+
+/// Asks the kernel to SIGKILL the child when the launcher dies, however it dies.
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent;
+    // it is the only call made between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// Waits for every rank; on the first failure stops the rest and reports it.
+fn supervise(mut children: Vec<(usize, Child)>) -> ExitCode {
+    let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    loop {
+        let mut failed = None;
+        for (i, (rank, child)) in children.iter_mut().enumerate() {
+            if done[i].is_none() {
+                match child.try_wait() {
+                    Ok(Some(status)) => {
+                        done[i] = Some(status);
+                        if !status.success() && failed.is_none() {
+                            failed = Some((*rank, status));
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("cannot query rank {rank}: {e}"),
+                }
+            }
+        }
+        if let Some((rank, status)) = failed {
+            stop_all(&mut children, &done);
+            eprintln!(
+                "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks. The cause is in rank {rank}'s messages above (lines tagged [rank {rank}]).",
+                describe(status)
+            );
+            return ExitCode::from(status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1));
+        }
+        if done.iter().all(Option::is_some) {
+            return ExitCode::SUCCESS;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn stop_all(children: &mut [(usize, Child)], done: &[Option<ExitStatus>]) {
+    for (i, (_, child)) in children.iter_mut().enumerate() {
+        if done[i].is_none() {
+            // SAFETY: kill(2) on our own child's pid; the child has not been reaped (try_wait
+            // returned None), so the pid still names it.
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            }
+        }
+    }
+    let deadline = Instant::now() + GRACE;
+    for (i, (_, child)) in children.iter_mut().enumerate() {
+        if done[i].is_some() {
+            continue;
+        }
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+/// "exit code 3" or "killed by signal 9 (SIGKILL)".
+pub fn describe(status: ExitStatus) -> String {
+    if let Some(code) = status.code() {
+        return format!("exit code {code}");
+    }
+    match status.signal() {
+        Some(sig) => {
+            let name = match sig {
+                libc::SIGKILL => " (SIGKILL: killed, e.g. by the OOM killer or kill -9)",
+                libc::SIGSEGV => " (SIGSEGV: crashed)",
+                libc::SIGABRT => " (SIGABRT: aborted)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGINT => " (SIGINT)",
+                _ => "",
+            };
+            format!("killed by signal {sig}{name}")
+        }
+        None => format!("{status}"),
+    }
+}
+
+fn is_loopback_name(addr: &str) -> bool {
+    addr == "localhost" || addr.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// 128 random bits as hex, from the OS.
+fn random_token() -> String {
+    let mut bytes = [0u8; 16];
+    let filled = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if filled.is_err() {
+        // No /dev/urandom: the pid and the clock still separate concurrent jobs.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        bytes.copy_from_slice(&(nanos ^ ((std::process::id() as u128) << 64)).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

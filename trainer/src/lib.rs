@@ -1,0 +1,21 @@
+//! The `trainer` binary's modules.
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`cli`] | the command line; decides launcher / worker / tool; exit codes |
+//! | [`config`] | the TOML schema, defaults and validation |
+//! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`), like torchrun |
+//! | [`train`] | the training loop, top to bottom |
+//! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
+//! | [`metrics`] | cross-rank averages, progress bar, metrics file |
+//! | [`data`] | the digits and synthetic data sets, batching |
+//! | [`tools`] | collective self-test and all-reduce benchmark |
+
+pub mod checkpoint;
+pub mod cli;
+pub mod config;
+pub mod data;
+pub mod launch;
+pub mod metrics;
+pub mod tools;
+pub mod train;

@@ -1,0 +1,582 @@
+//! The training loop, read top to bottom:
+//!
+//! 1. **join the job** — one process (`trainer --config`) or one rank of many (launcher,
+//!    torchrun, SLURM); ranks check that they run the same config;
+//! 2. **load the data** — the same seeded train/validation split on every rank;
+//! 3. **build the model** from the registry, **restore** the newest checkpoint if there is one,
+//!    and make replicas equal (deterministic parameter ids, broadcast from rank 0);
+//! 4. **for each epoch**: the sampler gives this rank its shard of the epoch's global order
+//!    (skipping what a restored checkpoint already consumed); each optimizer step runs
+//!    `accumulation_steps` micro-batches forward and backward, averages the gradients across
+//!    ranks once, and steps the optimizer; then validation on every validation sample exactly
+//!    once, and a checkpoint.
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::batcher::Batcher;
+use burn::module::AutodiffModule;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_ddp::ddp::{param_checksum, prepare_module, Reducer};
+use burn_ddp::sampler::DistributedSampler;
+use burn_ddp::{Distributed, ProcessGroup, TcpGroupOptions};
+use models::{Classifier, InputShape, ModelTask};
+
+use crate::checkpoint::{self, Checkpoint, Manifest, TrainPosition, FORMAT_VERSION};
+use crate::cli::UsageError;
+use crate::config::{Config, DataSource, DeviceKind, OptimizerName};
+use crate::data::{self, ClassificationBatch, ClassificationBatcher, ClassificationItem};
+use crate::metrics::{global_sum, Record, Reporter};
+
+/// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
+pub type CpuBackend = Autodiff<Flex>;
+
+/// The data of a run: the same on every rank.
+pub struct Data {
+    pub train: Vec<ClassificationItem>,
+    pub valid: Vec<ClassificationItem>,
+    pub input: InputShape,
+}
+
+/// Loads the configured data set and splits it.
+pub fn load_data(config: &Config) -> anyhow::Result<Data> {
+    let d = &config.data;
+    let (items, input) = match d.source {
+        DataSource::Digits => {
+            let (h, w) = data::DIGITS_IMAGE;
+            (data::load_digits(&d.path)?, InputShape::image(h, w, data::DIGITS_CLASSES))
+        }
+        DataSource::Synthetic => (
+            data::synthetic(d.samples, d.features, d.classes, d.split_seed),
+            InputShape::flat(d.features, d.classes),
+        ),
+    };
+    let (train, valid) = data::split_train_validation(items, d.validation_fraction, d.split_seed);
+    if train.is_empty() {
+        bail!(UsageError(format!(
+            "data: no training samples left after holding out {} for validation",
+            d.validation_fraction
+        )));
+    }
+    Ok(Data { train, valid, input })
+}
+
+/// Checks what can be checked before any rank starts: config, data and model options.
+pub fn preflight(config_path: &Path) -> anyhow::Result<Config> {
+    let config = Config::load(config_path)?;
+    let data = load_data(&config)?;
+    models::validate(&config.model.name, &config.model.options, &data.input)?;
+    device_available(config.output.device)?;
+    Ok(config)
+}
+
+fn device_available(device: DeviceKind) -> anyhow::Result<()> {
+    match device {
+        DeviceKind::Cpu => Ok(()),
+        other => Err(UsageError(format!(
+            "output.device = \"{}\" is not available in this build of trainer; this build trains on \"cpu\" only. Rebuild with `cargo build --release --features {0}` for GPU support",
+            format!("{other:?}").to_lowercase()
+        ))
+        .into()),
+    }
+}
+
+/// `trainer --config FILE` as one rank (or the only process).
+pub fn run(config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
+    let config = preflight(config_path)?;
+    let data = load_data(&config)?;
+    let options = TcpGroupOptions {
+        timeout: Duration::from_secs(config.distributed.timeout_secs),
+        stall_warning: Duration::from_secs(config.distributed.stall_warning_secs),
+        ..Default::default()
+    };
+    let dist = Distributed::from_env_or_standalone(options)?;
+    let device = Default::default();
+    let mut job = Job::<CpuBackend> {
+        config,
+        dist,
+        data,
+        device,
+        no_resume,
+    };
+    job.check_same_config()?;
+    CpuBackend::seed(&job.device, job.config.training.seed);
+    let (name, options, input, device) = (
+        job.config.model.name.clone(),
+        job.config.model.options.clone(),
+        job.data.input.clone(),
+        job.device,
+    );
+    let summary = models::with_model::<CpuBackend, _>(&name, &options, &input, &device, TrainTask { job: &mut job })??;
+    if job.dist.env.rank == 0 {
+        println!(
+            "final validation accuracy: {:.2}% (loss {:.4}, {} samples, {} optimizer steps, world size {})",
+            summary.accuracy * 100.0,
+            summary.loss,
+            summary.samples,
+            summary.steps,
+            job.dist.env.world_size
+        );
+    }
+    // Rank 0 may host the store: leave together.
+    job.dist.group.barrier()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Copy)]
+pub struct Summary {
+    pub loss: f64,
+    pub accuracy: f64,
+    pub samples: usize,
+    pub steps: usize,
+}
+
+/// Everything one rank's training needs.
+struct Job<B: AutodiffBackend> {
+    config: Config,
+    dist: Distributed,
+    data: Data,
+    device: B::Device,
+    no_resume: bool,
+}
+
+impl<B: AutodiffBackend> Job<B> {
+    fn rank(&self) -> usize {
+        self.dist.env.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.dist.env.world_size
+    }
+
+    /// Ranks refuse to start with different configs, naming the rank that differs.
+    fn check_same_config(&mut self) -> anyhow::Result<()> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        let ours = self.config.fingerprint();
+        let rank = self.rank();
+        let store = &self.dist.store;
+        store.set(&format!("trainer/config/{rank}"), ours.as_bytes())?;
+        let theirs = store.get("trainer/config/0", Duration::from_secs(self.config.distributed.timeout_secs))?;
+        if theirs != ours.as_bytes() {
+            bail!(UsageError(format!(
+                "rank {rank}'s config differs from rank 0's (fingerprint {ours} vs {}): every rank must train with the same settings",
+                String::from_utf8_lossy(&theirs)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The newest usable checkpoint, if resuming; every rank must see the same one.
+    fn find_checkpoint(&mut self) -> anyhow::Result<Option<Checkpoint>> {
+        let c = &self.config.checkpoint;
+        let found = match (&c.dir, c.resume && !self.no_resume) {
+            (Some(dir), true) => checkpoint::latest(dir),
+            _ => None,
+        };
+        if let Some(ckpt) = &found {
+            checkpoint::check_compatible(ckpt, &self.config.model.name, &self.config.model_fingerprint())?;
+        }
+        let step = found.as_ref().map_or(-1, |c| c.manifest.position.step as i64);
+        let mut agreed = [step];
+        self.dist.group.broadcast(&mut agreed, 0)?;
+        if agreed[0] != step {
+            bail!(
+                "rank {} found the checkpoint of step {step} but rank 0 found step {} (-1: none): checkpoint.dir must be the same directory, shared by every rank",
+                self.rank(),
+                agreed[0]
+            );
+        }
+        Ok(found)
+    }
+
+    /// Rank 0 writes; the others wait for it with the checkpoint timeout, so a slow disk never
+    /// trips the collectives' deadline.
+    fn save_checkpoint<M, O>(&mut self, position: TrainPosition, model: &M, optim: &O) -> anyhow::Result<()>
+    where
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let Some(root) = self.config.checkpoint.dir.clone() else {
+            return Ok(());
+        };
+        let key = format!("trainer/checkpoint/{}", position.step);
+        if self.rank() == 0 {
+            let manifest = Manifest {
+                format_version: FORMAT_VERSION,
+                model: self.config.model.name.clone(),
+                model_fingerprint: self.config.model_fingerprint(),
+                config_fingerprint: self.config.fingerprint(),
+                seed: self.config.training.seed,
+                world_size: self.world_size(),
+                position,
+                checksums: Default::default(),
+            };
+            let result = checkpoint::save::<B, M, O>(&root, self.config.checkpoint.keep_last, manifest, model, optim);
+            let status = match &result {
+                Ok(dir) => {
+                    tracing::info!("checkpoint written: {}", dir.display());
+                    "ok".to_string()
+                }
+                Err(e) => format!("error: {e:#}"),
+            };
+            if self.world_size() > 1 {
+                self.dist.store.set(&key, status.as_bytes())?;
+            }
+            result.map(|_| ())
+        } else {
+            let timeout = Duration::from_secs(self.config.checkpoint.timeout_secs);
+            let status = self.dist.store.get(&key, timeout).context("waiting for rank 0 to write a checkpoint")?;
+            if status != b"ok" {
+                bail!("rank 0 failed to write the checkpoint: {}", String::from_utf8_lossy(&status));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Picks the optimizer, then runs [`fit`] with the concrete model and optimizer types.
+struct TrainTask<'a, B: AutodiffBackend> {
+    job: &'a mut Job<B>,
+}
+
+impl<B: AutodiffBackend> ModelTask<B> for TrainTask<'_, B> {
+    type Output = anyhow::Result<Summary>;
+
+    fn run<M>(self, model: M) -> Self::Output
+    where
+        M: Classifier<B> + AutodiffModule<B> + 'static,
+        M::InnerModule: Classifier<B::InnerBackend>,
+    {
+        let o = self.job.config.optimizer.clone();
+        let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig::new(o.weight_decay as f32));
+        match o.name {
+            OptimizerName::Sgd => {
+                let momentum = (o.momentum > 0.0).then(|| MomentumConfig::new().with_momentum(o.momentum).with_dampening(0.0));
+                let optim = SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init();
+                fit(self.job, model, optim)
+            }
+            OptimizerName::Adam => fit(self.job, model, AdamConfig::new().with_weight_decay(decay).init()),
+            OptimizerName::AdamW => {
+                let optim = AdamWConfig::new().with_weight_decay(o.weight_decay as f32).init();
+                fit(self.job, model, optim)
+            }
+        }
+    }
+}
+
+/// The loop itself (module docs, step 3 and 4).
+fn fit<B, M, O>(job: &mut Job<B>, model: M, optim: O) -> anyhow::Result<Summary>
+where
+    B: AutodiffBackend,
+    M: Classifier<B> + AutodiffModule<B> + 'static,
+    M::InnerModule: Classifier<B::InnerBackend>,
+    O: Optimizer<M, B>,
+{
+    let t = job.config.training.clone();
+    let (rank, world) = (job.rank(), job.world_size());
+
+    // Restore, then make the replicas equal.
+    let restored = job.find_checkpoint()?;
+    let mut model = model;
+    let mut optim = optim;
+    let mut position = TrainPosition::default();
+    if let Some(ckpt) = &restored {
+        model = checkpoint::load_model::<B, M>(ckpt, model)?;
+        position = ckpt.manifest.position;
+    }
+    let mut model = prepare_module(model, &mut job.dist.group, 0)?;
+    if let Some(ckpt) = &restored {
+        optim = checkpoint::load_optimizer::<B, M, O>(ckpt, optim, &job.device)?;
+        tracing::info!(
+            "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {world})",
+            ckpt.dir.display(),
+            position.epoch,
+            position.consumed,
+            position.step,
+            ckpt.manifest.world_size
+        );
+    }
+
+    let train_len = job.data.train.len();
+    let sampler = DistributedSampler::new(train_len, world, rank)
+        .with_seed(t.seed)
+        .with_shuffle(t.shuffle)
+        .with_drop_last(t.drop_last);
+    let per_step = t.batch_size * t.accumulation_steps; // samples per rank per optimizer step
+    let steps_per_epoch = sampler.samples(0, 0).len().div_ceil(per_step);
+    let total_steps = t.max_steps.unwrap_or(usize::MAX).min(t.epochs * steps_per_epoch);
+    let mut reducer = Reducer::new(job.config.distributed.bucket_cap_mb);
+    let loss_fn = CrossEntropyLossConfig::new().init::<B>(&job.device);
+    let mut reporter = Reporter::new(rank, &job.config.output.dir, total_steps as u64, position.step as u64)?;
+    let mut window = Window::new();
+    let mut last_saved = restored.as_ref().map(|c| c.manifest.position.step);
+    let mut last_valid = None;
+
+    'epochs: while position.epoch < t.epochs && position.step < total_steps {
+        let samples = sampler.samples(position.epoch as u64, position.consumed);
+        let epoch_start = position.consumed;
+        for (k, chunk) in samples.chunks(per_step).enumerate() {
+            // Seeded per step, so dropout masks are the same in a resumed run.
+            B::seed(&job.device, t.seed.wrapping_add(position.step as u64 + 1));
+            let mut accumulator = GradientsAccumulator::<M>::new();
+            let mut chunk_loss = 0.0;
+            for micro in chunk.chunks(t.batch_size) {
+                let items = micro.iter().map(|s| job.data.train[s.index].clone()).collect();
+                let batch: ClassificationBatch<B> = ClassificationBatcher.batch(items, &job.device);
+                let loss = loss_fn.forward(model.forward(batch.inputs), batch.targets);
+                // Each micro-batch's mean weighted by its share: the sum is the step's mean.
+                let loss = loss.mul_scalar(micro.len() as f64 / chunk.len() as f64);
+                chunk_loss += loss.clone().into_scalar().elem::<f64>();
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                accumulator.accumulate(&model, grads);
+            }
+            let mut grads = accumulator.grads();
+            reducer.sync(&mut job.dist.group, &model, &mut grads)?;
+            let lr = job.config.optimizer.learning_rate(world, position.step, total_steps);
+            model = optim.step(lr, model, grads);
+
+            position.step += 1;
+            position.consumed = (epoch_start + (k + 1) * per_step * world).min(train_len);
+            window.add(chunk_loss, chunk.len() * world);
+            if job.config.output.log_samples {
+                log_samples(&job.config.output.dir, rank, position.epoch, chunk)?;
+            }
+            if position.step % t.log_every == 0 || position.step == total_steps {
+                let [loss_sum, steps] = global_sum(&mut job.dist.group, [window.loss, window.steps as f64])?;
+                let rate = window.rate();
+                reporter.record(&Record::Train {
+                    epoch: position.epoch,
+                    step: position.step,
+                    loss: loss_sum / steps.max(1.0),
+                    lr,
+                    samples_per_sec: rate,
+                    world_size: world,
+                });
+                reporter.progress(
+                    position.step as u64,
+                    format!("epoch {} loss {:.4} {:.0} samples/s", position.epoch + 1, loss_sum / steps.max(1.0), rate),
+                );
+                window = Window::new();
+            }
+            if t.check_replicas_every > 0 && position.step % t.check_replicas_every == 0 {
+                check_replicas(&mut job.dist.group, &model, position.step)?;
+            }
+            let every = job.config.checkpoint.every_steps;
+            if every > 0 && position.step % every == 0 {
+                job.save_checkpoint(position, &model, &optim)?;
+                last_saved = Some(position.step);
+            }
+            if position.step >= total_steps {
+                break;
+            }
+        }
+        if position.consumed >= train_len || samples.is_empty() {
+            // The epoch is complete: validate, and checkpoint at the start of the next one.
+            position.epoch += 1;
+            position.consumed = 0;
+            let v = validate(&model, &job.data.valid, &mut job.dist.group, &job.device, t.batch_size)?;
+            reporter.record(&Record::Valid {
+                epoch: position.epoch - 1,
+                step: position.step,
+                loss: v.loss,
+                accuracy: v.accuracy,
+                samples: v.samples,
+            });
+            reporter.say(&format!(
+                "epoch {}/{}: validation loss {:.4}, accuracy {:.2}% ({} samples)",
+                position.epoch, t.epochs, v.loss, v.accuracy * 100.0, v.samples
+            ));
+            last_valid = Some(v);
+            let every = job.config.checkpoint.every_epochs;
+            if every > 0 && position.epoch % every == 0 && last_saved != Some(position.step) {
+                job.save_checkpoint(position, &model, &optim)?;
+                last_saved = Some(position.step);
+            }
+        }
+        if position.step >= total_steps {
+            break 'epochs;
+        }
+    }
+    reporter.finish();
+    if last_saved != Some(position.step) {
+        job.save_checkpoint(position, &model, &optim)?;
+    }
+    let v = match last_valid {
+        Some(v) if v.steps == position.step => v,
+        _ => validate(&model, &job.data.valid, &mut job.dist.group, &job.device, t.batch_size)?,
+    };
+    tracing::debug!(rank, syncs = reducer.stats().syncs, buckets = reducer.stats().bucket_all_reduces, "gradient synchronisation");
+    if rank == 0 && job.config.output.log_samples {
+        // Tests read the number of gradient synchronisations per optimizer step from here.
+        let stats = reducer.stats();
+        fs::write(
+            job.config.output.dir.join("reducer-stats.json"),
+            format!("{{\"syncs\":{},\"bucket_all_reduces\":{},\"steps\":{}}}", stats.syncs, stats.bucket_all_reduces, position.step),
+        )?;
+    }
+    Ok(Summary {
+        loss: v.loss,
+        accuracy: v.accuracy,
+        samples: v.samples,
+        steps: position.step,
+    })
+}
+
+/// Loss and throughput since the last log line.
+struct Window {
+    loss: f64,
+    steps: usize,
+    samples: usize,
+    start: Instant,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            loss: 0.0,
+            steps: 0,
+            samples: 0,
+            start: Instant::now(),
+        }
+    }
+    fn add(&mut self, loss: f64, global_samples: usize) {
+        self.loss += loss;
+        self.steps += 1;
+        self.samples += global_samples;
+    }
+    fn rate(&self) -> f64 {
+        self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
+    }
+}
+
+/// Validation results over all ranks.
+#[derive(Debug, Clone, Copy)]
+struct Validation {
+    loss: f64,
+    accuracy: f64,
+    samples: usize,
+    steps: usize,
+}
+
+/// Evaluates every validation sample exactly once across the ranks (no padding) and sums the
+/// per-sample loss and hits with their real counts. Collective.
+fn validate<B, M>(model: &M, valid: &[ClassificationItem], group: &mut impl ProcessGroup, device: &B::Device, batch_size: usize) -> anyhow::Result<Validation>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    M::InnerModule: Classifier<B::InnerBackend>,
+{
+    let inner = model.valid();
+    let (loss_sum, hits, n) = evaluate_shard::<B::InnerBackend, _>(&inner, valid, group.rank(), group.world_size(), device, batch_size);
+    let [loss_sum, hits, n] = global_sum(group, [loss_sum, hits, n])?;
+    Ok(Validation {
+        loss: loss_sum / n.max(1.0),
+        accuracy: hits / n.max(1.0),
+        samples: n as usize,
+        steps: 0,
+    })
+}
+
+/// (summed loss, correct predictions, samples) of this rank's evaluation shard.
+fn evaluate_shard<B: Backend, M: Classifier<B>>(
+    model: &M,
+    items: &[ClassificationItem],
+    rank: usize,
+    world: usize,
+    device: &B::Device,
+    batch_size: usize,
+) -> (f64, f64, f64) {
+    let indices = DistributedSampler::new(items.len(), world, rank).eval_indices();
+    let loss_fn = CrossEntropyLossConfig::new().init::<B>(device);
+    let (mut loss_sum, mut hits) = (0.0, 0.0);
+    for chunk in indices.chunks(batch_size.max(1)) {
+        let batch: ClassificationBatch<B> = ClassificationBatcher.batch(chunk.iter().map(|&i| items[i].clone()).collect(), device);
+        let logits = model.forward(batch.inputs);
+        let predicted = logits.clone().argmax(1).flatten::<1>(0, 1);
+        hits += predicted.equal(batch.targets.clone()).int().sum().into_scalar().elem::<f64>();
+        loss_sum += loss_fn.forward(logits, batch.targets).into_scalar().elem::<f64>() * chunk.len() as f64;
+    }
+    (loss_sum, hits, indices.len() as f64)
+}
+
+/// Compares a checksum of the parameters across ranks; replicas must be bit-identical.
+fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(group: &mut impl ProcessGroup, model: &M, step: usize) -> anyhow::Result<()> {
+    let ours = param_checksum::<B, M>(model) as i64;
+    let mut all = vec![0i64; group.world_size()];
+    group.all_gather(&[ours], &mut all)?;
+    if let Some(r) = all.iter().position(|&c| c != all[0]) {
+        bail!(
+            "replica drift at step {step}: rank {r}'s parameters (checksum {:016x}) differ from rank 0's ({:016x})",
+            all[r] as u64,
+            all[0] as u64
+        );
+    }
+    Ok(())
+}
+
+/// Appends `epoch index is_padding` lines for the samples of one step (for tests).
+fn log_samples(dir: &Path, rank: usize, epoch: usize, chunk: &[burn_ddp::sampler::Sample]) -> anyhow::Result<()> {
+    fs::create_dir_all(dir)?;
+    let mut f = OpenOptions::new().create(true).append(true).open(dir.join(format!("samples-rank{rank}.txt")))?;
+    for s in chunk {
+        writeln!(f, "{epoch} {} {}", s.index, u8::from(s.is_padding))?;
+    }
+    Ok(())
+}
+
+/// `trainer eval`: loads a checkpoint into the configured model and validates it (one process).
+pub fn evaluate(config_path: &Path, checkpoint_path: &Path) -> anyhow::Result<ExitCode> {
+    let config = preflight(config_path)?;
+    let data = load_data(&config)?;
+    let ckpt = if checkpoint_path.join("manifest.json").exists() {
+        checkpoint::open(checkpoint_path)?
+    } else {
+        checkpoint::latest(checkpoint_path)
+            .ok_or_else(|| UsageError(format!("no usable checkpoint in {}", checkpoint_path.display())))?
+    };
+    checkpoint::check_compatible(&ckpt, &config.model.name, &config.model_fingerprint())?;
+    struct Eval<'a> {
+        ckpt: &'a Checkpoint,
+        valid: &'a [ClassificationItem],
+        batch_size: usize,
+    }
+    impl ModelTask<CpuBackend> for Eval<'_> {
+        type Output = anyhow::Result<(f64, f64, f64)>;
+        fn run<M>(self, model: M) -> Self::Output
+        where
+            M: Classifier<CpuBackend> + AutodiffModule<CpuBackend> + 'static,
+            M::InnerModule: Classifier<Flex>,
+        {
+            let model = checkpoint::load_model::<CpuBackend, M>(self.ckpt, model)?.valid();
+            Ok(evaluate_shard::<Flex, _>(&model, self.valid, 0, 1, &Default::default(), self.batch_size))
+        }
+    }
+    let task = Eval {
+        ckpt: &ckpt,
+        valid: &data.valid,
+        batch_size: config.training.batch_size,
+    };
+    let (loss, hits, n) = models::with_model::<CpuBackend, _>(&config.model.name, &config.model.options, &data.input, &Default::default(), task)??;
+    println!(
+        "checkpoint {} (step {}): validation accuracy {:.2}%, loss {:.4}, {} samples",
+        ckpt.dir.display(),
+        ckpt.manifest.position.step,
+        100.0 * hits / n.max(1.0),
+        loss / n.max(1.0),
+        n
+    );
+    Ok(ExitCode::SUCCESS)
+}
