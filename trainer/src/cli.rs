@@ -72,10 +72,26 @@ pub fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             let rank = std::env::var("RANK").map(|r| format!("[rank {r}] ")).unwrap_or_default();
-            eprintln!("{rank}error: {e:#}");
+            eprintln!("{rank}error: {}", describe_error(&e));
             ExitCode::from(exit_code(&e))
         }
     }
+}
+
+/// The error and its causes, each cause once: library errors already include their source in
+/// their message, so a cause whose text is already shown is not repeated.
+pub fn describe_error(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if !text.contains(&s) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&s);
+        }
+    }
+    text
 }
 
 /// 2 for input problems, 1 for everything else.
@@ -87,6 +103,7 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || c.is::<models::ModelError>()
             || c.is::<crate::checkpoint::CheckpointMismatch>()
             || c.is::<burn_ddp::InitError>()
+            || matches!(c.downcast_ref::<burn_ddp::DdpError>(), Some(burn_ddp::DdpError::Init(_)))
     });
     if usage {
         2

@@ -134,17 +134,20 @@ fn die_with_parent(cmd: &mut Command) {
 }
 
 /// Waits for every rank; on the first failure stops the rest and reports it.
+///
+/// When several ranks are found dead in the same poll, the likely cause is reported first: a
+/// rank killed by a signal (its peers then fail with "connection lost"), else the lowest rank.
 fn supervise(mut children: Vec<(usize, Child)>) -> ExitCode {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
-        let mut failed = None;
+        let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         for (i, (rank, child)) in children.iter_mut().enumerate() {
             if done[i].is_none() {
                 match child.try_wait() {
                     Ok(Some(status)) => {
                         done[i] = Some(status);
-                        if !status.success() && failed.is_none() {
-                            failed = Some((*rank, status));
+                        if !status.success() {
+                            failed.push((*rank, status));
                         }
                     }
                     Ok(None) => {}
@@ -152,8 +155,12 @@ fn supervise(mut children: Vec<(usize, Child)>) -> ExitCode {
                 }
             }
         }
-        if let Some((rank, status)) = failed {
+        failed.sort_by_key(|(rank, status)| (status.signal().is_none(), *rank));
+        if let Some(&(rank, status)) = failed.first() {
             stop_all(&mut children, &done);
+            for &(other, other_status) in &failed[1..] {
+                eprintln!("trainer launcher: rank {other} also failed: {}", describe(other_status));
+            }
             eprintln!(
                 "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks. The cause is in rank {rank}'s messages above (lines tagged [rank {rank}]).",
                 describe(status)

@@ -172,7 +172,7 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 128 << 20)]
     pub max_bytes: usize,
     /// Pipelined piece size of the ring in KiB.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 1024)]
     pub piece_kib: usize,
 }
 

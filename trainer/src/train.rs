@@ -316,8 +316,16 @@ where
         .with_shuffle(t.shuffle)
         .with_drop_last(t.drop_last);
     let per_step = t.batch_size * t.accumulation_steps; // samples per rank per optimizer step
+    // Steps are counted from the start of the run; after a resume with another world size the
+    // rest of the current epoch takes a different number of steps than it would have.
     let steps_per_epoch = sampler.samples(0, 0).len().div_ceil(per_step);
-    let total_steps = t.max_steps.unwrap_or(usize::MAX).min(t.epochs * steps_per_epoch);
+    let rest_of_epoch = sampler.samples(position.epoch as u64, position.consumed).len().div_ceil(per_step);
+    let planned = if position.epoch < t.epochs {
+        position.step + rest_of_epoch + (t.epochs - position.epoch - 1) * steps_per_epoch
+    } else {
+        position.step
+    };
+    let total_steps = t.max_steps.unwrap_or(usize::MAX).min(planned);
     let mut reducer = Reducer::new(job.config.distributed.bucket_cap_mb);
     let loss_fn = CrossEntropyLossConfig::new().init::<B>(&job.device);
     let mut reporter = Reporter::new(rank, &job.config.output.dir, total_steps as u64, position.step as u64)?;
@@ -379,6 +387,7 @@ where
                 job.save_checkpoint(position, &model, &optim)?;
                 last_saved = Some(position.step);
             }
+            crash_if_asked(rank, position.step);
             if position.step >= total_steps {
                 break;
             }
@@ -433,6 +442,21 @@ where
         samples: v.samples,
         steps: position.step,
     })
+}
+
+/// Fault injection for tests: `TRAINER_CRASH_AFTER_STEP=N` (optionally with
+/// `TRAINER_CRASH_RANK=R`, default every rank) kills this process with SIGKILL right after
+/// optimizer step `N` and its checkpoint — exactly what `kill -9` at that point does.
+fn crash_if_asked(rank: usize, step: usize) {
+    let at = std::env::var("TRAINER_CRASH_AFTER_STEP").ok().and_then(|v| v.parse::<usize>().ok());
+    let who = std::env::var("TRAINER_CRASH_RANK").ok().and_then(|v| v.parse::<usize>().ok());
+    if at == Some(step) && who.is_none_or(|r| r == rank) {
+        eprintln!("[rank {rank}] TRAINER_CRASH_AFTER_STEP={step}: killing this process (fault injection)");
+        // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
 }
 
 /// Loss and throughput since the last log line.

@@ -58,7 +58,7 @@ impl Default for TcpGroupOptions {
         Self {
             timeout: Duration::from_secs(300),
             stall_warning: Duration::from_secs(60),
-            piece_bytes: 256 << 10,
+            piece_bytes: 1 << 20,
             token: String::new(),
             advertise_ip: None,
         }
@@ -262,7 +262,7 @@ impl TcpProcessGroup {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.store.wait(&refs, left.min(Duration::from_secs(1))) {
                 Ok(()) => return Ok(()),
-                Err(StoreError::Timeout { operation, .. }) => {
+                Err(StoreError::Timeout { .. }) => {
                     if self.store.check(&[KEY_ABORT]).map_err(|e| self.store_error(e))? {
                         let why = self
                             .store
@@ -276,8 +276,8 @@ impl TcpProcessGroup {
                     if left.is_zero() {
                         let missing: Vec<String> = keys
                             .iter()
-                            .filter(|k| operation.contains(k.as_str()))
-                            .filter_map(|k| k.rsplit('/').next().map(|r| r.to_string()))
+                            .filter(|k| !self.store.check(&[k.as_str()]).unwrap_or(false))
+                            .map(|k| k.rsplit('/').next().unwrap_or(k).to_string())
                             .collect();
                         return Err(self.setup_error(format!(
                             "rank(s) {} never joined within {:?} (were all {} ranks started, with the same MASTER_ADDR/MASTER_PORT?)",

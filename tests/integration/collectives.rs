@@ -1,0 +1,113 @@
+//! The collective layer across real processes: results, and failures that must be clear.
+
+use std::process::Command;
+
+use crate::common::*;
+
+fn launch(nproc: usize, args: &[&str]) -> Output {
+    let mut cmd = trainer();
+    cmd.arg("collectives").arg("--nproc-per-node").arg(nproc.to_string()).args(args);
+    run(&mut cmd)
+}
+
+#[test]
+fn every_collective_is_exact_for_2_3_4_ranks_and_awkward_lengths() {
+    for nproc in [2, 3, 4] {
+        for len in ["0", "1", "7", "1001"] {
+            for dtype in ["i64", "f32"] {
+                let out = launch(nproc, &["--len", len, "--dtype", dtype, "--root", "1"]);
+                assert_eq!(out.code, Some(0), "{nproc} ranks, len {len} {dtype}:\n{}", out.all());
+                assert_eq!(out.stdout.matches("all results correct").count(), nproc, "{}", out.all());
+            }
+        }
+    }
+}
+
+#[test]
+fn sixty_four_mib_buffers() {
+    // 8 Mi i64 = 64 MiB per rank, exact integer results.
+    for nproc in [2, 3] {
+        let out = launch(nproc, &["--len", &(8 << 20).to_string(), "--dtype", "i64", "--op", "all_reduce"]);
+        assert_eq!(out.code, Some(0), "{}", out.all());
+        let out = launch(nproc, &["--len", &(16 << 20).to_string(), "--dtype", "f32", "--op", "broadcast", "--root", "1"]);
+        assert_eq!(out.code, Some(0), "{}", out.all());
+    }
+}
+
+/// Starts one rank by hand, as torchrun or SLURM would.
+fn rank(rank: usize, world: &str, port: u16, extra: &[&str]) -> Command {
+    let mut cmd = trainer();
+    let timeout = if extra.contains(&"--timeout-secs") { &[][..] } else { &["--timeout-secs", "20"][..] };
+    cmd.arg("collectives")
+        .args(timeout)
+        .args(extra)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world)
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string());
+    cmd
+}
+
+#[test]
+fn mismatched_lengths_fail_on_every_rank_naming_both_calls() {
+    let out = launch(2, &["--len", "7", "--len-for-rank", "1=8", "--op", "all_reduce", "--timeout-secs", "60"]);
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    assert!(out.stderr.contains("collective mismatch"), "{}", out.all());
+    assert!(out.stderr.contains("7 elements") && out.stderr.contains("8 elements"), "{}", out.all());
+    assert!(out.stderr.contains("rank 1 failed") || out.stderr.contains("rank 0 failed"), "launcher names the rank:\n{}", out.all());
+}
+
+#[test]
+fn all_reduce_against_broadcast_is_a_mismatch_not_a_hang() {
+    let out = launch(3, &["--op", "all_reduce", "--op-for-rank", "2=broadcast", "--timeout-secs", "60"]);
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    assert!(out.stderr.contains("all_reduce(Sum") && out.stderr.contains("broadcast(root 0"), "{}", out.all());
+}
+
+#[test]
+fn different_world_sizes_are_refused_by_every_rank() {
+    let port = unused_port();
+    let a = spawn(&mut rank(0, "2", port, &[]));
+    let b = spawn(&mut rank(1, "3", port, &[]));
+    let (a, b) = (finish(a), finish(b));
+    for out in [&a, &b] {
+        assert_ne!(out.code, Some(0), "{}", out.all());
+        assert!(out.stderr.contains("WORLD_SIZE=3") && out.stderr.contains("WORLD_SIZE=2"), "{}", out.all());
+    }
+}
+
+#[test]
+fn a_port_in_use_is_a_clear_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let out = run(&mut rank(0, "2", port, &[]));
+    assert_ne!(out.code, Some(0));
+    assert!(out.stderr.contains(&format!("127.0.0.1:{port}")) && out.stderr.contains("MASTER_PORT"), "{}", out.all());
+    // The launcher says the same, with exit code 2 (a usage problem).
+    let out = launch(2, &["--master-port", &port.to_string()]);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(out.stderr.contains("already in use") || out.stderr.contains("Address in use"), "{}", out.all());
+}
+
+#[test]
+fn an_unreachable_master_times_out_naming_the_address() {
+    let port = unused_port();
+    let out = run(&mut rank(1, "2", port, &["--timeout-secs", "2"]));
+    assert_ne!(out.code, Some(0));
+    assert!(out.stderr.contains(&format!("127.0.0.1:{port}")) && out.stderr.contains("could not reach"), "{}", out.all());
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named() {
+    let port = unused_port();
+    let out = run(&mut rank(0, "3", port, &["--timeout-secs", "3"]));
+    assert_ne!(out.code, Some(0));
+    assert!(out.stderr.contains("rank(s) 1, 2 never joined"), "{}", out.all());
+}
+
+#[test]
+fn missing_environment_names_the_variable() {
+    let out = run(trainer().args(["collectives"]).env("RANK", "0").env("WORLD_SIZE", "2").env("MASTER_ADDR", "127.0.0.1"));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(out.stderr.contains("MASTER_PORT"), "{}", out.all());
+}

@@ -1,0 +1,145 @@
+//! Helpers: run the trainer with a watchdog, scratch directories, configs, checkpoints.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Generous: these tests run on a loaded 2-core machine.
+pub const WATCHDOG: Duration = Duration::from_secs(300);
+
+pub fn trainer() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainer"));
+    cmd.current_dir(env!("CARGO_MANIFEST_DIR").to_string() + "/..");
+    // Never inherit a launcher's identity from the environment running the tests.
+    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINER_WORKER", "BURN_DDP_TOKEN", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"] {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
+/// A finished process: exit code (None when killed by a signal) and its output.
+#[derive(Debug)]
+pub struct Output {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Output {
+    pub fn all(&self) -> String {
+        format!("--- stdout\n{}\n--- stderr\n{}", self.stdout, self.stderr)
+    }
+}
+
+/// Starts `cmd` with piped output.
+pub fn spawn(cmd: &mut Command) -> Child {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("cannot start trainer")
+}
+
+/// Waits for `child` under the watchdog; a child still running after it is killed and the test
+/// fails, showing what it printed.
+pub fn finish(mut child: Child) -> Output {
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let out_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + WATCHDOG;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = Output {
+        code: status.and_then(|s| s.code()),
+        stdout: out_reader.join().unwrap_or_default(),
+        stderr: err_reader.join().unwrap_or_default(),
+    };
+    assert!(status.is_some(), "the process hung past the {WATCHDOG:?} watchdog:\n{}", output.all());
+    output
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    finish(spawn(cmd))
+}
+
+/// A fresh scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join("burn-ddp-tests").join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// A port nobody listens on right now (bound, then released).
+pub fn unused_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Writes a config into `dir/name.toml` and returns its path. `body` holds every section; the
+/// checkpoint and output directories are placed under `dir`.
+pub fn write_config(dir: &Path, name: &str, body: &str) -> PathBuf {
+    let text = body
+        .replace("{ckpt}", &dir.join(format!("{name}-ckpt")).display().to_string())
+        .replace("{out}", &dir.join(format!("{name}-out")).display().to_string())
+        .replace("{data}", &(env!("CARGO_MANIFEST_DIR").to_string() + "/../data/digits.csv.gz"));
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The newest checkpoint directory under `root`.
+pub fn newest_checkpoint(root: &Path) -> PathBuf {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
+        .unwrap_or_else(|e| panic!("no checkpoints in {}: {e}", root.display()))
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+        .collect();
+    dirs.sort();
+    dirs.pop().unwrap_or_else(|| panic!("no checkpoints in {}", root.display()))
+}
+
+/// Every tensor of a safetensors file, as f32.
+pub fn read_weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    tensors
+        .tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            (name, values)
+        })
+        .collect()
+}
+
+/// Largest absolute difference between two sets of weights with the same names and shapes.
+pub fn max_abs_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "different tensors");
+    let mut worst = 0f32;
+    for (name, x) in a {
+        let y = &b[name];
+        assert_eq!(x.len(), y.len(), "{name}");
+        for (p, q) in x.iter().zip(y) {
+            worst = worst.max((p - q).abs());
+        }
+    }
+    worst
+}

@@ -1,0 +1,9 @@
+//! End-to-end tests: real `trainer` processes, real sockets on loopback, real files.
+//!
+//! One test binary (each links all of Burn). Every child process runs under a watchdog, so a
+//! hang fails the test with the child's output instead of blocking CI.
+
+mod common;
+
+mod collectives;
+mod training;
