@@ -53,10 +53,8 @@ impl DistEnv {
     /// Parses the variables returned by `lookup`; pure, for tests.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, InitError> {
         let hint = "set by torchrun, `trainer --nproc-per-node`, SLURM (srun) or Open MPI (mpirun)";
-        let (rank_var, rank) = first_usize(&lookup, &RANK_VARS)?.ok_or(InitError::Missing {
-            name: "RANK",
-            hint,
-        })?;
+        let (rank_var, rank) =
+            first_usize(&lookup, &RANK_VARS)?.ok_or(InitError::Missing { name: "RANK", hint })?;
         let (world_var, world_size) =
             first_usize(&lookup, &WORLD_VARS)?.ok_or(InitError::Missing {
                 name: "WORLD_SIZE",
@@ -182,7 +180,12 @@ mod tests {
         v.extend(MASTER);
         let env = parse(&v).unwrap();
         assert_eq!(
-            (env.rank, env.world_size, env.local_rank, env.local_world_size),
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
             (3, 8, 1, 2)
         );
         assert_eq!(env.master_endpoint(), "127.0.0.1:29500");
@@ -198,7 +201,15 @@ mod tests {
         ];
         v.extend(MASTER);
         let env = parse(&v).unwrap();
-        assert_eq!((env.rank, env.world_size, env.local_rank, env.local_world_size), (5, 6, 2, 3));
+        assert_eq!(
+            (
+                env.rank,
+                env.world_size,
+                env.local_rank,
+                env.local_world_size
+            ),
+            (5, 6, 2, 3)
+        );
         let mut v = vec![("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2")];
         v.extend(MASTER);
         let env = parse(&v).unwrap();
@@ -212,8 +223,13 @@ mod tests {
         let mut v = vec![("RANK", "2"), ("WORLD_SIZE", "2")];
         v.extend(MASTER);
         let err = parse(&v).unwrap_err().to_string();
-        assert!(err.contains("RANK=2") && err.contains("WORLD_SIZE=2"), "{err}");
-        let err = parse(&[("RANK", "0"), ("WORLD_SIZE", "x")]).unwrap_err().to_string();
+        assert!(
+            err.contains("RANK=2") && err.contains("WORLD_SIZE=2"),
+            "{err}"
+        );
+        let err = parse(&[("RANK", "0"), ("WORLD_SIZE", "x")])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("WORLD_SIZE=\"x\""), "{err}");
         let err = parse(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")])
             .unwrap_err()

@@ -13,7 +13,10 @@ use crate::group::CollectiveDesc;
 pub enum InitError {
     /// A variable that must be present is absent.
     #[error("environment variable {name} is not set ({hint})")]
-    Missing { name: &'static str, hint: &'static str },
+    Missing {
+        name: &'static str,
+        hint: &'static str,
+    },
     /// A variable is present but does not parse.
     #[error("environment variable {name}={value:?} is not valid: {reason}")]
     Invalid {

@@ -43,37 +43,41 @@ impl Distributed {
         let server = if env.rank == 0 && !agent_store {
             // Listen on loopback when rank 0's address is a loopback one (every rank is local):
             // nothing outside this machine can reach the store then.
-            let bind_ip = if is_loopback(&endpoint) { "127.0.0.1" } else { "0.0.0.0" };
+            let bind_ip = if is_loopback(&endpoint) {
+                "127.0.0.1"
+            } else {
+                "0.0.0.0"
+            };
             let bind = format!("{bind_ip}:{}", env.master_port);
-            Some(TcpStoreServer::bind(&bind, &options.token).map_err(|source| {
+            Some(
+                TcpStoreServer::bind(&bind, &options.token).map_err(|source| {
+                    CollectiveError::Store {
+                        rank: env.rank,
+                        source,
+                    }
+                })?,
+            )
+        } else {
+            None
+        };
+        let store =
+            TcpStore::connect(&endpoint, &options.token, options.timeout).map_err(|source| {
                 CollectiveError::Store {
                     rank: env.rank,
                     source,
                 }
-            })?)
-        } else {
-            None
-        };
-        let store = TcpStore::connect(&endpoint, &options.token, options.timeout).map_err(
-            |source| CollectiveError::Store {
-                rank: env.rank,
-                source,
-            },
-        )?;
+            })?;
         if options.advertise_ip.is_none() {
             options.advertise_ip = store.local_ip();
         }
         let store = Arc::new(store);
         if options.advertise_ip.is_none() {
-            return Err(setup(format!("cannot tell which local address reaches {endpoint}")));
+            return Err(setup(format!(
+                "cannot tell which local address reaches {endpoint}"
+            )));
         }
         let store: Arc<dyn Store> = store;
-        let group = TcpProcessGroup::new(
-            store.clone(),
-            env.rank,
-            env.world_size,
-            options,
-        )?;
+        let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
         Ok(Self {
             env,
             group,

@@ -89,7 +89,10 @@ impl DistributedSampler {
     /// If `world_size == 0` or `rank >= world_size` (a broken invariant of the caller: both come
     /// from a formed process group).
     pub fn new(len: usize, world_size: usize, rank: usize) -> Self {
-        assert!(world_size > 0 && rank < world_size, "rank {rank} of {world_size}");
+        assert!(
+            world_size > 0 && rank < world_size,
+            "rank {rank} of {world_size}"
+        );
         Self {
             len,
             world_size,
@@ -126,12 +129,21 @@ impl DistributedSampler {
 
     /// This rank's samples of `epoch`, skipping the first `consumed` global positions.
     pub fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
-        shard(&self.epoch_order(epoch), consumed, self.world_size, self.rank, self.drop_last)
+        shard(
+            &self.epoch_order(epoch),
+            consumed,
+            self.world_size,
+            self.rank,
+            self.drop_last,
+        )
     }
 
     /// This rank's data-set indices of `epoch` after `consumed` global positions.
     pub fn indices(&self, epoch: u64, consumed: usize) -> Vec<usize> {
-        self.samples(epoch, consumed).iter().map(|s| s.index).collect()
+        self.samples(epoch, consumed)
+            .iter()
+            .map(|s| s.index)
+            .collect()
     }
 
     /// Global positions consumed once every rank has taken `steps` batches of `batch_size`
@@ -148,7 +160,13 @@ impl DistributedSampler {
 
 /// Rank `rank`'s part of `order[consumed..]` (module docs): strided, padded or truncated to a
 /// multiple of `world_size`.
-fn shard(order: &[usize], consumed: usize, world_size: usize, rank: usize, drop_last: bool) -> Vec<Sample> {
+fn shard(
+    order: &[usize],
+    consumed: usize,
+    world_size: usize,
+    rank: usize,
+    drop_last: bool,
+) -> Vec<Sample> {
     let rest = &order[consumed.min(order.len())..];
     let total = if drop_last {
         rest.len() / world_size * world_size
@@ -181,8 +199,17 @@ pub struct WeightedDistributedSampler {
 impl WeightedDistributedSampler {
     /// `weights[i]` is the relative probability of drawing sample `i`. Returns `None` when the
     /// weights are empty, negative, not finite, or all zero.
-    pub fn new(weights: &[f64], num_samples: usize, world_size: usize, rank: usize, seed: u64) -> Option<Self> {
-        if world_size == 0 || rank >= world_size || weights.iter().any(|w| !w.is_finite() || *w < 0.0) {
+    pub fn new(
+        weights: &[f64],
+        num_samples: usize,
+        world_size: usize,
+        rank: usize,
+        seed: u64,
+    ) -> Option<Self> {
+        if world_size == 0
+            || rank >= world_size
+            || weights.iter().any(|w| !w.is_finite() || *w < 0.0)
+        {
             return None;
         }
         let total: f64 = weights.iter().sum();
@@ -220,7 +247,13 @@ impl WeightedDistributedSampler {
 
     /// This rank's samples of `epoch` after `consumed` global positions (padded).
     pub fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
-        shard(&self.epoch_order(epoch), consumed, self.world_size, self.rank, false)
+        shard(
+            &self.epoch_order(epoch),
+            consumed,
+            self.world_size,
+            self.rank,
+            false,
+        )
     }
 }
 
@@ -229,7 +262,13 @@ mod tests {
     use super::*;
     use std::collections::BTreeMap;
 
-    fn all_ranks(len: usize, world: usize, drop_last: bool, epoch: u64, consumed: usize) -> Vec<Vec<Sample>> {
+    fn all_ranks(
+        len: usize,
+        world: usize,
+        drop_last: bool,
+        epoch: u64,
+        consumed: usize,
+    ) -> Vec<Vec<Sample>> {
         (0..world)
             .map(|r| {
                 DistributedSampler::new(len, world, r)
@@ -245,10 +284,22 @@ mod tests {
         for len in [0, 1, 5, 10, 97, 100] {
             for world in 1..6 {
                 let shards = all_ranks(len, world, false, 3, 0);
-                assert!(shards.iter().all(|s| s.len() == shards[0].len()), "equal steps");
-                let mut real: Vec<usize> = shards.iter().flatten().filter(|s| !s.is_padding).map(|s| s.index).collect();
+                assert!(
+                    shards.iter().all(|s| s.len() == shards[0].len()),
+                    "equal steps"
+                );
+                let mut real: Vec<usize> = shards
+                    .iter()
+                    .flatten()
+                    .filter(|s| !s.is_padding)
+                    .map(|s| s.index)
+                    .collect();
                 real.sort_unstable();
-                assert_eq!(real, (0..len).collect::<Vec<_>>(), "len {len} world {world}");
+                assert_eq!(
+                    real,
+                    (0..len).collect::<Vec<_>>(),
+                    "len {len} world {world}"
+                );
                 let padding = shards.iter().flatten().filter(|s| s.is_padding).count();
                 assert!(padding < world);
 
@@ -271,19 +322,33 @@ mod tests {
         let mut sorted = s0.epoch_order(4);
         sorted.sort_unstable();
         assert_eq!(sorted, (0..50).collect::<Vec<_>>());
-        assert_eq!(DistributedSampler::new(5, 1, 0).with_shuffle(false).indices(9, 0), vec![0, 1, 2, 3, 4]);
+        assert_eq!(
+            DistributedSampler::new(5, 1, 0)
+                .with_shuffle(false)
+                .indices(9, 0),
+            vec![0, 1, 2, 3, 4]
+        );
     }
 
     #[test]
     fn union_of_kth_batches_is_the_single_process_kth_batch() {
         let (len, b) = (64, 4);
-        let single = DistributedSampler::new(len, 1, 0).with_seed(3).indices(2, 0);
+        let single = DistributedSampler::new(len, 1, 0)
+            .with_seed(3)
+            .indices(2, 0);
         for world in [2, 4] {
             let shards: Vec<Vec<usize>> = (0..world)
-                .map(|r| DistributedSampler::new(len, world, r).with_seed(3).indices(2, 0))
+                .map(|r| {
+                    DistributedSampler::new(len, world, r)
+                        .with_seed(3)
+                        .indices(2, 0)
+                })
                 .collect();
             for k in 0..len / (b * world) {
-                let mut union: Vec<usize> = shards.iter().flat_map(|s| s[k * b..(k + 1) * b].to_vec()).collect();
+                let mut union: Vec<usize> = shards
+                    .iter()
+                    .flat_map(|s| s[k * b..(k + 1) * b].to_vec())
+                    .collect();
                 let mut expected = single[k * b * world..(k + 1) * b * world].to_vec();
                 union.sort_unstable();
                 expected.sort_unstable();
@@ -319,7 +384,9 @@ mod tests {
     #[test]
     fn eval_indices_cover_each_sample_exactly_once() {
         for world in 1..5 {
-            let mut all: Vec<usize> = (0..world).flat_map(|r| DistributedSampler::new(10, world, r).eval_indices()).collect();
+            let mut all: Vec<usize> = (0..world)
+                .flat_map(|r| DistributedSampler::new(10, world, r).eval_indices())
+                .collect();
             all.sort_unstable();
             assert_eq!(all, (0..10).collect::<Vec<_>>());
         }

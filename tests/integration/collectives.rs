@@ -6,7 +6,10 @@ use crate::common::*;
 
 fn launch(nproc: usize, args: &[&str]) -> Output {
     let mut cmd = trainer();
-    cmd.arg("collectives").arg("--nproc-per-node").arg(nproc.to_string()).args(args);
+    cmd.arg("collectives")
+        .arg("--nproc-per-node")
+        .arg(nproc.to_string())
+        .args(args);
     run(&mut cmd)
 }
 
@@ -16,8 +19,18 @@ fn every_collective_is_exact_for_2_3_4_ranks_and_awkward_lengths() {
         for len in ["0", "1", "7", "1001"] {
             for dtype in ["i64", "f32"] {
                 let out = launch(nproc, &["--len", len, "--dtype", dtype, "--root", "1"]);
-                assert_eq!(out.code, Some(0), "{nproc} ranks, len {len} {dtype}:\n{}", out.all());
-                assert_eq!(out.stdout.matches("all results correct").count(), nproc, "{}", out.all());
+                assert_eq!(
+                    out.code,
+                    Some(0),
+                    "{nproc} ranks, len {len} {dtype}:\n{}",
+                    out.all()
+                );
+                assert_eq!(
+                    out.stdout.matches("all results correct").count(),
+                    nproc,
+                    "{}",
+                    out.all()
+                );
             }
         }
     }
@@ -27,9 +40,31 @@ fn every_collective_is_exact_for_2_3_4_ranks_and_awkward_lengths() {
 fn sixty_four_mib_buffers() {
     // 8 Mi i64 = 64 MiB per rank, exact integer results.
     for nproc in [2, 3] {
-        let out = launch(nproc, &["--len", &(8 << 20).to_string(), "--dtype", "i64", "--op", "all_reduce"]);
+        let out = launch(
+            nproc,
+            &[
+                "--len",
+                &(8 << 20).to_string(),
+                "--dtype",
+                "i64",
+                "--op",
+                "all_reduce",
+            ],
+        );
         assert_eq!(out.code, Some(0), "{}", out.all());
-        let out = launch(nproc, &["--len", &(16 << 20).to_string(), "--dtype", "f32", "--op", "broadcast", "--root", "1"]);
+        let out = launch(
+            nproc,
+            &[
+                "--len",
+                &(16 << 20).to_string(),
+                "--dtype",
+                "f32",
+                "--op",
+                "broadcast",
+                "--root",
+                "1",
+            ],
+        );
         assert_eq!(out.code, Some(0), "{}", out.all());
     }
 }
@@ -37,7 +72,11 @@ fn sixty_four_mib_buffers() {
 /// Starts one rank by hand, as torchrun or SLURM would.
 fn rank(rank: usize, world: &str, port: u16, extra: &[&str]) -> Command {
     let mut cmd = trainer();
-    let timeout = if extra.contains(&"--timeout-secs") { &[][..] } else { &["--timeout-secs", "20"][..] };
+    let timeout = if extra.contains(&"--timeout-secs") {
+        &[][..]
+    } else {
+        &["--timeout-secs", "20"][..]
+    };
     cmd.arg("collectives")
         .args(timeout)
         .args(extra)
@@ -50,18 +89,52 @@ fn rank(rank: usize, world: &str, port: u16, extra: &[&str]) -> Command {
 
 #[test]
 fn mismatched_lengths_fail_on_every_rank_naming_both_calls() {
-    let out = launch(2, &["--len", "7", "--len-for-rank", "1=8", "--op", "all_reduce", "--timeout-secs", "60"]);
+    let out = launch(
+        2,
+        &[
+            "--len",
+            "7",
+            "--len-for-rank",
+            "1=8",
+            "--op",
+            "all_reduce",
+            "--timeout-secs",
+            "60",
+        ],
+    );
     assert_ne!(out.code, Some(0), "{}", out.all());
     assert!(out.stderr.contains("collective mismatch"), "{}", out.all());
-    assert!(out.stderr.contains("7 elements") && out.stderr.contains("8 elements"), "{}", out.all());
-    assert!(out.stderr.contains("rank 1 failed") || out.stderr.contains("rank 0 failed"), "launcher names the rank:\n{}", out.all());
+    assert!(
+        out.stderr.contains("7 elements") && out.stderr.contains("8 elements"),
+        "{}",
+        out.all()
+    );
+    assert!(
+        out.stderr.contains("rank 1 failed") || out.stderr.contains("rank 0 failed"),
+        "launcher names the rank:\n{}",
+        out.all()
+    );
 }
 
 #[test]
 fn all_reduce_against_broadcast_is_a_mismatch_not_a_hang() {
-    let out = launch(3, &["--op", "all_reduce", "--op-for-rank", "2=broadcast", "--timeout-secs", "60"]);
+    let out = launch(
+        3,
+        &[
+            "--op",
+            "all_reduce",
+            "--op-for-rank",
+            "2=broadcast",
+            "--timeout-secs",
+            "60",
+        ],
+    );
     assert_ne!(out.code, Some(0), "{}", out.all());
-    assert!(out.stderr.contains("all_reduce(Sum") && out.stderr.contains("broadcast(root 0"), "{}", out.all());
+    assert!(
+        out.stderr.contains("all_reduce(Sum") && out.stderr.contains("broadcast(root 0"),
+        "{}",
+        out.all()
+    );
 }
 
 #[test]
@@ -72,7 +145,11 @@ fn different_world_sizes_are_refused_by_every_rank() {
     let (a, b) = (finish(a), finish(b));
     for out in [&a, &b] {
         assert_ne!(out.code, Some(0), "{}", out.all());
-        assert!(out.stderr.contains("WORLD_SIZE=3") && out.stderr.contains("WORLD_SIZE=2"), "{}", out.all());
+        assert!(
+            out.stderr.contains("WORLD_SIZE=3") && out.stderr.contains("WORLD_SIZE=2"),
+            "{}",
+            out.all()
+        );
     }
 }
 
@@ -82,11 +159,19 @@ fn a_port_in_use_is_a_clear_error() {
     let port = taken.local_addr().unwrap().port();
     let out = run(&mut rank(0, "2", port, &[]));
     assert_ne!(out.code, Some(0));
-    assert!(out.stderr.contains(&format!("127.0.0.1:{port}")) && out.stderr.contains("MASTER_PORT"), "{}", out.all());
+    assert!(
+        out.stderr.contains(&format!("127.0.0.1:{port}")) && out.stderr.contains("MASTER_PORT"),
+        "{}",
+        out.all()
+    );
     // The launcher says the same, with exit code 2 (a usage problem).
     let out = launch(2, &["--master-port", &port.to_string()]);
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert!(out.stderr.contains("already in use") || out.stderr.contains("Address in use"), "{}", out.all());
+    assert!(
+        out.stderr.contains("already in use") || out.stderr.contains("Address in use"),
+        "{}",
+        out.all()
+    );
 }
 
 #[test]
@@ -94,7 +179,11 @@ fn an_unreachable_master_times_out_naming_the_address() {
     let port = unused_port();
     let out = run(&mut rank(1, "2", port, &["--timeout-secs", "2"]));
     assert_ne!(out.code, Some(0));
-    assert!(out.stderr.contains(&format!("127.0.0.1:{port}")) && out.stderr.contains("could not reach"), "{}", out.all());
+    assert!(
+        out.stderr.contains(&format!("127.0.0.1:{port}")) && out.stderr.contains("could not reach"),
+        "{}",
+        out.all()
+    );
 }
 
 #[test]
@@ -102,12 +191,20 @@ fn a_rank_that_never_arrives_is_named() {
     let port = unused_port();
     let out = run(&mut rank(0, "3", port, &["--timeout-secs", "3"]));
     assert_ne!(out.code, Some(0));
-    assert!(out.stderr.contains("rank(s) 1, 2 never joined"), "{}", out.all());
+    assert!(
+        out.stderr.contains("rank(s) 1, 2 never joined"),
+        "{}",
+        out.all()
+    );
 }
 
 #[test]
 fn missing_environment_names_the_variable() {
-    let out = run(trainer().args(["collectives"]).env("RANK", "0").env("WORLD_SIZE", "2").env("MASTER_ADDR", "127.0.0.1"));
+    let out = run(trainer()
+        .args(["collectives"])
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("MASTER_ADDR", "127.0.0.1"));
     assert_eq!(out.code, Some(2), "{}", out.all());
     assert!(out.stderr.contains("MASTER_PORT"), "{}", out.all());
 }

@@ -13,7 +13,18 @@ pub fn trainer() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainer"));
     cmd.current_dir(env!("CARGO_MANIFEST_DIR").to_string() + "/..");
     // Never inherit a launcher's identity from the environment running the tests.
-    for var in ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TRAINER_WORKER", "BURN_DDP_TOKEN", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"] {
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TRAINER_WORKER",
+        "BURN_DDP_TOKEN",
+        "SLURM_PROCID",
+        "OMPI_COMM_WORLD_RANK",
+    ] {
         cmd.env_remove(var);
     }
     cmd
@@ -35,7 +46,10 @@ impl Output {
 
 /// Starts `cmd` with piped output.
 pub fn spawn(cmd: &mut Command) -> Child {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("cannot start trainer")
+    cmd.stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("cannot start trainer")
 }
 
 /// Waits for `child` under the watchdog; a child still running after it is killed and the test
@@ -70,7 +84,11 @@ pub fn finish(mut child: Child) -> Output {
         stdout: out_reader.join().unwrap_or_default(),
         stderr: err_reader.join().unwrap_or_default(),
     };
-    assert!(status.is_some(), "the process hung past the {WATCHDOG:?} watchdog:\n{}", output.all());
+    assert!(
+        status.is_some(),
+        "the process hung past the {WATCHDOG:?} watchdog:\n{}",
+        output.all()
+    );
     output
 }
 
@@ -80,7 +98,9 @@ pub fn run(cmd: &mut Command) -> Output {
 
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join("burn-ddp-tests").join(format!("{name}-{}", std::process::id()));
+    let dir = std::env::temp_dir()
+        .join("burn-ddp-tests")
+        .join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
     dir
@@ -88,16 +108,29 @@ pub fn scratch(name: &str) -> PathBuf {
 
 /// A port nobody listens on right now (bound, then released).
 pub fn unused_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// Writes a config into `dir/name.toml` and returns its path. `body` holds every section; the
 /// checkpoint and output directories are placed under `dir`.
 pub fn write_config(dir: &Path, name: &str, body: &str) -> PathBuf {
     let text = body
-        .replace("{ckpt}", &dir.join(format!("{name}-ckpt")).display().to_string())
-        .replace("{out}", &dir.join(format!("{name}-out")).display().to_string())
-        .replace("{data}", &(env!("CARGO_MANIFEST_DIR").to_string() + "/../data/digits.csv.gz"));
+        .replace(
+            "{ckpt}",
+            &dir.join(format!("{name}-ckpt")).display().to_string(),
+        )
+        .replace(
+            "{out}",
+            &dir.join(format!("{name}-out")).display().to_string(),
+        )
+        .replace(
+            "{data}",
+            &(env!("CARGO_MANIFEST_DIR").to_string() + "/../data/digits.csv.gz"),
+        );
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).unwrap();
     path
@@ -109,10 +142,14 @@ pub fn newest_checkpoint(root: &Path) -> PathBuf {
         .unwrap_or_else(|e| panic!("no checkpoints in {}: {e}", root.display()))
         .filter_map(Result::ok)
         .map(|e| e.path())
-        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+        })
         .collect();
     dirs.sort();
-    dirs.pop().unwrap_or_else(|| panic!("no checkpoints in {}", root.display()))
+    dirs.pop()
+        .unwrap_or_else(|| panic!("no checkpoints in {}", root.display()))
 }
 
 /// Every tensor of a safetensors file, as f32.
@@ -124,7 +161,11 @@ pub fn read_weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
         .into_iter()
         .map(|(name, view)| {
             assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
-            let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
             (name, values)
         })
         .collect()
@@ -132,7 +173,11 @@ pub fn read_weights(path: &Path) -> BTreeMap<String, Vec<f32>> {
 
 /// Largest absolute difference between two sets of weights with the same names and shapes.
 pub fn max_abs_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f32 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "different tensors");
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "different tensors"
+    );
     let mut worst = 0f32;
     for (name, x) in a {
         let y = &b[name];

@@ -43,8 +43,17 @@ const SGD: &str = "name = \"sgd\"\nlearning_rate = 0.05";
 const ADAM: &str = "name = \"adam\"\nlearning_rate = 0.003";
 
 fn train(config: &Path, nproc: usize) -> Output {
-    let out = run(trainer().arg("--config").arg(config).arg("--nproc-per-node").arg(nproc.to_string()));
-    assert_eq!(out.code, Some(0), "training with {nproc} rank(s) failed:\n{}", out.all());
+    let out = run(trainer()
+        .arg("--config")
+        .arg(config)
+        .arg("--nproc-per-node")
+        .arg(nproc.to_string()));
+    assert_eq!(
+        out.code,
+        Some(0),
+        "training with {nproc} rank(s) failed:\n{}",
+        out.all()
+    );
     out
 }
 
@@ -56,36 +65,56 @@ fn final_weights(dir: &Path, name: &str) -> BTreeMap<String, Vec<f32>> {
 #[test]
 fn two_ranks_match_one_rank_with_the_global_batch() {
     for (optimizer, tolerance) in [(SGD, 1e-5f32), (ADAM, 1e-4)] {
-        let dir = scratch(if optimizer == SGD { "ddp-sgd" } else { "ddp-adam" });
+        let dir = scratch(if optimizer == SGD {
+            "ddp-sgd"
+        } else {
+            "ddp-adam"
+        });
         let two = write_config(&dir, "two", &digits_config(optimizer, 8, "max_steps = 25"));
         let one = write_config(&dir, "one", &digits_config(optimizer, 16, "max_steps = 25"));
         train(&two, 2);
         train(&one, 1);
         let diff = max_abs_diff(&final_weights(&dir, "two"), &final_weights(&dir, "one"));
-        assert!(diff < tolerance, "{optimizer}: max |w2 - w1| = {diff:e} >= {tolerance:e}");
+        assert!(
+            diff < tolerance,
+            "{optimizer}: max |w2 - w1| = {diff:e} >= {tolerance:e}"
+        );
         // And the run really moved away from its initial weights.
-        assert!(std::fs::read_to_string(dir.join("two-out/metrics.jsonl")).unwrap().contains("\"step\":25"));
+        assert!(std::fs::read_to_string(dir.join("two-out/metrics.jsonl"))
+            .unwrap()
+            .contains("\"step\":25"));
     }
 }
 
 #[test]
 fn accumulation_communicates_once_per_step_and_keeps_the_property() {
     let dir = scratch("ddp-accumulation");
-    let two = write_config(&dir, "two", &digits_config(SGD, 4, "max_steps = 20\naccumulation_steps = 2"));
+    let two = write_config(
+        &dir,
+        "two",
+        &digits_config(SGD, 4, "max_steps = 20\naccumulation_steps = 2"),
+    );
     let one = write_config(&dir, "one", &digits_config(SGD, 16, "max_steps = 20"));
     train(&two, 2);
     train(&one, 1);
     let diff = max_abs_diff(&final_weights(&dir, "two"), &final_weights(&dir, "one"));
     assert!(diff < 1e-5, "max |w2 - w1| = {diff:e}");
     let stats = std::fs::read_to_string(dir.join("two-out/reducer-stats.json")).unwrap();
-    assert!(stats.contains("\"syncs\":20") && stats.contains("\"steps\":20"), "{stats}");
-    assert!(stats.contains("\"bucket_all_reduces\":20"), "one bucket per sync for this model: {stats}");
+    assert!(
+        stats.contains("\"syncs\":20") && stats.contains("\"steps\":20"),
+        "{stats}"
+    );
+    assert!(
+        stats.contains("\"bucket_all_reduces\":20"),
+        "one bucket per sync for this model: {stats}"
+    );
 }
 
 #[test]
 fn a_killed_rank_loses_only_the_work_since_the_checkpoint() {
     let dir = scratch("crash-resume");
-    let body = digits_config(ADAM, 8, "max_steps = 30").replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 10");
+    let body = digits_config(ADAM, 8, "max_steps = 30")
+        .replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 10");
     let straight = write_config(&dir, "straight", &body);
     let crashed = write_config(&dir, "crashed", &body);
     train(&straight, 2);
@@ -97,13 +126,27 @@ fn a_killed_rank_loses_only_the_work_since_the_checkpoint() {
         .env("TRAINER_CRASH_AFTER_STEP", "15")
         .env("TRAINER_CRASH_RANK", "1"));
     assert_ne!(out.code, Some(0), "{}", out.all());
-    assert!(out.stderr.contains("rank 1 failed: killed by signal 9"), "the launcher names the rank and the signal:\n{}", out.all());
+    assert!(
+        out.stderr.contains("rank 1 failed: killed by signal 9"),
+        "the launcher names the rank and the signal:\n{}",
+        out.all()
+    );
     assert!(newest_checkpoint(&dir.join("crashed-ckpt")).ends_with("step-00000010"));
 
     let out = train(&crashed, 2);
-    assert!(out.stderr.contains("resumed from") && out.stderr.contains("step 10"), "{}", out.all());
-    let diff = max_abs_diff(&final_weights(&dir, "straight"), &final_weights(&dir, "crashed"));
-    assert!(diff <= 1e-6, "resumed run differs from the uninterrupted one by {diff:e}");
+    assert!(
+        out.stderr.contains("resumed from") && out.stderr.contains("step 10"),
+        "{}",
+        out.all()
+    );
+    let diff = max_abs_diff(
+        &final_weights(&dir, "straight"),
+        &final_weights(&dir, "crashed"),
+    );
+    assert!(
+        diff <= 1e-6,
+        "resumed run differs from the uninterrupted one by {diff:e}"
+    );
 }
 
 /// (index → times seen) over the non-padding samples of epoch 0 in `samples-rank*.txt`.
@@ -125,7 +168,11 @@ fn visits(out_dir: &Path, into: &mut BTreeMap<usize, usize>) {
 #[test]
 fn resuming_with_another_world_size_visits_every_sample_once() {
     let dir = scratch("reshard");
-    let first = write_config(&dir, "first", &digits_config(SGD, 8, "max_steps = 5").replace("epochs = 3", "epochs = 1"));
+    let first = write_config(
+        &dir,
+        "first",
+        &digits_config(SGD, 8, "max_steps = 5").replace("epochs = 3", "epochs = 1"),
+    );
     train(&first, 2);
     let mut before = BTreeMap::new();
     visits(&dir.join("first-out"), &mut before);
@@ -141,14 +188,29 @@ fn resuming_with_another_world_size_visits_every_sample_once() {
         for f in std::fs::read_dir(&src).unwrap().filter_map(Result::ok) {
             std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
         }
-        let config = write_config(&dir, &name, &digits_config(SGD, 8, "").replace("epochs = 3", "epochs = 1"));
+        let config = write_config(
+            &dir,
+            &name,
+            &digits_config(SGD, 8, "").replace("epochs = 3", "epochs = 1"),
+        );
         let out = train(&config, nproc);
-        assert!(out.stderr.contains("saved with world size 2"), "{}", out.all());
+        assert!(
+            out.stderr.contains("saved with world size 2"),
+            "{}",
+            out.all()
+        );
         let mut seen = before.clone();
         visits(&dir.join(format!("{name}-out")), &mut seen);
-        assert_eq!(seen.len(), 1438, "every training sample of the epoch, with {nproc} rank(s) after resume");
+        assert_eq!(
+            seen.len(),
+            1438,
+            "every training sample of the epoch, with {nproc} rank(s) after resume"
+        );
         let repeated: Vec<_> = seen.iter().filter(|(_, &c)| c != 1).collect();
-        assert!(repeated.is_empty(), "samples seen more than once with {nproc} rank(s): {repeated:?}");
+        assert!(
+            repeated.is_empty(),
+            "samples seen more than once with {nproc} rank(s): {repeated:?}"
+        );
     }
 }
 
@@ -157,21 +219,51 @@ fn bad_configs_exit_2_naming_the_field_or_file() {
     let dir = scratch("bad-input");
     let good = digits_config(SGD, 8, "max_steps = 2");
     let cases = [
-        ("unknown-key", good.replace("seed = 7", "seed = 7\nepochz = 3"), "epochz"),
-        ("wrong-type", good.replace("batch_size = 8", "batch_size = \"big\""), "batch_size"),
-        ("zero-batch", good.replace("batch_size = 8", "batch_size = 0"), "training.batch_size"),
-        ("missing-data", good.replace("{data}", "/nonexistent/digits.csv.gz"), "/nonexistent/digits.csv.gz"),
-        ("unknown-model", good.replace("name = \"mlp\"", "name = \"rnn\""), "unknown model 'rnn'"),
+        (
+            "unknown-key",
+            good.replace("seed = 7", "seed = 7\nepochz = 3"),
+            "epochz",
+        ),
+        (
+            "wrong-type",
+            good.replace("batch_size = 8", "batch_size = \"big\""),
+            "batch_size",
+        ),
+        (
+            "zero-batch",
+            good.replace("batch_size = 8", "batch_size = 0"),
+            "training.batch_size",
+        ),
+        (
+            "missing-data",
+            good.replace("{data}", "/nonexistent/digits.csv.gz"),
+            "/nonexistent/digits.csv.gz",
+        ),
+        (
+            "unknown-model",
+            good.replace("name = \"mlp\"", "name = \"rnn\""),
+            "unknown model 'rnn'",
+        ),
     ];
     for (name, body, needle) in cases {
         let config = write_config(&dir, name, &body);
         for nproc in ["1", "2"] {
-            let out = run(trainer().arg("--config").arg(&config).args(["--nproc-per-node", nproc]));
+            let out = run(trainer()
+                .arg("--config")
+                .arg(&config)
+                .args(["--nproc-per-node", nproc]));
             assert_eq!(out.code, Some(2), "{name}:\n{}", out.all());
-            assert!(out.stderr.contains(needle), "{name}: message should name {needle:?}:\n{}", out.all());
+            assert!(
+                out.stderr.contains(needle),
+                "{name}: message should name {needle:?}:\n{}",
+                out.all()
+            );
             assert!(!out.stderr.contains("panicked"), "{}", out.all());
         }
-        assert!(!dir.join(format!("{name}-ckpt")).exists(), "{name}: nothing written");
+        assert!(
+            !dir.join(format!("{name}-ckpt")).exists(),
+            "{name}: nothing written"
+        );
     }
 }
 
@@ -186,7 +278,12 @@ fn a_checkpoint_of_another_model_is_refused_and_left_intact() {
         let mut files: Vec<_> = std::fs::read_dir(&d)
             .unwrap()
             .filter_map(Result::ok)
-            .map(|f| (f.file_name().to_string_lossy().to_string(), std::fs::read(f.path()).unwrap()))
+            .map(|f| {
+                (
+                    f.file_name().to_string_lossy().to_string(),
+                    std::fs::read(f.path()).unwrap(),
+                )
+            })
             .collect();
         files.sort();
         files
@@ -196,13 +293,29 @@ fn a_checkpoint_of_another_model_is_refused_and_left_intact() {
         .replace("name = \"mlp\"\nhidden = [32]", "name = \"cnn\"")
         .replace("{ckpt}", &ckpt.display().to_string());
     let cnn = write_config(&dir, "cnn", &cnn_body);
-    let out = run(trainer().arg("--config").arg(&cnn).args(["--nproc-per-node", "2"]));
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&cnn)
+        .args(["--nproc-per-node", "2"]));
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert!(out.stderr.contains("does not fit this config") && out.stderr.contains("'mlp'"), "{}", out.all());
-    assert_eq!(snapshot(&ckpt), before, "the checkpoint must be left as it was");
+    assert!(
+        out.stderr.contains("does not fit this config") && out.stderr.contains("'mlp'"),
+        "{}",
+        out.all()
+    );
+    assert_eq!(
+        snapshot(&ckpt),
+        before,
+        "the checkpoint must be left as it was"
+    );
 
     // The eval command reads the mlp checkpoint back into the plain model.
-    let out = run(trainer().arg("eval").arg("--config").arg(&mlp).arg("--checkpoint").arg(&ckpt));
+    let out = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(&mlp)
+        .arg("--checkpoint")
+        .arg(&ckpt));
     assert_eq!(out.code, Some(0), "{}", out.all());
     assert!(out.stdout.contains("validation accuracy"), "{}", out.all());
 }
@@ -210,15 +323,31 @@ fn a_checkpoint_of_another_model_is_refused_and_left_intact() {
 #[test]
 fn the_main_job_reaches_95_percent_with_two_processes() {
     let dir = scratch("main-job");
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../configs/digits-mlp.toml")).unwrap();
+    let text = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../configs/digits-mlp.toml"
+    ))
+    .unwrap();
     let body = text
         .replace("runs/digits-mlp/checkpoints", "{ckpt}")
         .replace("\"runs/digits-mlp\"", "\"{out}\"")
         .replace("data/digits.csv.gz", "{data}");
     let config = write_config(&dir, "main", &body);
     let out = train(&config, 2);
-    let line = out.stdout.lines().find(|l| l.starts_with("final validation accuracy")).unwrap_or_else(|| panic!("{}", out.all()));
-    let accuracy: f64 = line.split_whitespace().nth(3).unwrap().trim_end_matches('%').parse().unwrap();
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("final validation accuracy"))
+        .unwrap_or_else(|| panic!("{}", out.all()));
+    let accuracy: f64 = line
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .trim_end_matches('%')
+        .parse()
+        .unwrap();
     assert!(accuracy >= 95.0, "{line}");
-    assert!(newest_checkpoint(&dir.join("main-ckpt")).join("model.safetensors").exists());
+    assert!(newest_checkpoint(&dir.join("main-ckpt"))
+        .join("model.safetensors")
+        .exists());
 }

@@ -77,9 +77,9 @@ pub struct CheckpointMismatch {
 /// FNV-1a 64: a fast, dependency-free detector of flipped bytes and truncation (not a defence
 /// against tampering).
 fn checksum(bytes: &[u8]) -> String {
-    let h = bytes
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    });
     format!("{h:016x}")
 }
 
@@ -106,7 +106,8 @@ where
     M: AutodiffModule<B> + ModuleSnapshot<B>,
     O: Optimizer<M, B>,
 {
-    fs::create_dir_all(root).with_context(|| format!("cannot create checkpoint directory {}", root.display()))?;
+    fs::create_dir_all(root)
+        .with_context(|| format!("cannot create checkpoint directory {}", root.display()))?;
     let name = step_dir_name(manifest.position.step);
     let final_dir = root.join(&name);
     if final_dir.exists() {
@@ -125,8 +126,11 @@ where
             .map_err(|e| anyhow::anyhow!("cannot write the optimizer state: {e}"))?;
         for file in [MODEL_FILE, OPTIMIZER_FILE] {
             let path = tmp.join(file);
-            let bytes = fs::read(&path).with_context(|| format!("cannot read back {}", path.display()))?;
-            manifest.checksums.insert(file.to_string(), checksum(&bytes));
+            let bytes =
+                fs::read(&path).with_context(|| format!("cannot read back {}", path.display()))?;
+            manifest
+                .checksums
+                .insert(file.to_string(), checksum(&bytes));
             File::open(&path)?.sync_all()?;
         }
         let mut f = File::create(tmp.join(MANIFEST_FILE))?;
@@ -161,7 +165,7 @@ fn list(root: &Path) -> Vec<(usize, PathBuf)> {
             Some((step, e.path()))
         })
         .collect();
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
     found
 }
 
@@ -175,8 +179,12 @@ fn prune(root: &Path, keep_last: usize) {
 
 /// Reads and verifies one checkpoint directory.
 pub fn open(dir: &Path) -> anyhow::Result<Checkpoint> {
-    let text = fs::read_to_string(dir.join(MANIFEST_FILE))
-        .with_context(|| format!("checkpoint {} has no readable {MANIFEST_FILE}", dir.display()))?;
+    let text = fs::read_to_string(dir.join(MANIFEST_FILE)).with_context(|| {
+        format!(
+            "checkpoint {} has no readable {MANIFEST_FILE}",
+            dir.display()
+        )
+    })?;
     let manifest: Manifest = serde_json::from_str(&text)
         .with_context(|| format!("checkpoint {}: {MANIFEST_FILE} is damaged", dir.display()))?;
     if manifest.format_version != FORMAT_VERSION {
@@ -187,8 +195,13 @@ pub fn open(dir: &Path) -> anyhow::Result<Checkpoint> {
         );
     }
     for file in [MODEL_FILE, OPTIMIZER_FILE] {
-        let bytes = fs::read(dir.join(file)).with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
-        let expected = manifest.checksums.get(file).map(String::as_str).unwrap_or("(none)");
+        let bytes = fs::read(dir.join(file))
+            .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
+        let expected = manifest
+            .checksums
+            .get(file)
+            .map(String::as_str)
+            .unwrap_or("(none)");
         let actual = checksum(&bytes);
         if actual != expected {
             bail!(
@@ -216,7 +229,11 @@ pub fn latest(root: &Path) -> Option<Checkpoint> {
 }
 
 /// Checks that `ckpt` was written for this model.
-pub fn check_compatible(ckpt: &Checkpoint, model: &str, model_fingerprint: &str) -> Result<(), CheckpointMismatch> {
+pub fn check_compatible(
+    ckpt: &Checkpoint,
+    model: &str,
+    model_fingerprint: &str,
+) -> Result<(), CheckpointMismatch> {
     let m = &ckpt.manifest;
     if m.model != model || m.model_fingerprint != model_fingerprint {
         return Err(CheckpointMismatch {
@@ -237,10 +254,12 @@ where
     M: AutodiffModule<B> + ModuleSnapshot<B>,
 {
     let mut store = SafetensorsStore::from_file(ckpt.dir.join(MODEL_FILE));
-    let result = model.load_from(&mut store).map_err(|e| CheckpointMismatch {
-        dir: ckpt.dir.clone(),
-        reason: format!("its weights do not load: {e}"),
-    })?;
+    let result = model
+        .load_from(&mut store)
+        .map_err(|e| CheckpointMismatch {
+            dir: ckpt.dir.clone(),
+            reason: format!("its weights do not load: {e}"),
+        })?;
     if !result.is_success() || !result.missing.is_empty() || !result.unused.is_empty() {
         return Err(CheckpointMismatch {
             dir: ckpt.dir.clone(),
@@ -286,14 +305,22 @@ mod tests {
     fn listing_orders_newest_first_and_ignores_temporaries() {
         let root = std::env::temp_dir().join(format!("ckpt-list-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        for d in ["step-00000002", "step-00000010", ".tmp-step-00000011-1", "other"] {
+        for d in [
+            "step-00000002",
+            "step-00000010",
+            ".tmp-step-00000011-1",
+            "other",
+        ] {
             fs::create_dir_all(root.join(d)).unwrap();
         }
         let steps: Vec<usize> = list(&root).into_iter().map(|(s, _)| s).collect();
         assert_eq!(steps, vec![10, 2]);
         prune(&root, 1);
         assert_eq!(list(&root).len(), 1);
-        assert!(latest(&root).is_none(), "no manifest: not a usable checkpoint");
+        assert!(
+            latest(&root).is_none(),
+            "no manifest: not a usable checkpoint"
+        );
         let _ = fs::remove_dir_all(&root);
     }
 }

@@ -71,7 +71,9 @@ pub fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            let rank = std::env::var("RANK").map(|r| format!("[rank {r}] ")).unwrap_or_default();
+            let rank = std::env::var("RANK")
+                .map(|r| format!("[rank {r}] "))
+                .unwrap_or_default();
             eprintln!("{rank}error: {}", describe_error(&e));
             ExitCode::from(exit_code(&e))
         }
@@ -103,7 +105,10 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || c.is::<models::ModelError>()
             || c.is::<crate::checkpoint::CheckpointMismatch>()
             || c.is::<burn_ddp::InitError>()
-            || matches!(c.downcast_ref::<burn_ddp::DdpError>(), Some(burn_ddp::DdpError::Init(_)))
+            || matches!(
+                c.downcast_ref::<burn_ddp::DdpError>(),
+                Some(burn_ddp::DdpError::Init(_))
+            )
     });
     if usage {
         2
@@ -132,7 +137,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         None => {
             let Some(config) = cli.train.config else {
-                return Err(UsageError("missing --config FILE (try `trainer --help`)".into()).into());
+                return Err(
+                    UsageError("missing --config FILE (try `trainer --help`)".into()).into(),
+                );
             };
             if cli.train.launch.nproc_per_node.is_some() && !is_worker {
                 launch::launch(&cli.train.launch, Some(&config))

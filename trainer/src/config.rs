@@ -286,9 +286,9 @@ impl Default for OutputConfig {
 
 /// FNV-1a as hex: stable across runs, platforms and Rust versions (std's hasher is not).
 fn fnv_hex(text: &str) -> String {
-    let hash = text
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    });
     format!("{hash:016x}")
 }
 
@@ -387,18 +387,27 @@ impl Config {
             return invalid("training.batch_size", "must be at least 1 (got 0)".into());
         }
         if t.accumulation_steps == 0 {
-            return invalid("training.accumulation_steps", "must be at least 1 (got 0)".into());
+            return invalid(
+                "training.accumulation_steps",
+                "must be at least 1 (got 0)".into(),
+            );
         }
         if t.log_every == 0 {
             return invalid("training.log_every", "must be at least 1 (got 0)".into());
         }
         let lr = self.optimizer.learning_rate;
         if !(lr.is_finite() && lr > 0.0) {
-            return invalid("optimizer.learning_rate", format!("must be a positive number (got {lr})"));
+            return invalid(
+                "optimizer.learning_rate",
+                format!("must be a positive number (got {lr})"),
+            );
         }
         let vf = self.data.validation_fraction;
         if !(0.0..1.0).contains(&vf) {
-            return invalid("data.validation_fraction", format!("must be in [0, 1) (got {vf})"));
+            return invalid(
+                "data.validation_fraction",
+                format!("must be in [0, 1) (got {vf})"),
+            );
         }
         if self.data.source == DataSource::Synthetic
             && (self.data.samples == 0 || self.data.features == 0 || self.data.classes < 2)
@@ -408,11 +417,17 @@ impl Config {
                 "must be at least 1, 1 and 2 for synthetic data".into(),
             );
         }
-        if !(self.distributed.bucket_cap_mb > 0.0) {
-            return invalid("distributed.bucket_cap_mb", format!("must be positive (got {})", self.distributed.bucket_cap_mb));
+        if self.distributed.bucket_cap_mb.is_nan() || self.distributed.bucket_cap_mb <= 0.0 {
+            return invalid(
+                "distributed.bucket_cap_mb",
+                format!("must be positive (got {})", self.distributed.bucket_cap_mb),
+            );
         }
         if self.distributed.timeout_secs == 0 {
-            return invalid("distributed.timeout_secs", "must be at least 1 (got 0)".into());
+            return invalid(
+                "distributed.timeout_secs",
+                "must be at least 1 (got 0)".into(),
+            );
         }
         if self.checkpoint.keep_last == 0 {
             return invalid("checkpoint.keep_last", "must be at least 1 (got 0)".into());
@@ -423,7 +438,10 @@ impl Config {
     /// A stable hash of the settings that shape the model and its training, compared across
     /// ranks at start-up (ranks with different settings refuse to start).
     pub fn fingerprint(&self) -> String {
-        fnv_hex(&toml::to_string(&(&self.model, &self.data, &self.optimizer, &self.training)).unwrap_or_default())
+        fnv_hex(
+            &toml::to_string(&(&self.model, &self.data, &self.optimizer, &self.training))
+                .unwrap_or_default(),
+        )
     }
 
     /// A stable hash of the model section alone: a checkpoint can only be loaded into a model
@@ -465,13 +483,24 @@ seed = 1
 
     #[test]
     fn errors_name_the_field() {
-        let err = parse(&format!("{MINIMAL}\n[distributed]\nbucket_cap = 3\n")).unwrap_err().to_string();
-        assert!(err.contains("bucket_cap") && err.contains("test.toml"), "{err}");
-        let err = parse(&MINIMAL.replace("epochs = 1", "epochs = \"one\"")).unwrap_err().to_string();
+        let err = parse(&format!("{MINIMAL}\n[distributed]\nbucket_cap = 3\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("bucket_cap") && err.contains("test.toml"),
+            "{err}"
+        );
+        let err = parse(&MINIMAL.replace("epochs = 1", "epochs = \"one\""))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("epochs"), "{err}");
-        let err = parse(&MINIMAL.replace("batch_size = 8", "batch_size = 0")).unwrap_err().to_string();
+        let err = parse(&MINIMAL.replace("batch_size = 8", "batch_size = 0"))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("training.batch_size"), "{err}");
-        let err = parse(&MINIMAL.replace("source = \"digits\"", "source = \"mnist\"")).unwrap_err().to_string();
+        let err = parse(&MINIMAL.replace("source = \"digits\"", "source = \"mnist\""))
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("mnist"), "{err}");
     }
 

@@ -69,16 +69,24 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
         (Some(a), _) => a.clone(),
         (None, 1) => "127.0.0.1".to_string(),
         (None, _) => {
-            return Err(UsageError("--master-addr (node 0's address) is required with --nnodes > 1".into()).into())
+            return Err(UsageError(
+                "--master-addr (node 0's address) is required with --nnodes > 1".into(),
+            )
+            .into())
         }
     };
     let token = std::env::var(TOKEN_VAR).unwrap_or_else(|_| random_token());
     let world_size = nproc * args.nnodes;
 
     let (server, port) = if args.node_rank == 0 {
-        let port = args.master_port.unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
+        let port = args
+            .master_port
+            .unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
         let local_only = args.nnodes == 1 && is_loopback_name(&master_addr);
-        let bind = format!("{}:{port}", if local_only { "127.0.0.1" } else { "0.0.0.0" });
+        let bind = format!(
+            "{}:{port}",
+            if local_only { "127.0.0.1" } else { "0.0.0.0" }
+        );
         let server = TcpStoreServer::bind(&bind, &token).map_err(|e| UsageError(e.to_string()))?;
         let port = server.local_addr().port();
         (Some(server), port)
@@ -91,6 +99,12 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
         args.nnodes
     );
 
+    // Like torchrun's OMP_NUM_THREADS: N ranks on one machine share its cores instead of each
+    // starting a thread per core (which oversubscribes the machine N times).
+    let threads_per_rank = std::env::var("RAYON_NUM_THREADS").ok().unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        (cores / nproc).max(1).to_string()
+    });
     let exe = std::env::current_exe().context("cannot find this program's path to start ranks")?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut children = Vec::with_capacity(nproc);
@@ -107,6 +121,7 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
             .env("MASTER_ADDR", &master_addr)
             .env("MASTER_PORT", port.to_string())
             .env(TOKEN_VAR, &token)
+            .env("RAYON_NUM_THREADS", &threads_per_rank)
             .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
         die_with_parent(&mut cmd);
         let child = cmd
@@ -159,7 +174,10 @@ fn supervise(mut children: Vec<(usize, Child)>) -> ExitCode {
         if let Some(&(rank, status)) = failed.first() {
             stop_all(&mut children, &done);
             for &(other, other_status) in &failed[1..] {
-                eprintln!("trainer launcher: rank {other} also failed: {}", describe(other_status));
+                eprintln!(
+                    "trainer launcher: rank {other} also failed: {}",
+                    describe(other_status)
+                );
             }
             eprintln!(
                 "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks. The cause is in rank {rank}'s messages above (lines tagged [rank {rank}]).",
@@ -225,7 +243,10 @@ pub fn describe(status: ExitStatus) -> String {
 }
 
 fn is_loopback_name(addr: &str) -> bool {
-    addr == "localhost" || addr.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+    addr == "localhost"
+        || addr
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// 128 random bits as hex, from the OS.

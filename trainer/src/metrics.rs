@@ -13,7 +13,10 @@ use serde::Serialize;
 
 /// Adds `values` over all ranks (collective). Metrics are sums of per-sample quantities with
 /// their counts, so the result is the exact global value however samples fall on ranks.
-pub fn global_sum<const N: usize>(group: &mut impl ProcessGroup, values: [f64; N]) -> Result<[f64; N], CollectiveError> {
+pub fn global_sum<const N: usize>(
+    group: &mut impl ProcessGroup,
+    values: [f64; N],
+) -> Result<[f64; N], CollectiveError> {
     let mut v = values;
     group.all_reduce(&mut v, ReduceOp::Sum)?;
     Ok(v)
@@ -53,9 +56,13 @@ impl Reporter {
     /// same file), and shows a progress bar over `total_steps` when stderr is a terminal.
     pub fn new(rank: usize, dir: &Path, total_steps: u64, done_steps: u64) -> anyhow::Result<Self> {
         if rank != 0 {
-            return Ok(Self { file: None, bar: None });
+            return Ok(Self {
+                file: None,
+                bar: None,
+            });
         }
-        fs::create_dir_all(dir).with_context(|| format!("cannot create output directory {}", dir.display()))?;
+        fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create output directory {}", dir.display()))?;
         let path = dir.join("metrics.jsonl");
         let file = OpenOptions::new()
             .create(true)
@@ -64,8 +71,10 @@ impl Reporter {
             .with_context(|| format!("cannot open {}", path.display()))?;
         let bar = ProgressBar::new(total_steps);
         bar.set_style(
-            ProgressStyle::with_template("{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} steps  {msg}  [{elapsed_precise} < {eta_precise}]",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
         );
         bar.set_position(done_steps);
         Ok(Self {

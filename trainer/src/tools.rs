@@ -70,10 +70,16 @@ impl FromI64 for f64 {
     }
 }
 
-fn per_rank<'a>(overrides: &'a [String], rank: usize, flag: &str) -> anyhow::Result<Option<&'a str>> {
+fn per_rank<'a>(
+    overrides: &'a [String],
+    rank: usize,
+    flag: &str,
+) -> anyhow::Result<Option<&'a str>> {
     for o in overrides {
         let Some((r, v)) = o.split_once('=') else {
-            bail!(UsageError(format!("--{flag} expects RANK=VALUE, got {o:?}")));
+            bail!(UsageError(format!(
+                "--{flag} expects RANK=VALUE, got {o:?}"
+            )));
         };
         if r.trim().parse::<usize>().ok() == Some(rank) {
             return Ok(Some(v.trim()));
@@ -91,12 +97,20 @@ pub fn collectives(args: &CollectiveArgs) -> anyhow::Result<ExitCode> {
     let mut dist = Distributed::from_env_or_standalone(options)?;
     let rank = dist.group.rank();
     let len = match per_rank(&args.len_for_rank, rank, "len-for-rank")? {
-        Some(v) => v.parse().map_err(|_| UsageError(format!("bad length {v:?}")))?,
+        Some(v) => v
+            .parse()
+            .map_err(|_| UsageError(format!("bad length {v:?}")))?,
         None => args.len,
     };
     let op = per_rank(&args.op_for_rank, rank, "op-for-rank")?.unwrap_or(&args.op);
     let ops: Vec<&str> = if op == "all" {
-        vec!["all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"]
+        vec![
+            "all_reduce",
+            "broadcast",
+            "all_gather",
+            "reduce_scatter",
+            "barrier",
+        ]
     } else {
         vec![op]
     };
@@ -106,17 +120,28 @@ pub fn collectives(args: &CollectiveArgs) -> anyhow::Result<ExitCode> {
                 "i64" => check_op::<i64>(&mut dist.group, op, len, args.root)?,
                 "f32" => check_op::<f32>(&mut dist.group, op, len, args.root)?,
                 "f64" => check_op::<f64>(&mut dist.group, op, len, args.root)?,
-                other => bail!(UsageError(format!("--dtype must be i64, f32 or f64, not {other:?}"))),
+                other => bail!(UsageError(format!(
+                    "--dtype must be i64, f32 or f64, not {other:?}"
+                ))),
             }
         }
     }
     // Keep rank 0 (which may host the store) alive until every rank is done.
     dist.group.barrier()?;
-    println!("rank {rank}: {} {} len {len}: all results correct", ops.join(","), args.dtype);
+    println!(
+        "rank {rank}: {} {} len {len}: all results correct",
+        ops.join(","),
+        args.dtype
+    );
     Ok(ExitCode::SUCCESS)
 }
 
-fn check_op<T: FromI64>(group: &mut impl ProcessGroup, op: &str, len: usize, root: usize) -> anyhow::Result<()> {
+fn check_op<T: FromI64>(
+    group: &mut impl ProcessGroup,
+    op: &str,
+    len: usize,
+    root: usize,
+) -> anyhow::Result<()> {
     let (rank, world) = (group.rank(), group.world_size());
     let mine: Vec<T> = (0..len).map(|i| value(rank, i)).collect();
     let (got, expected): (Vec<T>, Vec<T>) = match op {
@@ -156,7 +181,11 @@ fn check_op<T: FromI64>(group: &mut impl ProcessGroup, op: &str, len: usize, roo
         ))),
     };
     if let Some(i) = (0..got.len()).find(|&i| got[i] != expected[i]) {
-        bail!("rank {rank}: {op} gave a wrong result at element {i}: {:?}, expected {:?}", got[i], expected[i]);
+        bail!(
+            "rank {rank}: {op} gave a wrong result at element {i}: {:?}, expected {:?}",
+            got[i],
+            expected[i]
+        );
     }
     Ok(())
 }
@@ -191,7 +220,10 @@ pub fn bench_allreduce(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         let tcp = loopback_tcp_bandwidth().context("loopback TCP measurement failed")?;
         println!("# machine ceilings, measured now: memcpy {:.2} GB/s, one-stream loopback TCP {:.2} GB/s", memcpy / 1e9, tcp / 1e9);
         println!("# all_reduce f32 sum, {world} ranks, ring with {} KiB pieces; busbw = algbw x 2(n-1)/n", args.piece_kib);
-        println!("{:>12} {:>10} {:>12} {:>10} {:>10} {:>14}", "size(B)", "count", "time(us)", "algbw", "busbw", "busbw/tcp-ceil");
+        println!(
+            "{:>12} {:>10} {:>12} {:>10} {:>10} {:>14}",
+            "size(B)", "count", "time(us)", "algbw", "busbw", "busbw/tcp-ceil"
+        );
         let _ = std::io::stdout().flush();
         group.barrier()?;
         run_table(group, args, Some(tcp))?;
@@ -203,7 +235,11 @@ pub fn bench_allreduce(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn run_table(group: &mut impl ProcessGroup, args: &BenchArgs, ceiling: Option<f64>) -> anyhow::Result<()> {
+fn run_table(
+    group: &mut impl ProcessGroup,
+    args: &BenchArgs,
+    ceiling: Option<f64>,
+) -> anyhow::Result<()> {
     let world = group.world_size();
     let mut size = args.min_bytes.max(4);
     while size <= args.max_bytes {

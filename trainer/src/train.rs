@@ -24,7 +24,9 @@ use burn::module::AutodiffModule;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig};
+use burn::optim::{
+    AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig,
+};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn_ddp::ddp::{param_checksum, prepare_module, Reducer};
@@ -54,7 +56,10 @@ pub fn load_data(config: &Config) -> anyhow::Result<Data> {
     let (items, input) = match d.source {
         DataSource::Digits => {
             let (h, w) = data::DIGITS_IMAGE;
-            (data::load_digits(&d.path)?, InputShape::image(h, w, data::DIGITS_CLASSES))
+            (
+                data::load_digits(&d.path)?,
+                InputShape::image(h, w, data::DIGITS_CLASSES),
+            )
         }
         DataSource::Synthetic => (
             data::synthetic(d.samples, d.features, d.classes, d.split_seed),
@@ -68,7 +73,11 @@ pub fn load_data(config: &Config) -> anyhow::Result<Data> {
             d.validation_fraction
         )));
     }
-    Ok(Data { train, valid, input })
+    Ok(Data {
+        train,
+        valid,
+        input,
+    })
 }
 
 /// Checks what can be checked before any rank starts: config, data and model options.
@@ -117,7 +126,13 @@ pub fn run(config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
         job.data.input.clone(),
         job.device,
     );
-    let summary = models::with_model::<CpuBackend, _>(&name, &options, &input, &device, TrainTask { job: &mut job })??;
+    let summary = models::with_model::<CpuBackend, _>(
+        &name,
+        &options,
+        &input,
+        &device,
+        TrainTask { job: &mut job },
+    )??;
     if job.dist.env.rank == 0 {
         println!(
             "final validation accuracy: {:.2}% (loss {:.4}, {} samples, {} optimizer steps, world size {})",
@@ -169,7 +184,10 @@ impl<B: AutodiffBackend> Job<B> {
         let rank = self.rank();
         let store = &self.dist.store;
         store.set(&format!("trainer/config/{rank}"), ours.as_bytes())?;
-        let theirs = store.get("trainer/config/0", Duration::from_secs(self.config.distributed.timeout_secs))?;
+        let theirs = store.get(
+            "trainer/config/0",
+            Duration::from_secs(self.config.distributed.timeout_secs),
+        )?;
         if theirs != ours.as_bytes() {
             bail!(UsageError(format!(
                 "rank {rank}'s config differs from rank 0's (fingerprint {ours} vs {}): every rank must train with the same settings",
@@ -187,9 +205,15 @@ impl<B: AutodiffBackend> Job<B> {
             _ => None,
         };
         if let Some(ckpt) = &found {
-            checkpoint::check_compatible(ckpt, &self.config.model.name, &self.config.model_fingerprint())?;
+            checkpoint::check_compatible(
+                ckpt,
+                &self.config.model.name,
+                &self.config.model_fingerprint(),
+            )?;
         }
-        let step = found.as_ref().map_or(-1, |c| c.manifest.position.step as i64);
+        let step = found
+            .as_ref()
+            .map_or(-1, |c| c.manifest.position.step as i64);
         let mut agreed = [step];
         self.dist.group.broadcast(&mut agreed, 0)?;
         if agreed[0] != step {
@@ -204,7 +228,12 @@ impl<B: AutodiffBackend> Job<B> {
 
     /// Rank 0 writes; the others wait for it with the checkpoint timeout, so a slow disk never
     /// trips the collectives' deadline.
-    fn save_checkpoint<M, O>(&mut self, position: TrainPosition, model: &M, optim: &O) -> anyhow::Result<()>
+    fn save_checkpoint<M, O>(
+        &mut self,
+        position: TrainPosition,
+        model: &M,
+        optim: &O,
+    ) -> anyhow::Result<()>
     where
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
@@ -224,7 +253,13 @@ impl<B: AutodiffBackend> Job<B> {
                 position,
                 checksums: Default::default(),
             };
-            let result = checkpoint::save::<B, M, O>(&root, self.config.checkpoint.keep_last, manifest, model, optim);
+            let result = checkpoint::save::<B, M, O>(
+                &root,
+                self.config.checkpoint.keep_last,
+                manifest,
+                model,
+                optim,
+            );
             let status = match &result {
                 Ok(dir) => {
                     tracing::info!("checkpoint written: {}", dir.display());
@@ -238,9 +273,16 @@ impl<B: AutodiffBackend> Job<B> {
             result.map(|_| ())
         } else {
             let timeout = Duration::from_secs(self.config.checkpoint.timeout_secs);
-            let status = self.dist.store.get(&key, timeout).context("waiting for rank 0 to write a checkpoint")?;
+            let status = self
+                .dist
+                .store
+                .get(&key, timeout)
+                .context("waiting for rank 0 to write a checkpoint")?;
             if status != b"ok" {
-                bail!("rank 0 failed to write the checkpoint: {}", String::from_utf8_lossy(&status));
+                bail!(
+                    "rank 0 failed to write the checkpoint: {}",
+                    String::from_utf8_lossy(&status)
+                );
             }
             Ok(())
         }
@@ -264,13 +306,26 @@ impl<B: AutodiffBackend> ModelTask<B> for TrainTask<'_, B> {
         let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig::new(o.weight_decay as f32));
         match o.name {
             OptimizerName::Sgd => {
-                let momentum = (o.momentum > 0.0).then(|| MomentumConfig::new().with_momentum(o.momentum).with_dampening(0.0));
-                let optim = SgdConfig::new().with_momentum(momentum).with_weight_decay(decay).init();
+                let momentum = (o.momentum > 0.0).then(|| {
+                    MomentumConfig::new()
+                        .with_momentum(o.momentum)
+                        .with_dampening(0.0)
+                });
+                let optim = SgdConfig::new()
+                    .with_momentum(momentum)
+                    .with_weight_decay(decay)
+                    .init();
                 fit(self.job, model, optim)
             }
-            OptimizerName::Adam => fit(self.job, model, AdamConfig::new().with_weight_decay(decay).init()),
+            OptimizerName::Adam => fit(
+                self.job,
+                model,
+                AdamConfig::new().with_weight_decay(decay).init(),
+            ),
             OptimizerName::AdamW => {
-                let optim = AdamWConfig::new().with_weight_decay(o.weight_decay as f32).init();
+                let optim = AdamWConfig::new()
+                    .with_weight_decay(o.weight_decay as f32)
+                    .init();
                 fit(self.job, model, optim)
             }
         }
@@ -316,10 +371,13 @@ where
         .with_shuffle(t.shuffle)
         .with_drop_last(t.drop_last);
     let per_step = t.batch_size * t.accumulation_steps; // samples per rank per optimizer step
-    // Steps are counted from the start of the run; after a resume with another world size the
-    // rest of the current epoch takes a different number of steps than it would have.
+                                                        // Steps are counted from the start of the run; after a resume with another world size the
+                                                        // rest of the current epoch takes a different number of steps than it would have.
     let steps_per_epoch = sampler.samples(0, 0).len().div_ceil(per_step);
-    let rest_of_epoch = sampler.samples(position.epoch as u64, position.consumed).len().div_ceil(per_step);
+    let rest_of_epoch = sampler
+        .samples(position.epoch as u64, position.consumed)
+        .len()
+        .div_ceil(per_step);
     let planned = if position.epoch < t.epochs {
         position.step + rest_of_epoch + (t.epochs - position.epoch - 1) * steps_per_epoch
     } else {
@@ -328,7 +386,12 @@ where
     let total_steps = t.max_steps.unwrap_or(usize::MAX).min(planned);
     let mut reducer = Reducer::new(job.config.distributed.bucket_cap_mb);
     let loss_fn = CrossEntropyLossConfig::new().init::<B>(&job.device);
-    let mut reporter = Reporter::new(rank, &job.config.output.dir, total_steps as u64, position.step as u64)?;
+    let mut reporter = Reporter::new(
+        rank,
+        &job.config.output.dir,
+        total_steps as u64,
+        position.step as u64,
+    )?;
     let mut window = Window::new();
     let mut last_saved = restored.as_ref().map(|c| c.manifest.position.step);
     let mut last_valid = None;
@@ -342,7 +405,10 @@ where
             let mut accumulator = GradientsAccumulator::<M>::new();
             let mut chunk_loss = 0.0;
             for micro in chunk.chunks(t.batch_size) {
-                let items = micro.iter().map(|s| job.data.train[s.index].clone()).collect();
+                let items = micro
+                    .iter()
+                    .map(|s| job.data.train[s.index].clone())
+                    .collect();
                 let batch: ClassificationBatch<B> = ClassificationBatcher.batch(items, &job.device);
                 let loss = loss_fn.forward(model.forward(batch.inputs), batch.targets);
                 // Each micro-batch's mean weighted by its share: the sum is the step's mean.
@@ -353,7 +419,10 @@ where
             }
             let mut grads = accumulator.grads();
             reducer.sync(&mut job.dist.group, &model, &mut grads)?;
-            let lr = job.config.optimizer.learning_rate(world, position.step, total_steps);
+            let lr = job
+                .config
+                .optimizer
+                .learning_rate(world, position.step, total_steps);
             model = optim.step(lr, model, grads);
 
             position.step += 1;
@@ -363,7 +432,8 @@ where
                 log_samples(&job.config.output.dir, rank, position.epoch, chunk)?;
             }
             if position.step % t.log_every == 0 || position.step == total_steps {
-                let [loss_sum, steps] = global_sum(&mut job.dist.group, [window.loss, window.steps as f64])?;
+                let [loss_sum, steps] =
+                    global_sum(&mut job.dist.group, [window.loss, window.steps as f64])?;
                 let rate = window.rate();
                 reporter.record(&Record::Train {
                     epoch: position.epoch,
@@ -375,7 +445,12 @@ where
                 });
                 reporter.progress(
                     position.step as u64,
-                    format!("epoch {} loss {:.4} {:.0} samples/s", position.epoch + 1, loss_sum / steps.max(1.0), rate),
+                    format!(
+                        "epoch {} loss {:.4} {:.0} samples/s",
+                        position.epoch + 1,
+                        loss_sum / steps.max(1.0),
+                        rate
+                    ),
                 );
                 window = Window::new();
             }
@@ -396,7 +471,13 @@ where
             // The epoch is complete: validate, and checkpoint at the start of the next one.
             position.epoch += 1;
             position.consumed = 0;
-            let v = validate(&model, &job.data.valid, &mut job.dist.group, &job.device, t.batch_size)?;
+            let v = validate(
+                &model,
+                &job.data.valid,
+                &mut job.dist.group,
+                &job.device,
+                t.batch_size,
+            )?;
             reporter.record(&Record::Valid {
                 epoch: position.epoch - 1,
                 step: position.step,
@@ -406,7 +487,11 @@ where
             });
             reporter.say(&format!(
                 "epoch {}/{}: validation loss {:.4}, accuracy {:.2}% ({} samples)",
-                position.epoch, t.epochs, v.loss, v.accuracy * 100.0, v.samples
+                position.epoch,
+                t.epochs,
+                v.loss,
+                v.accuracy * 100.0,
+                v.samples
             ));
             last_valid = Some(v);
             let every = job.config.checkpoint.every_epochs;
@@ -425,15 +510,29 @@ where
     }
     let v = match last_valid {
         Some(v) if v.steps == position.step => v,
-        _ => validate(&model, &job.data.valid, &mut job.dist.group, &job.device, t.batch_size)?,
+        _ => validate(
+            &model,
+            &job.data.valid,
+            &mut job.dist.group,
+            &job.device,
+            t.batch_size,
+        )?,
     };
-    tracing::debug!(rank, syncs = reducer.stats().syncs, buckets = reducer.stats().bucket_all_reduces, "gradient synchronisation");
+    tracing::debug!(
+        rank,
+        syncs = reducer.stats().syncs,
+        buckets = reducer.stats().bucket_all_reduces,
+        "gradient synchronisation"
+    );
     if rank == 0 && job.config.output.log_samples {
         // Tests read the number of gradient synchronisations per optimizer step from here.
         let stats = reducer.stats();
         fs::write(
             job.config.output.dir.join("reducer-stats.json"),
-            format!("{{\"syncs\":{},\"bucket_all_reduces\":{},\"steps\":{}}}", stats.syncs, stats.bucket_all_reduces, position.step),
+            format!(
+                "{{\"syncs\":{},\"bucket_all_reduces\":{},\"steps\":{}}}",
+                stats.syncs, stats.bucket_all_reduces, position.step
+            ),
         )?;
     }
     Ok(Summary {
@@ -448,10 +547,16 @@ where
 /// `TRAINER_CRASH_RANK=R`, default every rank) kills this process with SIGKILL right after
 /// optimizer step `N` and its checkpoint — exactly what `kill -9` at that point does.
 fn crash_if_asked(rank: usize, step: usize) {
-    let at = std::env::var("TRAINER_CRASH_AFTER_STEP").ok().and_then(|v| v.parse::<usize>().ok());
-    let who = std::env::var("TRAINER_CRASH_RANK").ok().and_then(|v| v.parse::<usize>().ok());
+    let at = std::env::var("TRAINER_CRASH_AFTER_STEP")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let who = std::env::var("TRAINER_CRASH_RANK")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
     if at == Some(step) && who.is_none_or(|r| r == rank) {
-        eprintln!("[rank {rank}] TRAINER_CRASH_AFTER_STEP={step}: killing this process (fault injection)");
+        eprintln!(
+            "[rank {rank}] TRAINER_CRASH_AFTER_STEP={step}: killing this process (fault injection)"
+        );
         // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
@@ -497,14 +602,27 @@ struct Validation {
 
 /// Evaluates every validation sample exactly once across the ranks (no padding) and sums the
 /// per-sample loss and hits with their real counts. Collective.
-fn validate<B, M>(model: &M, valid: &[ClassificationItem], group: &mut impl ProcessGroup, device: &B::Device, batch_size: usize) -> anyhow::Result<Validation>
+fn validate<B, M>(
+    model: &M,
+    valid: &[ClassificationItem],
+    group: &mut impl ProcessGroup,
+    device: &B::Device,
+    batch_size: usize,
+) -> anyhow::Result<Validation>
 where
     B: AutodiffBackend,
     M: AutodiffModule<B>,
     M::InnerModule: Classifier<B::InnerBackend>,
 {
     let inner = model.valid();
-    let (loss_sum, hits, n) = evaluate_shard::<B::InnerBackend, _>(&inner, valid, group.rank(), group.world_size(), device, batch_size);
+    let (loss_sum, hits, n) = evaluate_shard::<B::InnerBackend, _>(
+        &inner,
+        valid,
+        group.rank(),
+        group.world_size(),
+        device,
+        batch_size,
+    );
     let [loss_sum, hits, n] = global_sum(group, [loss_sum, hits, n])?;
     Ok(Validation {
         loss: loss_sum / n.max(1.0),
@@ -527,17 +645,31 @@ fn evaluate_shard<B: Backend, M: Classifier<B>>(
     let loss_fn = CrossEntropyLossConfig::new().init::<B>(device);
     let (mut loss_sum, mut hits) = (0.0, 0.0);
     for chunk in indices.chunks(batch_size.max(1)) {
-        let batch: ClassificationBatch<B> = ClassificationBatcher.batch(chunk.iter().map(|&i| items[i].clone()).collect(), device);
+        let batch: ClassificationBatch<B> =
+            ClassificationBatcher.batch(chunk.iter().map(|&i| items[i].clone()).collect(), device);
         let logits = model.forward(batch.inputs);
         let predicted = logits.clone().argmax(1).flatten::<1>(0, 1);
-        hits += predicted.equal(batch.targets.clone()).int().sum().into_scalar().elem::<f64>();
-        loss_sum += loss_fn.forward(logits, batch.targets).into_scalar().elem::<f64>() * chunk.len() as f64;
+        hits += predicted
+            .equal(batch.targets.clone())
+            .int()
+            .sum()
+            .into_scalar()
+            .elem::<f64>();
+        loss_sum += loss_fn
+            .forward(logits, batch.targets)
+            .into_scalar()
+            .elem::<f64>()
+            * chunk.len() as f64;
     }
     (loss_sum, hits, indices.len() as f64)
 }
 
 /// Compares a checksum of the parameters across ranks; replicas must be bit-identical.
-fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(group: &mut impl ProcessGroup, model: &M, step: usize) -> anyhow::Result<()> {
+fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
+    group: &mut impl ProcessGroup,
+    model: &M,
+    step: usize,
+) -> anyhow::Result<()> {
     let ours = param_checksum::<B, M>(model) as i64;
     let mut all = vec![0i64; group.world_size()];
     group.all_gather(&[ours], &mut all)?;
@@ -552,9 +684,17 @@ fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(group: &mut impl Pro
 }
 
 /// Appends `epoch index is_padding` lines for the samples of one step (for tests).
-fn log_samples(dir: &Path, rank: usize, epoch: usize, chunk: &[burn_ddp::sampler::Sample]) -> anyhow::Result<()> {
+fn log_samples(
+    dir: &Path,
+    rank: usize,
+    epoch: usize,
+    chunk: &[burn_ddp::sampler::Sample],
+) -> anyhow::Result<()> {
     fs::create_dir_all(dir)?;
-    let mut f = OpenOptions::new().create(true).append(true).open(dir.join(format!("samples-rank{rank}.txt")))?;
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("samples-rank{rank}.txt")))?;
     for s in chunk {
         writeln!(f, "{epoch} {} {}", s.index, u8::from(s.is_padding))?;
     }
@@ -568,8 +708,12 @@ pub fn evaluate(config_path: &Path, checkpoint_path: &Path) -> anyhow::Result<Ex
     let ckpt = if checkpoint_path.join("manifest.json").exists() {
         checkpoint::open(checkpoint_path)?
     } else {
-        checkpoint::latest(checkpoint_path)
-            .ok_or_else(|| UsageError(format!("no usable checkpoint in {}", checkpoint_path.display())))?
+        checkpoint::latest(checkpoint_path).ok_or_else(|| {
+            UsageError(format!(
+                "no usable checkpoint in {}",
+                checkpoint_path.display()
+            ))
+        })?
     };
     checkpoint::check_compatible(&ckpt, &config.model.name, &config.model_fingerprint())?;
     struct Eval<'a> {
@@ -585,7 +729,14 @@ pub fn evaluate(config_path: &Path, checkpoint_path: &Path) -> anyhow::Result<Ex
             M::InnerModule: Classifier<Flex>,
         {
             let model = checkpoint::load_model::<CpuBackend, M>(self.ckpt, model)?.valid();
-            Ok(evaluate_shard::<Flex, _>(&model, self.valid, 0, 1, &Default::default(), self.batch_size))
+            Ok(evaluate_shard::<Flex, _>(
+                &model,
+                self.valid,
+                0,
+                1,
+                &Default::default(),
+                self.batch_size,
+            ))
         }
     }
     let task = Eval {
@@ -593,7 +744,13 @@ pub fn evaluate(config_path: &Path, checkpoint_path: &Path) -> anyhow::Result<Ex
         valid: &data.valid,
         batch_size: config.training.batch_size,
     };
-    let (loss, hits, n) = models::with_model::<CpuBackend, _>(&config.model.name, &config.model.options, &data.input, &Default::default(), task)??;
+    let (loss, hits, n) = models::with_model::<CpuBackend, _>(
+        &config.model.name,
+        &config.model.options,
+        &data.input,
+        &Default::default(),
+        task,
+    )??;
     println!(
         "checkpoint {} (step {}): validation accuracy {:.2}%, loss {:.4}, {} samples",
         ckpt.dir.display(),

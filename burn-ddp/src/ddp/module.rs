@@ -45,9 +45,12 @@ pub fn param_checksum<B: Backend, M: Module<B>>(module: &M) -> u64 {
     let mut collector = FloatCollector::default();
     module.visit(&mut collector);
     // FNV-1a over the f32 bit patterns: cheap, order-sensitive, and exact (no float tolerance).
-    collector.values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    collector
+        .values
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+            (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
+        })
 }
 
 struct AssignIds {
@@ -67,11 +70,17 @@ impl<B: Backend> ModuleMapper<B> for AssignIds {
         let (_, tensor, mapper) = param.consume();
         Param::from_mapped_value(self.id(), tensor, mapper)
     }
-    fn map_int<const D: usize>(&mut self, param: Param<Tensor<B, D, Int>>) -> Param<Tensor<B, D, Int>> {
+    fn map_int<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Int>>,
+    ) -> Param<Tensor<B, D, Int>> {
         let (_, tensor, mapper) = param.consume();
         Param::from_mapped_value(self.id(), tensor, mapper)
     }
-    fn map_bool<const D: usize>(&mut self, param: Param<Tensor<B, D, Bool>>) -> Param<Tensor<B, D, Bool>> {
+    fn map_bool<const D: usize>(
+        &mut self,
+        param: Param<Tensor<B, D, Bool>>,
+    ) -> Param<Tensor<B, D, Bool>> {
         let (_, tensor, mapper) = param.consume();
         Param::from_mapped_value(self.id(), tensor, mapper)
     }
@@ -106,9 +115,11 @@ impl<B: Backend> ModuleMapper<B> for FloatWriter<'_> {
         let n = shape.num_elements();
         let require_grad = tensor.is_require_grad();
         let dtype = tensor.dtype();
-        let data = TensorData::new(self.values[self.offset..self.offset + n].to_vec(), shape).convert_dtype(dtype);
+        let data = TensorData::new(self.values[self.offset..self.offset + n].to_vec(), shape)
+            .convert_dtype(dtype);
         self.offset += n;
-        let fresh = Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
+        let fresh =
+            Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
         Param::from_mapped_value(id, fresh, mapper)
     }
 }

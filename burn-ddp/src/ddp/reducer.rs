@@ -61,7 +61,12 @@ impl Reducer {
     ///
     /// Collective: every rank calls it once per optimizer step, with gradients of the same
     /// model. With a world size of 1 it returns at once and touches nothing.
-    pub fn sync<B, M, G>(&mut self, group: &mut G, model: &M, grads: &mut GradientsParams) -> Result<(), DdpError>
+    pub fn sync<B, M, G>(
+        &mut self,
+        group: &mut G,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(), DdpError>
     where
         B: AutodiffBackend,
         M: AutodiffModule<B>,
@@ -89,11 +94,13 @@ impl Reducer {
                 bucket_buffer.clear();
                 bucket_buffer.resize(bucket.numel, 0.0);
                 for (&p, range) in bucket.params.iter().zip(&bucket.ranges) {
-                    bucket_buffer[range.clone()].copy_from_slice(f32_slice_mut(&mut taken[p].data)?);
+                    bucket_buffer[range.clone()]
+                        .copy_from_slice(f32_slice_mut(&mut taken[p].data)?);
                 }
                 group.all_reduce(&mut bucket_buffer, ReduceOp::Avg)?;
                 for (&p, range) in bucket.params.iter().zip(&bucket.ranges) {
-                    f32_slice_mut(&mut taken[p].data)?.copy_from_slice(&bucket_buffer[range.clone()]);
+                    f32_slice_mut(&mut taken[p].data)?
+                        .copy_from_slice(&bucket_buffer[range.clone()]);
                 }
             }
             self.stats.bucket_all_reduces += 1;
@@ -153,7 +160,10 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if self.taken.peek().is_some_and(|g| g.id == param.id) {
             if let Some(g) = self.taken.next() {
-                let tensor = Tensor::<B::InnerBackend, D>::from_data(g.data.convert_dtype(g.dtype), &g.device);
+                let tensor = Tensor::<B::InnerBackend, D>::from_data(
+                    g.data.convert_dtype(g.dtype),
+                    &g.device,
+                );
                 self.grads.register(param.id, tensor);
             }
         }

@@ -146,17 +146,26 @@ pub trait ProcessGroup {
 
     /// Combines `buffer` across ranks with `op`, in place: afterwards every rank holds the result.
     /// `buffer.len()` must be equal on every rank.
-    fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp)
-        -> Result<(), CollectiveError>;
+    fn all_reduce<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError>;
 
     /// Copies `root`'s `buffer` into every other rank's `buffer`. Lengths must be equal.
-    fn broadcast<T: Element>(&mut self, buffer: &mut [T], root: usize)
-        -> Result<(), CollectiveError>;
+    fn broadcast<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        root: usize,
+    ) -> Result<(), CollectiveError>;
 
     /// Concatenates every rank's `input` in rank order into `output`
     /// (`output.len() == world_size * input.len()`).
-    fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T])
-        -> Result<(), CollectiveError>;
+    fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CollectiveError>;
 
     /// Reduces `input` (`world_size` blocks of `output.len()` elements) across ranks and leaves
     /// block `rank` of the result in `output`.

@@ -87,7 +87,12 @@ struct Step {
 }
 
 /// Turns a list of steps into a plan in which step `s`'s piece `k` waits for step `s-1`'s.
-fn plan_steps(steps: &[Step], chunk: impl Fn(usize) -> Range<usize>, largest: usize, piece_elems: usize) -> RingPlan {
+fn plan_steps(
+    steps: &[Step],
+    chunk: impl Fn(usize) -> Range<usize>,
+    largest: usize,
+    piece_elems: usize,
+) -> RingPlan {
     let p = pieces_per_chunk(largest, piece_elems);
     let mut plan = RingPlan::default();
     for (s, step) in steps.iter().enumerate() {
@@ -147,7 +152,12 @@ pub fn all_reduce_plan(world: usize, rank: usize, len: usize, piece_elems: usize
 
 /// Reduce-scatter over a buffer of `world` blocks of `block` elements; afterwards rank `r`'s
 /// block `r` holds the reduced values (the other blocks hold partial sums).
-pub fn reduce_scatter_plan(world: usize, rank: usize, block: usize, piece_elems: usize) -> RingPlan {
+pub fn reduce_scatter_plan(
+    world: usize,
+    rank: usize,
+    block: usize,
+    piece_elems: usize,
+) -> RingPlan {
     if world <= 1 || block == 0 {
         return RingPlan::default();
     }
@@ -167,7 +177,13 @@ pub fn all_gather_plan(world: usize, rank: usize, block: usize, piece_elems: usi
 }
 
 /// Broadcast of `len` elements from `root` along the chain root → root+1 → … → root-1.
-pub fn broadcast_plan(world: usize, rank: usize, root: usize, len: usize, piece_elems: usize) -> RingPlan {
+pub fn broadcast_plan(
+    world: usize,
+    rank: usize,
+    root: usize,
+    len: usize,
+    piece_elems: usize,
+) -> RingPlan {
     if world <= 1 || len == 0 {
         return RingPlan::default();
     }
@@ -241,7 +257,16 @@ mod tests {
         (0..len).map(|i| (rank * 1000 + i) as i64).collect()
     }
 
-    const SHAPES: [(usize, usize); 8] = [(1, 3), (2, 0), (2, 1), (3, 7), (4, 64), (5, 3), (3, 1000), (4, 13)];
+    const SHAPES: [(usize, usize); 8] = [
+        (1, 3),
+        (2, 0),
+        (2, 1),
+        (3, 7),
+        (4, 64),
+        (5, 3),
+        (3, 1000),
+        (4, 13),
+    ];
 
     #[test]
     fn chunks_cover_the_buffer() {
@@ -262,7 +287,9 @@ mod tests {
     fn all_reduce_sums_for_every_shape_and_piece_size() {
         for (world, len) in SHAPES {
             for piece in [1, 2, 5, 1 << 20] {
-                let plans: Vec<_> = (0..world).map(|r| all_reduce_plan(world, r, len, piece)).collect();
+                let plans: Vec<_> = (0..world)
+                    .map(|r| all_reduce_plan(world, r, len, piece))
+                    .collect();
                 let mut bufs: Vec<_> = (0..world).map(|r| input(r, len)).collect();
                 simulate(&plans, &mut bufs);
                 let expected: Vec<i64> = (0..len)
@@ -283,7 +310,9 @@ mod tests {
     #[test]
     fn reduce_scatter_and_all_gather() {
         for (world, block) in SHAPES {
-            let plans: Vec<_> = (0..world).map(|r| reduce_scatter_plan(world, r, block, 3)).collect();
+            let plans: Vec<_> = (0..world)
+                .map(|r| reduce_scatter_plan(world, r, block, 3))
+                .collect();
             let mut bufs: Vec<_> = (0..world).map(|r| input(r, world * block)).collect();
             simulate(&plans, &mut bufs);
             for (r, b) in bufs.iter().enumerate() {
@@ -293,7 +322,9 @@ mod tests {
                 assert_eq!(&b[r * block..(r + 1) * block], &expected[..]);
             }
 
-            let plans: Vec<_> = (0..world).map(|r| all_gather_plan(world, r, block, 3)).collect();
+            let plans: Vec<_> = (0..world)
+                .map(|r| all_gather_plan(world, r, block, 3))
+                .collect();
             let mut bufs: Vec<Vec<i64>> = (0..world)
                 .map(|r| {
                     let mut b = vec![-1; world * block];
@@ -313,7 +344,9 @@ mod tests {
     fn broadcast_from_every_root() {
         for (world, len) in SHAPES {
             for root in 0..world {
-                let plans: Vec<_> = (0..world).map(|r| broadcast_plan(world, r, root, len, 4)).collect();
+                let plans: Vec<_> = (0..world)
+                    .map(|r| broadcast_plan(world, r, root, len, 4))
+                    .collect();
                 let mut bufs: Vec<_> = (0..world).map(|r| input(r, len)).collect();
                 simulate(&plans, &mut bufs);
                 for b in &bufs {

@@ -216,10 +216,10 @@ impl TcpProcessGroup {
 
         let next_rank = (rank + 1) % world;
         let prev_rank = (rank + world - 1) % world;
-        let next_addr = String::from_utf8_lossy(&self.wait_get(&addr_keys[next_rank], deadline)?)
-            .to_string();
-        let prev_addr = String::from_utf8_lossy(&self.wait_get(&addr_keys[prev_rank], deadline)?)
-            .to_string();
+        let next_addr =
+            String::from_utf8_lossy(&self.wait_get(&addr_keys[next_rank], deadline)?).to_string();
+        let prev_addr =
+            String::from_utf8_lossy(&self.wait_get(&addr_keys[prev_rank], deadline)?).to_string();
 
         // Connecting first cannot deadlock: the successor's kernel completes the connection from
         // its listen backlog before the successor calls accept.
@@ -263,7 +263,11 @@ impl TcpProcessGroup {
             match self.store.wait(&refs, left.min(Duration::from_secs(1))) {
                 Ok(()) => return Ok(()),
                 Err(StoreError::Timeout { .. }) => {
-                    if self.store.check(&[KEY_ABORT]).map_err(|e| self.store_error(e))? {
+                    if self
+                        .store
+                        .check(&[KEY_ABORT])
+                        .map_err(|e| self.store_error(e))?
+                    {
                         let why = self
                             .store
                             .get(KEY_ABORT, Duration::from_secs(1))
@@ -292,7 +296,12 @@ impl TcpProcessGroup {
         }
     }
 
-    fn connect_next(&self, addr: &str, peer: usize, deadline: Instant) -> Result<Link, CollectiveError> {
+    fn connect_next(
+        &self,
+        addr: &str,
+        peer: usize,
+        deadline: Instant,
+    ) -> Result<Link, CollectiveError> {
         let sock: SocketAddr = addr.parse().map_err(|_| {
             self.setup_error(format!("rank {peer} published a bad address {addr:?}"))
         })?;
@@ -329,7 +338,12 @@ impl TcpProcessGroup {
     }
 
     /// Accepts connections until the predecessor's arrives; strangers are refused and logged.
-    fn accept_prev(&self, listener: &TcpListener, peer: usize, deadline: Instant) -> Result<Link, CollectiveError> {
+    fn accept_prev(
+        &self,
+        listener: &TcpListener,
+        peer: usize,
+        deadline: Instant,
+    ) -> Result<Link, CollectiveError> {
         listener
             .set_nonblocking(true)
             .map_err(|e| self.setup_error(format!("cannot configure the listener: {e}")))?;
@@ -344,7 +358,10 @@ impl TcpProcessGroup {
                         })
                     }
                     Err(why) => {
-                        tracing::warn!(rank = self.rank, "refused a ring connection from {from}: {why}");
+                        tracing::warn!(
+                            rank = self.rank,
+                            "refused a ring connection from {from}: {why}"
+                        );
                         let _ = stream.shutdown(Shutdown::Both);
                     }
                 },
@@ -356,8 +373,11 @@ impl TcpProcessGroup {
                             self.options.timeout
                         )));
                     }
-                    wait_fds(&mut [pollfd(listener.as_raw_fd(), libc::POLLIN)], left.min(Duration::from_secs(1)))
-                        .map_err(|e| self.setup_error(format!("poll failed: {e}")))?;
+                    wait_fds(
+                        &mut [pollfd(listener.as_raw_fd(), libc::POLLIN)],
+                        left.min(Duration::from_secs(1)),
+                    )
+                    .map_err(|e| self.setup_error(format!("poll failed: {e}")))?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(self.setup_error(format!("accept failed: {e}"))),
@@ -365,17 +385,31 @@ impl TcpProcessGroup {
         }
     }
 
-    fn read_hello(&self, stream: &mut TcpStream, peer: usize, deadline: Instant) -> Result<(), String> {
+    fn read_hello(
+        &self,
+        stream: &mut TcpStream,
+        peer: usize,
+        deadline: Instant,
+    ) -> Result<(), String> {
         let left = deadline.saturating_duration_since(Instant::now());
         stream
             .set_nonblocking(false)
-            .and_then(|_| stream.set_read_timeout(Some(left.clamp(Duration::from_millis(10), Duration::from_secs(10)))))
+            .and_then(|_| {
+                stream.set_read_timeout(Some(
+                    left.clamp(Duration::from_millis(10), Duration::from_secs(10)),
+                ))
+            })
             .map_err(|e| e.to_string())?;
         let mut fixed = [0u8; HELLO_FIXED_LEN];
-        stream.read_exact(&mut fixed).map_err(|e| format!("no hello: {e}"))?;
-        let (rank, world, token_len) = wire::decode_hello_fixed(&fixed).map_err(|e| e.to_string())?;
+        stream
+            .read_exact(&mut fixed)
+            .map_err(|e| format!("no hello: {e}"))?;
+        let (rank, world, token_len) =
+            wire::decode_hello_fixed(&fixed).map_err(|e| e.to_string())?;
         let mut token = vec![0u8; token_len];
-        stream.read_exact(&mut token).map_err(|e| format!("truncated hello: {e}"))?;
+        stream
+            .read_exact(&mut token)
+            .map_err(|e| format!("truncated hello: {e}"))?;
         if token != self.options.token.as_bytes() {
             return Err("wrong job token".into());
         }
@@ -451,7 +485,12 @@ impl TcpProcessGroup {
     ) -> Result<(), CollectiveError> {
         let rank = self.rank;
         let elem = std::mem::size_of::<T>();
-        let largest = plan.recvs.iter().map(|r| r.range.len() * elem).max().unwrap_or(0);
+        let largest = plan
+            .recvs
+            .iter()
+            .map(|r| r.range.len() * elem)
+            .max()
+            .unwrap_or(0);
         if self.scratch.len() * 8 < largest {
             self.scratch.resize(largest.div_ceil(8), 0);
         }
@@ -477,7 +516,8 @@ impl TcpProcessGroup {
                 let n = if st.fwd_header < HEADER_LEN {
                     write_some(&mut ring.next, &header[st.fwd_header..], desc, rank)?
                 } else if st.send < plan.sends.len() && st.recv >= plan.sends[st.send].after_recvs {
-                    let bytes: &[u8] = bytemuck::cast_slice(&buffer[plan.sends[st.send].range.clone()]);
+                    let bytes: &[u8] =
+                        bytemuck::cast_slice(&buffer[plan.sends[st.send].range.clone()]);
                     if bytes.is_empty() {
                         st.send += 1;
                         continue;
@@ -501,7 +541,8 @@ impl TcpProcessGroup {
 
             // 2. Predecessor: our header, backwards, so it can check us too.
             if st.back_header < HEADER_LEN {
-                if let Some(n) = write_some(&mut ring.prev, &header[st.back_header..], desc, rank)? {
+                if let Some(n) = write_some(&mut ring.prev, &header[st.back_header..], desc, rank)?
+                {
                     st.back_header += n;
                     progress = true;
                 }
@@ -509,7 +550,12 @@ impl TcpProcessGroup {
 
             // 3. Successor's header, backwards.
             if st.next_header_len < HEADER_LEN {
-                if let Some(n) = read_some(&mut ring.next, &mut st.next_header[st.next_header_len..], desc, rank)? {
+                if let Some(n) = read_some(
+                    &mut ring.next,
+                    &mut st.next_header[st.next_header_len..],
+                    desc,
+                    rank,
+                )? {
                     st.next_header_len += n;
                     progress = true;
                     if st.next_header_len == HEADER_LEN {
@@ -521,7 +567,12 @@ impl TcpProcessGroup {
             // 4. Predecessor: its header, then the pieces of the plan.
             loop {
                 let n = if st.prev_header_len < HEADER_LEN {
-                    read_some(&mut ring.prev, &mut st.prev_header[st.prev_header_len..], desc, rank)?
+                    read_some(
+                        &mut ring.prev,
+                        &mut st.prev_header[st.prev_header_len..],
+                        desc,
+                        rank,
+                    )?
                 } else if st.recv < plan.recvs.len() {
                     let item = &plan.recvs[st.recv];
                     let total = item.range.len() * elem;
@@ -532,10 +583,13 @@ impl TcpProcessGroup {
                     match item.action {
                         // Copies land in place: no second pass over the bytes.
                         RecvAction::Copy => {
-                            let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut buffer[item.range.clone()]);
+                            let dst: &mut [u8] =
+                                bytemuck::cast_slice_mut(&mut buffer[item.range.clone()]);
                             read_some(&mut ring.prev, &mut dst[st.recv_off..], desc, rank)?
                         }
-                        RecvAction::Reduce => read_some(&mut ring.prev, &mut scratch[st.recv_off..total], desc, rank)?,
+                        RecvAction::Reduce => {
+                            read_some(&mut ring.prev, &mut scratch[st.recv_off..total], desc, rank)?
+                        }
                     }
                 } else {
                     break;
@@ -603,15 +657,25 @@ impl TcpProcessGroup {
             if st.next_header_len < HEADER_LEN {
                 next_events |= libc::POLLIN;
             }
-            let mut prev_events = if st.back_header < HEADER_LEN { libc::POLLOUT } else { 0 };
+            let mut prev_events = if st.back_header < HEADER_LEN {
+                libc::POLLOUT
+            } else {
+                0
+            };
             if st.prev_header_len < HEADER_LEN || st.recv < plan.recvs.len() {
                 prev_events |= libc::POLLIN;
             }
             // A socket we expect nothing from is not polled: a neighbour that has finished this
             // collective and closed (end of job) must not wake us in a loop.
             let mut fds = [
-                pollfd(if next_events == 0 { -1 } else { ring.next.fd() }, next_events),
-                pollfd(if prev_events == 0 { -1 } else { ring.prev.fd() }, prev_events),
+                pollfd(
+                    if next_events == 0 { -1 } else { ring.next.fd() },
+                    next_events,
+                ),
+                pollfd(
+                    if prev_events == 0 { -1 } else { ring.prev.fd() },
+                    prev_events,
+                ),
             ];
             let wake = deadline.min(next_warning).saturating_duration_since(now);
             wait_fds(&mut fds, wake).map_err(|source| CollectiveError::PeerLost {
@@ -649,14 +713,29 @@ impl ExchangeState {
         } else if self.next_header_len < HEADER_LEN {
             format!("{} to enter this collective", who(&ring.next))
         } else if self.recv < plan.recvs.len() {
-            format!("data from {} (piece {} of {})", who(&ring.prev), self.recv, plan.recvs.len())
+            format!(
+                "data from {} (piece {} of {})",
+                who(&ring.prev),
+                self.recv,
+                plan.recvs.len()
+            )
         } else {
-            format!("{} to take our data (piece {} of {})", who(&ring.next), self.send, plan.sends.len())
+            format!(
+                "{} to take our data (piece {} of {})",
+                who(&ring.next),
+                self.send,
+                plan.sends.len()
+            )
         }
     }
 }
 
-fn check_header(bytes: &[u8; HEADER_LEN], ours: &CollectiveDesc, link: &Link, rank: usize) -> Result<(), CollectiveError> {
+fn check_header(
+    bytes: &[u8; HEADER_LEN],
+    ours: &CollectiveDesc,
+    link: &Link,
+    rank: usize,
+) -> Result<(), CollectiveError> {
     let theirs = wire::decode_header(bytes).map_err(|source| CollectiveError::Protocol {
         rank,
         peer: link.peer,
@@ -674,7 +753,12 @@ fn check_header(bytes: &[u8; HEADER_LEN], ours: &CollectiveDesc, link: &Link, ra
     Ok(())
 }
 
-fn peer_lost(link: &Link, desc: &CollectiveDesc, rank: usize, source: io::Error) -> CollectiveError {
+fn peer_lost(
+    link: &Link,
+    desc: &CollectiveDesc,
+    rank: usize,
+    source: io::Error,
+) -> CollectiveError {
     CollectiveError::PeerLost {
         rank,
         peer: link.peer,
@@ -685,7 +769,12 @@ fn peer_lost(link: &Link, desc: &CollectiveDesc, rank: usize, source: io::Error)
 }
 
 /// Non-blocking write: `Some(n)` bytes written, `None` when the socket is full.
-fn write_some(link: &mut Link, bytes: &[u8], desc: &CollectiveDesc, rank: usize) -> Result<Option<usize>, CollectiveError> {
+fn write_some(
+    link: &mut Link,
+    bytes: &[u8],
+    desc: &CollectiveDesc,
+    rank: usize,
+) -> Result<Option<usize>, CollectiveError> {
     loop {
         match link.stream.write(bytes) {
             Ok(0) => {
@@ -701,11 +790,19 @@ fn write_some(link: &mut Link, bytes: &[u8], desc: &CollectiveDesc, rank: usize)
 
 /// Non-blocking read: `Some(n)` bytes read, `None` when nothing is there yet; EOF is an error
 /// because every byte a collective reads was promised by the peer's plan.
-fn read_some(link: &mut Link, buf: &mut [u8], desc: &CollectiveDesc, rank: usize) -> Result<Option<usize>, CollectiveError> {
+fn read_some(
+    link: &mut Link,
+    buf: &mut [u8],
+    desc: &CollectiveDesc,
+    rank: usize,
+) -> Result<Option<usize>, CollectiveError> {
     loop {
         match link.stream.read(buf) {
             Ok(0) => {
-                let eof = io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection");
+                let eof = io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the peer closed the connection",
+                );
                 return Err(peer_lost(link, desc, rank, eof));
             }
             Ok(n) => return Ok(Some(n)),
@@ -744,7 +841,10 @@ fn wait_fds(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<()> {
 /// have not reported are either still computing (not yet in this collective) or stalled for less
 /// time than this one.
 fn stall_report(store: &dyn Store, rank: usize, world: usize, seq: u64) -> String {
-    if store.set(&format!("pg/stall/{rank}"), seq.to_string().as_bytes()).is_err() {
+    if store
+        .set(&format!("pg/stall/{rank}"), seq.to_string().as_bytes())
+        .is_err()
+    {
         return "(the store is unreachable, so other ranks' positions are unknown)".into();
     }
     let mut stalled_here = Vec::new();
@@ -754,7 +854,9 @@ fn stall_report(store: &dyn Store, rank: usize, world: usize, seq: u64) -> Strin
         match store.check(&[&key]) {
             Ok(true) => match store.get(&key, Duration::from_secs(1)) {
                 Ok(v) if v == seq.to_string().as_bytes() => stalled_here.push(r.to_string()),
-                Ok(v) => elsewhere.push(format!("{r} (stalled at #{})", String::from_utf8_lossy(&v))),
+                Ok(v) => {
+                    elsewhere.push(format!("{r} (stalled at #{})", String::from_utf8_lossy(&v)))
+                }
                 Err(_) => elsewhere.push(format!("{r} (unknown)")),
             },
             _ => elsewhere.push(r.to_string()),
@@ -776,7 +878,11 @@ impl ProcessGroup for TcpProcessGroup {
         self.world_size
     }
 
-    fn all_reduce<T: Element>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<(), CollectiveError> {
+    fn all_reduce<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         let (world, rank, len) = (self.world_size, self.rank, buffer.len());
         self.run(
             CollectiveKind::AllReduce(op),
@@ -792,9 +898,14 @@ impl ProcessGroup for TcpProcessGroup {
         Ok(())
     }
 
-    fn broadcast<T: Element>(&mut self, buffer: &mut [T], root: usize) -> Result<(), CollectiveError> {
+    fn broadcast<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        root: usize,
+    ) -> Result<(), CollectiveError> {
         let (world, rank, len) = (self.world_size, self.rank, buffer.len());
-        let precheck = (root >= world).then(|| format!("root {root} is not a rank of this group (world size {world})"));
+        let precheck = (root >= world)
+            .then(|| format!("root {root} is not a rank of this group (world size {world})"));
         self.run(
             CollectiveKind::Broadcast { root },
             len,
@@ -806,10 +917,18 @@ impl ProcessGroup for TcpProcessGroup {
         .map(|_| ())
     }
 
-    fn all_gather<T: Element>(&mut self, input: &[T], output: &mut [T]) -> Result<(), CollectiveError> {
+    fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CollectiveError> {
         let (world, rank, block) = (self.world_size, self.rank, input.len());
         let precheck = (output.len() != world * block).then(|| {
-            format!("output has {} elements, expected world size x input = {}", output.len(), world * block)
+            format!(
+                "output has {} elements, expected world size x input = {}",
+                output.len(),
+                world * block
+            )
         });
         if precheck.is_none() {
             output[rank * block..(rank + 1) * block].copy_from_slice(input);
@@ -825,10 +944,19 @@ impl ProcessGroup for TcpProcessGroup {
         .map(|_| ())
     }
 
-    fn reduce_scatter<T: Element>(&mut self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<(), CollectiveError> {
+    fn reduce_scatter<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         let (world, rank, block) = (self.world_size, self.rank, output.len());
         let precheck = (input.len() != world * block).then(|| {
-            format!("input has {} elements, expected world size x output = {}", input.len(), world * block)
+            format!(
+                "input has {} elements, expected world size x output = {}",
+                input.len(),
+                world * block
+            )
         });
         let mut work = input.to_vec();
         self.run(
@@ -905,7 +1033,8 @@ mod tests {
             let mut gathered = vec![0i64; 6];
             g.all_gather(&[r, -r], &mut gathered).unwrap();
             let mut out = [0i64; 2];
-            g.reduce_scatter(&[1, 2, 3, 4, 5, 6], &mut out, ReduceOp::Sum).unwrap();
+            g.reduce_scatter(&[1, 2, 3, 4, 5, 6], &mut out, ReduceOp::Sum)
+                .unwrap();
             g.barrier().unwrap();
             (a, m, b, gathered, out)
         });
@@ -923,13 +1052,24 @@ mod tests {
     fn mismatched_lengths_name_both_sides() {
         let results = with_group(2, TcpGroupOptions::default(), |g| {
             let mut buf = vec![0f32; 4 + g.rank()];
-            let first = g.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err().to_string();
+            let first = g
+                .all_reduce(&mut buf, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
             let second = g.barrier().unwrap_err();
             (first, second)
         });
         for (first, second) in results {
-            assert!(first.contains("mismatch") && first.contains("4 elements") && first.contains("5 elements"), "{first}");
-            assert!(matches!(second, CollectiveError::Aborted { .. }), "{second}");
+            assert!(
+                first.contains("mismatch")
+                    && first.contains("4 elements")
+                    && first.contains("5 elements"),
+                "{first}"
+            );
+            assert!(
+                matches!(second, CollectiveError::Aborted { .. }),
+                "{second}"
+            );
         }
     }
 }

@@ -71,7 +71,12 @@ fn op_from(code: u8) -> Result<ReduceOp, WireError> {
         1 => ReduceOp::Avg,
         2 => ReduceOp::Max,
         3 => ReduceOp::Min,
-        code => return Err(WireError::UnknownCode { what: "reduce op", code }),
+        code => {
+            return Err(WireError::UnknownCode {
+                what: "reduce op",
+                code,
+            })
+        }
     })
 }
 
@@ -92,7 +97,12 @@ fn dtype_from(code: u8) -> Result<DataType, WireError> {
         2 => DataType::I32,
         3 => DataType::I64,
         4 => DataType::U8,
-        code => return Err(WireError::UnknownCode { what: "data type", code }),
+        code => {
+            return Err(WireError::UnknownCode {
+                what: "data type",
+                code,
+            })
+        }
     })
 }
 
@@ -135,7 +145,12 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<CollectiveDesc, WireError> 
         2 => CollectiveKind::AllGather,
         3 => CollectiveKind::ReduceScatter(op_from(b[13])?),
         4 => CollectiveKind::Barrier,
-        code => return Err(WireError::UnknownCode { what: "collective", code }),
+        code => {
+            return Err(WireError::UnknownCode {
+                what: "collective",
+                code,
+            })
+        }
     };
     Ok(CollectiveDesc {
         seq: u64::from_le_bytes(seq),
@@ -179,10 +194,16 @@ mod tests {
         let fixed: [u8; HELLO_FIXED_LEN] = bytes[..HELLO_FIXED_LEN].try_into().unwrap();
         assert_eq!(decode_hello_fixed(&fixed).unwrap(), (2, 4, 3));
         let garbage = *b"GET / HTTP/1.1\r\n";
-        assert!(matches!(decode_hello_fixed(&garbage), Err(WireError::BadMagic { .. })));
+        assert!(matches!(
+            decode_hello_fixed(&garbage),
+            Err(WireError::BadMagic { .. })
+        ));
         let mut big = fixed;
         big[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(decode_hello_fixed(&big), Err(WireError::TooLarge { .. })));
+        assert!(matches!(
+            decode_hello_fixed(&big),
+            Err(WireError::TooLarge { .. })
+        ));
     }
 
     #[test]
@@ -191,7 +212,9 @@ mod tests {
         for _ in 0..50_000 {
             let mut b = [0u8; HEADER_LEN];
             for x in b.iter_mut() {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 *x = (state >> 56) as u8;
             }
             // Keep the magic sometimes so the decoder gets past the first check.

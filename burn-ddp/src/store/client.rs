@@ -106,11 +106,17 @@ impl TcpStore {
             source,
         };
         let mut stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        let round_trip = self.timeout + wait + if wait.is_zero() { Duration::ZERO } else { ANSWER_SLACK };
+        let round_trip = self.timeout
+            + wait
+            + if wait.is_zero() {
+                Duration::ZERO
+            } else {
+                ANSWER_SLACK
+            };
+        stream.set_read_timeout(Some(round_trip)).map_err(io_err)?;
         stream
-            .set_read_timeout(Some(round_trip))
+            .set_write_timeout(Some(self.timeout))
             .map_err(io_err)?;
-        stream.set_write_timeout(Some(self.timeout)).map_err(io_err)?;
         write_frame(&mut stream, &encode_request(request)).map_err(io_err)?;
         let payload = match read_frame(&mut stream) {
             Ok(p) => p,

@@ -35,5 +35,8 @@ pub(crate) fn write_frame(stream: &mut TcpStream, frame: &[u8]) -> io::Result<()
 
 /// True for the errors a socket read/write timeout produces.
 pub(crate) fn is_timeout(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }

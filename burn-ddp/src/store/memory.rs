@@ -120,7 +120,11 @@ impl Store for MemoryStore {
     fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError> {
         match self.wait_for(&[key], timeout) {
             Ok(map) => Ok(map.get(key).cloned().unwrap_or_default()),
-            Err(outcome) => Err(Self::timeout_error(format!("get({key:?})"), timeout, outcome)),
+            Err(outcome) => Err(Self::timeout_error(
+                format!("get({key:?})"),
+                timeout,
+                outcome,
+            )),
         }
     }
 

@@ -168,7 +168,10 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) {
             Err(FrameError::Io(_)) => return, // client gone (normal at the end of a job)
             Err(FrameError::Wire(e)) => {
                 tracing::warn!("rendezvous store: closing connection from {peer}: {e}");
-                let _ = write_frame(&mut stream, &encode_response(&Response::Error(e.to_string())));
+                let _ = write_frame(
+                    &mut stream,
+                    &encode_response(&Response::Error(e.to_string())),
+                );
                 return;
             }
         };
@@ -176,7 +179,10 @@ fn serve_connection(mut stream: TcpStream, shared: &Shared) {
             Ok(request) => handle(request, shared),
             Err(e) => {
                 tracing::warn!("rendezvous store: closing connection from {peer}: {e}");
-                let _ = write_frame(&mut stream, &encode_response(&Response::Error(e.to_string())));
+                let _ = write_frame(
+                    &mut stream,
+                    &encode_response(&Response::Error(e.to_string())),
+                );
                 return;
             }
         };

@@ -27,7 +27,10 @@ pub enum Request {
     /// Adds `delta` to the counter under `key` (absent counts as 0) and returns the new value.
     Add { key: String, delta: i64 },
     /// Waits up to `timeout` until every key is set.
-    Wait { keys: Vec<String>, timeout: Duration },
+    Wait {
+        keys: Vec<String>,
+        timeout: Duration,
+    },
     /// Returns whether every key is set, without waiting.
     Check { keys: Vec<String> },
     /// Removes `key`; returns whether it was present.
@@ -42,7 +45,9 @@ pub enum Response {
     Counter(i64),
     Bool(bool),
     /// The wait ran out; the keys that were still missing.
-    TimedOut { missing: Vec<String> },
+    TimedOut {
+        missing: Vec<String>,
+    },
     /// The request was refused (bad token, bad key, ...).
     Error(String),
 }
@@ -372,7 +377,10 @@ mod tests {
         for req in all_requests() {
             let frame = encode_request(&req);
             for cut in 0..frame.len() - 4 {
-                assert!(decode_request(&frame[4..4 + cut]).is_err(), "{req:?} cut at {cut}");
+                assert!(
+                    decode_request(&frame[4..4 + cut]).is_err(),
+                    "{req:?} cut at {cut}"
+                );
             }
         }
     }
@@ -390,7 +398,10 @@ mod tests {
         // A key count far beyond what the payload holds is refused without allocating.
         let mut p = vec![code::CHECK];
         p.extend_from_slice(&u32::MAX.to_le_bytes());
-        assert!(matches!(decode_request(&p), Err(WireError::Truncated { .. })));
+        assert!(matches!(
+            decode_request(&p),
+            Err(WireError::Truncated { .. })
+        ));
         let mut frame = encode_request(&Request::Delete { key: "k".into() });
         frame.push(0);
         assert!(matches!(
