@@ -6,4 +6,5 @@
 mod common;
 
 mod collectives;
+mod faults;
 mod training;

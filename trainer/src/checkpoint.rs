@@ -113,14 +113,15 @@ where
     if final_dir.exists() {
         return Ok(final_dir); // this step is already saved (e.g. right after a resume)
     }
+    remove_stale_temporaries(root);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
-    let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = (|| -> anyhow::Result<()> {
         let mut store = SafetensorsStore::from_file(tmp.join(MODEL_FILE));
         model
             .save_into(&mut store)
             .map_err(|e| anyhow::anyhow!("cannot write the model weights: {e}"))?;
+        crash_if_asked(manifest.position.step);
         NamedMpkFileRecorder::<FullPrecisionSettings>::new()
             .record(optim.to_record(), tmp.join(OPTIMIZER_STEM))
             .map_err(|e| anyhow::anyhow!("cannot write the optimizer state: {e}"))?;
@@ -150,6 +151,44 @@ where
     }
     prune(root, keep_last);
     Ok(final_dir)
+}
+
+/// Removes `.tmp-*` directories left by a writer that died mid-checkpoint. Only rank 0 writes,
+/// so any temporary directory present before it starts a new checkpoint is stale.
+fn remove_stale_temporaries(root: &Path) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        if entry
+            .file_name()
+            .to_string_lossy()
+            .starts_with(".tmp-step-")
+        {
+            tracing::warn!(
+                "removing {} left by an interrupted checkpoint",
+                entry.path().display()
+            );
+            let _ = fs::remove_dir_all(entry.path());
+        }
+    }
+}
+
+/// Fault injection for tests: `TRAINER_CRASH_IN_CHECKPOINT=STEP` kills rank 0 with SIGKILL
+/// after it wrote the weights of the checkpoint of step `STEP` and before the checkpoint is
+/// complete — a crash in the middle of a checkpoint write. First attempt only.
+fn crash_if_asked(step: usize) {
+    let at = std::env::var("TRAINER_CRASH_IN_CHECKPOINT")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let restarted = std::env::var(crate::launch::RESTART_COUNT_VAR).is_ok_and(|c| c != "0");
+    if at == Some(step) && !restarted {
+        eprintln!("TRAINER_CRASH_IN_CHECKPOINT={step}: killing this process mid-checkpoint (fault injection)");
+        // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
 }
 
 /// The `step-*` directories in `root`, newest first.

@@ -58,6 +58,8 @@ pub enum Command {
     Collectives(tools::CollectiveArgs),
     /// Print an all-reduce bandwidth table (like nccl-tests) and this machine's ceilings.
     BenchAllreduce(tools::BenchArgs),
+    /// Measure the trainer against a plain Burn loop, and scaling from 1 to 2 processes.
+    BenchTrain(crate::bench::BenchTrainArgs),
 }
 
 /// A problem with the user's input: exit code 2, message only.
@@ -135,6 +137,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 tools::bench_allreduce(&args)
             }
         }
+        Some(Command::BenchTrain(args)) => crate::bench::bench_train(&args),
         None => {
             let Some(config) = cli.train.config else {
                 return Err(

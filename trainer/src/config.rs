@@ -438,8 +438,9 @@ impl Config {
     /// A stable hash of the settings that shape the model and its training, compared across
     /// ranks at start-up (ranks with different settings refuse to start).
     pub fn fingerprint(&self) -> String {
+        // JSON, not TOML: a TOML document must be a table, and a tuple of sections is not one.
         fnv_hex(
-            &toml::to_string(&(&self.model, &self.data, &self.optimizer, &self.training))
+            &serde_json::to_string(&(&self.model, &self.data, &self.optimizer, &self.training))
                 .unwrap_or_default(),
         )
     }
@@ -447,7 +448,7 @@ impl Config {
     /// A stable hash of the model section alone: a checkpoint can only be loaded into a model
     /// with the same fingerprint.
     pub fn model_fingerprint(&self) -> String {
-        fnv_hex(&toml::to_string(&self.model).unwrap_or_default())
+        fnv_hex(&serde_json::to_string(&self.model).unwrap_or_default())
     }
 }
 
@@ -529,5 +530,10 @@ seed = 1
         assert_eq!(a.fingerprint(), b.fingerprint());
         b.training.seed = 2;
         assert_ne!(a.fingerprint(), b.fingerprint());
+        assert_eq!(a.model_fingerprint(), b.model_fingerprint());
+        b.model
+            .options
+            .insert("hidden".into(), toml::Value::Array(vec![]));
+        assert_ne!(a.model_fingerprint(), b.model_fingerprint());
     }
 }

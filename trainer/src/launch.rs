@@ -15,6 +15,8 @@ use std::io::Read;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
 use std::process::{Child, Command, ExitCode, ExitStatus};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -43,7 +45,15 @@ pub struct LaunchArgs {
     /// several).
     #[arg(long)]
     pub master_port: Option<u16>,
+    /// After a rank fails, restart every local rank up to this many times; training resumes
+    /// from the newest complete checkpoint. Bad input (exit code 2) is never retried.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: usize,
 }
+
+/// Set in every rank's environment: how many times the job was restarted (torchrun's
+/// `TORCHELASTIC_RESTART_COUNT`).
+pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
 
 /// How long ranks get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(10);
@@ -77,61 +87,98 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
     };
     let token = std::env::var(TOKEN_VAR).unwrap_or_else(|_| random_token());
     let world_size = nproc * args.nnodes;
-
-    let (server, port) = if args.node_rank == 0 {
-        let port = args
-            .master_port
-            .unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
-        let local_only = args.nnodes == 1 && is_loopback_name(&master_addr);
-        let bind = format!(
-            "{}:{port}",
-            if local_only { "127.0.0.1" } else { "0.0.0.0" }
-        );
-        let server = TcpStoreServer::bind(&bind, &token).map_err(|e| UsageError(e.to_string()))?;
-        let port = server.local_addr().port();
-        (Some(server), port)
-    } else {
-        (None, args.master_port.unwrap_or(29500))
-    };
-    tracing::info!(
-        "launching {nproc} rank(s) on node {} of {} (world size {world_size}), store at {master_addr}:{port}",
-        args.node_rank,
-        args.nnodes
-    );
-
     // Like torchrun's OMP_NUM_THREADS: N ranks on one machine share its cores instead of each
     // starting a thread per core (which oversubscribes the machine N times).
     let threads_per_rank = std::env::var("RAYON_NUM_THREADS").ok().unwrap_or_else(|| {
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
         (cores / nproc).max(1).to_string()
     });
     let exe = std::env::current_exe().context("cannot find this program's path to start ranks")?;
     let argv: Vec<String> = std::env::args().skip(1).collect();
-    let mut children = Vec::with_capacity(nproc);
-    for local_rank in 0..nproc {
-        let rank = args.node_rank * nproc + local_rank;
-        let mut cmd = Command::new(&exe);
-        cmd.args(&argv)
-            .env(WORKER_VAR, "1")
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world_size.to_string())
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("GROUP_RANK", args.node_rank.to_string())
-            .env("MASTER_ADDR", &master_addr)
-            .env("MASTER_PORT", port.to_string())
-            .env(TOKEN_VAR, &token)
-            .env("RAYON_NUM_THREADS", &threads_per_rank)
-            .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
-        die_with_parent(&mut cmd);
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start rank {rank} ({})", exe.display()))?;
-        children.push((rank, child));
+
+    // Ctrl-C or SIGTERM: stop every rank, then exit (the flag is polled by `supervise`).
+    let interrupted = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        let flag = interrupted.clone();
+        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+        unsafe {
+            signal_hook::low_level::register(sig, move || {
+                flag.store(sig as usize, Ordering::SeqCst)
+            })
+        }
+        .context("cannot install the signal handler")?;
     }
-    let code = supervise(children);
-    drop(server);
-    Ok(code)
+
+    let mut port = args
+        .master_port
+        .unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
+    for attempt in 0..=args.max_restarts {
+        // A fresh store per attempt: the ranks of a restarted job start from an empty store.
+        let server = if args.node_rank == 0 {
+            let local_only = args.nnodes == 1 && is_loopback_name(&master_addr);
+            let host = if local_only { "127.0.0.1" } else { "0.0.0.0" };
+            let server = TcpStoreServer::bind(&format!("{host}:{port}"), &token)
+                .map_err(|e| UsageError(e.to_string()))?;
+            port = server.local_addr().port();
+            Some(server)
+        } else {
+            None
+        };
+        tracing::info!(
+            "launching {nproc} rank(s) on node {} of {} (world size {world_size}), store at {master_addr}:{port}{}",
+            args.node_rank,
+            args.nnodes,
+            if attempt > 0 { format!(", restart {attempt} of {}", args.max_restarts) } else { String::new() }
+        );
+        let mut children = Vec::with_capacity(nproc);
+        for local_rank in 0..nproc {
+            let rank = args.node_rank * nproc + local_rank;
+            let mut cmd = Command::new(&exe);
+            cmd.args(&argv)
+                .env(WORKER_VAR, "1")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world_size.to_string())
+                .env("LOCAL_RANK", local_rank.to_string())
+                .env("LOCAL_WORLD_SIZE", nproc.to_string())
+                .env("GROUP_RANK", args.node_rank.to_string())
+                .env("MASTER_ADDR", &master_addr)
+                .env("MASTER_PORT", port.to_string())
+                .env(TOKEN_VAR, &token)
+                .env("RAYON_NUM_THREADS", &threads_per_rank)
+                .env(RESTART_COUNT_VAR, attempt.to_string())
+                .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
+            die_with_parent(&mut cmd);
+            match cmd.spawn() {
+                Ok(child) => children.push((rank, child)),
+                Err(e) => {
+                    stop_all(&mut children, &vec![None; nproc]);
+                    return Err(anyhow::anyhow!(
+                        "cannot start rank {rank} ({}): {e}",
+                        exe.display()
+                    ));
+                }
+            }
+        }
+        let outcome = supervise(children, &interrupted);
+        drop(server);
+        match outcome {
+            Outcome::Success => return Ok(ExitCode::SUCCESS),
+            Outcome::Interrupted(sig) => {
+                eprintln!("trainer launcher: stopped every rank on signal {sig}");
+                return Ok(ExitCode::from(128 + sig as u8));
+            }
+            Outcome::Failed { code } if code == 2 => return Ok(ExitCode::from(2)), // bad input: retrying cannot help
+            Outcome::Failed { code } if attempt == args.max_restarts => return Ok(ExitCode::from(code)),
+            Outcome::Failed { .. } => eprintln!(
+                "trainer launcher: restarting every rank ({} of {} restarts); training resumes from the newest complete checkpoint",
+                attempt + 1,
+                args.max_restarts
+            ),
+        }
+    }
+    unreachable!("the last attempt always returns")
 }
 
 /// Asks the kernel to SIGKILL the child when the launcher dies, however it dies.
@@ -148,13 +195,29 @@ fn die_with_parent(cmd: &mut Command) {
     }
 }
 
+/// How a launched group ended.
+enum Outcome {
+    Success,
+    /// A rank failed; the others were stopped. `code` is what the launcher exits with.
+    Failed {
+        code: u8,
+    },
+    /// The launcher got this signal; every rank was stopped.
+    Interrupted(usize),
+}
+
 /// Waits for every rank; on the first failure stops the rest and reports it.
 ///
 /// When several ranks are found dead in the same poll, the likely cause is reported first: a
 /// rank killed by a signal (its peers then fail with "connection lost"), else the lowest rank.
-fn supervise(mut children: Vec<(usize, Child)>) -> ExitCode {
+fn supervise(mut children: Vec<(usize, Child)>, interrupted: &AtomicUsize) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
+        let sig = interrupted.load(Ordering::SeqCst);
+        if sig != 0 {
+            stop_all(&mut children, &done);
+            return Outcome::Interrupted(sig);
+        }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         for (i, (rank, child)) in children.iter_mut().enumerate() {
             if done[i].is_none() {
@@ -183,10 +246,12 @@ fn supervise(mut children: Vec<(usize, Child)>) -> ExitCode {
                 "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks. The cause is in rank {rank}'s messages above (lines tagged [rank {rank}]).",
                 describe(status)
             );
-            return ExitCode::from(status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1));
+            return Outcome::Failed {
+                code: status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
+            };
         }
         if done.iter().all(Option::is_some) {
-            return ExitCode::SUCCESS;
+            return Outcome::Success;
         }
         std::thread::sleep(Duration::from_millis(50));
     }

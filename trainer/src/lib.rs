@@ -10,7 +10,9 @@
 //! | [`metrics`] | cross-rank averages, progress bar, metrics file |
 //! | [`data`] | the digits and synthetic data sets, batching |
 //! | [`tools`] | collective self-test and all-reduce benchmark |
+//! | [`bench`] | the trainer's overhead and scaling benchmark |
 
+pub mod bench;
 pub mod checkpoint;
 pub mod cli;
 pub mod config;

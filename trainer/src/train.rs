@@ -553,7 +553,9 @@ fn crash_if_asked(rank: usize, step: usize) {
     let who = std::env::var("TRAINER_CRASH_RANK")
         .ok()
         .and_then(|v| v.parse::<usize>().ok());
-    if at == Some(step) && who.is_none_or(|r| r == rank) {
+    // Only in the first attempt: a restarted job must be able to get past the same step.
+    let restarted = std::env::var(crate::launch::RESTART_COUNT_VAR).is_ok_and(|c| c != "0");
+    if at == Some(step) && who.is_none_or(|r| r == rank) && !restarted {
         eprintln!(
             "[rank {rank}] TRAINER_CRASH_AFTER_STEP={step}: killing this process (fault injection)"
         );

@@ -59,13 +59,29 @@ pub trait Element: bytemuck::Pod + Send + Sync + PartialOrd + fmt::Debug {
     fn combine(self, other: Self, op: ReduceOp) -> Self;
     /// Divides by the world size (for [`ReduceOp::Avg`]).
     fn div_world(self, world_size: usize) -> Self;
+
+    /// `dst[i] = dst[i] op src[i]`. The operation is matched once, outside the loop, so each
+    /// loop body is a constant operation the compiler vectorises.
+    fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
+        #[inline(always)]
+        fn each<T: Element>(dst: &mut [T], src: &[T], op: ReduceOp) {
+            for (d, &s) in dst.iter_mut().zip(src) {
+                *d = d.combine(s, op);
+            }
+        }
+        match op {
+            ReduceOp::Sum | ReduceOp::Avg => each(dst, src, ReduceOp::Sum),
+            ReduceOp::Max => each(dst, src, ReduceOp::Max),
+            ReduceOp::Min => each(dst, src, ReduceOp::Min),
+        }
+    }
 }
 
 macro_rules! element {
     ($t:ty, $dtype:ident, float) => {
         impl Element for $t {
             const DTYPE: DataType = DataType::$dtype;
-            #[inline]
+            #[inline(always)]
             fn combine(self, other: Self, op: ReduceOp) -> Self {
                 match op {
                     ReduceOp::Sum | ReduceOp::Avg => self + other,
@@ -81,7 +97,7 @@ macro_rules! element {
     ($t:ty, $dtype:ident, int) => {
         impl Element for $t {
             const DTYPE: DataType = DataType::$dtype;
-            #[inline]
+            #[inline(always)]
             fn combine(self, other: Self, op: ReduceOp) -> Self {
                 match op {
                     ReduceOp::Sum | ReduceOp::Avg => self.wrapping_add(other),

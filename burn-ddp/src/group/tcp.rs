@@ -609,9 +609,7 @@ impl TcpProcessGroup {
                 if st.recv_off == total {
                     if item.action == RecvAction::Reduce {
                         let incoming: &[T] = bytemuck::cast_slice(&scratch[..total]);
-                        for (dst, &src) in buffer[item.range.clone()].iter_mut().zip(incoming) {
-                            *dst = dst.combine(src, op);
-                        }
+                        T::reduce_into(&mut buffer[item.range.clone()], incoming, op);
                     }
                     st.recv += 1;
                     st.recv_off = 0;
@@ -1046,6 +1044,44 @@ mod tests {
             let r = rank as i64;
             assert_eq!(out, [3 * (2 * r + 1), 3 * (2 * r + 2)]);
         }
+    }
+
+    #[test]
+    fn strangers_on_the_ring_port_are_refused_and_the_group_forms() {
+        use std::io::Write as _;
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let options = TcpGroupOptions {
+            token: "job-token".into(),
+            ..Default::default()
+        };
+        let spawn_rank = |rank: usize| {
+            let (store, options) = (store.clone(), options.clone());
+            std::thread::spawn(move || {
+                let mut g = TcpProcessGroup::new(store, rank, 2, options).unwrap();
+                let mut v = [rank as i64 + 1];
+                g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                v[0]
+            })
+        };
+        let rank0 = spawn_rank(0);
+        let addr =
+            String::from_utf8(store.get("pg/addr/0", Duration::from_secs(30)).unwrap()).unwrap();
+        // Queued in rank 0's backlog before its real predecessor: garbage, then a wrong token.
+        let mut garbage = TcpStream::connect(&addr).unwrap();
+        garbage
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut impostor = TcpStream::connect(&addr).unwrap();
+        impostor
+            .write_all(&wire::encode_hello(&RingHello {
+                rank: 1,
+                world_size: 2,
+                token: "guess".into(),
+            }))
+            .unwrap();
+        let rank1 = spawn_rank(1);
+        assert_eq!(rank0.join().unwrap(), 3);
+        assert_eq!(rank1.join().unwrap(), 3);
     }
 
     #[test]

@@ -1,0 +1,404 @@
+//! Faults: dead and stalled ranks, restarts, crashes mid-checkpoint, damaged checkpoints,
+//! strangers on the store port, concurrent jobs, and signals to the launcher.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+
+/// Pids whose parent is `parent` (from /proc).
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().filter_map(Result::ok) {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command name, which is in parentheses and may contain spaces.
+        let after = &stat[stat.rfind(')').map_or(0, |i| i + 2)..];
+        let ppid = after.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn alive(pid: u32) -> bool {
+    // A zombie still has /proc/<pid>; it is not running anything, so count it as gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid we started and a signal number.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// Spawns `cmd` and streams its stderr lines through a channel (and keeps them for the end).
+fn spawn_streaming(cmd: &mut Command) -> (Child, mpsc::Receiver<String>) {
+    let mut child = spawn(cmd);
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    (child, rx)
+}
+
+/// Waits for a line containing `needle`; returns it (and every line seen, for messages).
+fn wait_for_line(rx: &mpsc::Receiver<String>, needle: &str, seen: &mut Vec<String>) -> String {
+    let deadline = Instant::now() + WATCHDOG;
+    while Instant::now() < deadline {
+        if let Ok(line) = rx.recv_timeout(Duration::from_secs(1)) {
+            seen.push(line.clone());
+            if line.contains(needle) {
+                return line;
+            }
+        }
+    }
+    panic!("no line with {needle:?} in:\n{}", seen.join("\n"));
+}
+
+fn drain(rx: &mpsc::Receiver<String>, seen: &mut Vec<String>) {
+    while let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) {
+        seen.push(line);
+    }
+}
+
+/// A collectives job long enough to be hit while it runs.
+fn long_job(extra: &[&str]) -> Command {
+    let mut cmd = trainer();
+    cmd.args([
+        "collectives",
+        "--nproc-per-node",
+        "2",
+        "--op",
+        "all_reduce",
+        "--len",
+        "65536",
+        "--iters",
+        "100000",
+    ])
+    .args(extra);
+    cmd
+}
+
+#[test]
+fn a_killed_rank_stops_the_job_and_is_named() {
+    let (mut launcher, rx) = spawn_streaming(&mut long_job(&["--timeout-secs", "60"]));
+    let mut seen = Vec::new();
+    wait_for_line(&rx, "ring connected", &mut seen);
+    let ranks = children_of(launcher.id());
+    assert_eq!(ranks.len(), 2, "{seen:?}");
+    let victim = *ranks.iter().max().unwrap(); // started second: rank 1
+    let start = Instant::now();
+    signal(victim, libc::SIGKILL);
+    let status = launcher.wait().unwrap();
+    let detected = start.elapsed();
+    drain(&rx, &mut seen);
+    let log = seen.join("\n");
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("rank 1 failed: killed by signal 9"), "{log}");
+    assert!(ranks.iter().all(|&p| !alive(p)), "no rank left behind");
+    eprintln!("kill -9 of rank 1: launcher exited {detected:?} later");
+}
+
+#[test]
+fn a_stalled_rank_times_out_naming_the_peer() {
+    let (mut launcher, rx) = spawn_streaming(&mut long_job(&["--timeout-secs", "3"]));
+    let mut seen = Vec::new();
+    wait_for_line(&rx, "ring connected", &mut seen);
+    let ranks = children_of(launcher.id());
+    let victim = *ranks.iter().max().unwrap();
+    signal(victim, libc::SIGSTOP);
+    let status = launcher.wait().unwrap();
+    drain(&rx, &mut seen);
+    let log = seen.join("\n");
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("timed out after") && log.contains("rank 1 (127.0.0.1"),
+        "{log}"
+    );
+    assert!(
+        ranks.iter().all(|&p| !alive(p)),
+        "the stopped rank was killed too"
+    );
+}
+
+#[test]
+fn strangers_on_the_store_port_are_refused_and_the_job_goes_on() {
+    let mut cmd = trainer();
+    cmd.args([
+        "collectives",
+        "--nproc-per-node",
+        "2",
+        "--op",
+        "all_reduce",
+        "--len",
+        "4096",
+        "--iters",
+        "3000",
+    ]);
+    let (launcher, rx) = spawn_streaming(&mut cmd);
+    let mut seen = Vec::new();
+    let line = wait_for_line(&rx, "store at ", &mut seen);
+    let addr = line
+        .split("store at ")
+        .nth(1)
+        .unwrap()
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .next()
+        .unwrap()
+        .to_string();
+    // Garbage, then a well-formed hello with a wrong token.
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.write_all(b"\x05\x00\x00\x00garbage and more garbage")
+        .unwrap();
+    let mut hello = vec![0u8; 4];
+    hello.push(1); // hello
+    hello.extend_from_slice(&0x4444_5053u32.to_le_bytes());
+    hello.extend_from_slice(&5u32.to_le_bytes());
+    hello.extend_from_slice(b"guess");
+    let len = (hello.len() - 4) as u32;
+    hello[..4].copy_from_slice(&len.to_le_bytes());
+    let mut t = std::net::TcpStream::connect(&addr).unwrap();
+    t.write_all(&hello).unwrap();
+    let out = finish_streamed(launcher, &rx, &mut seen);
+    assert_eq!(out, Some(0), "{}", seen.join("\n"));
+    let log = seen.join("\n");
+    assert_eq!(log.matches("refused connection from").count(), 2, "{log}");
+    assert!(log.contains("wrong job token"), "{log}");
+}
+
+fn finish_streamed(
+    mut child: Child,
+    rx: &mpsc::Receiver<String>,
+    seen: &mut Vec<String>,
+) -> Option<i32> {
+    let deadline = Instant::now() + WATCHDOG;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            drain(rx, seen);
+            return status.code();
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("hung:\n{}", seen.join("\n"));
+        }
+        while let Ok(line) = rx.try_recv() {
+            seen.push(line);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn two_jobs_at_once_and_sigint_leaves_no_process_behind() {
+    let mut a = trainer();
+    a.args([
+        "collectives",
+        "--nproc-per-node",
+        "2",
+        "--len",
+        "1000",
+        "--iters",
+        "200",
+    ]);
+    let mut b = trainer();
+    b.args([
+        "collectives",
+        "--nproc-per-node",
+        "2",
+        "--len",
+        "1000",
+        "--iters",
+        "200",
+    ]);
+    let (a, b) = (spawn(&mut a), spawn(&mut b));
+    let (a, b) = (finish(a), finish(b));
+    assert_eq!(a.code, Some(0), "{}", a.all());
+    assert_eq!(b.code, Some(0), "{}", b.all());
+
+    let (mut launcher, rx) = spawn_streaming(&mut long_job(&[]));
+    let mut seen = Vec::new();
+    wait_for_line(&rx, "ring connected", &mut seen);
+    let ranks = children_of(launcher.id());
+    assert_eq!(ranks.len(), 2);
+    signal(launcher.id(), libc::SIGINT);
+    let status = launcher.wait().unwrap();
+    drain(&rx, &mut seen);
+    assert_eq!(status.code(), Some(130), "{}", seen.join("\n"));
+    assert!(
+        ranks.iter().all(|&p| !alive(p)),
+        "ranks left behind: {ranks:?}"
+    );
+}
+
+fn digits(name: &str, dir: &std::path::Path, extra: &str) -> std::path::PathBuf {
+    let body = format!(
+        r#"
+[model]
+name = "mlp"
+hidden = [32]
+[data]
+source = "digits"
+path = "{{data}}"
+[optimizer]
+name = "adam"
+learning_rate = 0.003
+[training]
+epochs = 3
+batch_size = 8
+seed = 11
+max_steps = 30
+[checkpoint]
+dir = "{{ckpt}}"
+every_steps = 10
+every_epochs = 0
+keep_last = 3
+[output]
+dir = "{{out}}"
+{extra}
+"#
+    );
+    write_config(dir, name, &body)
+}
+
+fn weights(dir: &std::path::Path, name: &str) -> std::collections::BTreeMap<String, Vec<f32>> {
+    read_weights(&newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"))
+}
+
+fn train2(config: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = trainer();
+    cmd.arg("--config")
+        .arg(config)
+        .args(["--nproc-per-node", "2"])
+        .args(extra);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run(&mut cmd)
+}
+
+#[test]
+fn with_max_restarts_a_killed_rank_costs_nothing_but_time() {
+    let dir = scratch("restart");
+    let straight = digits("straight", &dir, "");
+    let restarted = digits("restarted", &dir, "");
+    assert_eq!(train2(&straight, &[], &[]).code, Some(0));
+    let out = train2(
+        &restarted,
+        &["--max-restarts", "1"],
+        &[
+            ("TRAINER_CRASH_AFTER_STEP", "15"),
+            ("TRAINER_CRASH_RANK", "0"),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stderr.contains("rank 0 failed: killed by signal 9")
+            && out.stderr.contains("restarting every rank (1 of 1"),
+        "{}",
+        out.all()
+    );
+    assert!(
+        out.stderr.contains("resumed from") && out.stderr.contains("step 10"),
+        "{}",
+        out.all()
+    );
+    let diff = max_abs_diff(&weights(&dir, "straight"), &weights(&dir, "restarted"));
+    assert!(diff <= 1e-6, "{diff:e}");
+}
+
+#[test]
+fn a_crash_mid_checkpoint_resumes_from_the_previous_one() {
+    let dir = scratch("crash-in-checkpoint");
+    let straight = digits("straight", &dir, "");
+    let crashed = digits("crashed", &dir, "");
+    assert_eq!(train2(&straight, &[], &[]).code, Some(0));
+    let out = train2(&crashed, &[], &[("TRAINER_CRASH_IN_CHECKPOINT", "20")]);
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    let root = dir.join("crashed-ckpt");
+    assert!(
+        newest_checkpoint(&root).ends_with("step-00000010"),
+        "the half-written checkpoint is not a checkpoint"
+    );
+    let out = train2(&crashed, &[], &[]);
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stderr.contains("step 10") && out.stderr.contains("interrupted checkpoint"),
+        "{}",
+        out.all()
+    );
+    assert!(!std::fs::read_dir(&root).unwrap().any(|e| e
+        .unwrap()
+        .file_name()
+        .to_string_lossy()
+        .starts_with(".tmp")));
+    let diff = max_abs_diff(&weights(&dir, "straight"), &weights(&dir, "crashed"));
+    assert!(diff <= 1e-6, "{diff:e}");
+}
+
+#[test]
+fn damaged_checkpoints_are_detected_and_skipped() {
+    let dir = scratch("damaged");
+    let config = digits("run", &dir, "");
+    assert_eq!(train2(&config, &[], &[]).code, Some(0));
+    let root = dir.join("run-ckpt");
+    // Flip one byte in the newest weights, truncate the optimizer state of the one before.
+    let newest = root.join("step-00000030/model.safetensors");
+    let mut bytes = std::fs::read(&newest).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&newest, bytes).unwrap();
+    let previous = root.join("step-00000020/optimizer.mpk");
+    let bytes = std::fs::read(&previous).unwrap();
+    std::fs::write(&previous, &bytes[..bytes.len() / 3]).unwrap();
+
+    let out = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(&config)
+        .arg("--checkpoint")
+        .arg(&root));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stdout.contains("step 10"),
+        "falls back to the last good one:\n{}",
+        out.all()
+    );
+    assert!(
+        out.stderr
+            .contains("step-00000030: model.safetensors is corrupted"),
+        "{}",
+        out.all()
+    );
+    assert!(
+        out.stderr
+            .contains("step-00000020: optimizer.mpk is corrupted"),
+        "{}",
+        out.all()
+    );
+
+    // Pointing at the damaged one directly is a clear error, not a panic.
+    let out = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(&config)
+        .arg("--checkpoint")
+        .arg(root.join("step-00000030")));
+    assert_ne!(out.code, Some(0));
+    assert!(
+        out.stderr.contains("corrupted") && !out.stderr.contains("panicked"),
+        "{}",
+        out.all()
+    );
+}
