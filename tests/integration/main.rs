@@ -7,4 +7,5 @@ mod common;
 
 mod collectives;
 mod faults;
+mod multinode;
 mod training;

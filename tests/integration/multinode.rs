@@ -1,0 +1,158 @@
+//! Two "machines" on one host: network namespaces joined by a veth pair, each with its own
+//! address, running 2 nodes x 2 ranks. Needs root (CAP_NET_ADMIN) and `ip`; where namespaces
+//! cannot be created the test says so and returns.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use crate::common::*;
+
+/// Two namespaces, `<tag>a` (10.77.x.1) and `<tag>b` (10.77.x.2), removed on drop.
+struct Hosts {
+    a: String,
+    b: String,
+    addr_a: String,
+    veth: String,
+}
+
+impl Hosts {
+    fn create(tag: &str, subnet: u8) -> Option<Hosts> {
+        let pid = std::process::id() % 10000;
+        let a = format!("ddp{tag}{pid}a");
+        let b = format!("ddp{tag}{pid}b");
+        let veth = format!("v{tag}{pid}");
+        let hosts = Hosts {
+            a: a.clone(),
+            b: b.clone(),
+            addr_a: format!("10.77.{subnet}.1"),
+            veth: veth.clone(),
+        };
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns", "add", &a],
+            vec!["netns", "add", &b],
+            vec!["link", "add", &format!("{veth}a"), "type", "veth", "peer", "name", &format!("{veth}b")],
+            vec!["link", "set", &format!("{veth}a"), "netns", &a],
+            vec!["link", "set", &format!("{veth}b"), "netns", &b],
+            vec!["-n", &a, "addr", "add", &format!("10.77.{subnet}.1/24"), "dev", &format!("{veth}a")],
+            vec!["-n", &b, "addr", "add", &format!("10.77.{subnet}.2/24"), "dev", &format!("{veth}b")],
+            vec!["-n", &a, "link", "set", &format!("{veth}a"), "up"],
+            vec!["-n", &b, "link", "set", &format!("{veth}b"), "up"],
+            vec!["-n", &a, "link", "set", "lo", "up"],
+            vec!["-n", &b, "link", "set", "lo", "up"],
+        ]
+        .into_iter()
+        .map(|v| v.into_iter().map(String::from).collect())
+        .collect();
+        for step in steps {
+            let ok = Command::new("ip").args(&step).output().map(|o| o.status.success()).unwrap_or(false);
+            if !ok {
+                eprintln!("SKIPPED: cannot create network namespaces here (`ip {}` failed; needs root and iproute2)", step.join(" "));
+                return None;
+            }
+        }
+        Some(hosts)
+    }
+
+    /// The trainer, run inside namespace `ns`, as node `node` of 2 with 2 ranks each.
+    fn node(&self, ns: &str, node: usize, args: &[&str], port: u16) -> Command {
+        let cmd = trainer();
+        let program = cmd.get_program().to_owned();
+        let mut inner = Command::new("ip");
+        inner.args(["netns", "exec", ns]).arg(program).args(args);
+        inner.args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", &node.to_string()]);
+        inner.args(["--master-addr", &self.addr_a, "--master-port", &port.to_string()]);
+        inner.env("BURN_DDP_TOKEN", "multinode-test-token");
+        if let Some(dir) = cmd.get_current_dir() {
+            inner.current_dir(dir);
+        }
+        inner
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+        let _ = Command::new("ip").args(["link", "del", &format!("{}a", self.veth)]).output();
+    }
+}
+
+fn config(dir: &Path, name: &str) -> std::path::PathBuf {
+    write_config(
+        dir,
+        name,
+        r#"
+[model]
+name = "mlp"
+hidden = [32]
+[data]
+source = "digits"
+path = "{data}"
+[optimizer]
+name = "sgd"
+learning_rate = 0.05
+[training]
+epochs = 1
+batch_size = 8
+seed = 3
+max_steps = 12
+[checkpoint]
+dir = "{ckpt}"
+every_epochs = 0
+[output]
+dir = "{out}"
+"#,
+    )
+}
+
+#[test]
+fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
+    let Some(hosts) = Hosts::create("t", 1) else { return };
+    let dir = scratch("multinode");
+    let nodes = config(&dir, "nodes");
+    let local = config(&dir, "local");
+    let port = 29000 + (std::process::id() % 1000) as u16;
+    let cfg = nodes.display().to_string();
+    let a = spawn(&mut hosts.node(&hosts.a, 0, &["--config", &cfg], port));
+    let b = spawn(&mut hosts.node(&hosts.b, 1, &["--config", &cfg], port));
+    let (a, b) = (finish(a), finish(b));
+    assert_eq!(a.code, Some(0), "node 0:\n{}", a.all());
+    assert_eq!(b.code, Some(0), "node 1:\n{}", b.all());
+    let out = run(trainer().arg("--config").arg(&local).args(["--nproc-per-node", "4"]));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let weights = |name: &str| read_weights(&newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"));
+    assert_eq!(max_abs_diff(&weights("nodes"), &weights("local")), 0.0, "same ring order, same reductions: bit-identical");
+}
+
+#[test]
+fn a_cut_link_stops_every_rank_with_a_clear_error() {
+    let Some(hosts) = Hosts::create("c", 2) else { return };
+    let port = 29000 + (std::process::id() % 1000) as u16;
+    let args = ["collectives", "--op", "all_reduce", "--len", "65536", "--iters", "1000000", "--timeout-secs", "5"];
+    let mut a = spawn(&mut hosts.node(&hosts.a, 0, &args, port));
+    let b = spawn(&mut hosts.node(&hosts.b, 1, &args, port));
+    // Let the job run, then pull the cable on node b's side.
+    let start = Instant::now();
+    while start.elapsed().as_secs() < 2 {
+        if let Some(status) = a.try_wait().unwrap() {
+            panic!("node 0 ended early: {status}\n{}", finish(a).all());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let cut = Command::new("ip").args(["-n", &hosts.b, "link", "set", &format!("{}b", hosts.veth), "down"]).status().unwrap();
+    assert!(cut.success());
+    let cut_at = Instant::now();
+    let (a, b) = (finish(a), finish(b));
+    eprintln!("link cut: both nodes exited within {:?}", cut_at.elapsed());
+    for (node, out) in [(0, &a), (1, &b)] {
+        assert_ne!(out.code, Some(0), "node {node} must fail:\n{}", out.all());
+        assert!(
+            out.stderr.contains("timed out after") || out.stderr.contains("connection with rank"),
+            "node {node} names the failure:\n{}",
+            out.all()
+        );
+        assert!(out.stderr.contains("trainer launcher: rank"), "node {node}'s launcher reports the rank:\n{}", out.all());
+    }
+}
