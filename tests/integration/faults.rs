@@ -407,7 +407,13 @@ fn damaged_checkpoints_are_detected_and_skipped() {
 fn ranks_with_different_configs_refuse_to_start() {
     let dir = scratch("config-mismatch");
     let a = digits("a", &dir, "");
-    let b = write_config(&dir, "b", &std::fs::read_to_string(&a).unwrap().replace("seed = 11", "seed = 12"));
+    let b = write_config(
+        &dir,
+        "b",
+        &std::fs::read_to_string(&a)
+            .unwrap()
+            .replace("seed = 11", "seed = 12"),
+    );
     let port = unused_port();
     let start = |config: &std::path::Path, rank: &str| {
         let mut cmd = trainer();
@@ -422,6 +428,15 @@ fn ranks_with_different_configs_refuse_to_start() {
     let (r0, r1) = (start(&a, "0"), start(&b, "1"));
     let (r0, r1) = (finish(r0), finish(r1));
     assert_eq!(r1.code, Some(2), "{}", r1.all());
-    assert!(r1.stderr.contains("rank 1's config differs from rank 0's"), "{}", r1.all());
-    assert_ne!(r0.code, Some(0), "rank 0 does not train alone:\n{}", r0.all());
+    assert!(
+        r1.stderr.contains("rank 1's config differs from rank 0's"),
+        "{}",
+        r1.all()
+    );
+    assert_ne!(
+        r0.code,
+        Some(0),
+        "rank 0 does not train alone:\n{}",
+        r0.all()
+    );
 }

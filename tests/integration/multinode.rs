@@ -31,11 +31,36 @@ impl Hosts {
         let steps: Vec<Vec<String>> = vec![
             vec!["netns", "add", &a],
             vec!["netns", "add", &b],
-            vec!["link", "add", &format!("{veth}a"), "type", "veth", "peer", "name", &format!("{veth}b")],
+            vec![
+                "link",
+                "add",
+                &format!("{veth}a"),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &format!("{veth}b"),
+            ],
             vec!["link", "set", &format!("{veth}a"), "netns", &a],
             vec!["link", "set", &format!("{veth}b"), "netns", &b],
-            vec!["-n", &a, "addr", "add", &format!("10.77.{subnet}.1/24"), "dev", &format!("{veth}a")],
-            vec!["-n", &b, "addr", "add", &format!("10.77.{subnet}.2/24"), "dev", &format!("{veth}b")],
+            vec![
+                "-n",
+                &a,
+                "addr",
+                "add",
+                &format!("10.77.{subnet}.1/24"),
+                "dev",
+                &format!("{veth}a"),
+            ],
+            vec![
+                "-n",
+                &b,
+                "addr",
+                "add",
+                &format!("10.77.{subnet}.2/24"),
+                "dev",
+                &format!("{veth}b"),
+            ],
             vec!["-n", &a, "link", "set", &format!("{veth}a"), "up"],
             vec!["-n", &b, "link", "set", &format!("{veth}b"), "up"],
             vec!["-n", &a, "link", "set", "lo", "up"],
@@ -45,7 +70,11 @@ impl Hosts {
         .map(|v| v.into_iter().map(String::from).collect())
         .collect();
         for step in steps {
-            let ok = Command::new("ip").args(&step).output().map(|o| o.status.success()).unwrap_or(false);
+            let ok = Command::new("ip")
+                .args(&step)
+                .output()
+                .map(|o| o.status.success())
+                .unwrap_or(false);
             if !ok {
                 eprintln!("SKIPPED: cannot create network namespaces here (`ip {}` failed; needs root and iproute2)", step.join(" "));
                 return None;
@@ -60,8 +89,20 @@ impl Hosts {
         let program = cmd.get_program().to_owned();
         let mut inner = Command::new("ip");
         inner.args(["netns", "exec", ns]).arg(program).args(args);
-        inner.args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", &node.to_string()]);
-        inner.args(["--master-addr", &self.addr_a, "--master-port", &port.to_string()]);
+        inner.args([
+            "--nproc-per-node",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &node.to_string(),
+        ]);
+        inner.args([
+            "--master-addr",
+            &self.addr_a,
+            "--master-port",
+            &port.to_string(),
+        ]);
         inner.env("BURN_DDP_TOKEN", "multinode-test-token");
         if let Some(dir) = cmd.get_current_dir() {
             inner.current_dir(dir);
@@ -75,7 +116,9 @@ impl Drop for Hosts {
         for ns in [&self.a, &self.b] {
             let _ = Command::new("ip").args(["netns", "del", ns]).output();
         }
-        let _ = Command::new("ip").args(["link", "del", &format!("{}a", self.veth)]).output();
+        let _ = Command::new("ip")
+            .args(["link", "del", &format!("{}a", self.veth)])
+            .output();
     }
 }
 
@@ -109,7 +152,9 @@ dir = "{out}"
 
 #[test]
 fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
-    let Some(hosts) = Hosts::create("t", 1) else { return };
+    let Some(hosts) = Hosts::create("t", 1) else {
+        return;
+    };
     let dir = scratch("multinode");
     let nodes = config(&dir, "nodes");
     let local = config(&dir, "local");
@@ -120,17 +165,40 @@ fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
     let (a, b) = (finish(a), finish(b));
     assert_eq!(a.code, Some(0), "node 0:\n{}", a.all());
     assert_eq!(b.code, Some(0), "node 1:\n{}", b.all());
-    let out = run(trainer().arg("--config").arg(&local).args(["--nproc-per-node", "4"]));
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&local)
+        .args(["--nproc-per-node", "4"]));
     assert_eq!(out.code, Some(0), "{}", out.all());
-    let weights = |name: &str| read_weights(&newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"));
-    assert_eq!(max_abs_diff(&weights("nodes"), &weights("local")), 0.0, "same ring order, same reductions: bit-identical");
+    let weights = |name: &str| {
+        read_weights(
+            &newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"),
+        )
+    };
+    assert_eq!(
+        max_abs_diff(&weights("nodes"), &weights("local")),
+        0.0,
+        "same ring order, same reductions: bit-identical"
+    );
 }
 
 #[test]
 fn a_cut_link_stops_every_rank_with_a_clear_error() {
-    let Some(hosts) = Hosts::create("c", 2) else { return };
+    let Some(hosts) = Hosts::create("c", 2) else {
+        return;
+    };
     let port = 29000 + (std::process::id() % 1000) as u16;
-    let args = ["collectives", "--op", "all_reduce", "--len", "65536", "--iters", "1000000", "--timeout-secs", "5"];
+    let args = [
+        "collectives",
+        "--op",
+        "all_reduce",
+        "--len",
+        "65536",
+        "--iters",
+        "1000000",
+        "--timeout-secs",
+        "5",
+    ];
     let mut a = spawn(&mut hosts.node(&hosts.a, 0, &args, port));
     let b = spawn(&mut hosts.node(&hosts.b, 1, &args, port));
     // Let the job run, then pull the cable on node b's side.
@@ -141,7 +209,17 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let cut = Command::new("ip").args(["-n", &hosts.b, "link", "set", &format!("{}b", hosts.veth), "down"]).status().unwrap();
+    let cut = Command::new("ip")
+        .args([
+            "-n",
+            &hosts.b,
+            "link",
+            "set",
+            &format!("{}b", hosts.veth),
+            "down",
+        ])
+        .status()
+        .unwrap();
     assert!(cut.success());
     let cut_at = Instant::now();
     let (a, b) = (finish(a), finish(b));
@@ -153,6 +231,10 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
             "node {node} names the failure:\n{}",
             out.all()
         );
-        assert!(out.stderr.contains("trainer launcher: rank"), "node {node}'s launcher reports the rank:\n{}", out.all());
+        assert!(
+            out.stderr.contains("trainer launcher: rank"),
+            "node {node}'s launcher reports the rank:\n{}",
+            out.all()
+        );
     }
 }

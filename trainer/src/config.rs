@@ -166,6 +166,10 @@ pub struct TrainingConfig {
     /// Shuffle the training order every epoch (seeded by seed + epoch).
     #[serde(default = "yes")]
     pub shuffle: bool,
+    /// Draw training samples with probability inversely proportional to their class's
+    /// frequency (with replacement, as many draws per epoch as samples) instead of a shuffle.
+    #[serde(default)]
+    pub balance_classes: bool,
     /// Stop after this many optimizer steps in total (for tests and benchmarks).
     #[serde(default)]
     pub max_steps: Option<usize>,
@@ -186,6 +190,7 @@ impl Default for TrainingConfig {
             seed: 0,
             drop_last: false,
             shuffle: true,
+            balance_classes: false,
             max_steps: None,
             log_every: default_log_every(),
             check_replicas_every: 0,

@@ -169,7 +169,8 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
                 eprintln!("trainer launcher: stopped every rank on signal {sig}");
                 return Ok(ExitCode::from(128 + sig as u8));
             }
-            Outcome::Failed { code } if code == 2 => return Ok(ExitCode::from(2)), // bad input: retrying cannot help
+            // Bad input: retrying cannot help.
+            Outcome::Failed { code: 2 } => return Ok(ExitCode::from(2)),
             Outcome::Failed { code } if attempt == args.max_restarts => return Ok(ExitCode::from(code)),
             Outcome::Failed { .. } => eprintln!(
                 "trainer launcher: restarting every rank ({} of {} restarts); training resumes from the newest complete checkpoint",

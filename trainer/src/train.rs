@@ -30,23 +30,24 @@ use burn::optim::{
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use burn_ddp::ddp::{param_checksum, prepare_module, Reducer};
-use burn_ddp::sampler::DistributedSampler;
+use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::{Distributed, ProcessGroup, TcpGroupOptions};
 use models::{Classifier, InputShape, ModelTask};
 
 use crate::checkpoint::{self, Checkpoint, Manifest, TrainPosition, FORMAT_VERSION};
 use crate::cli::UsageError;
-use crate::config::{Config, DataSource, DeviceKind, OptimizerName};
-use crate::data::{self, ClassificationBatch, ClassificationBatcher, ClassificationItem};
+use crate::config::{Config, DataSource, DeviceKind, OptimizerName, TrainingConfig};
+use crate::data::{self, ClassificationBatch, ClassificationBatcher, ClassificationDataset};
 use crate::metrics::{global_sum, Record, Reporter};
+use burn::data::dataset::Dataset;
 
 /// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
 pub type CpuBackend = Autodiff<Flex>;
 
 /// The data of a run: the same on every rank.
 pub struct Data {
-    pub train: Vec<ClassificationItem>,
-    pub valid: Vec<ClassificationItem>,
+    pub train: ClassificationDataset,
+    pub valid: ClassificationDataset,
     pub input: InputShape,
 }
 
@@ -74,8 +75,8 @@ pub fn load_data(config: &Config) -> anyhow::Result<Data> {
         )));
     }
     Ok(Data {
-        train,
-        valid,
+        train: ClassificationDataset::new(train),
+        valid: ClassificationDataset::new(valid),
         input,
     })
 }
@@ -89,15 +90,31 @@ pub fn preflight(config_path: &Path) -> anyhow::Result<Config> {
     Ok(config)
 }
 
+/// Whether this build can train on `device`, and (for CUDA) whether this machine can: a missing
+/// driver or GPU is a clear usage error before any rank starts, never a panic inside CUDA.
 fn device_available(device: DeviceKind) -> anyhow::Result<()> {
-    match device {
-        DeviceKind::Cpu => Ok(()),
-        other => Err(UsageError(format!(
-            "output.device = \"{}\" is not available in this build of trainer; this build trains on \"cpu\" only. Rebuild with `cargo build --release --features {0}` for GPU support",
-            format!("{other:?}").to_lowercase()
+    let built_in = match device {
+        DeviceKind::Cpu => true,
+        DeviceKind::Wgpu => cfg!(feature = "wgpu"),
+        DeviceKind::Cuda => cfg!(feature = "cuda"),
+    };
+    let name = format!("{device:?}").to_lowercase();
+    if !built_in {
+        return Err(UsageError(format!(
+            "output.device = \"{name}\" is not available in this build of trainer. Rebuild with `cargo build --release -p trainer --features {name}`, or set output.device = \"cpu\""
         ))
-        .into()),
+        .into());
     }
+    #[cfg(feature = "cuda")]
+    if device == DeviceKind::Cuda {
+        let local_rank = std::env::var("LOCAL_RANK")
+            .ok()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or(0);
+        burn_ddp::cuda::check_cuda_available(local_rank)
+            .map_err(|e| UsageError(format!("output.device = \"cuda\": {e}")))?;
+    }
+    Ok(())
 }
 
 /// `trainer --config FILE` as one rank (or the only process).
@@ -110,8 +127,44 @@ pub fn run(config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
         ..Default::default()
     };
     let dist = Distributed::from_env_or_standalone(options)?;
-    let device = Default::default();
-    let mut job = Job::<CpuBackend> {
+    let local_rank = dist.env.local_rank;
+    match config.output.device {
+        DeviceKind::Cpu => {
+            train_on::<CpuBackend>(config, dist, data, no_resume, Default::default())
+        }
+        #[cfg(feature = "wgpu")]
+        DeviceKind::Wgpu => {
+            // One adapter per rank when the machine has several; else everyone shares the default.
+            let device = burn::backend::wgpu::WgpuDevice::DefaultDevice;
+            let _ = local_rank;
+            train_on::<Autodiff<burn::backend::Wgpu>>(config, dist, data, no_resume, device)
+        }
+        #[cfg(feature = "cuda")]
+        DeviceKind::Cuda => {
+            // CUDA_VISIBLE_DEVICES already renumbers the visible GPUs, so the local rank is
+            // the device ordinal (as with torchrun).
+            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            train_on::<Autodiff<burn::backend::Cuda>>(config, dist, data, no_resume, device)
+        }
+        #[allow(unreachable_patterns)]
+        other => {
+            let _ = local_rank;
+            Err(device_available(other)
+                .err()
+                .unwrap_or_else(|| anyhow::anyhow!("device {other:?} is not available")))
+        }
+    }
+}
+
+/// Trains on backend `B` and prints the result on rank 0.
+fn train_on<B: AutodiffBackend>(
+    config: Config,
+    dist: Distributed,
+    data: Data,
+    no_resume: bool,
+    device: B::Device,
+) -> anyhow::Result<ExitCode> {
+    let mut job = Job::<B> {
         config,
         dist,
         data,
@@ -119,14 +172,14 @@ pub fn run(config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
         no_resume,
     };
     job.check_same_config()?;
-    CpuBackend::seed(&job.device, job.config.training.seed);
+    B::seed(&job.device, job.config.training.seed);
     let (name, options, input, device) = (
         job.config.model.name.clone(),
         job.config.model.options.clone(),
         job.data.input.clone(),
-        job.device,
+        job.device.clone(),
     );
-    let summary = models::with_model::<CpuBackend, _>(
+    let summary = models::with_model::<B, _>(
         &name,
         &options,
         &input,
@@ -366,10 +419,7 @@ where
     }
 
     let train_len = job.data.train.len();
-    let sampler = DistributedSampler::new(train_len, world, rank)
-        .with_seed(t.seed)
-        .with_shuffle(t.shuffle)
-        .with_drop_last(t.drop_last);
+    let sampler = EpochSampler::new(&job.data.train, &t, world, rank)?;
     let per_step = t.batch_size * t.accumulation_steps; // samples per rank per optimizer step
                                                         // Steps are counted from the start of the run; after a resume with another world size the
                                                         // rest of the current epoch takes a different number of steps than it would have.
@@ -407,7 +457,7 @@ where
             for micro in chunk.chunks(t.batch_size) {
                 let items = micro
                     .iter()
-                    .map(|s| job.data.train[s.index].clone())
+                    .filter_map(|s| job.data.train.get(s.index))
                     .collect();
                 let batch: ClassificationBatch<B> = ClassificationBatcher.batch(items, &job.device);
                 let loss = loss_fn.forward(model.forward(batch.inputs), batch.targets);
@@ -566,6 +616,48 @@ fn crash_if_asked(rank: usize, step: usize) {
     }
 }
 
+/// The training sampler: uniform (PyTorch's `DistributedSampler`) or class-balanced
+/// (`WeightedDistributedSampler` with weights inversely proportional to class frequency, as many
+/// draws per epoch as the data set has samples). Both shard one global order per epoch.
+enum EpochSampler {
+    Uniform(DistributedSampler),
+    Weighted(WeightedDistributedSampler),
+}
+
+impl EpochSampler {
+    fn new(
+        train: &ClassificationDataset,
+        t: &TrainingConfig,
+        world: usize,
+        rank: usize,
+    ) -> anyhow::Result<Self> {
+        if !t.balance_classes {
+            return Ok(Self::Uniform(
+                DistributedSampler::new(train.len(), world, rank)
+                    .with_seed(t.seed)
+                    .with_shuffle(t.shuffle)
+                    .with_drop_last(t.drop_last),
+            ));
+        }
+        let labels: Vec<usize> = train.iter().map(|i| i.label).collect();
+        let mut counts = vec![0usize; labels.iter().map(|l| l + 1).max().unwrap_or(0)];
+        for &label in &labels {
+            counts[label] += 1;
+        }
+        let weights: Vec<f64> = labels.iter().map(|&l| 1.0 / counts[l] as f64).collect();
+        WeightedDistributedSampler::new(&weights, train.len(), world, rank, t.seed)
+            .map(Self::Weighted)
+            .ok_or_else(|| anyhow::anyhow!("training.balance_classes: no usable class weights"))
+    }
+
+    fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
+        match self {
+            Self::Uniform(s) => s.samples(epoch, consumed),
+            Self::Weighted(s) => s.samples(epoch, consumed),
+        }
+    }
+}
+
 /// Loss and throughput since the last log line.
 struct Window {
     loss: f64,
@@ -606,7 +698,7 @@ struct Validation {
 /// per-sample loss and hits with their real counts. Collective.
 fn validate<B, M>(
     model: &M,
-    valid: &[ClassificationItem],
+    valid: &ClassificationDataset,
     group: &mut impl ProcessGroup,
     device: &B::Device,
     batch_size: usize,
@@ -637,7 +729,7 @@ where
 /// (summed loss, correct predictions, samples) of this rank's evaluation shard.
 fn evaluate_shard<B: Backend, M: Classifier<B>>(
     model: &M,
-    items: &[ClassificationItem],
+    items: &ClassificationDataset,
     rank: usize,
     world: usize,
     device: &B::Device,
@@ -647,8 +739,8 @@ fn evaluate_shard<B: Backend, M: Classifier<B>>(
     let loss_fn = CrossEntropyLossConfig::new().init::<B>(device);
     let (mut loss_sum, mut hits) = (0.0, 0.0);
     for chunk in indices.chunks(batch_size.max(1)) {
-        let batch: ClassificationBatch<B> =
-            ClassificationBatcher.batch(chunk.iter().map(|&i| items[i].clone()).collect(), device);
+        let batch: ClassificationBatch<B> = ClassificationBatcher
+            .batch(chunk.iter().filter_map(|&i| items.get(i)).collect(), device);
         let logits = model.forward(batch.inputs);
         let predicted = logits.clone().argmax(1).flatten::<1>(0, 1);
         hits += predicted
@@ -686,12 +778,7 @@ fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
 }
 
 /// Appends `epoch index is_padding` lines for the samples of one step (for tests).
-fn log_samples(
-    dir: &Path,
-    rank: usize,
-    epoch: usize,
-    chunk: &[burn_ddp::sampler::Sample],
-) -> anyhow::Result<()> {
+fn log_samples(dir: &Path, rank: usize, epoch: usize, chunk: &[Sample]) -> anyhow::Result<()> {
     fs::create_dir_all(dir)?;
     let mut f = OpenOptions::new()
         .create(true)
@@ -720,7 +807,7 @@ pub fn evaluate(config_path: &Path, checkpoint_path: &Path) -> anyhow::Result<Ex
     checkpoint::check_compatible(&ckpt, &config.model.name, &config.model_fingerprint())?;
     struct Eval<'a> {
         ckpt: &'a Checkpoint,
-        valid: &'a [ClassificationItem],
+        valid: &'a ClassificationDataset,
         batch_size: usize,
     }
     impl ModelTask<CpuBackend> for Eval<'_> {
