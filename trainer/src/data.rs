@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::prelude::*;
+use burn_ddp::sampler::SplitMix64;
 use flate2::read::MultiGzDecoder;
 
 /// Height and width of a digits image.
@@ -280,54 +281,6 @@ pub fn synthetic(
         .collect()
 }
 
-/// splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number
-/// generators", 2014), written out here rather than taken from `rand`: the
-/// train/validation split and the synthetic data must be bit-identical on
-/// every rank, platform and crate version, and `rand`'s generators and
-/// sampling algorithms are not guaranteed stable across releases.
-struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `[0, 1)`, from the top 24 bits (all an `f32` mantissa holds).
-    fn next_f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u32 << 24) as f32
-    }
-
-    /// Uniform in `0..bound` without modulo bias (Lemire's multiply-shift
-    /// with rejection). `bound` must be positive.
-    fn below(&mut self, bound: u64) -> u64 {
-        let threshold = bound.wrapping_neg() % bound;
-        loop {
-            let product = u128::from(self.next_u64()) * u128::from(bound);
-            if (product as u64) >= threshold {
-                return (product >> 64) as u64;
-            }
-        }
-    }
-
-    /// Fisher–Yates shuffle.
-    fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            // i + 1 <= items.len() fits in u64, and the result is <= i.
-            let j = self.below(i as u64 + 1) as usize;
-            items.swap(i, j);
-        }
-    }
-}
 
 /// A batch of [`ClassificationItem`]s as tensors.
 #[derive(Clone, Debug)]
