@@ -281,7 +281,6 @@ pub fn synthetic(
         .collect()
 }
 
-
 /// A batch of [`ClassificationItem`]s as tensors.
 #[derive(Clone, Debug)]
 pub struct ClassificationBatch<B: Backend> {

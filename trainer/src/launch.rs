@@ -11,10 +11,11 @@
 //! - The first rank to fail stops the others (SIGTERM, then SIGKILL after a grace period), and
 //!   the launcher reports which rank failed and how, last, where the user looks.
 
+use std::io::IsTerminal;
 use std::io::Read;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
-use std::process::{Child, Command, ExitCode, ExitStatus};
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,6 +26,7 @@ use burn_ddp::store::TcpStoreServer;
 use clap::Args;
 
 use crate::cli::{UsageError, WORKER_VAR};
+use crate::ranklog::RankLog;
 
 /// torchrun-style launch options.
 #[derive(Args, Debug, Clone, Default)]
@@ -149,9 +151,17 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
                 .env("RAYON_NUM_THREADS", &threads_per_rank)
                 .env(RESTART_COUNT_VAR, attempt.to_string())
                 .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
+            // Rank 0 keeps the terminal (its progress bar needs one); the others are tagged.
+            let forward = rank != 0 || !std::io::stderr().is_terminal();
+            if forward {
+                cmd.stderr(Stdio::piped());
+            }
             die_with_parent(&mut cmd);
             match cmd.spawn() {
-                Ok(child) => children.push((rank, child)),
+                Ok(mut child) => {
+                    let log = child.stderr.take().map(|e| RankLog::forward(rank, e));
+                    children.push(Rank { rank, child, log });
+                }
                 Err(e) => {
                     stop_all(&mut children, &vec![None; nproc]);
                     return Err(anyhow::anyhow!(
@@ -196,6 +206,13 @@ fn die_with_parent(cmd: &mut Command) {
     }
 }
 
+/// A started rank: its process and, when its stderr is piped, the forwarder of its lines.
+struct Rank {
+    rank: usize,
+    child: Child,
+    log: Option<RankLog>,
+}
+
 /// How a launched group ended.
 enum Outcome {
     Success,
@@ -211,7 +228,7 @@ enum Outcome {
 ///
 /// When several ranks are found dead in the same poll, the likely cause is reported first: a
 /// rank killed by a signal (its peers then fail with "connection lost"), else the lowest rank.
-fn supervise(mut children: Vec<(usize, Child)>, interrupted: &AtomicUsize) -> Outcome {
+fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
         let sig = interrupted.load(Ordering::SeqCst);
@@ -220,7 +237,7 @@ fn supervise(mut children: Vec<(usize, Child)>, interrupted: &AtomicUsize) -> Ou
             return Outcome::Interrupted(sig);
         }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
-        for (i, (rank, child)) in children.iter_mut().enumerate() {
+        for (i, Rank { rank, child, .. }) in children.iter_mut().enumerate() {
             if done[i].is_none() {
                 match child.try_wait() {
                     Ok(Some(status)) => {
@@ -243,10 +260,24 @@ fn supervise(mut children: Vec<(usize, Child)>, interrupted: &AtomicUsize) -> Ou
                     describe(other_status)
                 );
             }
+            // The failing rank's last words come last, where the user looks.
+            let failing = children.iter().position(|r| r.rank == rank);
+            let tail = failing
+                .and_then(|i| children.swap_remove(i).log)
+                .map(RankLog::last_lines);
             eprintln!(
-                "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks. The cause is in rank {rank}'s messages above (lines tagged [rank {rank}]).",
+                "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks.",
                 describe(status)
             );
+            match tail {
+                Some((_, lines)) if !lines.is_empty() => {
+                    eprintln!("---- last lines of rank {rank} ----");
+                    for line in lines {
+                        eprintln!("{line}");
+                    }
+                }
+                _ => eprintln!("Its messages are above."),
+            }
             return Outcome::Failed {
                 code: status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
             };
@@ -258,8 +289,8 @@ fn supervise(mut children: Vec<(usize, Child)>, interrupted: &AtomicUsize) -> Ou
     }
 }
 
-fn stop_all(children: &mut [(usize, Child)], done: &[Option<ExitStatus>]) {
-    for (i, (_, child)) in children.iter_mut().enumerate() {
+fn stop_all(children: &mut [Rank], done: &[Option<ExitStatus>]) {
+    for (i, Rank { child, .. }) in children.iter_mut().enumerate() {
         if done[i].is_none() {
             // SAFETY: kill(2) on our own child's pid; the child has not been reaped (try_wait
             // returned None), so the pid still names it.
@@ -269,7 +300,7 @@ fn stop_all(children: &mut [(usize, Child)], done: &[Option<ExitStatus>]) {
         }
     }
     let deadline = Instant::now() + GRACE;
-    for (i, (_, child)) in children.iter_mut().enumerate() {
+    for (i, Rank { child, .. }) in children.iter_mut().enumerate() {
         if done[i].is_some() {
             continue;
         }

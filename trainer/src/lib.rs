@@ -5,6 +5,7 @@
 //! | [`cli`] | the command line; decides launcher / worker / tool; exit codes |
 //! | [`config`] | the TOML schema, defaults and validation |
 //! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`), like torchrun |
+//! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
 //! | [`train`] | the training loop, top to bottom |
 //! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
 //! | [`metrics`] | cross-rank averages, progress bar, metrics file |
@@ -19,5 +20,6 @@ pub mod config;
 pub mod data;
 pub mod launch;
 pub mod metrics;
+pub mod ranklog;
 pub mod tools;
 pub mod train;

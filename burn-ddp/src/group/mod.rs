@@ -22,6 +22,8 @@
 //! - **Results are identical on every rank**, bit for bit (each chunk is reduced on one rank, in
 //!   one order, then copied to the others), so replicas that apply the same update stay equal.
 
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod ring;
 pub mod tcp;
 pub mod wire;
