@@ -355,9 +355,23 @@ fn the_main_job_reaches_95_percent_with_two_processes() {
 #[test]
 fn class_balanced_sampling_trains_on_two_ranks() {
     let dir = scratch("balanced");
-    let config = write_config(&dir, "balanced", &digits_config(ADAM, 16, "balance_classes = true"));
+    let config = write_config(
+        &dir,
+        "balanced",
+        &digits_config(ADAM, 16, "balance_classes = true"),
+    );
     let out = train(&config, 2);
-    let line = out.stdout.lines().find(|l| l.starts_with("final validation accuracy")).unwrap_or_else(|| panic!("{}", out.all()));
-    let accuracy: f64 = line.split_whitespace().nth(3).unwrap().trim_end_matches('%').parse().unwrap();
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("final validation accuracy"))
+        .unwrap_or_else(|| panic!("{}", out.all()));
+    let accuracy: f64 = line
+        .split_whitespace()
+        .nth(3)
+        .unwrap()
+        .trim_end_matches('%')
+        .parse()
+        .unwrap();
     assert!(accuracy >= 90.0, "{line}");
 }
