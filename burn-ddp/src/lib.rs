@@ -19,11 +19,14 @@
 //! bucket with [`group::ReduceOp::Avg`] over the process group, and puts the averaged gradients
 //! back; the optimizer step then sees the same gradients on every rank, so replicas stay equal.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod ddp;
 pub mod env;
 pub mod error;
 pub mod group;
 pub mod init;
+pub mod kernels;
 pub mod sampler;
 pub mod store;
 

@@ -1,0 +1,557 @@
+//! The CubeCL kernels behind [`BucketOps`], and its implementations for `CubeBackend` (any CubeCL
+//! runtime: wgpu, CUDA, ...) and for `Fusion`.
+//!
+//! ## The kernels
+//! - [`pack_kernel`]: a group of inputs, each its own buffer binding, copied into the bucket.
+//!   Cube row `y` serves input `y` of the group; the cubes of a row stride over that input.
+//!   A kernel cannot index its bindings with a runtime value, so the input is chosen by an
+//!   unrolled comparison of `CUBE_POS_Y` with each slot: the branch is uniform per cube, and a
+//!   thread pays it once, not per element. The number of bindings per kernel is bounded by the
+//!   device (`max_bindings`; a handful on some Vulkan drivers), hence groups.
+//! - [`unpack_scale_kernel`]: one thread per bucket element finds its tensor by binary search in
+//!   a table of bucket offsets, multiplies by `scale` and writes it at that tensor's place in
+//!   one output buffer, where each tensor starts at the device's offset alignment; the outputs
+//!   are then views into that buffer (what Burn's own `slice` does for aligned slices), so all
+//!   tensors come out of a single launch and a single allocation.
+//! - [`compress_bf16_kernel`] / [`decompress_bf16_kernel`]: one thread per output word / element,
+//!   integer arithmetic on the `f32` bits (the rounding of [`bf16::f32_to_bf16`]).
+//!
+//! All launches are the checked kind (`launch`, not `launch_unchecked`): the bounds checks cost
+//! little in kernels that are pure memory traffic, and no `unsafe` is needed.
+
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::ops::IntTensorOps;
+use burn::tensor::{DType, FloatDType, IntDType, Shape, TensorMetadata};
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use cubecl::prelude::*;
+use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
+
+use super::fallback::{self, check_bucket, check_bucket_1d, check_words};
+use super::{bf16, check_len, BucketOps, BucketOpsError};
+
+/// Units per cube of every kernel here: the portable maximum (WebGPU's guaranteed limit).
+const CUBE_SIZE: u32 = 256;
+/// Cubes per input in a pack launch; beyond that a row's cubes loop. 1024 × 256 threads is about
+/// a full H100 for one large input, and bounds the idle cubes that the small inputs of a group
+/// cost (every row gets as many cubes as the longest input of the group).
+const MAX_CUBES_PER_INPUT: usize = 1024;
+/// Most inputs per pack launch. Each group size is a separately compiled kernel (the unrolled
+/// slot comparison), so this bounds both compile time and the per-thread comparisons.
+const MAX_INPUTS_PER_LAUNCH: usize = 32;
+/// Bindings of a pack launch besides its inputs: the bucket and the metadata buffer, plus one
+/// spare for runtimes that add a binding of their own.
+const RESERVED_BINDINGS: usize = 3;
+
+/// Copies input `y` of the group (`CUBE_POS_Y`) into `bucket[starts[y]..starts[y] + lens[y]]`.
+#[cube(launch)]
+fn pack_kernel(
+    inputs: &Sequence<Array<f32>>,
+    bucket: &mut Array<f32>,
+    starts: Sequence<usize>,
+    lens: Sequence<usize>,
+) {
+    let slot = CUBE_POS_Y as usize;
+    let stride = (CUBE_COUNT_X * CUBE_DIM_X) as usize;
+    let group = comptime![inputs.len()];
+    #[unroll]
+    for j in 0..group {
+        if slot == j {
+            let input = inputs.index(j);
+            let start = starts[j];
+            let len = lens[j];
+            let mut i = ABSOLUTE_POS_X as usize;
+            while i < len {
+                bucket[start + i] = input[i];
+                i += stride;
+            }
+        }
+    }
+}
+
+/// `out[out_starts[t] + k] = bucket[bucket_starts[t] + k] * scale` for every tensor `t` and
+/// `k < bucket_starts[t + 1] - bucket_starts[t]`; one thread per bucket element.
+#[cube(launch)]
+fn unpack_scale_kernel(
+    bucket: &Array<f32>,
+    bucket_starts: &Array<u32>,
+    out_starts: &Array<u32>,
+    out: &mut Array<f32>,
+    num_tensors: usize,
+    scale: f32,
+) {
+    let pos = ABSOLUTE_POS;
+    if pos >= bucket.len() {
+        terminate!();
+    }
+    // The last tensor whose start is <= pos (tables hold non-empty tensors only, so it is the
+    // one that contains pos). Invariant: bucket_starts[lo] <= pos < bucket_starts[hi].
+    let mut lo = 0usize;
+    let mut hi = num_tensors;
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if bucket_starts[mid] as usize <= pos {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let dst = out_starts[lo] as usize + (pos - bucket_starts[lo] as usize);
+    out[dst] = bucket[pos] * scale;
+}
+
+/// [`bf16::f32_to_bf16`] on the device, widened to `u32`.
+#[cube]
+fn round_to_bf16(x: f32) -> u32 {
+    let bits = u32::reinterpret(x);
+    if (bits & 0x7fff_ffffu32) > 0x7f80_0000u32 {
+        // NaN: keep sign and the top of the payload, force the quiet bit.
+        (bits >> 16u32) | 0x0040u32
+    } else {
+        // Round to nearest, ties to even (see bf16::f32_to_bf16).
+        (bits + 0x7fffu32 + ((bits >> 16u32) & 1u32)) >> 16u32
+    }
+}
+
+/// `words[w]` = bf16(bucket[2w]) | bf16(bucket[2w + 1]) << 16 (0 past the end).
+#[cube(launch)]
+fn compress_bf16_kernel(bucket: &Array<f32>, words: &mut Array<u32>) {
+    let w = ABSOLUTE_POS;
+    if w >= words.len() {
+        terminate!();
+    }
+    let lo = round_to_bf16(bucket[2 * w]);
+    let mut hi = 0u32;
+    if 2 * w + 1 < bucket.len() {
+        hi = round_to_bf16(bucket[2 * w + 1]);
+    }
+    words[w] = lo | (hi << 16u32);
+}
+
+/// `out[i]` = the bf16 in half `i % 2` of `words[i / 2]`, widened to `f32`.
+#[cube(launch)]
+fn decompress_bf16_kernel(words: &Array<u32>, out: &mut Array<f32>) {
+    let i = ABSOLUTE_POS;
+    if i >= out.len() {
+        terminate!();
+    }
+    let word = words[i / 2];
+    let shift = ((i % 2) * 16) as u32;
+    let half = (word >> shift) & 0xffffu32;
+    out[i] = f32::reinterpret(half << 16u32);
+}
+
+/// How many inputs one pack launch may bind on this client's device.
+fn max_inputs_per_launch<R: Runtime>(client: &ComputeClient<R>) -> usize {
+    let max_bindings = client.properties().hardware.max_bindings as usize;
+    max_bindings
+        .saturating_sub(RESERVED_BINDINGS)
+        .clamp(1, MAX_INPUTS_PER_LAUNCH)
+}
+
+/// Where each non-empty tensor of an unpack sits, in the bucket and in the padded output.
+#[derive(Debug, PartialEq)]
+struct UnpackLayout {
+    /// Bucket offset of each non-empty tensor, then the bucket length (`n + 1` entries).
+    bucket_starts: Vec<usize>,
+    /// Output offset of each non-empty tensor, a multiple of the alignment (`n` entries).
+    out_starts: Vec<usize>,
+    /// Output offset of every tensor, empty ones included (`None` for those).
+    placement: Vec<Option<usize>>,
+    /// Length of the padded output buffer, in elements.
+    out_len: usize,
+}
+
+impl UnpackLayout {
+    /// Lays out `shapes` with each non-empty tensor starting at a multiple of `align` elements.
+    fn new(shapes: &[Shape], align: usize) -> Self {
+        let align = align.max(1);
+        let mut layout = Self {
+            bucket_starts: Vec::new(),
+            out_starts: Vec::new(),
+            placement: Vec::with_capacity(shapes.len()),
+            out_len: 0,
+        };
+        let mut bucket_pos = 0usize;
+        for shape in shapes {
+            let len = shape.num_elements();
+            if len == 0 {
+                layout.placement.push(None);
+                continue;
+            }
+            let out_pos = layout.out_len.next_multiple_of(align);
+            layout.bucket_starts.push(bucket_pos);
+            layout.out_starts.push(out_pos);
+            layout.placement.push(Some(out_pos));
+            bucket_pos += len;
+            layout.out_len = out_pos + len;
+        }
+        layout.bucket_starts.push(bucket_pos);
+        layout
+    }
+}
+
+/// The offsets as the kernel reads them. Every offset is at most the output length, which the
+/// caller checked against [`MAX_BUCKET_LEN`](super::MAX_BUCKET_LEN), so this cannot truncate.
+fn to_u32s(offsets: &[usize]) -> Vec<u32> {
+    offsets
+        .iter()
+        .map(|&offset| {
+            u32::try_from(offset)
+                .unwrap_or_else(|_| panic!("bucket offset {offset} does not fit in u32"))
+        })
+        .collect()
+}
+
+/// A new contiguous tensor of `len` elements of `dtype` (4 bytes each), uninitialised.
+fn new_1d<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    len: usize,
+    dtype: DType,
+) -> CubeTensor<R> {
+    CubeTensor::new_contiguous(
+        client.clone(),
+        device.clone(),
+        Shape::new([len]),
+        client.empty(len * dtype.size()),
+        dtype,
+    )
+}
+
+fn cube_dim_1d() -> CubeDim {
+    CubeDim::new_1d(CUBE_SIZE)
+}
+
+impl<R, F, I, BT> BucketOps for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn pack_bucket(tensors: Vec<CubeTensor<R>>, device: &R::Device) -> CubeTensor<R> {
+        let inputs: Vec<CubeTensor<R>> = tensors
+            .into_iter()
+            .filter(|tensor| tensor.shape().num_elements() > 0)
+            .map(|tensor| into_contiguous(fallback::to_f32::<Self>(tensor)))
+            .collect();
+        let total: usize = inputs.iter().map(|t| t.shape().num_elements()).sum();
+        check_len("pack_bucket", total);
+        if total == 0 {
+            return Self::float_empty(Shape::new([0]), device, FloatDType::F32);
+        }
+
+        let client = R::client(device);
+        let bucket = new_1d(&client, device, total, DType::F32);
+        let mut start = 0;
+        for group in inputs.chunks(max_inputs_per_launch(&client)) {
+            let mut arrays = SequenceArg::<R, Array<f32>>::new();
+            let mut starts = SequenceArg::<R, usize>::new();
+            let mut lens = SequenceArg::<R, usize>::new();
+            let mut longest = 0;
+            for input in group {
+                input.assert_is_on_same_device(&bucket);
+                let len = input.shape().num_elements();
+                arrays.push(input.clone().into_array_arg());
+                starts.push(start);
+                lens.push(len);
+                start += len;
+                longest = longest.max(len);
+            }
+            let cubes_x = longest
+                .div_ceil(CUBE_SIZE as usize)
+                .min(MAX_CUBES_PER_INPUT);
+            // Both fit in u32: cubes_x <= MAX_CUBES_PER_INPUT, the group <= MAX_INPUTS_PER_LAUNCH.
+            let cube_count = CubeCount::Static(cubes_x as u32, group.len() as u32, 1);
+            pack_kernel::launch::<R>(
+                &client,
+                cube_count,
+                cube_dim_1d(),
+                arrays,
+                bucket.clone().into_array_arg(),
+                starts,
+                lens,
+            );
+        }
+        bucket
+    }
+
+    fn unpack_bucket(bucket: CubeTensor<R>, shapes: &[Shape], scale: f32) -> Vec<CubeTensor<R>> {
+        let len = check_bucket("unpack_bucket", &bucket, shapes);
+        let device = bucket.device.clone();
+        if len == 0 {
+            return shapes
+                .iter()
+                .map(|shape| Self::float_empty(shape.clone(), &device, FloatDType::F32))
+                .collect();
+        }
+        let bucket = into_contiguous(bucket);
+        let client = bucket.client.clone();
+
+        // Views must start at the device's offset alignment to be bound by later kernels.
+        let align_bytes = client.properties().memory.alignment as usize;
+        let layout = UnpackLayout::new(shapes, align_bytes.div_ceil(4));
+        // Padding adds less than an alignment per tensor; only absurd counts of tiny tensors
+        // could push the output past what the kernel can index.
+        check_len(
+            "unpack_bucket (output with alignment padding)",
+            layout.out_len,
+        );
+        let out = client.empty(layout.out_len * 4);
+        let bucket_starts = to_u32s(&layout.bucket_starts);
+        let out_starts = to_u32s(&layout.out_starts);
+        let bucket_starts = client.create_from_slice(bytemuck::cast_slice(&bucket_starts));
+        let out_starts = client.create_from_slice(bytemuck::cast_slice(&out_starts));
+        let num_tensors = layout.out_starts.len();
+
+        let cube_dim = cube_dim_1d();
+        unpack_scale_kernel::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, len, cube_dim),
+            cube_dim,
+            bucket.into_array_arg(),
+            // The handles hold exactly these many u32 values.
+            new_from_handle(&client, &device, bucket_starts, num_tensors + 1, DType::U32)
+                .into_array_arg(),
+            new_from_handle(&client, &device, out_starts, num_tensors, DType::U32).into_array_arg(),
+            new_from_handle(&client, &device, out.clone(), layout.out_len, DType::F32)
+                .into_array_arg(),
+            num_tensors,
+            scale,
+        );
+
+        let out_bytes = (layout.out_len * 4) as u64;
+        shapes
+            .iter()
+            .zip(&layout.placement)
+            .map(|(shape, placement)| match placement {
+                None => Self::float_empty(shape.clone(), &device, FloatDType::F32),
+                Some(out_pos) => {
+                    let start = (out_pos * 4) as u64;
+                    let end = start + (shape.num_elements() * 4) as u64;
+                    let view = out.clone().offset_start(start).offset_end(out_bytes - end);
+                    CubeTensor::new_contiguous(
+                        client.clone(),
+                        device.clone(),
+                        shape.clone(),
+                        view,
+                        DType::F32,
+                    )
+                }
+            })
+            .collect()
+    }
+
+    fn compress_bf16(bucket: CubeTensor<R>) -> Result<CubeTensor<R>, BucketOpsError> {
+        let len = check_bucket_1d("compress_bf16", &bucket);
+        let device = bucket.device.clone();
+        if len == 0 {
+            return Ok(Self::int_empty(Shape::new([0]), &device, IntDType::U32));
+        }
+        let bucket = into_contiguous(bucket);
+        let client = bucket.client.clone();
+        let words = new_1d(&client, &device, bf16::packed_len(len), DType::U32);
+
+        let cube_dim = cube_dim_1d();
+        compress_bf16_kernel::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, bf16::packed_len(len), cube_dim),
+            cube_dim,
+            bucket.into_array_arg(),
+            words.clone().into_array_arg(),
+        );
+        Ok(words)
+    }
+
+    fn decompress_bf16(words: CubeTensor<R>, len: usize) -> Result<CubeTensor<R>, BucketOpsError> {
+        check_len("decompress_bf16", len);
+        check_words("decompress_bf16", &words, len);
+        let device = words.device.clone();
+        if len == 0 {
+            return Ok(Self::float_empty(Shape::new([0]), &device, FloatDType::F32));
+        }
+        let words = into_contiguous(words);
+        let client = words.client.clone();
+        let out = new_1d(&client, &device, len, DType::F32);
+
+        let cube_dim = cube_dim_1d();
+        decompress_bf16_kernel::launch::<R>(
+            &client,
+            calculate_cube_count_elemwise(&client, len, cube_dim),
+            cube_dim,
+            words.into_array_arg(),
+            out.clone().into_array_arg(),
+        );
+        Ok(out)
+    }
+}
+
+/// Wraps a raw handle of `len` elements of `dtype` as a 1-D tensor (to bind it as an array).
+fn new_from_handle<R: CubeRuntime>(
+    client: &ComputeClient<R>,
+    device: &R::Device,
+    handle: cubecl::server::Handle,
+    len: usize,
+    dtype: DType,
+) -> CubeTensor<R> {
+    CubeTensor::new_contiguous(
+        client.clone(),
+        device.clone(),
+        Shape::new([len]),
+        handle,
+        dtype,
+    )
+}
+
+/// `Wgpu` / `Cuda` with Burn's `fusion` feature on: the [`fallback`] ops, which the fusion stream
+/// records lazily (and may fuse). Running our kernels here would take registering a fusion custom
+/// operation, which needs `burn_ir` types this crate does not depend on (Burn's `ir` feature).
+impl<B: burn_fusion::FusionBackend> BucketOps for burn_fusion::Fusion<B> {
+    fn pack_bucket(
+        tensors: Vec<burn::tensor::ops::FloatTensor<Self>>,
+        device: &Self::Device,
+    ) -> burn::tensor::ops::FloatTensor<Self> {
+        fallback::pack_bucket::<Self>(tensors, device)
+    }
+
+    fn unpack_bucket(
+        bucket: burn::tensor::ops::FloatTensor<Self>,
+        shapes: &[Shape],
+        scale: f32,
+    ) -> Vec<burn::tensor::ops::FloatTensor<Self>> {
+        fallback::unpack_bucket::<Self>(bucket, shapes, scale)
+    }
+
+    fn compress_bf16(
+        bucket: burn::tensor::ops::FloatTensor<Self>,
+    ) -> Result<burn::tensor::ops::IntTensor<Self>, BucketOpsError> {
+        fallback::compress_bf16::<Self>(bucket)
+    }
+
+    fn decompress_bf16(
+        words: burn::tensor::ops::IntTensor<Self>,
+        len: usize,
+    ) -> Result<burn::tensor::ops::FloatTensor<Self>, BucketOpsError> {
+        fallback::decompress_bf16::<Self>(words, len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpack_layout_aligns_non_empty_tensors_and_skips_empty_ones() {
+        let shapes: Vec<Shape> = [vec![3], vec![0], vec![2, 2], vec![1], vec![0, 4], vec![64]]
+            .into_iter()
+            .map(Shape::from)
+            .collect();
+        let layout = UnpackLayout::new(&shapes, 16);
+        assert_eq!(layout.bucket_starts, vec![0, 3, 7, 8, 72]);
+        assert_eq!(layout.out_starts, vec![0, 16, 32, 48]);
+        assert_eq!(
+            layout.placement,
+            vec![Some(0), None, Some(16), Some(32), None, Some(48)]
+        );
+        assert_eq!(layout.out_len, 112);
+
+        let packed = UnpackLayout::new(&shapes, 1);
+        assert_eq!(packed.out_starts, vec![0, 3, 7, 8]);
+        assert_eq!(packed.out_len, 72);
+
+        let none = UnpackLayout::new(&[], 16);
+        assert_eq!(none.bucket_starts, vec![0]);
+        assert_eq!(none.out_len, 0);
+    }
+}
+
+/// The conformance suite on Burn's wgpu runtime (Mesa's lavapipe where there is no GPU).
+#[cfg(all(test, feature = "wgpu"))]
+mod wgpu_tests {
+    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+
+    use super::super::fallback::conformance::*;
+    use super::*;
+
+    /// The plain CubeBackend, whatever Burn's `fusion` feature makes of `burn::backend::Wgpu`.
+    type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
+
+    /// The default device, failing loudly (not skipping) when there is no adapter.
+    fn device() -> WgpuDevice {
+        let device = WgpuDevice::default();
+        let probe = device.clone();
+        match std::panic::catch_unwind(move || WgpuRuntime::client(&probe)) {
+            Ok(client) => {
+                let properties = client.properties();
+                eprintln!(
+                    "wgpu: max_bindings {}, memory alignment {} bytes, {} inputs per pack launch",
+                    properties.hardware.max_bindings,
+                    properties.memory.alignment,
+                    max_inputs_per_launch(&client)
+                );
+            }
+            Err(_) => panic!(
+                "no wgpu adapter: these tests need a Vulkan, Metal or DX12 device; \
+                 on a machine without a GPU install Mesa's lavapipe (apt-get install \
+                 mesa-vulkan-drivers) — see the panic above for wgpu's own message"
+            ),
+        }
+        device
+    }
+
+    #[test]
+    fn wgpu_pack_unpack_round_trip() {
+        pack_unpack_round_trip::<Wgpu>(&device());
+    }
+
+    #[test]
+    fn wgpu_pack_non_contiguous() {
+        pack_non_contiguous::<Wgpu>(&device());
+    }
+
+    #[test]
+    fn wgpu_pack_converts_other_float_dtypes() {
+        pack_converts_other_float_dtypes::<Wgpu>(&device(), FloatDType::F16);
+    }
+
+    #[test]
+    fn wgpu_bf16_bit_exact() {
+        bf16_bit_exact::<Wgpu>(&device());
+    }
+
+    #[test]
+    fn wgpu_bf16_round_trip_error() {
+        bf16_round_trip_error::<Wgpu>(&device());
+    }
+
+    #[test]
+    fn wgpu_unpacked_views_work_as_inputs_of_further_ops() {
+        // The optimizer reads unpacked gradients with ordinary kernels: the views must bind.
+        let device = device();
+        let shapes = [Shape::new([3]), Shape::new([5, 7]), Shape::new([1])];
+        let values: Vec<f32> = (0..39).map(|i| i as f32).collect();
+        let bucket = float_tensor::<Wgpu>(values.clone(), Shape::new([39]), &device);
+        let outs = Wgpu::unpack_bucket(bucket, &shapes, 2.0);
+        let mut offset = 0;
+        for (out, shape) in outs.into_iter().zip(&shapes) {
+            let len = shape.num_elements();
+            let doubled = Wgpu::float_add(out.clone(), out);
+            let want: Vec<f32> = values[offset..offset + len]
+                .iter()
+                .map(|x| x * 4.0)
+                .collect();
+            assert_eq!(read_f32::<Wgpu>(doubled), want, "shape {shape:?}");
+            offset += len;
+        }
+    }
+
+    #[test]
+    fn wgpu_bench_helper_runs() {
+        let result = crate::kernels::bench::measure_pack_unpack::<Wgpu>(&device(), 1 << 20, 9, 3)
+            .expect("sync");
+        eprintln!("wgpu pack+unpack: {result:?}");
+        assert!(result.gb_per_s > 0.0);
+    }
+}

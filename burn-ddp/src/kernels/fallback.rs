@@ -1,0 +1,493 @@
+//! [`BucketOps`] with plain Burn tensor ops, for backends without kernels of ours.
+//!
+//! Each function is generic over any [`Backend`], so another backend gets [`BucketOps`] with four
+//! one-line delegations (as [`Flex`] does below). Costs, per call:
+//! - pack: a reshape per tensor and one `cat` (which most backends run as a copy per tensor);
+//! - unpack: one multiply over the whole bucket, then a slice + reshape per tensor (views);
+//! - bf16: a round trip through host memory (Burn has no op that reinterprets float bits), which
+//!   is free on a CPU backend and slow on a GPU one.
+//!
+//! [`Flex`]: burn::backend::Flex
+
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, FloatDType, Int, Shape, Slice, Tensor, TensorData, TensorMetadata};
+
+use super::{bf16, check_len, BucketOps, BucketOpsError};
+
+/// [`BucketOps::pack_bucket`] with Burn ops.
+pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device) -> FloatTensor<B> {
+    let mut flat: Vec<FloatTensor<B>> = tensors
+        .into_iter()
+        .filter(|tensor| tensor.shape().num_elements() > 0)
+        .map(|tensor| {
+            let len = tensor.shape().num_elements();
+            B::float_reshape(to_f32::<B>(tensor), Shape::new([len]))
+        })
+        .collect();
+    let total = flat.iter().map(|t| t.shape().num_elements()).sum();
+    check_len("pack_bucket", total);
+    match flat.len() {
+        0 => B::float_empty(Shape::new([0]), device, FloatDType::F32),
+        1 => flat.remove(0),
+        _ => B::float_cat(flat, 0),
+    }
+}
+
+/// [`BucketOps::unpack_bucket`] with Burn ops.
+pub fn unpack_bucket<B: Backend>(
+    bucket: FloatTensor<B>,
+    shapes: &[Shape],
+    scale: f32,
+) -> Vec<FloatTensor<B>> {
+    let total = check_bucket("unpack_bucket", &bucket, shapes);
+    let device = B::float_device(&bucket);
+    let scaled = if total == 0 {
+        bucket
+    } else {
+        B::float_mul_scalar(bucket, scale.into())
+    };
+    let mut offset = 0;
+    shapes
+        .iter()
+        .map(|shape| {
+            let len = shape.num_elements();
+            let start = offset;
+            offset += len;
+            if len == 0 {
+                return B::float_empty(shape.clone(), &device, FloatDType::F32);
+            }
+            let piece = B::float_slice(scaled.clone(), &[Slice::from(start..start + len)]);
+            B::float_reshape(piece, shape.clone())
+        })
+        .collect()
+}
+
+/// [`BucketOps::compress_bf16`] on the host: reads the bucket, rounds with
+/// [`bf16::compress`], uploads the words.
+pub fn compress_bf16<B: Backend>(bucket: FloatTensor<B>) -> Result<IntTensor<B>, BucketOpsError> {
+    const OP: &str = "compress_bf16";
+    let len = check_bucket_1d(OP, &bucket);
+    let device = B::float_device(&bucket);
+    let data = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(bucket))
+        .try_into_data()
+        .map_err(|source| BucketOpsError::Read { op: OP, source })?;
+    let values = data.as_slice::<f32>().map_err(|err| BucketOpsError::Data {
+        op: OP,
+        reason: format!("{err:?}"),
+    })?;
+    let words = bf16::compress(values);
+    debug_assert_eq!(words.len(), bf16::packed_len(len));
+    let data = TensorData::new(words, [bf16::packed_len(len)]);
+    Ok(B::int_from_data(data, &device))
+}
+
+/// [`BucketOps::decompress_bf16`] on the host: reads the words, widens with
+/// [`bf16::decompress`], uploads the `f32` values.
+pub fn decompress_bf16<B: Backend>(
+    words: IntTensor<B>,
+    len: usize,
+) -> Result<FloatTensor<B>, BucketOpsError> {
+    const OP: &str = "decompress_bf16";
+    check_len(OP, len);
+    check_words(OP, &words, len);
+    let device = B::int_device(&words);
+    let data = Tensor::<B, 1, Int>::from_primitive(words)
+        .try_into_data()
+        .map_err(|source| BucketOpsError::Read { op: OP, source })?;
+    let words = data.as_slice::<u32>().map_err(|err| BucketOpsError::Data {
+        op: OP,
+        reason: format!("{err:?}"),
+    })?;
+    let values = bf16::decompress(words, len);
+    Ok(B::float_from_data(TensorData::new(values, [len]), &device))
+}
+
+/// Converts to `f32` when needed (the bucket dtype).
+pub(crate) fn to_f32<B: Backend>(tensor: FloatTensor<B>) -> FloatTensor<B> {
+    if tensor.dtype() == DType::F32 {
+        tensor
+    } else {
+        B::float_cast(tensor, FloatDType::F32)
+    }
+}
+
+/// Checks that `bucket` is a 1-D `f32` tensor and returns its length.
+pub(crate) fn check_bucket_1d<T: TensorMetadata>(op: &str, bucket: &T) -> usize {
+    let shape = bucket.shape();
+    assert!(
+        shape.num_dims() == 1 && bucket.dtype() == DType::F32,
+        "{op}: the bucket must be a 1-D f32 tensor, got shape {shape:?} of {:?}",
+        bucket.dtype()
+    );
+    let len = shape.num_elements();
+    check_len(op, len);
+    len
+}
+
+/// Checks the [`BucketOps::unpack_bucket`] contract and returns the bucket length.
+pub(crate) fn check_bucket<T: TensorMetadata>(op: &str, bucket: &T, shapes: &[Shape]) -> usize {
+    let len = check_bucket_1d(op, bucket);
+    let expected: usize = shapes.iter().map(Shape::num_elements).sum();
+    assert_eq!(
+        len,
+        expected,
+        "{op}: the bucket holds {len} elements but the {} shapes need {expected}",
+        shapes.len()
+    );
+    len
+}
+
+/// Checks the [`BucketOps::decompress_bf16`] contract on the packed words.
+pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
+    let shape = words.shape();
+    assert!(
+        shape.num_dims() == 1
+            && shape.num_elements() == bf16::packed_len(len)
+            && words.dtype() == DType::U32,
+        "{op}: {len} bf16 values need a 1-D U32 tensor of {} words, got shape {shape:?} of {:?}",
+        bf16::packed_len(len),
+        words.dtype()
+    );
+}
+
+/// Burn's CPU backend: the generic ops above are already what it would do.
+impl BucketOps for burn::backend::Flex {
+    fn pack_bucket(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
+        pack_bucket::<Self>(tensors, device)
+    }
+
+    fn unpack_bucket(
+        bucket: FloatTensor<Self>,
+        shapes: &[Shape],
+        scale: f32,
+    ) -> Vec<FloatTensor<Self>> {
+        unpack_bucket::<Self>(bucket, shapes, scale)
+    }
+
+    fn compress_bf16(bucket: FloatTensor<Self>) -> Result<IntTensor<Self>, BucketOpsError> {
+        compress_bf16::<Self>(bucket)
+    }
+
+    fn decompress_bf16(
+        words: IntTensor<Self>,
+        len: usize,
+    ) -> Result<FloatTensor<Self>, BucketOpsError> {
+        decompress_bf16::<Self>(words, len)
+    }
+}
+
+/// The conformance suite every [`BucketOps`] implementation runs (see the `tests` modules here and
+/// in `cube.rs`): random data from a seeded generator, against plain-Rust references, bit for bit.
+#[cfg(test)]
+pub(crate) mod conformance {
+    use burn::tensor::{Distribution, TensorPrimitive};
+
+    use super::*;
+
+    /// A small deterministic generator (SplitMix64), so failures replay exactly.
+    pub struct SplitMix64(u64);
+
+    impl SplitMix64 {
+        pub fn new(seed: u64) -> Self {
+            Self(seed)
+        }
+
+        pub fn next_u64(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+
+        /// Uniform in [-1, 1), with 24 random bits (an exact f32).
+        pub fn next_f32(&mut self) -> f32 {
+            ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+        }
+
+        pub fn below(&mut self, n: usize) -> usize {
+            (self.next_u64() % n as u64) as usize
+        }
+    }
+
+    /// The shapes of the tests: empty, size 1, odd sizes, 1-D to 3-D, one large.
+    pub fn shapes() -> Vec<Shape> {
+        let dims: Vec<Vec<usize>> = vec![
+            vec![0],
+            vec![1],
+            vec![3],
+            vec![7],
+            vec![1023],
+            vec![65537],
+            vec![2, 3],
+            vec![0, 5],
+            vec![17, 31],
+            vec![1, 1, 1],
+            vec![3, 5, 7],
+            vec![4, 0, 2],
+            vec![2, 33, 9],
+            vec![64, 257],
+        ];
+        dims.into_iter().map(Shape::from).collect()
+    }
+
+    /// `count` shapes drawn from [`shapes`], so buckets mix sizes in random orders.
+    pub fn random_shapes(rng: &mut SplitMix64, count: usize) -> Vec<Shape> {
+        let all = shapes();
+        (0..count)
+            .map(|_| all[rng.below(all.len())].clone())
+            .collect()
+    }
+
+    pub fn random_values(rng: &mut SplitMix64, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.next_f32()).collect()
+    }
+
+    pub fn float_tensor<B: Backend>(
+        values: Vec<f32>,
+        shape: Shape,
+        device: &B::Device,
+    ) -> FloatTensor<B> {
+        B::float_from_data(TensorData::new(values, shape), device)
+    }
+
+    pub fn read_f32<B: Backend>(tensor: FloatTensor<B>) -> Vec<f32> {
+        let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+            tensor.clone(),
+            Shape::new([tensor.shape().num_elements()]),
+        )))
+        .into_data();
+        assert_eq!(data.dtype, DType::F32);
+        data.to_vec::<f32>().expect("f32 data")
+    }
+
+    pub fn read_u32<B: Backend>(tensor: IntTensor<B>) -> Vec<u32> {
+        let data = Tensor::<B, 1, Int>::from_primitive(tensor).into_data();
+        assert_eq!(data.dtype, DType::U32);
+        data.to_vec::<u32>().expect("u32 data")
+    }
+
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Pack then unpack (scale 1 and 1/3) many random buckets, compared exactly with the host.
+    pub fn pack_unpack_round_trip<B: BucketOps>(device: &B::Device) {
+        let mut rng = SplitMix64::new(0x5eed_0001);
+        // Bucket sizes: none, one, a few, and more than one pack launch holds (32).
+        for (case, count) in [0usize, 1, 2, 5, 13, 40, 80].into_iter().enumerate() {
+            let shapes = random_shapes(&mut rng, count);
+            let host: Vec<Vec<f32>> = shapes
+                .iter()
+                .map(|s| random_values(&mut rng, s.num_elements()))
+                .collect();
+            let expected: Vec<f32> = host.iter().flatten().copied().collect();
+            let tensors = host
+                .iter()
+                .zip(&shapes)
+                .map(|(v, s)| float_tensor::<B>(v.clone(), s.clone(), device))
+                .collect();
+
+            let bucket = B::pack_bucket(tensors, device);
+            assert_eq!(bucket.shape(), Shape::new([expected.len()]), "case {case}");
+            assert_eq!(bucket.dtype(), DType::F32, "case {case}");
+            assert_eq!(
+                bits(&read_f32::<B>(bucket.clone())),
+                bits(&expected),
+                "pack, case {case}"
+            );
+
+            for scale in [1.0f32, 1.0 / 3.0] {
+                let outs = B::unpack_bucket(bucket.clone(), &shapes, scale);
+                assert_eq!(outs.len(), shapes.len(), "case {case}");
+                for (i, ((out, shape), values)) in
+                    outs.into_iter().zip(&shapes).zip(&host).enumerate()
+                {
+                    assert_eq!(out.shape(), *shape, "case {case}, tensor {i}");
+                    assert_eq!(out.dtype(), DType::F32, "case {case}, tensor {i}");
+                    let want: Vec<f32> = values.iter().map(|x| x * scale).collect();
+                    assert_eq!(
+                        bits(&read_f32::<B>(out)),
+                        bits(&want),
+                        "unpack, scale {scale}, case {case}, tensor {i} of shape {shape:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Non-contiguous inputs (transposed, sliced) are packed in logical (row-major) order.
+    pub fn pack_non_contiguous<B: BucketOps>(device: &B::Device) {
+        let mut rng = SplitMix64::new(0x5eed_0002);
+        let (rows, cols) = (37, 19);
+        let values = random_values(&mut rng, rows * cols);
+        let matrix = float_tensor::<B>(values.clone(), Shape::new([rows, cols]), device);
+        let transposed = B::float_swap_dims(matrix.clone(), 0, 1);
+        let sliced = B::float_slice(matrix, &[Slice::from(3..20), Slice::from(2..17)]);
+        let plain = random_values(&mut rng, 11);
+        let tensors = vec![
+            transposed,
+            float_tensor::<B>(plain.clone(), Shape::new([11]), device),
+            sliced,
+        ];
+
+        let mut expected = Vec::new();
+        for c in 0..cols {
+            for r in 0..rows {
+                expected.push(values[r * cols + c]);
+            }
+        }
+        expected.extend_from_slice(&plain);
+        for r in 3..20 {
+            expected.extend_from_slice(&values[r * cols + 2..r * cols + 17]);
+        }
+        let bucket = B::pack_bucket(tensors, device);
+        assert_eq!(bits(&read_f32::<B>(bucket)), bits(&expected));
+    }
+
+    /// Inputs of another float dtype are converted to f32 (values exactly representable).
+    pub fn pack_converts_other_float_dtypes<B: BucketOps>(device: &B::Device, dtype: FloatDType) {
+        let values = vec![0.5f32, -1.25, 3.0, 0.0, 1024.0];
+        let tensor = B::float_cast(
+            float_tensor::<B>(values.clone(), Shape::new([5]), device),
+            dtype,
+        );
+        let bucket = B::pack_bucket(vec![tensor], device);
+        assert_eq!(bucket.dtype(), DType::F32);
+        assert_eq!(read_f32::<B>(bucket), values);
+    }
+
+    /// Values that exercise every branch of the rounding: NaN, inf, subnormals, ties, overflow.
+    pub fn special_values() -> Vec<f32> {
+        [
+            0x0000_0000u32,
+            0x8000_0000,
+            0x3f80_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0xffc0_0001,
+            0x7f80_0001,
+            0xff80_0001,
+            0x7fa0_0000,
+            0x0000_0001,
+            0x8000_8000,
+            0x0001_8000,
+            0x007f_ffff,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x7f7f_7fff,
+            0x0080_0000,
+        ]
+        .into_iter()
+        .map(f32::from_bits)
+        .collect()
+    }
+
+    /// bf16 compress / decompress, bit-exact with [`bf16::compress`] / [`bf16::decompress`].
+    pub fn bf16_bit_exact<B: BucketOps>(device: &B::Device) {
+        let mut rng = SplitMix64::new(0x5eed_0003);
+        let mut cases: Vec<Vec<f32>> = vec![Vec::new(), vec![1.5], special_values()];
+        for len in [3usize, 7, 1023, 65537] {
+            cases.push(random_values(&mut rng, len));
+        }
+        // Arbitrary bit patterns: every exponent, every rounding case, many NaNs.
+        cases.push(
+            (0..100_001)
+                .map(|_| f32::from_bits(rng.next_u64() as u32))
+                .collect(),
+        );
+        for (case, values) in cases.into_iter().enumerate() {
+            let len = values.len();
+            let bucket = float_tensor::<B>(values.clone(), Shape::new([len]), device);
+            let words = B::compress_bf16(bucket).expect("compress");
+            assert_eq!(
+                words.shape(),
+                Shape::new([bf16::packed_len(len)]),
+                "case {case}"
+            );
+            assert_eq!(words.dtype(), DType::U32, "case {case}");
+            let expected_words = bf16::compress(&values);
+            let got_words = read_u32::<B>(words.clone());
+            if let Some(i) = (0..got_words.len()).find(|&i| got_words[i] != expected_words[i]) {
+                panic!(
+                    "compress, case {case}: word {i} is {:#010x}, want {:#010x} (inputs {:#010x} {:#010x})",
+                    got_words[i],
+                    expected_words[i],
+                    values[2 * i].to_bits(),
+                    values.get(2 * i + 1).map_or(0, |x| x.to_bits()),
+                );
+            }
+
+            let back = B::decompress_bf16(words, len).expect("decompress");
+            assert_eq!(back.shape(), Shape::new([len]), "case {case}");
+            assert_eq!(
+                bits(&read_f32::<B>(back)),
+                bits(&bf16::decompress(&expected_words, len)),
+                "decompress, case {case}"
+            );
+        }
+    }
+
+    /// A random-normal bucket survives the bf16 round trip within bf16's relative error.
+    pub fn bf16_round_trip_error<B: BucketOps>(device: &B::Device) {
+        let len = 4099;
+        let bucket = B::float_random(
+            Shape::new([len]),
+            Distribution::Normal(0.0, 1.0),
+            device,
+            FloatDType::F32,
+        );
+        let values = read_f32::<B>(bucket.clone());
+        let words = B::compress_bf16(bucket).expect("compress");
+        let back = read_f32::<B>(B::decompress_bf16(words, len).expect("decompress"));
+        for (x, y) in values.iter().zip(&back) {
+            assert!((x - y).abs() <= x.abs() * (1.0 / 256.0), "{x} -> {y}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+
+    use super::conformance::*;
+    use super::*;
+
+    #[test]
+    fn flex_pack_unpack_round_trip() {
+        pack_unpack_round_trip::<Flex>(&Default::default());
+    }
+
+    #[test]
+    fn flex_pack_non_contiguous() {
+        pack_non_contiguous::<Flex>(&Default::default());
+    }
+
+    #[test]
+    fn flex_pack_converts_other_float_dtypes() {
+        pack_converts_other_float_dtypes::<Flex>(&Default::default(), FloatDType::F16);
+    }
+
+    #[test]
+    fn flex_bf16_bit_exact() {
+        bf16_bit_exact::<Flex>(&Default::default());
+    }
+
+    #[test]
+    fn flex_bf16_round_trip_error() {
+        bf16_round_trip_error::<Flex>(&Default::default());
+    }
+
+    #[test]
+    #[should_panic(expected = "the bucket holds 4 elements but the 1 shapes need 6")]
+    fn unpack_rejects_a_bucket_of_the_wrong_length() {
+        let device = Default::default();
+        let bucket = float_tensor::<Flex>(vec![0.0; 4], Shape::new([4]), &device);
+        Flex::unpack_bucket(bucket, &[Shape::new([2, 3])], 1.0);
+    }
+}

@@ -1,0 +1,163 @@
+//! Gradient-bucket operations on the device: pack, unpack + scale, bf16 compress / decompress.
+//!
+//! The DDP reducer copies many gradient tensors into one contiguous **bucket**, all-reduces the
+//! bucket (one collective instead of one per parameter), and copies the result back out, scaled
+//! by `1 / world_size`. Done with plain Burn ops that is one launch per tensor each way (a `cat`
+//! is a `slice_assign` per input); [`BucketOps`] does each step in one launch (pack: a few, see
+//! below) on Burn's CubeCL backends.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | the [`BucketOps`] trait and its contracts, [`BucketOpsError`] |
+//! | [`bf16`] | the bf16 wire format: round-to-nearest-even on the host, packing two per `u32` (pure) |
+//! | [`fallback`] | a generic implementation with Burn tensor ops; [`BucketOps`] for [`Flex`] |
+//! | `cube` (features `wgpu` / `cuda`) | the `#[cube]` kernels; [`BucketOps`] for `CubeBackend` and `Fusion` |
+//! | [`bench`] | [`bench::measure_pack_unpack`]: pack + unpack throughput on a device |
+//!
+//! ## Which backend gets what
+//! - `burn_cubecl::CubeBackend<R, ..>` for any CubeCL runtime `R` (wgpu, CUDA, ...): the kernels.
+//!   With this workspace's features `burn::backend::Wgpu` and `burn::backend::Cuda` *are* this type
+//!   (Burn's `fusion` feature is off).
+//! - `burn_fusion::Fusion<B>` (what `Wgpu` / `Cuda` become when Burn's `fusion` feature is on): the
+//!   [`fallback`] ops, recorded lazily by the fusion stream. The kernels cannot be registered as a
+//!   fusion custom op without naming `burn_ir` types, which this crate does not depend on.
+//! - [`Flex`]: the [`fallback`].
+//!
+//! ## The bf16 wire format
+//! [`BucketOps::compress_bf16`] returns a 1-D int tensor of dtype `U32` holding `ceil(len / 2)`
+//! words: element `2k` in the low 16 bits of word `k`, element `2k + 1` in the high 16 bits (0 when
+//! `len` is odd). Read as little-endian bytes (every GPU and host Burn runs on) that is exactly a
+//! dense array of `len` bf16 values, so a collective may treat it as `bf16[len]` (NCCL's
+//! `ncclBfloat16`). `u32` words rather than Burn's `BF16` dtype because most Vulkan drivers have
+//! neither bf16 nor 16-bit storage, while `u32` works on every CubeCL runtime.
+//!
+//! [`Flex`]: burn::backend::Flex
+
+pub mod bench;
+pub mod bf16;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube;
+pub mod fallback;
+
+use burn::tensor::backend::{Backend, ExecutionError};
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::Shape;
+
+/// Gradient-bucket operations, one launch each on CubeCL backends (pack: see its launch count).
+///
+/// All four are local (not collective): they touch only this process's device. None of them
+/// blocks: like any Burn op they enqueue work, and errors of the device surface at the next
+/// synchronisation (`B::sync`, a read) — except where a method says it reads back to the host.
+///
+/// Buckets are always `f32`: inputs of another float dtype are converted by
+/// [`pack_bucket`](BucketOps::pack_bucket), and [`unpack_bucket`](BucketOps::unpack_bucket)
+/// produces `f32` tensors. Lengths are limited to [`MAX_BUCKET_LEN`] (2^31 - 1) elements, as the
+/// kernels index with 32 bits; a bucket is megabytes, so going past that is a bug of the caller
+/// and panics.
+pub trait BucketOps: Backend {
+    /// Concatenates the flattened `tensors`, in order, into one new 1-D `f32` tensor whose length
+    /// is the sum of their element counts.
+    ///
+    /// - `tensors`: any shapes and ranks, contiguous or not, float of any dtype (converted to
+    ///   `f32`), empty tensors allowed (they contribute nothing); all on `device`.
+    /// - `device`: where the bucket lives; it is needed when `tensors` is empty (the result is
+    ///   then an empty 1-D tensor).
+    ///
+    /// On CubeCL backends the result is always a freshly allocated buffer that nothing else
+    /// refers to, so it may be all-reduced in place. The [`fallback`] may return a view of the
+    /// input when there is exactly one non-empty tensor.
+    ///
+    /// Launches on CubeCL backends: one per group of at most `max_bindings - 3` (capped at 32)
+    /// non-empty tensors, since each input is its own buffer binding; plus one copy for each
+    /// input that is not contiguous or not `f32`.
+    ///
+    /// # Panics
+    /// If the total length exceeds [`MAX_BUCKET_LEN`], or (CubeCL) a tensor is on another device.
+    fn pack_bucket(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self>;
+
+    /// Splits a 1-D bucket back into tensors of `shapes` (in order), each element multiplied by
+    /// `scale` (fused: the `1 / world_size` of an average; pass `1.0` for a plain split).
+    ///
+    /// The multiply is one IEEE `f32` multiply per element, so results are bit-identical to
+    /// `x * scale` on the host, except that devices which flush subnormals to zero do so here.
+    ///
+    /// # Panics
+    /// If `bucket` is not 1-D `f32`, or its length differs from the sum of the element counts of
+    /// `shapes`: the bucket plan and the bucket disagree, a bug of the caller.
+    ///
+    /// On CubeCL backends this is one launch (plus the upload of two small offset tables); the
+    /// outputs are views into one new buffer (each view starting at the device's offset
+    /// alignment), which stays allocated until the last of them is dropped. Empty shapes get
+    /// empty tensors. The fallback multiplies the whole bucket once and slices it.
+    fn unpack_bucket(
+        bucket: FloatTensor<Self>,
+        shapes: &[Shape],
+        scale: f32,
+    ) -> Vec<FloatTensor<Self>>;
+
+    /// Rounds a 1-D `f32` bucket to bf16 for communication: round to nearest, ties to even;
+    /// NaN stays NaN (quiet, sign kept); ±inf and ±0 are kept; finite values past bf16's range
+    /// round to ±inf; subnormals are rounded, not flushed. Bit-exact with [`bf16::f32_to_bf16`].
+    ///
+    /// Returns the packed words described in the [module docs](self#the-bf16-wire-format):
+    /// a 1-D `U32` int tensor of `ceil(len / 2)` elements, half the bytes of the bucket.
+    ///
+    /// # Errors
+    /// Backends without kernels (the [`fallback`]) round on the host and return
+    /// [`BucketOpsError::Read`] if the device cannot be read. CubeCL backends never fail here.
+    ///
+    /// # Panics
+    /// If `bucket` is not 1-D `f32`.
+    fn compress_bf16(bucket: FloatTensor<Self>) -> Result<IntTensor<Self>, BucketOpsError>;
+
+    /// The inverse of [`compress_bf16`](BucketOps::compress_bf16): widens `len` bf16 values
+    /// (packed as it returns them) to a new 1-D `f32` tensor of `len` elements. Exact: every bf16
+    /// is an `f32`, NaN payloads included.
+    ///
+    /// # Errors
+    /// As for [`compress_bf16`](BucketOps::compress_bf16): only host-side fallbacks can fail.
+    ///
+    /// # Panics
+    /// If `words` is not a 1-D `U32` tensor of exactly `ceil(len / 2)` elements.
+    fn decompress_bf16(
+        words: IntTensor<Self>,
+        len: usize,
+    ) -> Result<FloatTensor<Self>, BucketOpsError>;
+}
+
+/// Why a bucket operation failed. Only host-side fallbacks fail; kernels report device errors at
+/// the next synchronisation, like any Burn op.
+#[derive(Debug, thiserror::Error)]
+pub enum BucketOpsError {
+    /// Reading a tensor back to the host failed (device lost, out of memory, ...).
+    #[error("{op}: reading the tensor back from the device failed: {source}")]
+    Read {
+        /// The bucket operation, e.g. `"compress_bf16"`.
+        op: &'static str,
+        /// Burn's report.
+        #[source]
+        source: ExecutionError,
+    },
+    /// The data read back did not have the element type the operation works on.
+    #[error("{op}: unexpected tensor data: {reason}")]
+    Data {
+        /// The bucket operation.
+        op: &'static str,
+        /// What was wrong.
+        reason: String,
+    },
+}
+
+/// Most elements a bucket may hold: the kernels index with 32 bits, and keeping lengths below
+/// 2^31 leaves room for `index + grid stride` without wrapping.
+pub const MAX_BUCKET_LEN: usize = i32::MAX as usize;
+
+/// Checks [`MAX_BUCKET_LEN`]; every operation does, on every backend, so a bucket plan that works
+/// on the CPU also works on a GPU.
+pub(crate) fn check_len(op: &str, len: usize) {
+    assert!(
+        len <= MAX_BUCKET_LEN,
+        "{op}: {len} elements exceed the {MAX_BUCKET_LEN} a bucket may hold (32-bit indexing); \
+         use smaller buckets"
+    );
+}
