@@ -57,7 +57,9 @@ use cudarc::driver::{result as cu, sys as cu_sys, CudaContext};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
 use super::wire::{self, HEADER_LEN};
-use super::{CollectiveDesc, CollectiveKind, DataType, Element, ProcessGroup, ReduceOp};
+use super::{
+    check, CallLog, CollectiveDesc, CollectiveKind, DataType, Element, ProcessGroup, ReduceOp,
+};
 use crate::cuda::{self, driver_error_text, NcclVersion};
 use crate::error::{CollectiveError, StoreError, WireError};
 use crate::store::Store;
@@ -135,8 +137,7 @@ pub struct NcclProcessGroup {
     /// False only when an abort left work on the stream that did not drain: the staging
     /// buffer is then leaked rather than freed under a running kernel.
     stream_idle: bool,
-    seq: u64,
-    aborted: Option<String>,
+    calls: CallLog,
     /// Dropped last (fields drop after `Drop::drop`): it releases the primary context that the
     /// stream, the staging buffer and the communicator live in.
     ctx: Arc<CudaContext>,
@@ -295,8 +296,7 @@ impl NcclProcessGroup {
             scratch: 0,
             scratch_bytes: 0,
             stream_idle: true,
-            seq: 0,
-            aborted: None,
+            calls: CallLog::new(rank),
             ctx,
         };
         let id = group.exchange_unique_id(deadline)?;
@@ -606,30 +606,16 @@ impl NcclProcessGroup {
         precheck: Option<String>,
         body: impl FnOnce(&mut Self, &Clock, &CollectiveDesc) -> Result<(), Fault>,
     ) -> Result<(), CollectiveError> {
-        let desc = CollectiveDesc {
-            seq: self.seq,
-            kind,
-            dtype,
-            len: len as u64,
+        let desc = match self.calls.begin(kind, dtype, len, precheck) {
+            Ok(desc) => desc,
+            Err(err @ CollectiveError::Aborted { .. }) => return Err(err),
+            Err(err) => {
+                // The other ranks are entering this collective and would wait for this one until
+                // their timeout; aborting publishes the error so they stop within a second.
+                self.abort(&err);
+                return Err(err);
+            }
         };
-        self.seq += 1;
-        if let Some(first_error) = &self.aborted {
-            return Err(CollectiveError::Aborted {
-                rank: self.rank,
-                first_error: first_error.clone(),
-            });
-        }
-        if let Some(message) = precheck {
-            // The other ranks are entering this collective and would wait for this one until
-            // their timeout; aborting publishes the error so they stop within a second.
-            let err = CollectiveError::InvalidArgument {
-                rank: self.rank,
-                desc,
-                message,
-            };
-            self.abort(&err);
-            return Err(err);
-        }
         let clock = Clock::until(Instant::now() + self.options.timeout);
         let result = self
             .ctx
@@ -690,7 +676,7 @@ impl NcclProcessGroup {
         // An argument error aborts before `run` binds the context; the stream query needs it.
         let _ = self.ctx.bind_to_thread();
         publish_abort(self.store.as_ref(), &self.key("abort"), self.rank, why);
-        self.aborted = Some(why.to_string());
+        self.calls.abort(why);
         if let Some(comm) = self.comm.take() {
             abort_comm(comm);
         }
@@ -938,13 +924,7 @@ impl NcclProcessGroup {
         root: usize,
     ) -> Result<(), CollectiveError> {
         let world = self.world_size;
-        let precheck = if root >= world {
-            Some(format!(
-                "root {root} is not a rank of this group (world size {world})"
-            ))
-        } else {
-            (ptr == 0 && count > 0).then(|| "null device pointer".to_string())
-        };
+        let precheck = check::root(root, world);
         self.run(
             CollectiveKind::Broadcast { root },
             dtype,
@@ -1018,8 +998,7 @@ impl ProcessGroup for NcclProcessGroup {
         root: usize,
     ) -> Result<(), CollectiveError> {
         let (world, rank, len) = (self.world_size, self.rank, buffer.len());
-        let precheck = (root >= world)
-            .then(|| format!("root {root} is not a rank of this group (world size {world})"));
+        let precheck = check::root(root, world);
         self.run(
             CollectiveKind::Broadcast { root },
             T::DTYPE,
@@ -1059,13 +1038,7 @@ impl ProcessGroup for NcclProcessGroup {
         output: &mut [T],
     ) -> Result<(), CollectiveError> {
         let (world, rank, block) = (self.world_size, self.rank, input.len());
-        let precheck = (output.len() != world * block).then(|| {
-            format!(
-                "output has {} elements, expected world size x input = {}",
-                output.len(),
-                world * block
-            )
-        });
+        let precheck = check::all_gather(world, block, output.len());
         self.run(
             CollectiveKind::AllGather,
             T::DTYPE,
@@ -1104,13 +1077,7 @@ impl ProcessGroup for NcclProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         let (world, rank, block) = (self.world_size, self.rank, output.len());
-        let precheck = (input.len() != world * block).then(|| {
-            format!(
-                "input has {} elements, expected world size x output = {}",
-                input.len(),
-                world * block
-            )
-        });
+        let precheck = check::reduce_scatter(world, input.len(), block);
         self.run(
             CollectiveKind::ReduceScatter(op),
             T::DTYPE,

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use super::ring::{self, RecvAction, RingPlan};
 use super::wire::{self, RingHello, HEADER_LEN, HELLO_FIXED_LEN};
-use super::{CollectiveDesc, CollectiveKind, Element, ProcessGroup, ReduceOp};
+use super::{check, CallLog, CollectiveDesc, CollectiveKind, Element, ProcessGroup, ReduceOp};
 use crate::error::{CollectiveError, StoreError};
 use crate::store::Store;
 
@@ -92,8 +92,7 @@ pub struct TcpProcessGroup {
     store: Arc<dyn Store>,
     ring: Option<Ring>,
     options: TcpGroupOptions,
-    seq: u64,
-    aborted: Option<String>,
+    calls: CallLog,
     /// Receive buffer for pieces that are reduced (u64 words so any element type is aligned).
     scratch: Vec<u64>,
 }
@@ -124,8 +123,7 @@ impl TcpProcessGroup {
             store,
             ring: None,
             options,
-            seq: 0,
-            aborted: None,
+            calls: CallLog::new(rank),
             scratch: Vec::new(),
         };
         if world_size > 1 {
@@ -428,7 +426,7 @@ impl TcpProcessGroup {
             let _ = ring.next.stream.shutdown(Shutdown::Both);
             let _ = ring.prev.stream.shutdown(Shutdown::Both);
         }
-        self.aborted = Some(why.to_string());
+        self.calls.abort(why);
     }
 
     /// Runs one collective: checks, header exchange and the plan; aborts the group on error.
@@ -441,28 +439,13 @@ impl TcpProcessGroup {
         op: ReduceOp,
         precheck: Option<String>,
     ) -> Result<CollectiveDesc, CollectiveError> {
-        let desc = CollectiveDesc {
-            seq: self.seq,
-            kind,
-            dtype: T::DTYPE,
-            len: len as u64,
+        let desc = match self.calls.begin(kind, T::DTYPE, len, precheck) {
+            Ok(desc) => desc,
+            Err(err) => {
+                self.abort(&err);
+                return Err(err);
+            }
         };
-        self.seq += 1;
-        if let Some(first_error) = &self.aborted {
-            return Err(CollectiveError::Aborted {
-                rank: self.rank,
-                first_error: first_error.clone(),
-            });
-        }
-        if let Some(message) = precheck {
-            let err = CollectiveError::InvalidArgument {
-                rank: self.rank,
-                desc,
-                message,
-            };
-            self.abort(&err);
-            return Err(err);
-        }
         if self.world_size == 1 {
             return Ok(desc);
         }
@@ -902,8 +885,7 @@ impl ProcessGroup for TcpProcessGroup {
         root: usize,
     ) -> Result<(), CollectiveError> {
         let (world, rank, len) = (self.world_size, self.rank, buffer.len());
-        let precheck = (root >= world)
-            .then(|| format!("root {root} is not a rank of this group (world size {world})"));
+        let precheck = check::root(root, world);
         self.run(
             CollectiveKind::Broadcast { root },
             len,
@@ -921,13 +903,7 @@ impl ProcessGroup for TcpProcessGroup {
         output: &mut [T],
     ) -> Result<(), CollectiveError> {
         let (world, rank, block) = (self.world_size, self.rank, input.len());
-        let precheck = (output.len() != world * block).then(|| {
-            format!(
-                "output has {} elements, expected world size x input = {}",
-                output.len(),
-                world * block
-            )
-        });
+        let precheck = check::all_gather(world, block, output.len());
         if precheck.is_none() {
             output[rank * block..(rank + 1) * block].copy_from_slice(input);
         }
@@ -949,13 +925,7 @@ impl ProcessGroup for TcpProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         let (world, rank, block) = (self.world_size, self.rank, output.len());
-        let precheck = (input.len() != world * block).then(|| {
-            format!(
-                "input has {} elements, expected world size x output = {}",
-                input.len(),
-                world * block
-            )
-        });
+        let precheck = check::reduce_scatter(world, input.len(), block);
         let mut work = input.to_vec();
         self.run(
             CollectiveKind::ReduceScatter(op),
