@@ -188,3 +188,16 @@ pub fn max_abs_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32
     }
     worst
 }
+
+/// The percentage on the trainer's `final validation accuracy: X%` line.
+pub fn final_accuracy(out: &Output) -> f64 {
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("final validation accuracy"))
+        .unwrap_or_else(|| panic!("no final accuracy line:\n{}", out.all()));
+    line.split_whitespace()
+        .nth(3)
+        .and_then(|v| v.trim_end_matches('%').parse().ok())
+        .unwrap_or_else(|| panic!("unreadable: {line}"))
+}

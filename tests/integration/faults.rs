@@ -73,22 +73,18 @@ fn drain(rx: &mpsc::Receiver<String>, seen: &mut Vec<String>) {
     }
 }
 
+/// A collectives job of 2 ranks: `iters` all-reduces of `len` elements.
+fn all_reduce_job(len: usize, iters: usize, extra: &[&str]) -> Command {
+    let mut cmd = trainer();
+    cmd.args(["collectives", "--nproc-per-node", "2", "--op", "all_reduce"])
+        .args(["--len", &len.to_string(), "--iters", &iters.to_string()])
+        .args(extra);
+    cmd
+}
+
 /// A collectives job long enough to be hit while it runs.
 fn long_job(extra: &[&str]) -> Command {
-    let mut cmd = trainer();
-    cmd.args([
-        "collectives",
-        "--nproc-per-node",
-        "2",
-        "--op",
-        "all_reduce",
-        "--len",
-        "65536",
-        "--iters",
-        "100000",
-    ])
-    .args(extra);
-    cmd
+    all_reduce_job(65536, 100_000, extra)
 }
 
 #[test]
@@ -135,18 +131,7 @@ fn a_stalled_rank_times_out_naming_the_peer() {
 
 #[test]
 fn strangers_on_the_store_port_are_refused_and_the_job_goes_on() {
-    let mut cmd = trainer();
-    cmd.args([
-        "collectives",
-        "--nproc-per-node",
-        "2",
-        "--op",
-        "all_reduce",
-        "--len",
-        "4096",
-        "--iters",
-        "3000",
-    ]);
+    let mut cmd = all_reduce_job(4096, 3000, &[]);
     let (launcher, rx) = spawn_streaming(&mut cmd);
     let mut seen = Vec::new();
     let line = wait_for_line(&rx, "store at ", &mut seen);

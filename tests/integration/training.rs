@@ -334,19 +334,8 @@ fn the_main_job_reaches_95_percent_with_two_processes() {
         .replace("data/digits.csv.gz", "{data}");
     let config = write_config(&dir, "main", &body);
     let out = train(&config, 2);
-    let line = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("final validation accuracy"))
-        .unwrap_or_else(|| panic!("{}", out.all()));
-    let accuracy: f64 = line
-        .split_whitespace()
-        .nth(3)
-        .unwrap()
-        .trim_end_matches('%')
-        .parse()
-        .unwrap();
-    assert!(accuracy >= 95.0, "{line}");
+    let accuracy = final_accuracy(&out);
+    assert!(accuracy >= 95.0, "{accuracy}%");
     assert!(newest_checkpoint(&dir.join("main-ckpt"))
         .join("model.safetensors")
         .exists());
@@ -361,17 +350,6 @@ fn class_balanced_sampling_trains_on_two_ranks() {
         &digits_config(ADAM, 16, "balance_classes = true"),
     );
     let out = train(&config, 2);
-    let line = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("final validation accuracy"))
-        .unwrap_or_else(|| panic!("{}", out.all()));
-    let accuracy: f64 = line
-        .split_whitespace()
-        .nth(3)
-        .unwrap()
-        .trim_end_matches('%')
-        .parse()
-        .unwrap();
-    assert!(accuracy >= 90.0, "{line}");
+    let accuracy = final_accuracy(&out);
+    assert!(accuracy >= 90.0, "{accuracy}%");
 }
