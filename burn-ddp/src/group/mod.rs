@@ -5,6 +5,7 @@
 //! - [`ring`]: the pure plan of the bandwidth-optimal ring algorithms (which chunk goes where at
 //!   each step); no I/O, tested by simulation.
 //! - [`wire`]: the pure encoding of the ring's hello and per-collective header.
+//! - [`netif`]: which interface carries an address (for the set-up log).
 //! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets, for CPUs and for any device whose
 //!   tensors are staged through the host.
 //!
@@ -24,6 +25,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod netif;
 pub mod ring;
 pub mod tcp;
 pub mod wire;

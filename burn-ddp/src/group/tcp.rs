@@ -229,9 +229,11 @@ impl TcpProcessGroup {
                 .map_err(|e| self.setup_error(format!("cannot configure socket: {e}")))?;
             let _ = link.stream.set_nodelay(true);
         }
+        let interface = super::netif::interface_of(local.ip()).unwrap_or_else(|| "?".into());
         tracing::info!(
             rank,
             listen = %local,
+            interface = %interface,
             next = %format!("rank {next_rank} at {next_addr}"),
             prev = %format!("rank {prev_rank} at {prev_addr}"),
             "ring connected"
