@@ -167,4 +167,8 @@ pub enum DdpError {
     /// The model's parameters are not what the DDP layer can handle.
     #[error("DDP: {0}")]
     Unsupported(String),
+    /// The device-side gradient path failed outside the collective itself: a buffer's device
+    /// address could not be had, or device work before the collective failed.
+    #[error("DDP on the device: {0}")]
+    Device(String),
 }

@@ -245,6 +245,9 @@ pub struct DistributedConfig {
     /// Warn about ranks that have not arrived after this long in one collective.
     #[serde(default = "default_stall")]
     pub stall_warning_secs: u64,
+    /// Where gradients are averaged: `"auto"`, `"host"` or `"nccl"` (see [`GradientSyncMode`]).
+    #[serde(default)]
+    pub gradient_sync: GradientSyncMode,
 }
 
 impl Default for DistributedConfig {
@@ -253,6 +256,36 @@ impl Default for DistributedConfig {
             bucket_cap_mb: default_bucket_cap_mb(),
             timeout_secs: default_timeout(),
             stall_warning_secs: default_stall(),
+            gradient_sync: GradientSyncMode::default(),
+        }
+    }
+}
+
+/// `distributed.gradient_sync`: how gradients are averaged across ranks. Metrics, checkpoint
+/// barriers and the initial parameter broadcast always use the TCP process group.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum GradientSyncMode {
+    /// `nccl` for a job of several ranks on `output.device = "cuda"`, else `host`. A job of
+    /// one rank has nothing to average, so it needs no NCCL library.
+    #[default]
+    Auto,
+    /// Copy gradients to the host and all-reduce them over the TCP process group (any device).
+    Host,
+    /// Keep gradients on the GPU and all-reduce them with NCCL (`output.device = "cuda"` only,
+    /// and a build with `--features cuda`). Also with one rank: a one-GPU machine tests the
+    /// NCCL path this way.
+    Nccl,
+}
+
+impl GradientSyncMode {
+    /// What `Auto` means for `device` and `world_size`; `Host` and `Nccl` stay as they are
+    /// (validation refuses `Nccl` on a device other than CUDA).
+    pub fn resolve(self, device: DeviceKind, world_size: usize) -> Self {
+        match self {
+            Self::Auto if device == DeviceKind::Cuda && world_size > 1 => Self::Nccl,
+            Self::Auto => Self::Host,
+            explicit => explicit,
         }
     }
 }
@@ -434,19 +467,37 @@ impl Config {
                 "must be at least 1 (got 0)".into(),
             );
         }
+        if self.distributed.gradient_sync == GradientSyncMode::Nccl
+            && self.output.device != DeviceKind::Cuda
+        {
+            return invalid(
+                "distributed.gradient_sync",
+                format!(
+                    "= \"nccl\" needs output.device = \"cuda\" (got \"{}\"); use \"auto\" or \"host\"",
+                    format!("{:?}", self.output.device).to_lowercase()
+                ),
+            );
+        }
         if self.checkpoint.keep_last == 0 {
             return invalid("checkpoint.keep_last", "must be at least 1 (got 0)".into());
         }
         Ok(())
     }
 
-    /// A stable hash of the settings that shape the model and its training, compared across
-    /// ranks at start-up (ranks with different settings refuse to start).
+    /// A stable hash of the settings that shape the model, its training and its communication
+    /// (bucket sizes, gradient sync), compared across ranks at start-up: ranks with different
+    /// settings refuse to start.
     pub fn fingerprint(&self) -> String {
         // JSON, not TOML: a TOML document must be a table, and a tuple of sections is not one.
         fnv_hex(
-            &serde_json::to_string(&(&self.model, &self.data, &self.optimizer, &self.training))
-                .unwrap_or_default(),
+            &serde_json::to_string(&(
+                &self.model,
+                &self.data,
+                &self.optimizer,
+                &self.training,
+                &self.distributed,
+            ))
+            .unwrap_or_default(),
         )
     }
 
@@ -508,6 +559,44 @@ seed = 1
             .unwrap_err()
             .to_string();
         assert!(err.contains("mnist"), "{err}");
+    }
+
+    #[test]
+    fn gradient_sync_defaults_to_auto_and_nccl_needs_cuda() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.distributed.gradient_sync, GradientSyncMode::Auto);
+        let auto = GradientSyncMode::Auto;
+        assert_eq!(auto.resolve(DeviceKind::Cuda, 2), GradientSyncMode::Nccl);
+        assert_eq!(auto.resolve(DeviceKind::Cuda, 1), GradientSyncMode::Host);
+        assert_eq!(auto.resolve(DeviceKind::Cpu, 2), GradientSyncMode::Host);
+        assert_eq!(auto.resolve(DeviceKind::Wgpu, 4), GradientSyncMode::Host);
+        let host = GradientSyncMode::Host;
+        assert_eq!(host.resolve(DeviceKind::Cuda, 2), GradientSyncMode::Host);
+        let nccl = GradientSyncMode::Nccl;
+        assert_eq!(nccl.resolve(DeviceKind::Cuda, 1), GradientSyncMode::Nccl);
+
+        let with = |sync: &str, device: &str| {
+            parse(&format!(
+                "{MINIMAL}\n[distributed]\ngradient_sync = \"{sync}\"\n[output]\ndevice = \"{device}\"\n"
+            ))
+        };
+        assert_eq!(
+            with("nccl", "cuda").unwrap().distributed.gradient_sync,
+            GradientSyncMode::Nccl
+        );
+        assert_eq!(
+            with("host", "cuda").unwrap().distributed.gradient_sync,
+            GradientSyncMode::Host
+        );
+        let err = with("nccl", "cpu").unwrap_err();
+        assert!(matches!(err, ConfigError::Invalid { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("distributed.gradient_sync") && msg.contains("cpu"),
+            "{msg}"
+        );
+        let err = with("gloo", "cpu").unwrap_err().to_string();
+        assert!(err.contains("gloo"), "{err}");
     }
 
     #[test]

@@ -29,20 +29,151 @@ use burn::optim::{
 };
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn_ddp::ddp::{param_checksum, prepare_module, Reducer};
+#[cfg(feature = "cuda")]
+use burn_ddp::ddp::DeviceReducer;
+use burn_ddp::ddp::{param_checksum, prepare_module, Reducer, ReducerStats};
+#[cfg(feature = "cuda")]
+use burn_ddp::group::nccl::{NcclGroupOptions, NcclProcessGroup};
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
-use burn_ddp::{Distributed, ProcessGroup, TcpGroupOptions};
+use burn_ddp::{DdpError, Distributed, ProcessGroup, TcpGroupOptions, TcpProcessGroup};
 use models::{Classifier, InputShape, ModelTask};
 
 use crate::checkpoint::{self, Checkpoint, Manifest, TrainPosition, FORMAT_VERSION};
 use crate::cli::UsageError;
-use crate::config::{Config, DataSource, DeviceKind, OptimizerName, TrainingConfig};
+use crate::config::{
+    Config, DataSource, DeviceKind, GradientSyncMode, OptimizerName, TrainingConfig,
+};
 use crate::data::{self, ClassificationBatch, ClassificationBatcher, ClassificationDataset};
 use crate::metrics::{global_sum, Record, Reporter};
 use burn::data::dataset::Dataset;
 
 /// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
 pub type CpuBackend = Autodiff<Flex>;
+
+/// What the training loop needs of a backend beyond autodiff: whether its gradients can be
+/// averaged on the device. Every backend averages through the host ([`Reducer`]); only CUDA
+/// overrides `sync_on_device` (feature `cuda`).
+pub trait TrainBackend: AutodiffBackend {
+    /// Averages `grads` over `group` without leaving the GPU ([`DeviceReducer::sync`]).
+    /// `GradientSync::new` picks NCCL only for `output.device = "cuda"`, which runs the CUDA
+    /// backend, so this default is never reached; if it were, it fails instead of guessing.
+    #[cfg(feature = "cuda")]
+    fn sync_on_device<M: AutodiffModule<Self>>(
+        reducer: &mut DeviceReducer,
+        group: &mut NcclProcessGroup,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(), DdpError> {
+        let _ = (reducer, group, model, grads);
+        Err(DdpError::Unsupported(
+            "distributed.gradient_sync = \"nccl\" needs the CUDA backend".into(),
+        ))
+    }
+}
+
+impl TrainBackend for CpuBackend {}
+
+#[cfg(feature = "wgpu")]
+impl TrainBackend for Autodiff<burn::backend::Wgpu> {}
+
+#[cfg(feature = "cuda")]
+impl TrainBackend for Autodiff<burn::backend::Cuda> {
+    fn sync_on_device<M: AutodiffModule<Self>>(
+        reducer: &mut DeviceReducer,
+        group: &mut NcclProcessGroup,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(), DdpError> {
+        reducer.sync::<Self, M>(group, model, grads)
+    }
+}
+
+/// How this rank averages gradients once per optimizer step (`distributed.gradient_sync`).
+enum GradientSync {
+    /// Through the host, over the job's TCP group.
+    Host(Reducer),
+    /// On the GPU, over an NCCL group formed beside the TCP one (as PyTorch keeps a gloo group
+    /// beside its NCCL group). Dropped at the end of `fit`, before the final TCP barrier.
+    #[cfg(feature = "cuda")]
+    Nccl {
+        reducer: DeviceReducer,
+        group: Box<NcclProcessGroup>,
+    },
+}
+
+impl GradientSync {
+    /// The configured kind. For NCCL this forms the group through the job's store: collective,
+    /// every rank calls it at the same point (after the config check, so ranks agree on the
+    /// kind), bounded by `distributed.timeout_secs`.
+    fn new(config: &Config, dist: &Distributed) -> anyhow::Result<Self> {
+        let d = &config.distributed;
+        match d
+            .gradient_sync
+            .resolve(config.output.device, dist.env.world_size)
+        {
+            GradientSyncMode::Nccl => Self::nccl(config, dist),
+            GradientSyncMode::Auto | GradientSyncMode::Host => {
+                Ok(Self::Host(Reducer::new(d.bucket_cap_mb)))
+            }
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn nccl(config: &Config, dist: &Distributed) -> anyhow::Result<Self> {
+        let d = &config.distributed;
+        let (rank, world) = (dist.env.rank, dist.env.world_size);
+        let options = NcclGroupOptions {
+            timeout: Duration::from_secs(d.timeout_secs),
+            stall_warning: Duration::from_secs(d.stall_warning_secs),
+            ..Default::default()
+        };
+        // The same ordinal as the CudaDevice of `run`, so NCCL and Burn share one GPU.
+        let device = burn_ddp::cuda::local_device(dist.env.local_rank);
+        let group =
+            NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, options)
+                .context(
+                    "forming the NCCL group for distributed.gradient_sync \
+                     (set it to \"host\" to average gradients through the host instead)",
+                )?;
+        tracing::info!(rank, world, device, "gradients are averaged with NCCL");
+        Ok(Self::Nccl {
+            reducer: DeviceReducer::new(d.bucket_cap_mb),
+            group: Box::new(group),
+        })
+    }
+
+    /// Unreachable in practice: `preflight` refuses `output.device = "cuda"` in such a build,
+    /// and validation refuses `"nccl"` on other devices.
+    #[cfg(not(feature = "cuda"))]
+    fn nccl(_config: &Config, _dist: &Distributed) -> anyhow::Result<Self> {
+        bail!(UsageError(
+            "distributed.gradient_sync = \"nccl\" needs a build with `--features cuda`".into()
+        ))
+    }
+
+    /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer step
+    /// ([`Reducer::sync`], [`DeviceReducer::sync`]).
+    fn sync<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        tcp: &mut TcpProcessGroup,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<(), DdpError> {
+        match self {
+            Self::Host(reducer) => reducer.sync::<B, M, _>(tcp, model, grads),
+            #[cfg(feature = "cuda")]
+            Self::Nccl { reducer, group } => B::sync_on_device(reducer, group, model, grads),
+        }
+    }
+
+    fn stats(&self) -> ReducerStats {
+        match self {
+            Self::Host(reducer) => reducer.stats(),
+            #[cfg(feature = "cuda")]
+            Self::Nccl { reducer, .. } => reducer.stats(),
+        }
+    }
+}
 
 /// The data of a run: the same on every rank.
 pub struct Data {
@@ -111,7 +242,7 @@ fn device_available(device: DeviceKind) -> anyhow::Result<()> {
             .ok()
             .and_then(|r| r.parse().ok())
             .unwrap_or(0);
-        burn_ddp::cuda::check_cuda_available(local_rank)
+        burn_ddp::cuda::check_cuda_available(burn_ddp::cuda::local_device(local_rank))
             .map_err(|e| UsageError(format!("output.device = \"cuda\": {e}")))?;
     }
     Ok(())
@@ -141,9 +272,11 @@ pub fn run(config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
         }
         #[cfg(feature = "cuda")]
         DeviceKind::Cuda => {
-            // CUDA_VISIBLE_DEVICES already renumbers the visible GPUs, so the local rank is
-            // the device ordinal (as with torchrun).
-            let device = burn::backend::cuda::CudaDevice::new(local_rank);
+            // The local rank is the device ordinal (as with torchrun), unless the launcher gave
+            // each process one GPU through CUDA_VISIBLE_DEVICES (then it is 0): see
+            // `burn_ddp::cuda::local_device`. The NCCL group uses the same ordinal.
+            let device =
+                burn::backend::cuda::CudaDevice::new(burn_ddp::cuda::local_device(local_rank));
             train_on::<Autodiff<burn::backend::Cuda>>(config, dist, data, no_resume, device)
         }
         #[allow(unreachable_patterns)]
@@ -157,7 +290,7 @@ pub fn run(config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
 }
 
 /// Trains on backend `B` and prints the result on rank 0.
-fn train_on<B: AutodiffBackend>(
+fn train_on<B: TrainBackend>(
     config: Config,
     dist: Distributed,
     data: Data,
@@ -347,7 +480,7 @@ struct TrainTask<'a, B: AutodiffBackend> {
     job: &'a mut Job<B>,
 }
 
-impl<B: AutodiffBackend> ModelTask<B> for TrainTask<'_, B> {
+impl<B: TrainBackend> ModelTask<B> for TrainTask<'_, B> {
     type Output = anyhow::Result<Summary>;
 
     fn run<M>(self, model: M) -> Self::Output
@@ -388,7 +521,7 @@ impl<B: AutodiffBackend> ModelTask<B> for TrainTask<'_, B> {
 /// The loop itself (module docs, step 3 and 4).
 fn fit<B, M, O>(job: &mut Job<B>, model: M, optim: O) -> anyhow::Result<Summary>
 where
-    B: AutodiffBackend,
+    B: TrainBackend,
     M: Classifier<B> + AutodiffModule<B> + 'static,
     M::InnerModule: Classifier<B::InnerBackend>,
     O: Optimizer<M, B>,
@@ -434,7 +567,7 @@ where
         position.step
     };
     let total_steps = t.max_steps.unwrap_or(usize::MAX).min(planned);
-    let mut reducer = Reducer::new(job.config.distributed.bucket_cap_mb);
+    let mut reducer = GradientSync::new(&job.config, &job.dist)?;
     let loss_fn = CrossEntropyLossConfig::new().init::<B>(&job.device);
     let mut reporter = Reporter::new(
         rank,
@@ -468,7 +601,7 @@ where
                 accumulator.accumulate(&model, grads);
             }
             let mut grads = accumulator.grads();
-            reducer.sync(&mut job.dist.group, &model, &mut grads)?;
+            reducer.sync::<B, M>(&mut job.dist.group, &model, &mut grads)?;
             let lr = job
                 .config
                 .optimizer
