@@ -17,6 +17,12 @@ pub struct Bucket {
     pub numel: usize,
 }
 
+/// The bucket cap in f32 elements for a cap of `bucket_cap_mb` MiB (at least one element).
+pub fn cap_elements(bucket_cap_mb: f64) -> usize {
+    let bytes = (bucket_cap_mb.max(0.0) * (1u64 << 20) as f64) as usize;
+    (bytes / 4).max(1)
+}
+
 /// Assigns parameters of the given sizes to buckets of at most `cap` elements (see module docs).
 pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
     let mut buckets = Vec::new();

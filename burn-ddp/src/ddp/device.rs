@@ -181,9 +181,8 @@ impl DeviceReducer {
     /// `bucket_cap_mb`: largest bucket in MiB of f32 gradients (PyTorch's default is 25). The
     /// same value gives the same buckets as [`Reducer::new`](super::Reducer::new).
     pub fn new(bucket_cap_mb: f64) -> Self {
-        let bytes = (bucket_cap_mb.max(0.0) * (1u64 << 20) as f64) as usize;
         Self {
-            bucket_cap_elems: (bytes / 4).max(1),
+            bucket_cap_elems: super::bucket::cap_elements(bucket_cap_mb),
             stats: ReducerStats::default(),
         }
     }
