@@ -425,3 +425,82 @@ fn ranks_with_different_configs_refuse_to_start() {
         r0.all()
     );
 }
+
+/// A tiny tmpfs, unmounted on drop.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(path: &std::path::Path, size: &str) -> Option<SmallDisk> {
+        std::fs::create_dir_all(path).ok()?;
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(path)
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !ok {
+            eprintln!("SKIPPED: cannot mount a small tmpfs here (needs root)");
+            return None;
+        }
+        Some(SmallDisk(path.to_path_buf()))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).output();
+    }
+}
+
+#[test]
+fn a_full_disk_leaves_the_previous_checkpoint_intact() {
+    let dir = scratch("full-disk");
+    // Room for one checkpoint of this model (~36 KiB in pages), not two.
+    let Some(disk) = SmallDisk::mount(&dir.join("disk"), "56k") else {
+        return;
+    };
+    let ckpt = disk.0.join("ckpt");
+    let body = std::fs::read_to_string(digits("run", &dir, ""))
+        .unwrap()
+        .replace(
+            &dir.join("run-ckpt").display().to_string(),
+            &ckpt.display().to_string(),
+        );
+    let config = write_config(&dir, "run", &body);
+    let out = train2(&config, &[], &[]);
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stderr.contains("No space left on device"),
+        "{}",
+        out.all()
+    );
+    assert!(
+        out.stderr
+            .contains("was not written (the previous checkpoints are intact)"),
+        "{}",
+        out.all()
+    );
+    assert!(newest_checkpoint(&ckpt).ends_with("step-00000010"));
+    let leftovers: Vec<_> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        leftovers.len(),
+        1,
+        "no half-written directory: {leftovers:?}"
+    );
+    let eval = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(&config)
+        .arg("--checkpoint")
+        .arg(&ckpt));
+    assert_eq!(
+        eval.code,
+        Some(0),
+        "the previous checkpoint still loads:\n{}",
+        eval.all()
+    );
+}

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use burn::module::AutodiffModule;
 use burn::optim::Optimizer;
-use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
@@ -31,7 +31,6 @@ use serde::{Deserialize, Serialize};
 /// Bumped when the layout or the manifest changes incompatibly.
 pub const FORMAT_VERSION: u32 = 1;
 const MODEL_FILE: &str = "model.safetensors";
-const OPTIMIZER_STEM: &str = "optimizer"; // the recorder adds ".mpk"
 const OPTIMIZER_FILE: &str = "optimizer.mpk";
 const MANIFEST_FILE: &str = "manifest.json";
 
@@ -87,6 +86,14 @@ fn step_dir_name(step: usize) -> String {
     format!("step-{step:08}")
 }
 
+/// Writes `bytes` to `path` and syncs them to the disk; the error names the file.
+fn write_synced(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let mut f = File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(bytes)
+        .and_then(|()| f.sync_all())
+        .with_context(|| format!("cannot write {} ({} bytes)", path.display(), bytes.len()))
+}
+
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
@@ -117,26 +124,35 @@ where
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = (|| -> anyhow::Result<()> {
-        let mut store = SafetensorsStore::from_file(tmp.join(MODEL_FILE));
+        // Serialise in memory, then write with our own I/O: disk errors (a full disk, a lost
+        // mount) then surface as the operating system's error, and the checksum needs no
+        // read-back.
+        let mut store = SafetensorsStore::from_bytes(None);
         model
             .save_into(&mut store)
-            .map_err(|e| anyhow::anyhow!("cannot write the model weights: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;
+        let weights = store
+            .get_bytes()
+            .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;
+        write_synced(&tmp.join(MODEL_FILE), &weights)?;
+        manifest
+            .checksums
+            .insert(MODEL_FILE.to_string(), checksum(&weights));
         crash_if_asked(manifest.position.step);
-        NamedMpkFileRecorder::<FullPrecisionSettings>::new()
-            .record(optim.to_record(), tmp.join(OPTIMIZER_STEM))
-            .map_err(|e| anyhow::anyhow!("cannot write the optimizer state: {e}"))?;
-        for file in [MODEL_FILE, OPTIMIZER_FILE] {
-            let path = tmp.join(file);
-            let bytes =
-                fs::read(&path).with_context(|| format!("cannot read back {}", path.display()))?;
-            manifest
-                .checksums
-                .insert(file.to_string(), checksum(&bytes));
-            File::open(&path)?.sync_all()?;
-        }
-        let mut f = File::create(tmp.join(MANIFEST_FILE))?;
-        f.write_all(serde_json::to_string_pretty(&manifest)?.as_bytes())?;
-        f.sync_all()?;
+        let optimizer = Recorder::<B>::record(
+            &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+            optim.to_record(),
+            (),
+        )
+        .map_err(|e| anyhow::anyhow!("cannot serialise the optimizer state: {e}"))?;
+        write_synced(&tmp.join(OPTIMIZER_FILE), &optimizer)?;
+        manifest
+            .checksums
+            .insert(OPTIMIZER_FILE.to_string(), checksum(&optimizer));
+        write_synced(
+            &tmp.join(MANIFEST_FILE),
+            serde_json::to_string_pretty(&manifest)?.as_bytes(),
+        )?;
         sync_dir(&tmp)?;
         fs::rename(&tmp, &final_dir)?;
         sync_dir(root)?;
@@ -319,12 +335,21 @@ where
     M: AutodiffModule<B>,
     O: Optimizer<M, B>,
 {
-    let record = NamedMpkFileRecorder::<FullPrecisionSettings>::new()
-        .load(ckpt.dir.join(OPTIMIZER_STEM), device)
-        .map_err(|e| CheckpointMismatch {
-            dir: ckpt.dir.clone(),
-            reason: format!("its optimizer state does not load: {e}"),
-        })?;
+    let bytes = fs::read(ckpt.dir.join(OPTIMIZER_FILE)).with_context(|| {
+        format!(
+            "checkpoint {}: cannot read {OPTIMIZER_FILE}",
+            ckpt.dir.display()
+        )
+    })?;
+    let record = Recorder::<B>::load(
+        &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
+        bytes,
+        device,
+    )
+    .map_err(|e| CheckpointMismatch {
+        dir: ckpt.dir.clone(),
+        reason: format!("its optimizer state does not load: {e}"),
+    })?;
     Ok(optim.load_record(record))
 }
 

@@ -451,7 +451,7 @@ impl<B: AutodiffBackend> Job<B> {
                     tracing::info!("checkpoint written: {}", dir.display());
                     "ok".to_string()
                 }
-                Err(e) => format!("error: {e:#}"),
+                Err(e) => format!("{e:#}"),
             };
             if self.world_size() > 1 {
                 self.dist.store.set(&key, status.as_bytes())?;
