@@ -983,3 +983,54 @@ pub fn evaluate(config_path: &Path, checkpoint_path: &Path) -> anyhow::Result<Ex
     );
     Ok(ExitCode::SUCCESS)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::{Module, Param};
+    use burn_ddp::store::{MemoryStore, Store};
+    use std::sync::Arc;
+
+    #[derive(Module, Debug)]
+    struct Tiny<B: Backend> {
+        weight: Param<Tensor<B, 1>>,
+    }
+
+    /// Two ranks (threads, real sockets) compare their parameters; `values[r]` is rank r's.
+    fn compare(values: [f32; 2]) -> Vec<anyhow::Result<()>> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default())?;
+                    let device = Default::default();
+                    let tensor = Tensor::<CpuBackend, 1>::from_floats([values[rank], 1.0], &device);
+                    let model = Tiny {
+                        weight: Param::from_tensor(tensor),
+                    };
+                    check_replicas::<CpuBackend, _>(&mut group, &model, 7)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    }
+
+    #[test]
+    fn replica_drift_is_detected_and_names_the_rank() {
+        for result in compare([0.5, 0.5]) {
+            assert!(result.is_ok(), "{result:?}");
+        }
+        for result in compare([0.5, 0.5000001]) {
+            let err = result.expect_err("drift must be reported").to_string();
+            assert!(
+                err.contains("replica drift at step 7") && err.contains("rank 1"),
+                "{err}"
+            );
+        }
+    }
+}
