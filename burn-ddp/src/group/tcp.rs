@@ -1057,6 +1057,22 @@ mod tests {
     }
 
     #[test]
+    fn stall_report_names_who_is_stalled_and_who_was_not_seen() {
+        let store = MemoryStore::new();
+        store.set("pg/stall/1", b"5").unwrap();
+        store.set("pg/stall/3", b"4").unwrap();
+        let report = stall_report(&store, 0, 4, 5);
+        assert_eq!(
+            report,
+            "Ranks also stalled in #5: [1]; ranks not seen in it: [2, 3 (stalled at #4)]"
+        );
+        assert_eq!(
+            store.get("pg/stall/0", Duration::from_secs(1)).unwrap(),
+            b"5"
+        );
+    }
+
+    #[test]
     fn mismatched_lengths_name_both_sides() {
         let results = with_group(2, TcpGroupOptions::default(), |g| {
             let mut buf = vec![0f32; 4 + g.rank()];
