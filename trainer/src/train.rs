@@ -553,9 +553,10 @@ where
 
     let train_len = job.data.train.len();
     let sampler = EpochSampler::new(&job.data.train, &t, world, rank)?;
-    let per_step = t.batch_size * t.accumulation_steps; // samples per rank per optimizer step
-                                                        // Steps are counted from the start of the run; after a resume with another world size the
-                                                        // rest of the current epoch takes a different number of steps than it would have.
+    // Samples per rank per optimizer step.
+    let per_step = t.batch_size * t.accumulation_steps;
+    // Steps are counted from the start of the run; after a resume with another world size the
+    // rest of the current epoch takes a different number of steps than it would have.
     let steps_per_epoch = sampler.samples(0, 0).len().div_ceil(per_step);
     let rest_of_epoch = sampler
         .samples(position.epoch as u64, position.consumed)
