@@ -103,14 +103,8 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
     // Ctrl-C or SIGTERM: stop every rank, then exit (the flag is polled by `supervise`).
     let interrupted = Arc::new(AtomicUsize::new(0));
     for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        let flag = interrupted.clone();
-        // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-        unsafe {
-            signal_hook::low_level::register(sig, move || {
-                flag.store(sig as usize, Ordering::SeqCst)
-            })
-        }
-        .context("cannot install the signal handler")?;
+        signal_hook::flag::register_usize(sig, interrupted.clone(), sig as usize)
+            .context("cannot install the signal handler")?;
     }
 
     let mut port = args
