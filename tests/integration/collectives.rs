@@ -117,6 +117,34 @@ fn mismatched_lengths_fail_on_every_rank_naming_both_calls() {
 }
 
 #[test]
+fn log_dir_keeps_each_ranks_own_log() {
+    let dir = scratch("log-dir");
+    let logs = dir.join("logs");
+    let logs_arg = logs.display().to_string();
+    let out = launch(
+        2,
+        &[
+            "--len",
+            "3",
+            "--len-for-rank",
+            "1=4",
+            "--op",
+            "all_reduce",
+            "--log-dir",
+            &logs_arg,
+        ],
+    );
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    for rank in 0..2 {
+        let log = std::fs::read_to_string(logs.join(format!("rank-{rank}.log"))).unwrap();
+        assert!(
+            log.contains(&format!("rank {rank}: collective mismatch")),
+            "rank {rank}'s log:\n{log}"
+        );
+    }
+}
+
+#[test]
 fn all_reduce_against_broadcast_is_a_mismatch_not_a_hang() {
     let out = launch(
         3,

@@ -47,6 +47,10 @@ pub struct LaunchArgs {
     /// several).
     #[arg(long)]
     pub master_port: Option<u16>,
+    /// Also write each local rank's output to DIR/rank-N.log (appended across restarts; all
+    /// ranks' output is then piped, so rank 0 shows no progress bar).
+    #[arg(long, value_name = "DIR")]
+    pub log_dir: Option<std::path::PathBuf>,
     /// After a rank fails, restart every local rank up to this many times; training resumes
     /// from the newest complete checkpoint. Bad input (exit code 2) is never retried.
     #[arg(long, default_value_t = 0)]
@@ -146,22 +150,28 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
                 .env(RESTART_COUNT_VAR, attempt.to_string())
                 .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
             // Rank 0 keeps the terminal (its progress bar needs one); the others are tagged.
-            let forward = rank != 0 || !std::io::stderr().is_terminal();
+            let forward = rank != 0 || !std::io::stderr().is_terminal() || args.log_dir.is_some();
             if forward {
                 cmd.stderr(Stdio::piped());
             }
             die_with_parent(&mut cmd);
-            match cmd.spawn() {
-                Ok(mut child) => {
-                    let log = child.stderr.take().map(|e| RankLog::forward(rank, e));
-                    children.push(Rank { rank, child, log });
-                }
+            let started = args
+                .log_dir
+                .as_deref()
+                .map(|dir| open_log(dir, rank))
+                .transpose()
+                .and_then(|file| {
+                    let mut child = cmd
+                        .spawn()
+                        .with_context(|| format!("cannot start rank {rank} ({})", exe.display()))?;
+                    let log = child.stderr.take().map(|e| RankLog::forward(rank, e, file));
+                    Ok(Rank { rank, child, log })
+                });
+            match started {
+                Ok(started) => children.push(started),
                 Err(e) => {
                     stop_all(&mut children, &vec![None; nproc]);
-                    return Err(anyhow::anyhow!(
-                        "cannot start rank {rank} ({}): {e}",
-                        exe.display()
-                    ));
+                    return Err(e);
                 }
             }
         }
@@ -184,6 +194,18 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
         }
     }
     unreachable!("the last attempt always returns")
+}
+
+/// Opens (appending) DIR/rank-N.log.
+fn open_log(dir: &Path, rank: usize) -> anyhow::Result<std::fs::File> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create --log-dir {}", dir.display()))?;
+    let path = dir.join(format!("rank-{rank}.log"));
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))
 }
 
 /// Asks the kernel to SIGKILL the child when the launcher dies, however it dies.

@@ -3,7 +3,8 @@
 //! instead of leaving them buried under every other rank's output.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Read};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -17,14 +18,23 @@ pub struct RankLog {
 }
 
 impl RankLog {
-    /// Starts forwarding `stderr` of rank `rank` to the launcher's stderr, line by line.
-    pub fn forward(rank: usize, stderr: impl Read + Send + 'static) -> Self {
+    /// Starts forwarding `stderr` of rank `rank` to the launcher's stderr, line by line, and
+    /// to `file` when given (the rank's own log, untagged).
+    pub fn forward(
+        rank: usize,
+        stderr: impl Read + Send + 'static,
+        mut file: Option<File>,
+    ) -> Self {
         let tail = Arc::new(Mutex::new(VecDeque::with_capacity(TAIL_LINES)));
         let keep = tail.clone();
         let reader = std::thread::Builder::new()
             .name(format!("rank-{rank}-stderr"))
             .spawn(move || {
                 for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if let Some(f) = &mut file {
+                        // A full disk must not stop the job: the terminal still gets the line.
+                        let _ = writeln!(f, "{line}");
+                    }
                     let tagged = if line.starts_with("[rank ") {
                         line
                     } else {
