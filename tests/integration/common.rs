@@ -201,3 +201,44 @@ pub fn final_accuracy(out: &Output) -> f64 {
         .and_then(|v| v.trim_end_matches('%').parse().ok())
         .unwrap_or_else(|| panic!("unreadable: {line}"))
 }
+
+/// A small, fast MLP run on the digits data; `{ckpt}`/`{out}` land in the test's scratch dir.
+pub fn digits_config(optimizer: &str, batch: usize, extra_training: &str) -> String {
+    format!(
+        r#"
+[model]
+name = "mlp"
+hidden = [32]
+
+[data]
+source = "digits"
+path = "{{data}}"
+
+[optimizer]
+{optimizer}
+
+[training]
+epochs = 3
+batch_size = {batch}
+seed = 7
+log_every = 5
+{extra_training}
+
+[checkpoint]
+dir = "{{ckpt}}"
+every_epochs = 0
+
+[output]
+dir = "{{out}}"
+log_samples = true
+"#
+    )
+}
+
+pub const SGD: &str = "name = \"sgd\"\nlearning_rate = 0.05";
+pub const ADAM: &str = "name = \"adam\"\nlearning_rate = 0.003";
+
+/// The weights of the newest checkpoint of the run written by `write_config(dir, name, …)`.
+pub fn final_weights(dir: &Path, name: &str) -> BTreeMap<String, Vec<f32>> {
+    read_weights(&newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"))
+}

@@ -123,31 +123,7 @@ impl Drop for Hosts {
 }
 
 fn config(dir: &Path, name: &str) -> std::path::PathBuf {
-    write_config(
-        dir,
-        name,
-        r#"
-[model]
-name = "mlp"
-hidden = [32]
-[data]
-source = "digits"
-path = "{data}"
-[optimizer]
-name = "sgd"
-learning_rate = 0.05
-[training]
-epochs = 1
-batch_size = 8
-seed = 3
-max_steps = 12
-[checkpoint]
-dir = "{ckpt}"
-every_epochs = 0
-[output]
-dir = "{out}"
-"#,
-    )
+    write_config(dir, name, &digits_config(SGD, 8, "max_steps = 12"))
 }
 
 #[test]
@@ -170,13 +146,8 @@ fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
         .arg(&local)
         .args(["--nproc-per-node", "4"]));
     assert_eq!(out.code, Some(0), "{}", out.all());
-    let weights = |name: &str| {
-        read_weights(
-            &newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"),
-        )
-    };
     assert_eq!(
-        max_abs_diff(&weights("nodes"), &weights("local")),
+        max_abs_diff(&final_weights(&dir, "nodes"), &final_weights(&dir, "local")),
         0.0,
         "same ring order, same reductions: bit-identical"
     );

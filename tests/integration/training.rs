@@ -6,42 +6,6 @@ use std::path::Path;
 
 use crate::common::*;
 
-/// A small, fast MLP run on the digits data; `{ckpt}`/`{out}` land in the test's scratch dir.
-fn digits_config(optimizer: &str, batch: usize, extra_training: &str) -> String {
-    format!(
-        r#"
-[model]
-name = "mlp"
-hidden = [32]
-
-[data]
-source = "digits"
-path = "{{data}}"
-
-[optimizer]
-{optimizer}
-
-[training]
-epochs = 3
-batch_size = {batch}
-seed = 7
-log_every = 5
-{extra_training}
-
-[checkpoint]
-dir = "{{ckpt}}"
-every_epochs = 0
-
-[output]
-dir = "{{out}}"
-log_samples = true
-"#
-    )
-}
-
-const SGD: &str = "name = \"sgd\"\nlearning_rate = 0.05";
-const ADAM: &str = "name = \"adam\"\nlearning_rate = 0.003";
-
 fn train(config: &Path, nproc: usize) -> Output {
     let out = run(trainer()
         .arg("--config")
@@ -55,10 +19,6 @@ fn train(config: &Path, nproc: usize) -> Output {
         out.all()
     );
     out
-}
-
-fn final_weights(dir: &Path, name: &str) -> BTreeMap<String, Vec<f32>> {
-    read_weights(&newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"))
 }
 
 /// The central DDP property: N ranks with batch b end where 1 rank with batch N·b ends.
