@@ -13,8 +13,9 @@
 //!   one output buffer, where each tensor starts at the device's offset alignment; the outputs
 //!   are then views into that buffer (what Burn's own `slice` does for aligned slices), so all
 //!   tensors come out of a single launch and a single allocation.
-//! - [`compress_bf16_kernel`] / [`decompress_bf16_kernel`]: one thread per output word / element,
-//!   integer arithmetic on the `f32` bits (the rounding of [`bf16::f32_to_bf16`]).
+//! - [`compress_kernel`] / [`decompress_kernel`]: one thread per output word / element, integer
+//!   arithmetic on the `f32` bits (the rounding of the `half` crate, which the tests check bit
+//!   for bit); bf16 or f16 chosen at compile time of the kernel.
 //!
 //! All launches are the checked kind (`launch`, not `launch_unchecked`): the bounds checks cost
 //! little in kernels that are pure memory traffic, and no `unsafe` is needed.
@@ -29,7 +30,7 @@ use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
 use super::fallback::{self, check_bucket, check_bucket_1d, check_words};
-use super::{bf16, check_len, BucketOps, BucketOpsError};
+use super::{check_len, wire16, BucketOps, BucketOpsError, HalfFormat};
 
 /// Units per cube of every kernel here: the portable maximum (WebGPU's guaranteed limit).
 const CUBE_SIZE: u32 = 256;
@@ -101,37 +102,120 @@ fn unpack_scale_kernel(
     out[dst] = bucket[pos] * scale;
 }
 
-/// [`bf16::f32_to_bf16`] on the device, widened to `u32`.
+/// `x * scale`, except that a scale of 1 leaves `x` untouched: devices that flush subnormals
+/// (lavapipe does) would flush them in a multiply by 1 too.
+#[cube]
+fn scaled(x: f32, scale: f32) -> f32 {
+    if scale == 1.0 {
+        x
+    } else {
+        x * scale
+    }
+}
+
+/// The bf16 nearest to `x` (ties to even), in the low 16 bits: the `half` crate's
+/// `bf16::from_f32`, as integer arithmetic on the `f32` bits (bf16 is their upper half).
 #[cube]
 fn round_to_bf16(x: f32) -> u32 {
     let bits = u32::reinterpret(x);
     if (bits & 0x7fff_ffffu32) > 0x7f80_0000u32 {
-        // NaN: keep sign and the top of the payload, force the quiet bit.
+        // NaN: keep sign and the top of the payload, force the quiet bit (a truncation could
+        // turn a NaN whose payload sits in the low bits into infinity).
         (bits >> 16u32) | 0x0040u32
     } else {
-        // Round to nearest, ties to even (see bf16::f32_to_bf16).
+        // Adding 0x7fff rounds half-way cases down; adding the kept part's lsb as well makes
+        // ties go to even. No overflow: the largest non-NaN pattern is 0xff80_0000.
         (bits + 0x7fffu32 + ((bits >> 16u32) & 1u32)) >> 16u32
     }
 }
 
-/// `words[w]` = bf16(bucket[2w]) | bf16(bucket[2w + 1]) << 16 (0 past the end).
+/// The f16 nearest to `x` (ties to even), in the low 16 bits: the `half` crate's
+/// `f16::from_f32`, as integer arithmetic on the `f32` bits.
+#[cube]
+fn round_to_f16(x: f32) -> u32 {
+    let bits = u32::reinterpret(x);
+    let sign = (bits >> 16u32) & 0x8000u32;
+    let abs = bits & 0x7fff_ffffu32;
+    // |x| <= 2^-25 (half of f16's smallest subnormal, a tie with an even 0) stays 0.
+    let mut magnitude = 0u32;
+    if abs > 0x7f80_0000u32 {
+        // NaN: quiet, with the top of the payload.
+        magnitude = 0x7e00u32 | ((abs >> 13u32) & 0x03ffu32);
+    } else if abs >= 0x4780_0000u32 {
+        // 2^16 and beyond, inf included.
+        magnitude = 0x7c00u32;
+    } else if abs >= 0x3880_0000u32 {
+        // Normal in f16 (>= 2^-14): rebias the exponent (127 - 15 = 112) and round off 13
+        // mantissa bits as for bf16; a carry runs into the exponent, up to inf past 65504.
+        magnitude = (abs - 0x3800_0000u32 + 0x0fffu32 + ((abs >> 13u32) & 1u32)) >> 13u32;
+    } else if abs > 0x3300_0000u32 {
+        // Subnormal in f16: the significand, implicit bit included, in units of 2^-24 is the
+        // significand shifted right by 126 - exponent (14 to 24 here); round to nearest even.
+        let shift = 126u32 - (abs >> 23u32);
+        let significand = (abs & 0x007f_ffffu32) | 0x0080_0000u32;
+        let kept = significand >> shift;
+        let rest = significand & ((1u32 << shift) - 1u32);
+        let halfway = 1u32 << (shift - 1u32);
+        magnitude = kept;
+        if rest > halfway || (rest == halfway && (kept & 1u32) == 1u32) {
+            magnitude = kept + 1u32;
+        }
+    }
+    sign | magnitude
+}
+
+/// The `f32` that f16 bits `h` denote: the `half` crate's `f16::to_f32`.
+#[cube]
+fn widen_f16(h: u32) -> f32 {
+    let sign = (h & 0x8000u32) << 16u32;
+    let exponent = (h >> 10u32) & 0x1fu32;
+    let mantissa = h & 0x03ffu32;
+    let mut bits = sign;
+    if exponent == 0x1fu32 {
+        bits = sign | 0x7f80_0000u32 | (mantissa << 13u32);
+        if mantissa != 0u32 {
+            // NaN: quiet, as the `half` crate does.
+            bits |= 0x0040_0000u32;
+        }
+    } else if exponent != 0u32 {
+        bits = sign | ((exponent + 112u32) << 23u32) | (mantissa << 13u32);
+    } else if mantissa != 0u32 {
+        // Subnormal: mantissa × 2^-24, exact and normal in f32.
+        let two_pow_minus_24 = f32::reinterpret(0x3380_0000u32);
+        bits = sign | u32::reinterpret(f32::cast_from(mantissa) * two_pow_minus_24);
+    }
+    f32::reinterpret(bits)
+}
+
+/// `x * scale` rounded to f16 (`f16 = true`) or bf16, in the low 16 bits.
+#[cube]
+fn round_to_half(x: f32, scale: f32, #[comptime] f16: bool) -> u32 {
+    let x = scaled(x, scale);
+    if f16 {
+        round_to_f16(x)
+    } else {
+        round_to_bf16(x)
+    }
+}
+
+/// `words[w]` = half(bucket[2w] × scale) | half(bucket[2w + 1] × scale) << 16 (0 past the end).
 #[cube(launch)]
-fn compress_bf16_kernel(bucket: &Array<f32>, words: &mut Array<u32>) {
+fn compress_kernel(bucket: &Array<f32>, words: &mut Array<u32>, scale: f32, #[comptime] f16: bool) {
     let w = ABSOLUTE_POS;
     if w >= words.len() {
         terminate!();
     }
-    let lo = round_to_bf16(bucket[2 * w]);
+    let lo = round_to_half(bucket[2 * w], scale, f16);
     let mut hi = 0u32;
     if 2 * w + 1 < bucket.len() {
-        hi = round_to_bf16(bucket[2 * w + 1]);
+        hi = round_to_half(bucket[2 * w + 1], scale, f16);
     }
     words[w] = lo | (hi << 16u32);
 }
 
-/// `out[i]` = the bf16 in half `i % 2` of `words[i / 2]`, widened to `f32`.
+/// `out[i]` = the f16 (`f16 = true`) or bf16 in half `i % 2` of `words[i / 2]`, widened.
 #[cube(launch)]
-fn decompress_bf16_kernel(words: &Array<u32>, out: &mut Array<f32>) {
+fn decompress_kernel(words: &Array<u32>, out: &mut Array<f32>, #[comptime] f16: bool) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
         terminate!();
@@ -139,7 +223,11 @@ fn decompress_bf16_kernel(words: &Array<u32>, out: &mut Array<f32>) {
     let word = words[i / 2];
     let shift = ((i % 2) * 16) as u32;
     let half = (word >> shift) & 0xffffu32;
-    out[i] = f32::reinterpret(half << 16u32);
+    if f16 {
+        out[i] = widen_f16(half);
+    } else {
+        out[i] = f32::reinterpret(half << 16u32);
+    }
 }
 
 /// How many inputs one pack launch may bind on this client's device.
@@ -344,30 +432,40 @@ where
             .collect()
     }
 
-    fn compress_bf16(bucket: CubeTensor<R>) -> Result<CubeTensor<R>, BucketOpsError> {
-        let len = check_bucket_1d("compress_bf16", &bucket);
+    fn compress_bucket(
+        bucket: CubeTensor<R>,
+        format: HalfFormat,
+        scale: f32,
+    ) -> Result<CubeTensor<R>, BucketOpsError> {
+        let len = check_bucket_1d("compress_bucket", &bucket);
         let device = bucket.device.clone();
         if len == 0 {
             return Ok(Self::int_empty(Shape::new([0]), &device, IntDType::U32));
         }
         let bucket = into_contiguous(bucket);
         let client = bucket.client.clone();
-        let words = new_1d(&client, &device, bf16::packed_len(len), DType::U32);
+        let words = new_1d(&client, &device, wire16::packed_len(len), DType::U32);
 
         let cube_dim = cube_dim_1d();
-        compress_bf16_kernel::launch::<R>(
+        compress_kernel::launch::<R>(
             &client,
-            calculate_cube_count_elemwise(&client, bf16::packed_len(len), cube_dim),
+            calculate_cube_count_elemwise(&client, wire16::packed_len(len), cube_dim),
             cube_dim,
             bucket.into_array_arg(),
             words.clone().into_array_arg(),
+            scale,
+            format == HalfFormat::F16,
         );
         Ok(words)
     }
 
-    fn decompress_bf16(words: CubeTensor<R>, len: usize) -> Result<CubeTensor<R>, BucketOpsError> {
-        check_len("decompress_bf16", len);
-        check_words("decompress_bf16", &words, len);
+    fn decompress_bucket(
+        words: CubeTensor<R>,
+        len: usize,
+        format: HalfFormat,
+    ) -> Result<CubeTensor<R>, BucketOpsError> {
+        check_len("decompress_bucket", len);
+        check_words("decompress_bucket", &words, len);
         let device = words.device.clone();
         if len == 0 {
             return Ok(Self::float_empty(Shape::new([0]), &device, FloatDType::F32));
@@ -377,12 +475,13 @@ where
         let out = new_1d(&client, &device, len, DType::F32);
 
         let cube_dim = cube_dim_1d();
-        decompress_bf16_kernel::launch::<R>(
+        decompress_kernel::launch::<R>(
             &client,
             calculate_cube_count_elemwise(&client, len, cube_dim),
             cube_dim,
             words.into_array_arg(),
             out.clone().into_array_arg(),
+            format == HalfFormat::F16,
         );
         Ok(out)
     }
@@ -424,17 +523,20 @@ impl<B: burn_fusion::FusionBackend> BucketOps for burn_fusion::Fusion<B> {
         fallback::unpack_bucket::<Self>(bucket, shapes, scale)
     }
 
-    fn compress_bf16(
+    fn compress_bucket(
         bucket: burn::tensor::ops::FloatTensor<Self>,
+        format: HalfFormat,
+        scale: f32,
     ) -> Result<burn::tensor::ops::IntTensor<Self>, BucketOpsError> {
-        fallback::compress_bf16::<Self>(bucket)
+        fallback::compress_bucket::<Self>(bucket, format, scale)
     }
 
-    fn decompress_bf16(
+    fn decompress_bucket(
         words: burn::tensor::ops::IntTensor<Self>,
         len: usize,
+        format: HalfFormat,
     ) -> Result<burn::tensor::ops::FloatTensor<Self>, BucketOpsError> {
-        fallback::decompress_bf16::<Self>(words, len)
+        fallback::decompress_bucket::<Self>(words, len, format)
     }
 }
 
@@ -518,12 +620,18 @@ mod wgpu_tests {
 
     #[test]
     fn wgpu_bf16_bit_exact() {
-        bf16_bit_exact::<Wgpu>(&device());
+        compress_bit_exact::<Wgpu>(&device(), HalfFormat::Bf16);
     }
 
     #[test]
-    fn wgpu_bf16_round_trip_error() {
-        bf16_round_trip_error::<Wgpu>(&device());
+    fn wgpu_f16_bit_exact() {
+        compress_bit_exact::<Wgpu>(&device(), HalfFormat::F16);
+    }
+
+    #[test]
+    fn wgpu_compress_round_trip_error() {
+        compress_round_trip_error::<Wgpu>(&device(), HalfFormat::Bf16);
+        compress_round_trip_error::<Wgpu>(&device(), HalfFormat::F16);
     }
 
     #[test]

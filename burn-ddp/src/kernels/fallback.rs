@@ -4,7 +4,7 @@
 //! one-line delegations (as [`Flex`] does below). Costs, per call:
 //! - pack: a reshape per tensor and one `cat` (which most backends run as a copy per tensor);
 //! - unpack: one multiply over the whole bucket, then a slice + reshape per tensor (views);
-//! - bf16: a round trip through host memory (Burn has no op that reinterprets float bits), which
+//! - compress / decompress: a round trip through host memory (Burn has no op that reinterprets float bits), which
 //!   is free on a CPU backend and slow on a GPU one.
 //!
 //! [`Flex`]: burn::backend::Flex
@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, FloatDType, Int, Shape, Slice, Tensor, TensorData, TensorMetadata};
 
-use super::{bf16, check_len, BucketOps, BucketOpsError};
+use super::{check_len, wire16, BucketOps, BucketOpsError, HalfFormat};
 
 /// [`BucketOps::pack_bucket`] with Burn ops.
 pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device) -> FloatTensor<B> {
@@ -63,10 +63,14 @@ pub fn unpack_bucket<B: Backend>(
         .collect()
 }
 
-/// [`BucketOps::compress_bf16`] on the host: reads the bucket, rounds with
-/// [`bf16::compress`], uploads the words.
-pub fn compress_bf16<B: Backend>(bucket: FloatTensor<B>) -> Result<IntTensor<B>, BucketOpsError> {
-    const OP: &str = "compress_bf16";
+/// [`BucketOps::compress_bucket`] on the host: reads the bucket, scales and rounds with
+/// [`wire16::compress`], uploads the words.
+pub fn compress_bucket<B: Backend>(
+    bucket: FloatTensor<B>,
+    format: HalfFormat,
+    scale: f32,
+) -> Result<IntTensor<B>, BucketOpsError> {
+    const OP: &str = "compress_bucket";
     let len = check_bucket_1d(OP, &bucket);
     let device = B::float_device(&bucket);
     let data = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(bucket))
@@ -76,19 +80,19 @@ pub fn compress_bf16<B: Backend>(bucket: FloatTensor<B>) -> Result<IntTensor<B>,
         op: OP,
         reason: format!("{err:?}"),
     })?;
-    let words = bf16::compress(values);
-    debug_assert_eq!(words.len(), bf16::packed_len(len));
-    let data = TensorData::new(words, [bf16::packed_len(len)]);
+    let words = wire16::compress(values, format, scale);
+    let data = TensorData::new(words, [wire16::packed_len(len)]);
     Ok(B::int_from_data(data, &device))
 }
 
-/// [`BucketOps::decompress_bf16`] on the host: reads the words, widens with
-/// [`bf16::decompress`], uploads the `f32` values.
-pub fn decompress_bf16<B: Backend>(
+/// [`BucketOps::decompress_bucket`] on the host: reads the words, widens with
+/// [`wire16::decompress`], uploads the `f32` values.
+pub fn decompress_bucket<B: Backend>(
     words: IntTensor<B>,
     len: usize,
+    format: HalfFormat,
 ) -> Result<FloatTensor<B>, BucketOpsError> {
-    const OP: &str = "decompress_bf16";
+    const OP: &str = "decompress_bucket";
     check_len(OP, len);
     check_words(OP, &words, len);
     let device = B::int_device(&words);
@@ -99,7 +103,7 @@ pub fn decompress_bf16<B: Backend>(
         op: OP,
         reason: format!("{err:?}"),
     })?;
-    let values = bf16::decompress(words, len);
+    let values = wire16::decompress(words, len, format);
     Ok(B::float_from_data(TensorData::new(values, [len]), &device))
 }
 
@@ -138,15 +142,15 @@ pub(crate) fn check_bucket<T: TensorMetadata>(op: &str, bucket: &T, shapes: &[Sh
     len
 }
 
-/// Checks the [`BucketOps::decompress_bf16`] contract on the packed words.
+/// Checks the [`BucketOps::decompress_bucket`] contract on the packed words.
 pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
     let shape = words.shape();
     assert!(
         shape.num_dims() == 1
-            && shape.num_elements() == bf16::packed_len(len)
+            && shape.num_elements() == wire16::packed_len(len)
             && words.dtype() == DType::U32,
-        "{op}: {len} bf16 values need a 1-D U32 tensor of {} words, got shape {shape:?} of {:?}",
-        bf16::packed_len(len),
+        "{op}: {len} 16-bit values need a 1-D U32 tensor of {} words, got shape {shape:?} of {:?}",
+        wire16::packed_len(len),
         words.dtype()
     );
 }
@@ -165,15 +169,20 @@ impl BucketOps for burn::backend::Flex {
         unpack_bucket::<Self>(bucket, shapes, scale)
     }
 
-    fn compress_bf16(bucket: FloatTensor<Self>) -> Result<IntTensor<Self>, BucketOpsError> {
-        compress_bf16::<Self>(bucket)
+    fn compress_bucket(
+        bucket: FloatTensor<Self>,
+        format: HalfFormat,
+        scale: f32,
+    ) -> Result<IntTensor<Self>, BucketOpsError> {
+        compress_bucket::<Self>(bucket, format, scale)
     }
 
-    fn decompress_bf16(
+    fn decompress_bucket(
         words: IntTensor<Self>,
         len: usize,
+        format: HalfFormat,
     ) -> Result<FloatTensor<Self>, BucketOpsError> {
-        decompress_bf16::<Self>(words, len)
+        decompress_bucket::<Self>(words, len, format)
     }
 }
 
@@ -382,14 +391,28 @@ pub(crate) mod conformance {
             0xff7f_ffff,
             0x7f7f_7fff,
             0x0080_0000,
+            // f16: ties in the subnormal range (1.5 and 2.5 units of 2^-24), ties of normal
+            // values (1 + 1/2 ulp, 1 + 3/2 ulp), the overflow tie (65520) and just below it,
+            // the smallest normal and just below it (rounds up into it), 2^-25 and just above.
+            0x33c0_0000,
+            0x3420_0000,
+            0x3f80_1000,
+            0x3f80_3000,
+            0x477f_f000,
+            0x477f_efff,
+            0x3880_0000,
+            0x387f_f000,
+            0x3300_0000,
+            0xb300_0001,
         ]
         .into_iter()
         .map(f32::from_bits)
         .collect()
     }
 
-    /// bf16 compress / decompress, bit-exact with [`bf16::compress`] / [`bf16::decompress`].
-    pub fn bf16_bit_exact<B: BucketOps>(device: &B::Device) {
+    /// Compress / decompress in `format`, bit-exact with [`wire16::compress`] /
+    /// [`wire16::decompress`] (the `half` crate's rounding), with scales 1 and 1/3.
+    pub fn compress_bit_exact<B: BucketOps>(device: &B::Device, format: HalfFormat) {
         let mut rng = SplitMix64::new(0x5eed_0003);
         let mut cases: Vec<Vec<f32>> = vec![Vec::new(), vec![1.5], special_values()];
         for len in [3usize, 7, 1023, 65537] {
@@ -401,40 +424,65 @@ pub(crate) mod conformance {
                 .map(|_| f32::from_bits(rng.next_u64() as u32))
                 .collect(),
         );
-        for (case, values) in cases.into_iter().enumerate() {
-            let len = values.len();
-            let bucket = float_tensor::<B>(values.clone(), Shape::new([len]), device);
-            let words = B::compress_bf16(bucket).expect("compress");
-            assert_eq!(
-                words.shape(),
-                Shape::new([bf16::packed_len(len)]),
-                "case {case}"
-            );
-            assert_eq!(words.dtype(), DType::U32, "case {case}");
-            let expected_words = bf16::compress(&values);
-            let got_words = read_u32::<B>(words.clone());
-            if let Some(i) = (0..got_words.len()).find(|&i| got_words[i] != expected_words[i]) {
-                panic!(
-                    "compress, case {case}: word {i} is {:#010x}, want {:#010x} (inputs {:#010x} {:#010x})",
-                    got_words[i],
-                    expected_words[i],
-                    values[2 * i].to_bits(),
-                    values.get(2 * i + 1).map_or(0, |x| x.to_bits()),
+        // Magnitudes around f16's subnormal, normal and overflow boundaries.
+        cases.push(
+            (0..20_000)
+                .map(|i| {
+                    let exponent = [-26, -25, -24, -15, -14, -13, 15, 16][i % 8];
+                    (1.0 + rng.next_f32()) * 2f32.powi(exponent)
+                })
+                .collect(),
+        );
+        let name = format.name();
+        for scale in [1.0f32, 1.0 / 3.0] {
+            for (case, values) in cases.iter().enumerate() {
+                // Devices that flush f32 subnormals (lavapipe) flush them in the multiply too:
+                // keep the scaled values normal (a scale of 1 is no multiply, subnormals stay).
+                let values: Vec<f32> = if scale == 1.0 {
+                    values.clone()
+                } else {
+                    let tiny = 2f32.powi(-100);
+                    values
+                        .iter()
+                        .map(|&x| if x.abs() < tiny { 0.0 } else { x })
+                        .collect()
+                };
+                let values = &values;
+                let len = values.len();
+                let bucket = float_tensor::<B>(values.clone(), Shape::new([len]), device);
+                let words = B::compress_bucket(bucket, format, scale).expect("compress");
+                assert_eq!(
+                    words.shape(),
+                    Shape::new([wire16::packed_len(len)]),
+                    "{name}, case {case}"
+                );
+                assert_eq!(words.dtype(), DType::U32, "{name}, case {case}");
+                let expected_words = wire16::compress(values, format, scale);
+                let got_words = read_u32::<B>(words.clone());
+                if let Some(i) = (0..got_words.len()).find(|&i| got_words[i] != expected_words[i]) {
+                    panic!(
+                        "compress {name} x {scale}, case {case}: word {i} is {:#010x}, want \
+                         {:#010x} (inputs {:#010x} {:#010x})",
+                        got_words[i],
+                        expected_words[i],
+                        values[2 * i].to_bits(),
+                        values.get(2 * i + 1).map_or(0, |x| x.to_bits()),
+                    );
+                }
+
+                let back = B::decompress_bucket(words, len, format).expect("decompress");
+                assert_eq!(back.shape(), Shape::new([len]), "{name}, case {case}");
+                assert_eq!(
+                    bits(&read_f32::<B>(back)),
+                    bits(&wire16::decompress(&expected_words, len, format)),
+                    "decompress {name}, case {case}"
                 );
             }
-
-            let back = B::decompress_bf16(words, len).expect("decompress");
-            assert_eq!(back.shape(), Shape::new([len]), "case {case}");
-            assert_eq!(
-                bits(&read_f32::<B>(back)),
-                bits(&bf16::decompress(&expected_words, len)),
-                "decompress, case {case}"
-            );
         }
     }
 
-    /// A random-normal bucket survives the bf16 round trip within bf16's relative error.
-    pub fn bf16_round_trip_error<B: BucketOps>(device: &B::Device) {
+    /// A random-normal bucket survives the round trip within the format's relative error.
+    pub fn compress_round_trip_error<B: BucketOps>(device: &B::Device, format: HalfFormat) {
         let len = 4099;
         let bucket = B::float_random(
             Shape::new([len]),
@@ -443,10 +491,19 @@ pub(crate) mod conformance {
             FloatDType::F32,
         );
         let values = read_f32::<B>(bucket.clone());
-        let words = B::compress_bf16(bucket).expect("compress");
-        let back = read_f32::<B>(B::decompress_bf16(words, len).expect("decompress"));
+        let words = B::compress_bucket(bucket, format, 1.0).expect("compress");
+        let back = read_f32::<B>(B::decompress_bucket(words, len, format).expect("decompress"));
+        let (relative, absolute) = match format {
+            HalfFormat::Bf16 => (1.0 / 256.0, 0.0),
+            // Below 2^-14 f16 is subnormal: the error is absolute (half of 2^-24).
+            HalfFormat::F16 => (1.0 / 2048.0, 2f32.powi(-25)),
+        };
         for (x, y) in values.iter().zip(&back) {
-            assert!((x - y).abs() <= x.abs() * (1.0 / 256.0), "{x} -> {y}");
+            assert!(
+                (x - y).abs() <= x.abs() * relative + absolute,
+                "{}: {x} -> {y}",
+                format.name()
+            );
         }
     }
 }
@@ -474,13 +531,15 @@ mod tests {
     }
 
     #[test]
-    fn flex_bf16_bit_exact() {
-        bf16_bit_exact::<Flex>(&Default::default());
+    fn flex_compress_bit_exact() {
+        compress_bit_exact::<Flex>(&Default::default(), HalfFormat::Bf16);
+        compress_bit_exact::<Flex>(&Default::default(), HalfFormat::F16);
     }
 
     #[test]
-    fn flex_bf16_round_trip_error() {
-        bf16_round_trip_error::<Flex>(&Default::default());
+    fn flex_compress_round_trip_error() {
+        compress_round_trip_error::<Flex>(&Default::default(), HalfFormat::Bf16);
+        compress_round_trip_error::<Flex>(&Default::default(), HalfFormat::F16);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! Gradient-bucket operations on the device: pack, unpack + scale, bf16 compress / decompress.
+//! Gradient-bucket operations on the device: pack, unpack + scale, bf16 / fp16 compress and
+//! decompress.
 //!
 //! The DDP reducer copies many gradient tensors into one contiguous **bucket**, all-reduces the
 //! bucket (one collective instead of one per parameter), and copies the result back out, scaled
@@ -9,7 +10,7 @@
 //! | file | owns |
 //! |---|---|
 //! | `mod.rs` | the [`BucketOps`] trait and its contracts, [`BucketOpsError`] |
-//! | [`bf16`] | the bf16 wire format: round-to-nearest-even on the host, packing two per `u32` (pure) |
+//! | [`wire16`] | the 16-bit wire formats ([`HalfFormat`]): rounding on the host, packing two per `u32` (pure) |
 //! | [`fallback`] | a generic implementation with Burn tensor ops; [`BucketOps`] for [`Flex`] |
 //! | `cube` (features `wgpu` / `cuda`) | the `#[cube]` kernels; [`BucketOps`] for `CubeBackend` and `Fusion` |
 //! | [`bench`] | [`bench::measure_pack_unpack`]: pack + unpack throughput on a device |
@@ -23,21 +24,22 @@
 //!   fusion custom op without naming `burn_ir` types, which this crate does not depend on.
 //! - [`Flex`]: the [`fallback`].
 //!
-//! ## The bf16 wire format
-//! [`BucketOps::compress_bf16`] returns a 1-D int tensor of dtype `U32` holding `ceil(len / 2)`
-//! words: element `2k` in the low 16 bits of word `k`, element `2k + 1` in the high 16 bits (0 when
-//! `len` is odd). Read as little-endian bytes (every GPU and host Burn runs on) that is exactly a
-//! dense array of `len` bf16 values, so a collective may treat it as `bf16[len]` (NCCL's
-//! `ncclBfloat16`). `u32` words rather than Burn's `BF16` dtype because most Vulkan drivers have
-//! neither bf16 nor 16-bit storage, while `u32` works on every CubeCL runtime.
+//! ## The 16-bit wire formats
+//! [`BucketOps::compress_bucket`] returns a 1-D int tensor of dtype `U32` holding two bf16 or
+//! f16 values a word; read as bytes that is a dense 16-bit array a collective can reduce
+//! ([`wire16`] has the layout). `u32` words rather than Burn's `BF16` / `F16` dtypes because most
+//! Vulkan drivers have neither 16-bit floats nor 16-bit storage, while `u32` works on every
+//! CubeCL runtime.
 //!
 //! [`Flex`]: burn::backend::Flex
 
 pub mod bench;
-pub mod bf16;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 pub mod fallback;
+pub mod wire16;
+
+pub use wire16::HalfFormat;
 
 use burn::tensor::backend::{Backend, ExecutionError};
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -45,7 +47,7 @@ use burn::tensor::Shape;
 
 /// Gradient-bucket operations, one launch each on CubeCL backends (pack: see its launch count).
 ///
-/// All four are local (not collective): they touch only this process's device. None of them
+/// All of them are local (not collective): they touch only this process's device. None of them
 /// blocks: like any Burn op they enqueue work, and errors of the device surface at the next
 /// synchronisation (`B::sync`, a read) — except where a method says it reads back to the host.
 ///
@@ -95,12 +97,15 @@ pub trait BucketOps: Backend {
         scale: f32,
     ) -> Vec<FloatTensor<Self>>;
 
-    /// Rounds a 1-D `f32` bucket to bf16 for communication: round to nearest, ties to even;
-    /// NaN stays NaN (quiet, sign kept); ±inf and ±0 are kept; finite values past bf16's range
-    /// round to ±inf; subnormals are rounded, not flushed. Bit-exact with [`bf16::f32_to_bf16`].
+    /// Multiplies each element of a 1-D `f32` bucket by `scale` (one `f32` multiply: the
+    /// `1 / world_size` of an average, applied before the rounding so a sum of the results
+    /// cannot overflow where the mean does not) and rounds it to `format` for communication:
+    /// round to nearest, ties to even; NaN stays NaN (quiet, sign kept); ±inf and ±0 are kept;
+    /// finite values past the format's range round to ±inf; subnormals are rounded, not flushed
+    /// (except by devices that flush `f32` subnormals). Bit-exact with [`wire16::compress`].
     ///
-    /// Returns the packed words described in the [module docs](self#the-bf16-wire-format):
-    /// a 1-D `U32` int tensor of `ceil(len / 2)` elements, half the bytes of the bucket.
+    /// Returns the packed words described in [`wire16`]: a 1-D `U32` int tensor of
+    /// `ceil(len / 2)` elements, half the bytes of the bucket.
     ///
     /// # Errors
     /// Backends without kernels (the [`fallback`]) round on the host and return
@@ -108,20 +113,25 @@ pub trait BucketOps: Backend {
     ///
     /// # Panics
     /// If `bucket` is not 1-D `f32`.
-    fn compress_bf16(bucket: FloatTensor<Self>) -> Result<IntTensor<Self>, BucketOpsError>;
+    fn compress_bucket(
+        bucket: FloatTensor<Self>,
+        format: HalfFormat,
+        scale: f32,
+    ) -> Result<IntTensor<Self>, BucketOpsError>;
 
-    /// The inverse of [`compress_bf16`](BucketOps::compress_bf16): widens `len` bf16 values
-    /// (packed as it returns them) to a new 1-D `f32` tensor of `len` elements. Exact: every bf16
-    /// is an `f32`, NaN payloads included.
+    /// The inverse of [`compress_bucket`](BucketOps::compress_bucket) (without its scale):
+    /// widens `len` values of `format` (packed as it returns them) to a new 1-D `f32` tensor of
+    /// `len` elements. Exact: every bf16 and f16 is an `f32`, NaN payloads included.
     ///
     /// # Errors
-    /// As for [`compress_bf16`](BucketOps::compress_bf16): only host-side fallbacks can fail.
+    /// As for [`compress_bucket`](BucketOps::compress_bucket): only host-side fallbacks fail.
     ///
     /// # Panics
     /// If `words` is not a 1-D `U32` tensor of exactly `ceil(len / 2)` elements.
-    fn decompress_bf16(
+    fn decompress_bucket(
         words: IntTensor<Self>,
         len: usize,
+        format: HalfFormat,
     ) -> Result<FloatTensor<Self>, BucketOpsError>;
 }
 
@@ -132,7 +142,7 @@ pub enum BucketOpsError {
     /// Reading a tensor back to the host failed (device lost, out of memory, ...).
     #[error("{op}: reading the tensor back from the device failed: {source}")]
     Read {
-        /// The bucket operation, e.g. `"compress_bf16"`.
+        /// The bucket operation, e.g. `"compress_bucket"`.
         op: &'static str,
         /// Burn's report.
         #[source]

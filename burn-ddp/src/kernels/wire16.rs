@@ -1,0 +1,135 @@
+//! The 16-bit wire formats of a compressed gradient bucket, on the host: pure functions.
+//!
+//! A compressed bucket is `len` 16-bit floats ([`HalfFormat::Bf16`] or [`HalfFormat::F16`])
+//! packed two per `u32` word: element `2k` in the low 16 bits of word `k`, element `2k + 1` in
+//! the high 16 bits (0 when `len` is odd). Read as little-endian bytes (every GPU and host Burn
+//! runs on) that is exactly a dense array of `len` 16-bit floats, so a collective may treat it
+//! as `bf16[len]` / `f16[len]` (NCCL's `ncclBfloat16` / `ncclFloat16`, the TCP ring's
+//! [`DataType::BF16`](crate::group::DataType::BF16) / `F16`).
+//!
+//! The rounding here is the `half` crate's (round to nearest, ties to even; NaN kept quiet with
+//! its sign; overflow to ±inf; subnormals rounded, not flushed): it is what the
+//! [`fallback`](super::fallback) uses and what the kernels are tested against, bit for bit.
+
+use half::{bf16, f16};
+
+/// A 16-bit float format for gradients on the wire (`distributed.gradient_compression`).
+///
+/// - `Bf16`: 8 exponent bits like `f32`, 8 significant bits: no overflow, relative error 2^-9.
+/// - `F16`: 5 exponent bits (largest finite 65504), 11 significant bits: relative error 2^-12
+///   but overflow past 65504 and flush of magnitudes below 2^-24; the reducer divides by the
+///   world size *before* rounding (as PyTorch's `fp16_compress_hook` does) so a sum cannot
+///   overflow where the mean does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HalfFormat {
+    Bf16,
+    F16,
+}
+
+impl HalfFormat {
+    /// The bits of the 16-bit float nearest to `x` (ties to even).
+    pub fn round(self, x: f32) -> u16 {
+        match self {
+            Self::Bf16 => bf16::from_f32(x).to_bits(),
+            Self::F16 => f16::from_f32(x).to_bits(),
+        }
+    }
+
+    /// The `f32` that 16-bit `bits` denote (exact: every bf16 and f16 is an `f32`).
+    pub fn widen(self, bits: u16) -> f32 {
+        match self {
+            Self::Bf16 => bf16::from_bits(bits).to_f32(),
+            Self::F16 => f16::from_bits(bits).to_f32(),
+        }
+    }
+
+    /// The name used in configs and messages: `"bf16"`, `"fp16"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F16 => "fp16",
+        }
+    }
+}
+
+/// Number of `u32` words that hold `len` packed 16-bit values.
+pub fn packed_len(len: usize) -> usize {
+    len.div_ceil(2)
+}
+
+/// Multiplies each value by `scale` (one `f32` multiply), rounds it to `format` and packs the
+/// results in the layout of the module docs.
+pub fn compress(values: &[f32], format: HalfFormat, scale: f32) -> Vec<u32> {
+    let round = |x: f32| u32::from(format.round(x * scale));
+    values
+        .chunks(2)
+        .map(|pair| round(pair[0]) | pair.get(1).map_or(0, |&x| round(x) << 16))
+        .collect()
+}
+
+/// Unpacks and widens the first `len` values from `words` (the layout of [`compress`]).
+///
+/// # Panics
+/// If `words.len() != packed_len(len)`: the caller lost track of the length.
+pub fn decompress(words: &[u32], len: usize, format: HalfFormat) -> Vec<f32> {
+    assert_eq!(
+        words.len(),
+        packed_len(len),
+        "{} packed words cannot hold exactly {len} {} values",
+        words.len(),
+        format.name()
+    );
+    (0..len)
+        .map(|i| format.widen((words[i / 2] >> (16 * (i % 2))) as u16))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_on_boundary_values() {
+        use HalfFormat::{Bf16, F16};
+        // bf16: a tie rounds to even, past the tie rounds up, past the largest finite is inf.
+        assert_eq!(Bf16.round(f32::from_bits(0x3f80_8000)), 0x3f80);
+        assert_eq!(Bf16.round(f32::from_bits(0x3f81_8000)), 0x3f82);
+        assert_eq!(Bf16.round(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(Bf16.round(f32::MAX), 0x7f80);
+        // f16: 65504 is the largest finite, 65520 (a tie with an odd mantissa) rounds to inf,
+        // 2^-24 is the smallest subnormal and 2^-25 (a tie with 0) rounds to 0.
+        assert_eq!(F16.round(65504.0), 0x7bff);
+        assert_eq!(F16.round(65519.0), 0x7bff);
+        assert_eq!(F16.round(65520.0), 0x7c00);
+        assert_eq!(F16.round(2f32.powi(-24)), 0x0001);
+        assert_eq!(F16.round(2f32.powi(-25)), 0x0000);
+        assert_eq!(F16.round(-1.5 * 2f32.powi(-25)), 0x8001);
+        for format in [Bf16, F16] {
+            assert!(format.widen(format.round(f32::NAN)).is_nan());
+            assert_eq!(format.widen(format.round(-0.0)).to_bits(), 0x8000_0000);
+            assert_eq!(format.widen(format.round(f32::INFINITY)), f32::INFINITY);
+        }
+    }
+
+    #[test]
+    fn compress_scales_then_packs_low_half_first_and_round_trips() {
+        let values = [1.0f32, -2.0, 3.5];
+        let words = compress(&values, HalfFormat::Bf16, 1.0);
+        assert_eq!(words, vec![0xc000_3f80, 0x0000_4060]);
+        assert_eq!(decompress(&words, 3, HalfFormat::Bf16), values.to_vec());
+        let words = compress(&values, HalfFormat::F16, 0.5);
+        assert_eq!(words, vec![0xbc00_3800, 0x0000_3f00]);
+        assert_eq!(
+            decompress(&words, 3, HalfFormat::F16),
+            vec![0.5, -1.0, 1.75]
+        );
+        assert!(compress(&[], HalfFormat::F16, 1.0).is_empty());
+        assert!(decompress(&[], 0, HalfFormat::Bf16).is_empty());
+    }
+
+    #[test]
+    #[should_panic(expected = "cannot hold exactly")]
+    fn decompress_rejects_a_wrong_length() {
+        decompress(&[0, 0], 5, HalfFormat::Bf16);
+    }
+}
