@@ -54,6 +54,23 @@ pub enum DataType {
     I32,
     I64,
     U8,
+    /// bfloat16 ([`half::bf16`]): compressed gradient buckets.
+    BF16,
+    /// IEEE half precision ([`half::f16`]): compressed gradient buckets.
+    F16,
+}
+
+impl DataType {
+    /// Every data type, for tests and tables.
+    pub const ALL: [DataType; 7] = [
+        Self::F32,
+        Self::F64,
+        Self::I32,
+        Self::I64,
+        Self::U8,
+        Self::BF16,
+        Self::F16,
+    ];
 }
 
 /// A type that collectives can move and reduce: plain old data with a reduction.
@@ -114,12 +131,32 @@ macro_rules! element {
             }
         }
     };
+    ($t:ty, $dtype:ident, half) => {
+        /// Reduced as `f32` and rounded back after each step (what NCCL does for 16-bit floats):
+        /// a sum of N values is rounded N - 1 times, once per ring step.
+        impl Element for $t {
+            const DTYPE: DataType = DataType::$dtype;
+            #[inline(always)]
+            fn combine(self, other: Self, op: ReduceOp) -> Self {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => self + other,
+                    ReduceOp::Max => self.max(other),
+                    ReduceOp::Min => self.min(other),
+                }
+            }
+            fn div_world(self, world_size: usize) -> Self {
+                Self::from_f32(self.to_f32() / world_size as f32)
+            }
+        }
+    };
 }
 element!(f32, F32, float);
 element!(f64, F64, float);
 element!(i32, I32, int);
 element!(i64, I64, int);
 element!(u8, U8, int);
+element!(half::bf16, BF16, half);
+element!(half::f16, F16, half);
 
 /// Which collective, with the arguments that must agree across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

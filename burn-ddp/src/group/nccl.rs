@@ -1244,6 +1244,8 @@ fn nccl_dtype(dtype: DataType) -> nccl_sys::ncclDataType_t {
         DataType::I32 => T::ncclInt32,
         DataType::I64 => T::ncclInt64,
         DataType::U8 => T::ncclUint8,
+        DataType::BF16 => T::ncclBfloat16,
+        DataType::F16 => T::ncclFloat16,
     }
 }
 
@@ -1473,6 +1475,8 @@ mod tests {
         assert_eq!(nccl_dtype(i32::DTYPE), T::ncclInt32);
         assert_eq!(nccl_dtype(i64::DTYPE), T::ncclInt64);
         assert_eq!(nccl_dtype(u8::DTYPE), T::ncclUint8);
+        assert_eq!(nccl_dtype(half::bf16::DTYPE), T::ncclBfloat16);
+        assert_eq!(nccl_dtype(half::f16::DTYPE), T::ncclFloat16);
         assert_eq!(nccl_op(ReduceOp::Avg), O::ncclAvg);
         assert_eq!(nccl_op(ReduceOp::Sum), O::ncclSum);
         assert_eq!(nccl_op(ReduceOp::Max), O::ncclMax);

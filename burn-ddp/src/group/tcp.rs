@@ -1018,6 +1018,34 @@ mod tests {
         }
     }
 
+    /// 16-bit floats (compressed gradient buckets) travel at 2 bytes an element and reduce
+    /// through `f32`: sums of small integers are exact, and every rank gets the same bits.
+    #[test]
+    fn sixteen_bit_floats_on_threads() {
+        use half::{bf16, f16};
+        let options = TcpGroupOptions {
+            piece_bytes: 6, // 3 elements a piece: pieces end mid-word of the packed layout
+            ..Default::default()
+        };
+        let results = with_group(3, options, |g| {
+            let r = g.rank() as f32;
+            let mut a: Vec<bf16> = (0..11).map(|i| bf16::from_f32(i as f32 + r)).collect();
+            g.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+            let mut b: Vec<f16> = (0..11).map(|i| f16::from_f32(-(i as f32) * r)).collect();
+            g.all_reduce(&mut b, ReduceOp::Avg).unwrap();
+            let mut c = vec![f16::from_f32(r); 4];
+            g.all_reduce(&mut c, ReduceOp::Max).unwrap();
+            (a, b, c)
+        });
+        for (a, b, c) in results {
+            let a: Vec<f32> = a.iter().map(|x| x.to_f32()).collect();
+            let b: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+            assert_eq!(a, (0..11).map(|i| 3.0 * i as f32 + 3.0).collect::<Vec<_>>());
+            assert_eq!(b, (0..11).map(|i| -(i as f32)).collect::<Vec<_>>());
+            assert_eq!(c, vec![f16::from_f32(2.0); 4]);
+        }
+    }
+
     #[test]
     fn strangers_on_the_ring_port_are_refused_and_the_group_forms() {
         use std::io::Write as _;

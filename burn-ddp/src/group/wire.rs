@@ -87,6 +87,8 @@ fn dtype_code(d: DataType) -> u8 {
         DataType::I32 => 2,
         DataType::I64 => 3,
         DataType::U8 => 4,
+        DataType::BF16 => 5,
+        DataType::F16 => 6,
     }
 }
 
@@ -97,6 +99,8 @@ fn dtype_from(code: u8) -> Result<DataType, WireError> {
         2 => DataType::I32,
         3 => DataType::I64,
         4 => DataType::U8,
+        5 => DataType::BF16,
+        6 => DataType::F16,
         code => {
             return Err(WireError::UnknownCode {
                 what: "data type",
@@ -166,6 +170,15 @@ mod tests {
 
     #[test]
     fn headers_round_trip() {
+        for dtype in DataType::ALL {
+            let d = CollectiveDesc {
+                seq: 7,
+                kind: CollectiveKind::AllReduce(ReduceOp::Sum),
+                dtype,
+                len: 3,
+            };
+            assert_eq!(decode_header(&encode_header(&d)).unwrap(), d);
+        }
         for kind in [
             CollectiveKind::AllReduce(ReduceOp::Avg),
             CollectiveKind::Broadcast { root: 3 },
