@@ -248,6 +248,10 @@ pub struct DistributedConfig {
     /// Where gradients are averaged: `"auto"`, `"host"` or `"nccl"` (see [`GradientSyncMode`]).
     #[serde(default)]
     pub gradient_sync: GradientSyncMode,
+    /// How gradient buckets travel: `"none"` (f32), `"bf16"` or `"fp16"` (see
+    /// [`GradientCompression`]).
+    #[serde(default)]
+    pub gradient_compression: GradientCompression,
 }
 
 impl Default for DistributedConfig {
@@ -257,6 +261,7 @@ impl Default for DistributedConfig {
             timeout_secs: default_timeout(),
             stall_warning_secs: default_stall(),
             gradient_sync: GradientSyncMode::default(),
+            gradient_compression: GradientCompression::default(),
         }
     }
 }
@@ -286,6 +291,33 @@ impl GradientSyncMode {
             Self::Auto if device == DeviceKind::Cuda && world_size > 1 => Self::Nccl,
             Self::Auto => Self::Host,
             explicit => explicit,
+        }
+    }
+}
+
+/// `distributed.gradient_compression`: the precision of gradient buckets on the wire, on every
+/// path (host and NCCL). PyTorch's `bf16_compress_hook` / `fp16_compress_hook`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum GradientCompression {
+    /// `f32`: the average is exact up to `f32` summation order.
+    #[default]
+    None,
+    /// bfloat16: half the bytes; `f32`'s range, 8 significant bits.
+    Bf16,
+    /// IEEE half: half the bytes; 11 significant bits, but magnitudes past 65504 overflow and
+    /// those below 6e-8 vanish (each rank divides by the world size before rounding).
+    Fp16,
+}
+
+impl GradientCompression {
+    /// The wire format, `None` for no compression.
+    pub fn format(self) -> Option<burn_ddp::kernels::HalfFormat> {
+        use burn_ddp::kernels::HalfFormat;
+        match self {
+            Self::None => None,
+            Self::Bf16 => Some(HalfFormat::Bf16),
+            Self::Fp16 => Some(HalfFormat::F16),
         }
     }
 }
@@ -597,6 +629,24 @@ seed = 1
         );
         let err = with("gloo", "cpu").unwrap_err().to_string();
         assert!(err.contains("gloo"), "{err}");
+    }
+
+    #[test]
+    fn gradient_compression_names() {
+        use burn_ddp::kernels::HalfFormat;
+        let with = |value: &str| {
+            parse(&format!(
+                "{MINIMAL}\n[distributed]\ngradient_compression = \"{value}\"\n"
+            ))
+            .map(|c| c.distributed.gradient_compression.format())
+        };
+        assert_eq!(with("none").unwrap(), None);
+        assert_eq!(with("bf16").unwrap(), Some(HalfFormat::Bf16));
+        assert_eq!(with("fp16").unwrap(), Some(HalfFormat::F16));
+        let err = with("fp8").unwrap_err().to_string();
+        assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
+        let default = parse(MINIMAL).unwrap();
+        assert_eq!(default.distributed.gradient_compression.format(), None);
     }
 
     #[test]

@@ -30,10 +30,11 @@ use burn::optim::{
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 #[cfg(feature = "cuda")]
-use burn_ddp::ddp::DeviceReducer;
-use burn_ddp::ddp::{param_checksum, prepare_module, Reducer, ReducerStats};
+use burn_ddp::ddp::NcclBuckets;
+use burn_ddp::ddp::{param_checksum, prepare_module, HostStaging, Reducer, ReducerStats};
 #[cfg(feature = "cuda")]
 use burn_ddp::group::nccl::{NcclGroupOptions, NcclProcessGroup};
+use burn_ddp::kernels::BucketOps;
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::{DdpError, Distributed, ProcessGroup, TcpGroupOptions, TcpProcessGroup};
 use models::{Classifier, InputShape, ModelTask};
@@ -50,16 +51,16 @@ use burn::data::dataset::Dataset;
 /// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
 pub type CpuBackend = Autodiff<Flex>;
 
-/// What the training loop needs of a backend beyond autodiff: whether its gradients can be
-/// averaged on the device. Every backend averages through the host ([`Reducer`]); only CUDA
-/// overrides `sync_on_device` (feature `cuda`).
-pub trait TrainBackend: AutodiffBackend {
-    /// Averages `grads` over `group` without leaving the GPU ([`DeviceReducer::sync`]).
+/// What the training loop needs of a backend beyond autodiff: the bucket kernels (or their
+/// fallback) on its inner backend, and whether its gradients can be summed by NCCL. Every
+/// backend can average through the host; only CUDA overrides `sync_with_nccl` (feature `cuda`).
+pub trait TrainBackend: AutodiffBackend<InnerBackend: BucketOps> {
+    /// Averages `grads` over `group` without leaving the GPU ([`NcclBuckets`]).
     /// `GradientSync::new` picks NCCL only for `output.device = "cuda"`, which runs the CUDA
     /// backend, so this default is never reached; if it were, it fails instead of guessing.
     #[cfg(feature = "cuda")]
-    fn sync_on_device<M: AutodiffModule<Self>>(
-        reducer: &mut DeviceReducer,
+    fn sync_with_nccl<M: AutodiffModule<Self>>(
+        reducer: &mut Reducer,
         group: &mut NcclProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
@@ -78,27 +79,25 @@ impl TrainBackend for Autodiff<burn::backend::Wgpu> {}
 
 #[cfg(feature = "cuda")]
 impl TrainBackend for Autodiff<burn::backend::Cuda> {
-    fn sync_on_device<M: AutodiffModule<Self>>(
-        reducer: &mut DeviceReducer,
+    fn sync_with_nccl<M: AutodiffModule<Self>>(
+        reducer: &mut Reducer,
         group: &mut NcclProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<(), DdpError> {
-        reducer.sync::<Self, M>(group, model, grads)
+        reducer.sync::<Self, M, _>(&mut NcclBuckets(group), model, grads)
     }
 }
 
-/// How this rank averages gradients once per optimizer step (`distributed.gradient_sync`).
-enum GradientSync {
-    /// Through the host, over the job's TCP group.
-    Host(Reducer),
-    /// On the GPU, over an NCCL group formed beside the TCP one (as PyTorch keeps a gloo group
-    /// beside its NCCL group). Dropped at the end of `fit`, before the final TCP barrier.
+/// How this rank averages gradients once per optimizer step (`distributed.gradient_sync`),
+/// with one [`Reducer`] either way (`distributed.gradient_compression` applies to both).
+struct GradientSync {
+    reducer: Reducer,
+    /// `None`: through the host, over the job's TCP group. `Some`: on the GPU, over an NCCL
+    /// group formed beside the TCP one (as PyTorch keeps a gloo group beside its NCCL group),
+    /// dropped at the end of `fit`, before the final TCP barrier.
     #[cfg(feature = "cuda")]
-    Nccl {
-        reducer: DeviceReducer,
-        group: Box<NcclProcessGroup>,
-    },
+    nccl: Option<Box<NcclProcessGroup>>,
 }
 
 impl GradientSync {
@@ -107,72 +106,70 @@ impl GradientSync {
     /// kind), bounded by `distributed.timeout_secs`.
     fn new(config: &Config, dist: &Distributed) -> anyhow::Result<Self> {
         let d = &config.distributed;
-        match d
+        let reducer = Reducer::new(d.bucket_cap_mb, d.gradient_compression.format());
+        let use_nccl = d
             .gradient_sync
             .resolve(config.output.device, dist.env.world_size)
-        {
-            GradientSyncMode::Nccl => Self::nccl(config, dist),
-            GradientSyncMode::Auto | GradientSyncMode::Host => {
-                Ok(Self::Host(Reducer::new(d.bucket_cap_mb)))
-            }
+            == GradientSyncMode::Nccl;
+        // Unreachable in practice: `preflight` refuses `output.device = "cuda"` in such a build,
+        // and validation refuses "nccl" on other devices.
+        #[cfg(not(feature = "cuda"))]
+        if use_nccl {
+            bail!(UsageError(
+                "distributed.gradient_sync = \"nccl\" needs a build with `--features cuda`".into()
+            ));
         }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn nccl(config: &Config, dist: &Distributed) -> anyhow::Result<Self> {
-        let d = &config.distributed;
-        let (rank, world) = (dist.env.rank, dist.env.world_size);
-        let options = NcclGroupOptions {
-            timeout: Duration::from_secs(d.timeout_secs),
-            stall_warning: Duration::from_secs(d.stall_warning_secs),
-            ..Default::default()
-        };
-        // The same ordinal as the CudaDevice of `run`, so NCCL and Burn share one GPU.
-        let device = burn_ddp::cuda::local_device(dist.env.local_rank);
-        let group =
-            NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, options)
-                .context(
-                    "forming the NCCL group for distributed.gradient_sync \
-                     (set it to \"host\" to average gradients through the host instead)",
-                )?;
-        tracing::info!(rank, world, device, "gradients are averaged with NCCL");
-        Ok(Self::Nccl {
-            reducer: DeviceReducer::new(d.bucket_cap_mb),
-            group: Box::new(group),
+        Ok(Self {
+            reducer,
+            #[cfg(feature = "cuda")]
+            nccl: if use_nccl {
+                Some(nccl_group(config, dist)?)
+            } else {
+                None
+            },
         })
     }
 
-    /// Unreachable in practice: `preflight` refuses `output.device = "cuda"` in such a build,
-    /// and validation refuses `"nccl"` on other devices.
-    #[cfg(not(feature = "cuda"))]
-    fn nccl(_config: &Config, _dist: &Distributed) -> anyhow::Result<Self> {
-        bail!(UsageError(
-            "distributed.gradient_sync = \"nccl\" needs a build with `--features cuda`".into()
-        ))
-    }
-
     /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer step
-    /// ([`Reducer::sync`], [`DeviceReducer::sync`]).
+    /// ([`Reducer::sync`]).
     fn sync<B: TrainBackend, M: AutodiffModule<B>>(
         &mut self,
         tcp: &mut TcpProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<(), DdpError> {
-        match self {
-            Self::Host(reducer) => reducer.sync::<B, M, _>(tcp, model, grads),
-            #[cfg(feature = "cuda")]
-            Self::Nccl { reducer, group } => B::sync_on_device(reducer, group, model, grads),
+        #[cfg(feature = "cuda")]
+        if let Some(group) = &mut self.nccl {
+            return B::sync_with_nccl(&mut self.reducer, group, model, grads);
         }
+        self.reducer
+            .sync::<B, M, _>(&mut HostStaging(tcp), model, grads)
     }
 
     fn stats(&self) -> ReducerStats {
-        match self {
-            Self::Host(reducer) => reducer.stats(),
-            #[cfg(feature = "cuda")]
-            Self::Nccl { reducer, .. } => reducer.stats(),
-        }
+        self.reducer.stats()
     }
+}
+
+/// Forms the NCCL group for gradients (`distributed.gradient_sync` resolved to `"nccl"`).
+#[cfg(feature = "cuda")]
+fn nccl_group(config: &Config, dist: &Distributed) -> anyhow::Result<Box<NcclProcessGroup>> {
+    let d = &config.distributed;
+    let (rank, world) = (dist.env.rank, dist.env.world_size);
+    let options = NcclGroupOptions {
+        timeout: Duration::from_secs(d.timeout_secs),
+        stall_warning: Duration::from_secs(d.stall_warning_secs),
+        ..Default::default()
+    };
+    // The same ordinal as the CudaDevice of `run`, so NCCL and Burn share one GPU.
+    let device = burn_ddp::cuda::local_device(dist.env.local_rank);
+    let group = NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, options)
+        .context(
+            "forming the NCCL group for distributed.gradient_sync \
+             (set it to \"host\" to average gradients through the host instead)",
+        )?;
+    tracing::info!(rank, world, device, "gradients are averaged with NCCL");
+    Ok(Box::new(group))
 }
 
 /// The data of a run: the same on every rank.

@@ -3,16 +3,21 @@
 //! - [`module`]: [`prepare_module`] gives parameters deterministic ids and broadcasts rank 0's
 //!   values, so every replica starts equal (and optimizer state is keyed the same everywhere).
 //! - [`bucket`]: the pure bucket plan.
-//! - [`reducer`]: [`Reducer`], which averages `GradientsParams` across ranks, bucket by bucket.
-//! - `device` (feature `cuda`): `DeviceReducer`, the same on the GPU with NCCL, no host copies.
+//! - [`reducer`]: [`Reducer`], which averages `GradientsParams` across ranks, bucket by bucket
+//!   (packed, optionally compressed to bf16 / fp16, on the device).
+//! - [`comm`]: [`BucketComm`], how a bucket is summed: [`HostStaging`] through any host
+//!   process group (the TCP ring), or `NcclBuckets` on the GPU.
+//! - `device` (feature `cuda`): `NcclBuckets` and the device addresses NCCL needs.
 
 pub mod bucket;
+pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod module;
 pub mod reducer;
 
+pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
-pub use device::{CudaBuffers, DeviceReducer};
+pub use device::{CudaBuffers, NcclBuckets};
 pub use module::{param_checksum, prepare_module};
 pub use reducer::{Reducer, ReducerStats};

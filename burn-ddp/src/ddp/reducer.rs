@@ -1,29 +1,40 @@
 //! [`Reducer`]: averages gradients across ranks after backward, in buckets.
 //!
 //! ```text
-//! loss.backward() ─▶ GradientsParams ─▶ take each gradient out, in visit order
-//!                                    ─▶ pack into buckets (bucket.rs)
-//!                                    ─▶ all_reduce(Avg) per bucket over the process group
-//!                                    ─▶ unpack, register back ─▶ optimizer.step()
+//! loss.backward() ─▶ GradientsParams ─▶ take each gradient out, in visit order (device tensors)
+//!                                    ─▶ plan buckets (bucket.rs)
+//!   for each bucket:
+//!     pack        BucketOps::pack_bucket: one contiguous f32 buffer on the device
+//!     [compress]  BucketOps::compress_bucket(bf16 | fp16, scale 1/world): half the bytes
+//!     sum         BucketComm: the TCP ring through the host, or NCCL on the GPU
+//!     [widen]     BucketOps::decompress_bucket
+//!     unpack      BucketOps::unpack_bucket(scale 1/world, or 1 when compressed)
+//!   ─▶ register the averaged gradients back ─▶ optimizer.step()
 //! ```
 //! The reduction is a **mean**: with a loss that is a mean over the per-rank batch and equal
 //! per-rank batch sizes, the averaged gradient is exactly the gradient of the mean loss over the
-//! global batch — what a single process with the global batch computes.
+//! global batch — what a single process with the global batch computes. Without compression the
+//! sum is exact `f32` arithmetic and the division is a multiply by `1 / world` fused into the
+//! unpack; with compression each rank divides *before* rounding to 16 bits (PyTorch's
+//! `fp16_compress_hook` does the same, so that a sum cannot overflow fp16 where the mean would
+//! not), and the sum is rounded to 16 bits at every ring step.
 //!
-//! Gradients travel through the host (this is the path for CPU backends and for devices without
-//! a device-side collective). Parameters without a gradient are skipped; which parameters have
-//! gradients must therefore be the same on every rank (a difference is reported as a length
-//! mismatch, not a hang).
+//! One code path serves every device and every world size; only the [`BucketComm`] differs
+//! (`comm.rs`). Parameters without a gradient are skipped; which parameters have gradients must
+//! therefore be the same on every rank (a difference is reported as a length mismatch by the
+//! TCP ring, and by NCCL when its header check is on).
 
 use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{DType, TensorData};
+use burn::tensor::ops::{FloatTensor, FloatTensorOps};
+use burn::tensor::{DType, FloatDType, TensorPrimitive};
 
 use super::bucket::plan_buckets;
+use super::comm::BucketComm;
 use crate::error::DdpError;
-use crate::group::{ProcessGroup, ReduceOp};
+use crate::kernels::{BucketOps, BucketOpsError, HalfFormat};
 
 /// Counters a test or a metrics line can read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -32,7 +43,7 @@ pub struct ReducerStats {
     pub syncs: u64,
     /// Bucket all-reduces issued.
     pub bucket_all_reduces: u64,
-    /// Gradient bytes reduced (as f32).
+    /// Bytes of gradient buckets all-reduced, as sent: 4 per element, 2 when compressed.
     pub bytes_reduced: u64,
 }
 
@@ -40,14 +51,18 @@ pub struct ReducerStats {
 #[derive(Debug, Clone)]
 pub struct Reducer {
     bucket_cap_elems: usize,
+    compression: Option<HalfFormat>,
     stats: ReducerStats,
 }
 
 impl Reducer {
     /// `bucket_cap_mb`: largest bucket in MiB of f32 gradients (PyTorch's default is 25).
-    pub fn new(bucket_cap_mb: f64) -> Self {
+    /// `compression`: send buckets as bf16 / fp16 (`None`: as `f32`). Both must be the same on
+    /// every rank.
+    pub fn new(bucket_cap_mb: f64, compression: Option<HalfFormat>) -> Self {
         Self {
             bucket_cap_elems: super::bucket::cap_elements(bucket_cap_mb),
+            compression,
             stats: ReducerStats::default(),
         }
     }
@@ -56,23 +71,36 @@ impl Reducer {
         self.stats
     }
 
-    /// Replaces every gradient in `grads` with its mean over the ranks of `group`.
+    /// Replaces every gradient in `grads` with its mean over the ranks of `comm`.
     ///
     /// Collective: every rank calls it once per optimizer step, with gradients of the same
-    /// model. With a world size of 1 it returns at once and touches nothing.
-    pub fn sync<B, M, G>(
+    /// model, so that every rank sums the same buckets in the same order (the bucket plan is a
+    /// function of the parameter sizes in visit order). With a world size of 1 it returns at once
+    /// and touches nothing, unless `comm` [reduces alone](BucketComm::reduces_alone).
+    ///
+    /// Gradients come back with their shapes and dtypes, in new buffers, on their device.
+    ///
+    /// # Errors
+    /// What `comm` reports (a collective failed or timed out: the group is then aborted), or a
+    /// device read that failed. `grads` may then have lost gradients: stop training.
+    ///
+    /// # Panics
+    /// If one bucket would hold more than 2^31 - 1 elements (the kernels index with 32 bits).
+    pub fn sync<B, M, C>(
         &mut self,
-        group: &mut G,
+        comm: &mut C,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<(), DdpError>
     where
         B: AutodiffBackend,
+        B::InnerBackend: BucketOps,
         M: AutodiffModule<B>,
-        G: ProcessGroup,
+        C: BucketComm<B::InnerBackend>,
     {
         self.stats.syncs += 1;
-        if group.world_size() == 1 {
+        let world = comm.world_size();
+        if world == 1 && !comm.reduces_alone() {
             return Ok(());
         }
         let mut taker = TakeGrads::<B> {
@@ -82,28 +110,46 @@ impl Reducer {
         model.visit(&mut taker);
         let mut taken = taker.taken;
 
-        let numels: Vec<usize> = taken.iter().map(|g| g.data.num_elements()).collect();
-        let mut bucket_buffer: Vec<f32> = Vec::new();
+        let scale = 1.0 / world as f32;
+        let numels: Vec<usize> = taken.iter().map(|g| g.shape.num_elements()).collect();
         for bucket in plan_buckets(&numels, self.bucket_cap_elems) {
-            if let [param] = bucket.params[..] {
-                // A bucket of one: reduce the gradient's own buffer, no packing copy.
-                let values = f32_slice_mut(&mut taken[param].data)?;
-                group.all_reduce(values, ReduceOp::Avg)?;
-            } else {
-                bucket_buffer.clear();
-                bucket_buffer.resize(bucket.numel, 0.0);
-                for (&p, range) in bucket.params.iter().zip(&bucket.ranges) {
-                    bucket_buffer[range.clone()]
-                        .copy_from_slice(f32_slice_mut(&mut taken[p].data)?);
-                }
-                group.all_reduce(&mut bucket_buffer, ReduceOp::Avg)?;
-                for (&p, range) in bucket.params.iter().zip(&bucket.ranges) {
-                    f32_slice_mut(&mut taken[p].data)?
-                        .copy_from_slice(&bucket_buffer[range.clone()]);
-                }
+            let mut inputs = Vec::with_capacity(bucket.params.len());
+            let mut shapes = Vec::with_capacity(bucket.params.len());
+            for &p in &bucket.params {
+                // Each parameter is in exactly one bucket (bucket.rs), so it is still here.
+                let Some(tensor) = taken[p].tensor.take() else {
+                    unreachable!("parameter {p} planned into two buckets");
+                };
+                inputs.push(tensor);
+                shapes.push(taken[p].shape.clone());
             }
+            let device = B::InnerBackend::float_device(&inputs[0]);
+            let packed = B::InnerBackend::pack_bucket(inputs, &device);
+            let outputs = match self.compression {
+                None => {
+                    let sum = comm.all_reduce_f32(packed)?;
+                    B::InnerBackend::unpack_bucket(sum, &shapes, scale)
+                }
+                Some(format) => {
+                    let words = B::InnerBackend::compress_bucket(packed, format, scale)
+                        .map_err(device_error)?;
+                    let words = comm.all_reduce_half(words, bucket.numel, format)?;
+                    let mean = B::InnerBackend::decompress_bucket(words, bucket.numel, format)
+                        .map_err(device_error)?;
+                    B::InnerBackend::unpack_bucket(mean, &shapes, 1.0)
+                }
+            };
+            for (&p, out) in bucket.params.iter().zip(outputs) {
+                let out = if taken[p].dtype == DType::F32 {
+                    out
+                } else {
+                    B::InnerBackend::float_cast(out, FloatDType::from(taken[p].dtype))
+                };
+                taken[p].tensor = Some(out);
+            }
+            let element_bytes = if self.compression.is_some() { 2 } else { 4 };
             self.stats.bucket_all_reduces += 1;
-            self.stats.bytes_reduced += bucket.numel as u64 * 4;
+            self.stats.bytes_reduced += (bucket.numel * element_bytes) as u64;
         }
 
         let mut putter = PutGrads::<B> {
@@ -115,17 +161,17 @@ impl Reducer {
     }
 }
 
-/// A gradient taken out of `GradientsParams`, as f32 host data.
-struct TakenGrad<B: Backend> {
-    id: ParamId,
-    data: TensorData,
-    dtype: DType,
-    device: B::Device,
+fn device_error(e: BucketOpsError) -> DdpError {
+    DdpError::Device(e.to_string())
 }
 
-fn f32_slice_mut(data: &mut TensorData) -> Result<&mut [f32], DdpError> {
-    data.as_mut_slice::<f32>()
-        .map_err(|e| DdpError::Unsupported(format!("gradient is not f32 host data: {e:?}")))
+/// A gradient taken out of `GradientsParams`, still on its device.
+struct TakenGrad<B: Backend> {
+    id: ParamId,
+    /// `None` only while its bucket is being reduced.
+    tensor: Option<FloatTensor<B>>,
+    shape: Shape,
+    dtype: DType,
 }
 
 /// Removes every float parameter's gradient, in visit order.
@@ -137,13 +183,13 @@ struct TakeGrads<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            let shape = grad.shape();
             let dtype = grad.dtype();
-            let device = grad.device();
             self.taken.push(TakenGrad {
                 id: param.id,
-                data: grad.into_data().convert::<f32>(),
+                tensor: Some(grad.into_primitive().tensor()),
+                shape,
                 dtype,
-                device,
             });
         }
     }
@@ -158,13 +204,179 @@ struct PutGrads<'a, B: AutodiffBackend> {
 impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if self.taken.peek().is_some_and(|g| g.id == param.id) {
-            if let Some(g) = self.taken.next() {
-                let tensor = Tensor::<B::InnerBackend, D>::from_data(
-                    g.data.convert_dtype(g.dtype),
-                    &g.device,
-                );
+            if let Some(TakenGrad {
+                tensor: Some(tensor),
+                ..
+            }) = self.taken.next()
+            {
+                let tensor =
+                    Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(tensor));
                 self.grads.register(param.id, tensor);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Three ranks as threads over real loopback sockets, each with its own copy of a small
+    //! network and its own input: the averaged gradients must equal the mean of the three
+    //! ranks' gradients computed on the host.
+    use std::sync::Arc;
+
+    use burn::backend::{Autodiff, Flex};
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::TensorData;
+
+    use super::*;
+    use crate::ddp::comm::HostStaging;
+    use crate::group::{TcpGroupOptions, TcpProcessGroup};
+    use crate::store::{MemoryStore, Store};
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Net<B: Backend> {
+        a: Linear<B>,
+        b: Linear<B>,
+    }
+
+    /// The same weights on every rank (`seed`), an input that depends on the rank.
+    fn gradients(rank: usize) -> (Net<B>, GradientsParams, Vec<Vec<f32>>) {
+        let device = Default::default();
+        B::seed(&device, 7);
+        let net = Net::<B> {
+            a: LinearConfig::new(6, 40).init(&device),
+            b: LinearConfig::new(40, 3).init(&device),
+        };
+        let x: Vec<f32> = (0..12)
+            .map(|i| (i as f32 - 5.0) * (rank as f32 + 1.0))
+            .collect();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(x, [2, 6]), &device);
+        let y = net.b.forward(net.a.forward(x));
+        let grads = GradientsParams::from_grads(y.powi_scalar(2).sum().backward(), &net);
+        let values = read_all(&net, &grads);
+        (net, grads, values)
+    }
+
+    fn read_all(net: &Net<B>, grads: &GradientsParams) -> Vec<Vec<f32>> {
+        let read = |g: Option<Tensor<Flex, 2>>| g.unwrap().into_data().to_vec::<f32>().unwrap();
+        let read1 = |g: Option<Tensor<Flex, 1>>| g.unwrap().into_data().to_vec::<f32>().unwrap();
+        vec![
+            read(grads.get(net.a.weight.id)),
+            read1(grads.get(net.a.bias.as_ref().unwrap().id)),
+            read(grads.get(net.b.weight.id)),
+            read1(grads.get(net.b.bias.as_ref().unwrap().id)),
+        ]
+    }
+
+    /// Runs `sync` on three ranks; returns each rank's (before, after, stats).
+    fn run(compression: Option<HalfFormat>, bucket_cap_mb: f64) -> Vec<Outcome> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 3, TcpGroupOptions::default()).unwrap();
+                    let (net, mut grads, before) = gradients(rank);
+                    let mut reducer = Reducer::new(bucket_cap_mb, compression);
+                    reducer
+                        .sync::<B, _, _>(&mut HostStaging(&mut group), &net, &mut grads)
+                        .unwrap();
+                    (before, read_all(&net, &grads), reducer.stats())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    type Outcome = (Vec<Vec<f32>>, Vec<Vec<f32>>, ReducerStats);
+
+    /// The mean over the ranks of `f` of each gradient element before the sync.
+    fn mean_of(results: &[Outcome], f: impl Fn(f32) -> f32) -> Vec<Vec<f32>> {
+        (0..4)
+            .map(|t| {
+                (0..results[0].0[t].len())
+                    .map(|i| results.iter().map(|r| f(r.0[t][i])).sum::<f32>() / 3.0)
+                    .collect()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn gradients_become_their_mean_over_the_ranks() {
+        // 100 elements a bucket: the 240-element weight alone, the others packed together.
+        let results = run(None, 100.0 * 4.0 / (1u64 << 20) as f64);
+        let mean = mean_of(&results, |x| x);
+        let numels = [240usize, 40, 120, 3];
+        for (before, after, stats) in &results {
+            assert_ne!(before, &mean, "ranks must start from different gradients");
+            for (got, want) in after.iter().zip(&mean) {
+                for (g, w) in got.iter().zip(want) {
+                    assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+                }
+            }
+            assert_eq!(stats.syncs, 1);
+            assert_eq!(
+                stats.bucket_all_reduces,
+                plan_buckets(&numels, 100).len() as u64
+            );
+            assert_eq!(stats.bytes_reduced, 403 * 4);
+        }
+        assert!(
+            results.windows(2).all(|w| w[0].1 == w[1].1),
+            "identical on every rank"
+        );
+    }
+
+    #[test]
+    fn compressed_gradients_are_the_mean_within_16_bit_rounding() {
+        // Three roundings (the pre-scaled value, then two ring steps) of at most half an ulp
+        // of the magnitudes involved: bf16 keeps 8 significant bits, fp16 11.
+        for (format, tolerance) in [
+            (HalfFormat::Bf16, 1.0 / 64.0),
+            (HalfFormat::F16, 1.0 / 512.0),
+        ] {
+            let results = run(Some(format), 25.0);
+            let mean = mean_of(&results, |x| x);
+            let magnitude = mean_of(&results, f32::abs);
+            for (_, after, stats) in &results {
+                for ((got, want), size) in after.iter().zip(&mean).zip(&magnitude) {
+                    for ((g, w), m) in got.iter().zip(want).zip(size) {
+                        assert!(
+                            (g - w).abs() <= tolerance * m,
+                            "{}: {g} vs {w}",
+                            format.name()
+                        );
+                    }
+                }
+                assert_eq!(stats.bytes_reduced, 403 * 2, "{}", format.name());
+            }
+            assert_ne!(results[0].1, mean, "{}: rounding shows", format.name());
+            assert!(
+                results.windows(2).all(|w| w[0].1 == w[1].1),
+                "identical on every rank"
+            );
+        }
+    }
+
+    #[test]
+    fn a_job_of_one_touches_nothing() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let mut group = TcpProcessGroup::new(store, 0, 1, TcpGroupOptions::default()).unwrap();
+        let (net, mut grads, before) = gradients(0);
+        let mut reducer = Reducer::new(25.0, Some(HalfFormat::Bf16));
+        reducer
+            .sync::<B, _, _>(&mut HostStaging(&mut group), &net, &mut grads)
+            .unwrap();
+        assert_eq!(read_all(&net, &grads), before);
+        assert_eq!(
+            reducer.stats(),
+            ReducerStats {
+                syncs: 1,
+                ..Default::default()
+            }
+        );
     }
 }

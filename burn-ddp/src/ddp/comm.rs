@@ -1,0 +1,176 @@
+//! [`BucketComm`]: how the [`Reducer`](super::Reducer) sums a packed gradient bucket across
+//! ranks — the seam between the DDP layer and a process group.
+//!
+//! | implementation | where the bucket goes | devices |
+//! |---|---|---|
+//! | [`HostStaging`] (any [`ProcessGroup`]) | read to host memory, reduced by the group (the TCP ring), written back | every backend: CPU, wgpu, CUDA without NCCL |
+//! | `NcclBuckets` (`device.rs`, feature `cuda`) | stays on the GPU; NCCL reduces it in place | Burn's CUDA backend |
+//!
+//! The reducer packs gradients on the device first ([`BucketOps`]), so host staging reads one
+//! buffer per bucket (half the bytes when compressed), not one per gradient.
+
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+
+use crate::error::DdpError;
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::kernels::{BucketOps, HalfFormat};
+
+/// Sums packed gradient buckets across the ranks of a group.
+///
+/// Both methods are **collective**: every rank calls them in the same order with buckets of the
+/// same length (and format), and gets back the elementwise sum over all ranks, identical on every
+/// rank. They block until the sum is complete (the result may be read or overwritten by the
+/// next device operation at once) or until the group's timeout, and an error aborts the group as
+/// its collectives do.
+pub trait BucketComm<B: BucketOps> {
+    /// Number of ranks whose buckets are summed.
+    fn world_size(&self) -> usize;
+
+    /// Whether a job of one rank still sends every bucket through this communicator. `false`
+    /// (the default) lets the reducer return at once, as summing over one rank changes nothing;
+    /// the NCCL one says `true` so that a machine with one GPU exercises its whole path.
+    fn reduces_alone(&self) -> bool {
+        false
+    }
+
+    /// Sums a 1-D `f32` bucket.
+    fn all_reduce_f32(&mut self, bucket: FloatTensor<B>) -> Result<FloatTensor<B>, DdpError>;
+
+    /// Sums a compressed bucket: `len` values of `format` packed two per `u32` word (the layout
+    /// of [`wire16`](crate::kernels::wire16)), reduced as 16-bit floats.
+    fn all_reduce_half(
+        &mut self,
+        words: IntTensor<B>,
+        len: usize,
+        format: HalfFormat,
+    ) -> Result<IntTensor<B>, DdpError>;
+}
+
+/// Stages buckets through host memory and sums them with a host [`ProcessGroup`] (the TCP
+/// ring): the path of every device without a device-side collective. Per bucket: one read from
+/// the device, the ring, one write back.
+#[derive(Debug)]
+pub struct HostStaging<'a, G>(pub &'a mut G);
+
+impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+
+    fn all_reduce_f32(&mut self, bucket: FloatTensor<B>) -> Result<FloatTensor<B>, DdpError> {
+        let device = B::float_device(&bucket);
+        let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
+            .try_into_data()
+            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
+        self.0
+            .all_reduce(host_slice::<f32>(&mut data)?, ReduceOp::Sum)?;
+        Ok(B::float_from_data(data, &device))
+    }
+
+    fn all_reduce_half(
+        &mut self,
+        words: IntTensor<B>,
+        len: usize,
+        format: HalfFormat,
+    ) -> Result<IntTensor<B>, DdpError> {
+        let device = B::int_device(&words);
+        let mut data = Tensor::<B, 1, Int>::from_primitive(words)
+            .try_into_data()
+            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
+        let words = host_slice::<u32>(&mut data)?;
+        // The words are `len` 16-bit floats in memory order (then one 0 of padding when `len`
+        // is odd, which is left alone).
+        let halves: &mut [u16] = bytemuck::cast_slice_mut(words);
+        let Some(values) = halves.get_mut(..len) else {
+            return Err(DdpError::Unsupported(format!(
+                "a compressed bucket of {} words cannot hold {len} values",
+                halves.len() / 2
+            )));
+        };
+        match format {
+            HalfFormat::Bf16 => self.0.all_reduce(
+                bytemuck::cast_slice_mut::<u16, half::bf16>(values),
+                ReduceOp::Sum,
+            )?,
+            HalfFormat::F16 => self.0.all_reduce(
+                bytemuck::cast_slice_mut::<u16, half::f16>(values),
+                ReduceOp::Sum,
+            )?,
+        }
+        Ok(B::int_from_data(data, &device))
+    }
+}
+
+fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
+    data: &mut TensorData,
+) -> Result<&mut [T], DdpError> {
+    let dtype = data.dtype;
+    data.as_mut_slice::<T>().map_err(|e| {
+        DdpError::Unsupported(format!(
+            "a gradient bucket read back as {dtype:?}, not {}: {e:?}",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    //! Real sockets on loopback, threads as ranks: the bucket round trip through the host.
+    use std::sync::Arc;
+
+    use burn::backend::Flex;
+    use burn::tensor::ops::{FloatTensorOps, IntTensorOps};
+
+    use super::*;
+    use crate::group::{TcpGroupOptions, TcpProcessGroup};
+    use crate::kernels::wire16;
+    use crate::store::{MemoryStore, Store};
+
+    #[test]
+    fn host_staging_sums_f32_and_16_bit_buckets() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
+                    let mut comm = HostStaging(&mut group);
+                    let device = Default::default();
+                    let r = rank as f32;
+                    let values: Vec<f32> = (0..5).map(|i| i as f32 + 10.0 * r).collect();
+                    let bucket =
+                        Flex::float_from_data(TensorData::new(values.clone(), [5]), &device);
+                    let sum = BucketComm::<Flex>::all_reduce_f32(&mut comm, bucket).unwrap();
+                    let sum = Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(sum))
+                        .into_data()
+                        .to_vec::<f32>()
+                        .unwrap();
+
+                    let mut halves = Vec::new();
+                    for format in [HalfFormat::Bf16, HalfFormat::F16] {
+                        let words = wire16::compress(&values, format, 0.5);
+                        let words = Flex::int_from_data(TensorData::new(words, [3]), &device);
+                        let words =
+                            BucketComm::<Flex>::all_reduce_half(&mut comm, words, 5, format)
+                                .unwrap();
+                        let words = Tensor::<Flex, 1, Int>::from_primitive(words)
+                            .into_data()
+                            .to_vec::<u32>()
+                            .unwrap();
+                        assert_eq!(words[2] >> 16, 0, "the padding stays 0");
+                        halves.push(wire16::decompress(&words, 5, format));
+                    }
+                    (sum, halves)
+                })
+            })
+            .collect();
+        for handle in ranks {
+            let (sum, halves) = handle.join().unwrap();
+            let mean: Vec<f32> = (0..5).map(|i| i as f32 + 5.0).collect();
+            assert_eq!(sum, mean.iter().map(|x| 2.0 * x).collect::<Vec<_>>());
+            assert_eq!(halves, vec![mean.clone(), mean]);
+        }
+    }
+}
