@@ -70,6 +70,63 @@ fn accumulation_communicates_once_per_step_and_keeps_the_property() {
     );
 }
 
+/// `"bytes_reduced"` of a run's reducer statistics (rank 0).
+fn bytes_reduced(dir: &Path, name: &str) -> u64 {
+    let stats = std::fs::read_to_string(dir.join(format!("{name}-out/reducer-stats.json")))
+        .expect("reducer-stats.json");
+    let value = stats
+        .split("\"bytes_reduced\":")
+        .nth(1)
+        .and_then(|rest| rest.split([',', '}']).next())
+        .and_then(|v| v.parse().ok());
+    value.unwrap_or_else(|| panic!("no bytes_reduced in {stats}"))
+}
+
+/// `distributed.gradient_compression`: bf16 / fp16 buckets are half the bytes, the run stays
+/// within rounding of the f32 run, and a full run learns as well.
+#[test]
+fn compressed_gradients_halve_the_bytes_and_track_the_f32_run() {
+    let dir = scratch("compression");
+    let with = |compression: &str, extra: &str| {
+        digits_config(SGD, 8, extra)
+            + &format!("\n[distributed]\ngradient_compression = \"{compression}\"\n")
+    };
+    train(
+        &write_config(&dir, "none", &with("none", "max_steps = 25")),
+        2,
+    );
+    let reference = final_weights(&dir, "none");
+    let full = final_accuracy(&train(
+        &write_config(&dir, "none-full", &with("none", "")),
+        2,
+    ));
+    for (format, tolerance) in [("bf16", 1e-3f32), ("fp16", 2e-4)] {
+        train(
+            &write_config(&dir, format, &with(format, "max_steps = 25")),
+            2,
+        );
+        assert_eq!(
+            2 * bytes_reduced(&dir, format),
+            bytes_reduced(&dir, "none"),
+            "{format} buckets are half the bytes"
+        );
+        let diff = max_abs_diff(&final_weights(&dir, format), &reference);
+        assert!(
+            diff > 0.0 && diff < tolerance,
+            "{format}: max |w - w_f32| = {diff:e} (want rounding-sized, in (0, {tolerance:e}))"
+        );
+        let name = format!("{format}-full");
+        let accuracy = final_accuracy(&train(&write_config(&dir, &name, &with(format, "")), 2));
+        eprintln!(
+            "{format}: max |w - w_f32| = {diff:e} after 25 steps; {accuracy}% (f32: {full}%)"
+        );
+        assert!(
+            full >= 85.0 && (accuracy - full).abs() <= 3.0,
+            "{format}: {accuracy}% against {full}% with f32 gradients"
+        );
+    }
+}
+
 #[test]
 fn a_killed_rank_loses_only_the_work_since_the_checkpoint() {
     let dir = scratch("crash-resume");

@@ -706,13 +706,13 @@ where
         "gradient synchronisation"
     );
     if rank == 0 && job.config.output.log_samples {
-        // Tests read the number of gradient synchronisations per optimizer step from here.
+        // Tests read the gradient synchronisations and bytes per optimizer step from here.
         let stats = reducer.stats();
         fs::write(
             job.config.output.dir.join("reducer-stats.json"),
             format!(
-                "{{\"syncs\":{},\"bucket_all_reduces\":{},\"steps\":{}}}",
-                stats.syncs, stats.bucket_all_reduces, position.step
+                "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{}}}",
+                stats.syncs, stats.bucket_all_reduces, stats.bytes_reduced, position.step
             ),
         )?;
     }
