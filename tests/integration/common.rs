@@ -96,6 +96,35 @@ pub fn run(cmd: &mut Command) -> Output {
     finish(spawn(cmd))
 }
 
+/// Trains with `config` on `nproc` local ranks and expects success.
+pub fn train(config: &Path, nproc: usize) -> Output {
+    let out = run(trainer()
+        .arg("--config")
+        .arg(config)
+        .arg("--nproc-per-node")
+        .arg(nproc.to_string()));
+    assert_eq!(
+        out.code,
+        Some(0),
+        "training with {nproc} rank(s) failed:\n{}",
+        out.all()
+    );
+    out
+}
+
+/// `"bytes_reduced"` of the reducer statistics (rank 0) of the run written by
+/// `write_config(dir, name, …)` (needs `output.log_samples`).
+pub fn bytes_reduced(dir: &Path, name: &str) -> u64 {
+    let stats = std::fs::read_to_string(dir.join(format!("{name}-out/reducer-stats.json")))
+        .expect("reducer-stats.json");
+    let value = stats
+        .split("\"bytes_reduced\":")
+        .nth(1)
+        .and_then(|rest| rest.split([',', '}']).next())
+        .and_then(|v| v.parse().ok());
+    value.unwrap_or_else(|| panic!("no bytes_reduced in {stats}"))
+}
+
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir()

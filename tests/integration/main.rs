@@ -9,3 +9,5 @@ mod collectives;
 mod faults;
 mod multinode;
 mod training;
+#[cfg(feature = "wgpu")]
+mod wgpu;

@@ -6,21 +6,6 @@ use std::path::Path;
 
 use crate::common::*;
 
-fn train(config: &Path, nproc: usize) -> Output {
-    let out = run(trainer()
-        .arg("--config")
-        .arg(config)
-        .arg("--nproc-per-node")
-        .arg(nproc.to_string()));
-    assert_eq!(
-        out.code,
-        Some(0),
-        "training with {nproc} rank(s) failed:\n{}",
-        out.all()
-    );
-    out
-}
-
 /// The central DDP property: N ranks with batch b end where 1 rank with batch N·b ends.
 #[test]
 fn two_ranks_match_one_rank_with_the_global_batch() {
@@ -68,18 +53,6 @@ fn accumulation_communicates_once_per_step_and_keeps_the_property() {
         stats.contains("\"bucket_all_reduces\":20"),
         "one bucket per sync for this model: {stats}"
     );
-}
-
-/// `"bytes_reduced"` of a run's reducer statistics (rank 0).
-fn bytes_reduced(dir: &Path, name: &str) -> u64 {
-    let stats = std::fs::read_to_string(dir.join(format!("{name}-out/reducer-stats.json")))
-        .expect("reducer-stats.json");
-    let value = stats
-        .split("\"bytes_reduced\":")
-        .nth(1)
-        .and_then(|rest| rest.split([',', '}']).next())
-        .and_then(|v| v.parse().ok());
-    value.unwrap_or_else(|| panic!("no bytes_reduced in {stats}"))
 }
 
 /// `distributed.gradient_compression`: bf16 / fp16 buckets are half the bytes, the run stays
