@@ -6,6 +6,8 @@
 mod common;
 
 mod collectives;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod faults;
 mod multinode;
 mod training;
