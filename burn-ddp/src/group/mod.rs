@@ -98,65 +98,36 @@ pub trait Element: bytemuck::Pod + Send + Sync + PartialOrd + fmt::Debug {
     }
 }
 
+/// `Element` for `$t`: `$sum` combines two values for Sum/Avg, `$div` divides by the world size.
 macro_rules! element {
-    ($t:ty, $dtype:ident, float) => {
+    ($t:ty, $dtype:ident, sum: |$a:ident, $b:ident| $sum:expr, div: |$x:ident, $n:ident| $div:expr) => {
         impl Element for $t {
             const DTYPE: DataType = DataType::$dtype;
             #[inline(always)]
             fn combine(self, other: Self, op: ReduceOp) -> Self {
+                let ($a, $b) = (self, other);
                 match op {
-                    ReduceOp::Sum | ReduceOp::Avg => self + other,
-                    ReduceOp::Max => self.max(other),
-                    ReduceOp::Min => self.min(other),
+                    ReduceOp::Sum | ReduceOp::Avg => $sum,
+                    ReduceOp::Max => $a.max($b),
+                    ReduceOp::Min => $a.min($b),
                 }
             }
             fn div_world(self, world_size: usize) -> Self {
-                self / world_size as $t
-            }
-        }
-    };
-    ($t:ty, $dtype:ident, int) => {
-        impl Element for $t {
-            const DTYPE: DataType = DataType::$dtype;
-            #[inline(always)]
-            fn combine(self, other: Self, op: ReduceOp) -> Self {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => self.wrapping_add(other),
-                    ReduceOp::Max => self.max(other),
-                    ReduceOp::Min => self.min(other),
-                }
-            }
-            fn div_world(self, world_size: usize) -> Self {
-                self / world_size as $t
-            }
-        }
-    };
-    ($t:ty, $dtype:ident, half) => {
-        /// Reduced as `f32` and rounded back after each step (what NCCL does for 16-bit floats):
-        /// a sum of N values is rounded N - 1 times, once per ring step.
-        impl Element for $t {
-            const DTYPE: DataType = DataType::$dtype;
-            #[inline(always)]
-            fn combine(self, other: Self, op: ReduceOp) -> Self {
-                match op {
-                    ReduceOp::Sum | ReduceOp::Avg => self + other,
-                    ReduceOp::Max => self.max(other),
-                    ReduceOp::Min => self.min(other),
-                }
-            }
-            fn div_world(self, world_size: usize) -> Self {
-                Self::from_f32(self.to_f32() / world_size as f32)
+                let ($x, $n) = (self, world_size);
+                $div
             }
         }
     };
 }
-element!(f32, F32, float);
-element!(f64, F64, float);
-element!(i32, I32, int);
-element!(i64, I64, int);
-element!(u8, U8, int);
-element!(half::bf16, BF16, half);
-element!(half::f16, F16, half);
+element!(f32, F32, sum: |a, b| a + b, div: |x, n| x / n as f32);
+element!(f64, F64, sum: |a, b| a + b, div: |x, n| x / n as f64);
+element!(i32, I32, sum: |a, b| a.wrapping_add(b), div: |x, n| x / n as i32);
+element!(i64, I64, sum: |a, b| a.wrapping_add(b), div: |x, n| x / n as i64);
+element!(u8, U8, sum: |a, b| a.wrapping_add(b), div: |x, n| x / n as u8);
+// 16-bit floats (compressed gradient buckets) add through `f32` and round back after each
+// step, as NCCL does: a sum over N ranks is rounded N - 1 times, once per ring step.
+element!(half::bf16, BF16, sum: |a, b| a + b, div: |x, n| half::bf16::from_f32(x.to_f32() / n as f32));
+element!(half::f16, F16, sum: |a, b| a + b, div: |x, n| half::f16::from_f32(x.to_f32() / n as f32));
 
 /// Which collective, with the arguments that must agree across ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
