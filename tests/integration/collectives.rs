@@ -4,33 +4,50 @@ use std::process::Command;
 
 use crate::common::*;
 
-fn launch(nproc: usize, args: &[&str]) -> Output {
+/// How ranks on one host move data: shared memory (the default) or TCP (`BURN_DDP_SHM=0`).
+const TRANSPORTS: [&str; 2] = ["shm", "tcp"];
+
+fn launch(nproc: usize, transport: &str, args: &[&str]) -> Output {
     let mut cmd = trainer();
     cmd.arg("collectives")
         .arg("--nproc-per-node")
         .arg(nproc.to_string())
-        .args(args);
-    run(&mut cmd)
+        .args(args)
+        .env("BURN_DDP_SHM", if transport == "tcp" { "0" } else { "1" });
+    let out = run(&mut cmd);
+    // Rank 0's set-up line says which links use shared memory.
+    if out.code == Some(0) {
+        assert_eq!(
+            out.all().contains("(shared memory)"),
+            transport == "shm",
+            "{transport}: {}",
+            out.all()
+        );
+    }
+    out
 }
 
 #[test]
 fn every_collective_is_exact_for_2_3_4_ranks_and_awkward_lengths() {
-    for nproc in [2, 3, 4] {
-        for len in ["0", "1", "7", "1001"] {
-            for dtype in ["i64", "f32"] {
-                let out = launch(nproc, &["--len", len, "--dtype", dtype, "--root", "1"]);
-                assert_eq!(
-                    out.code,
-                    Some(0),
-                    "{nproc} ranks, len {len} {dtype}:\n{}",
-                    out.all()
-                );
-                assert_eq!(
-                    out.stdout.matches("all results correct").count(),
-                    nproc,
-                    "{}",
-                    out.all()
-                );
+    for transport in TRANSPORTS {
+        for nproc in [2, 3, 4] {
+            for len in ["0", "1", "7", "1001"] {
+                for dtype in ["i64", "f32"] {
+                    let args = ["--len", len, "--dtype", dtype, "--root", "1"];
+                    let out = launch(nproc, transport, &args);
+                    assert_eq!(
+                        out.code,
+                        Some(0),
+                        "{transport}, {nproc} ranks, len {len} {dtype}:\n{}",
+                        out.all()
+                    );
+                    assert_eq!(
+                        out.stdout.matches("all results correct").count(),
+                        nproc,
+                        "{}",
+                        out.all()
+                    );
+                }
             }
         }
     }
@@ -38,34 +55,27 @@ fn every_collective_is_exact_for_2_3_4_ranks_and_awkward_lengths() {
 
 #[test]
 fn sixty_four_mib_buffers() {
-    // 8 Mi i64 = 64 MiB per rank, exact integer results.
-    for nproc in [2, 3] {
-        let out = launch(
-            nproc,
-            &[
+    // 8 Mi i64 = 64 MiB per rank, exact integer results: 16 times the shared ring buffer.
+    for transport in TRANSPORTS {
+        for nproc in [2, 3] {
+            let len = (8 << 20).to_string();
+            let args = ["--len", &len, "--dtype", "i64", "--op", "all_reduce"];
+            let out = launch(nproc, transport, &args);
+            assert_eq!(out.code, Some(0), "{transport}: {}", out.all());
+            let len = (16 << 20).to_string();
+            let args = [
                 "--len",
-                &(8 << 20).to_string(),
-                "--dtype",
-                "i64",
-                "--op",
-                "all_reduce",
-            ],
-        );
-        assert_eq!(out.code, Some(0), "{}", out.all());
-        let out = launch(
-            nproc,
-            &[
-                "--len",
-                &(16 << 20).to_string(),
+                &len,
                 "--dtype",
                 "f32",
                 "--op",
                 "broadcast",
                 "--root",
                 "1",
-            ],
-        );
-        assert_eq!(out.code, Some(0), "{}", out.all());
+            ];
+            let out = launch(nproc, transport, &args);
+            assert_eq!(out.code, Some(0), "{transport}: {}", out.all());
+        }
     }
 }
 
@@ -91,6 +101,7 @@ fn rank(rank: usize, world: &str, port: u16, extra: &[&str]) -> Command {
 fn mismatched_lengths_fail_on_every_rank_naming_both_calls() {
     let out = launch(
         2,
+        "shm",
         &[
             "--len",
             "7",
@@ -123,6 +134,7 @@ fn log_dir_keeps_each_ranks_own_log() {
     let logs_arg = logs.display().to_string();
     let out = launch(
         2,
+        "shm",
         &[
             "--len",
             "3",
@@ -148,6 +160,7 @@ fn log_dir_keeps_each_ranks_own_log() {
 fn all_reduce_against_broadcast_is_a_mismatch_not_a_hang() {
     let out = launch(
         3,
+        "shm",
         &[
             "--op",
             "all_reduce",
@@ -193,7 +206,7 @@ fn a_port_in_use_is_a_clear_error() {
         out.all()
     );
     // The launcher says the same, with exit code 2 (a usage problem).
-    let out = launch(2, &["--master-port", &port.to_string()]);
+    let out = launch(2, "shm", &["--master-port", &port.to_string()]);
     assert_eq!(out.code, Some(2), "{}", out.all());
     assert!(
         out.stderr.contains("already in use") || out.stderr.contains("Address in use"),

@@ -220,13 +220,14 @@ pub fn bench_allreduce(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         let tcp = loopback_tcp_bandwidth().context("loopback TCP measurement failed")?;
         println!("# machine ceilings, measured now: memcpy {:.2} GB/s, one-stream loopback TCP {:.2} GB/s", memcpy / 1e9, tcp / 1e9);
         println!("# all_reduce f32 sum, {world} ranks, ring with {} KiB pieces; busbw = algbw x 2(n-1)/n", args.piece_kib);
+        println!("# ranks on one host exchange data through shared memory (BURN_DDP_SHM=0: TCP)");
         println!(
-            "{:>12} {:>10} {:>12} {:>10} {:>10} {:>14}",
-            "size(B)", "count", "time(us)", "algbw", "busbw", "busbw/tcp-ceil"
+            "{:>12} {:>10} {:>12} {:>10} {:>10} {:>11} {:>14}",
+            "size(B)", "count", "time(us)", "algbw", "busbw", "busbw/tcp", "busbw/memcpy"
         );
         let _ = std::io::stdout().flush();
         group.barrier()?;
-        run_table(group, args, Some(tcp))?;
+        run_table(group, args, Some([tcp, memcpy]))?;
     } else {
         group.barrier()?;
         run_table(group, args, None)?;
@@ -238,7 +239,7 @@ pub fn bench_allreduce(args: &BenchArgs) -> anyhow::Result<ExitCode> {
 fn run_table(
     group: &mut impl ProcessGroup,
     args: &BenchArgs,
-    ceiling: Option<f64>,
+    ceilings: Option<[f64; 2]>,
 ) -> anyhow::Result<()> {
     let world = group.world_size();
     let mut size = args.min_bytes.max(4);
@@ -256,18 +257,19 @@ fn run_table(
         }
         let mut elapsed = [start.elapsed().as_secs_f64() / iters as f64];
         group.all_reduce(&mut elapsed, ReduceOp::Max)?; // the slowest rank sets the time
-        if let Some(ceiling) = ceiling {
+        if let Some([tcp, memcpy]) = ceilings {
             let t = elapsed[0];
             let algbw = size as f64 / t;
             let busbw = algbw * 2.0 * (world as f64 - 1.0) / world as f64;
             println!(
-                "{:>12} {:>10} {:>12.1} {:>10.3} {:>10.3} {:>14.2}",
+                "{:>12} {:>10} {:>12.1} {:>10.3} {:>10.3} {:>11.2} {:>14.2}",
                 size,
                 count,
                 t * 1e6,
                 algbw / 1e9,
                 busbw / 1e9,
-                busbw / ceiling
+                busbw / tcp,
+                busbw / memcpy
             );
             let _ = std::io::stdout().flush();
         }

@@ -27,6 +27,7 @@
 pub mod nccl;
 pub mod netif;
 pub mod ring;
+pub mod shm;
 pub mod tcp;
 pub mod wire;
 

@@ -19,18 +19,23 @@
 //! per rank keeps the two cores of a small machine for two ranks' copies and reductions instead of
 //! four threads contending for them. Received headers are checked before any data is used.
 //!
-//! # Transport seam
-//! The engine touches the sockets through [`Link`] (non-blocking read/write/peek plus a file
-//! descriptor to wait on); a shared-memory link for ranks on one host would implement the same
-//! four operations.
+//! # Same-host neighbours: shared memory
+//! When a neighbour runs on the same host (same kernel and network namespace, see
+//! [`shm::host_identity`]), the data of that link goes through a shared-memory ring buffer
+//! ([`super::shm`]) instead of the socket: no copies into and out of the kernel, no TCP stack.
+//! The TCP connection stays for the set-up, the per-collective headers (so mismatch checks are
+//! the same) and as the other half of liveness. `TcpGroupOptions::shared_memory = false` (or
+//! `BURN_DDP_SHM=0`) keeps everything on TCP.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::ring::{self, RecvAction, RingPlan};
+use super::shm::{self, ShmDir, ShmReceiver, ShmSender};
 use super::wire::{self, RingHello, HEADER_LEN, HELLO_FIXED_LEN};
 use super::{check, CallLog, CollectiveDesc, CollectiveKind, Element, ProcessGroup, ReduceOp};
 use crate::error::{CollectiveError, StoreError};
@@ -51,6 +56,9 @@ pub struct TcpGroupOptions {
     pub token: String,
     /// The address to listen on and publish for ring connections. `None`: loopback.
     pub advertise_ip: Option<IpAddr>,
+    /// Move data to neighbours on the same host through shared memory (module docs). Default:
+    /// on, unless the environment variable `BURN_DDP_SHM` is `0`.
+    pub shared_memory: bool,
 }
 
 impl Default for TcpGroupOptions {
@@ -61,6 +69,7 @@ impl Default for TcpGroupOptions {
             piece_bytes: 1 << 20,
             token: String::new(),
             advertise_ip: None,
+            shared_memory: std::env::var("BURN_DDP_SHM").map_or(true, |v| v != "0"),
         }
     }
 }
@@ -79,10 +88,20 @@ impl Link {
 }
 
 /// The ring's two connections: to the successor (data goes out) and from the predecessor
-/// (data comes in). Each also carries one header the other way per collective.
+/// (data comes in). Each also carries one header the other way per collective. A neighbour on
+/// this host gets the data through shared memory instead of its socket.
 struct Ring {
     next: Link,
     prev: Link,
+    next_shm: Option<ShmSender>,
+    prev_shm: Option<ShmReceiver>,
+}
+
+/// This rank's shared-memory ends, made before the neighbours are known.
+struct ShmSetup {
+    dir: ShmDir,
+    receiver: ShmReceiver,
+    sender: ShmSender,
 }
 
 /// A process group whose collectives run over a TCP ring. See the module docs.
@@ -95,6 +114,11 @@ pub struct TcpProcessGroup {
     calls: CallLog,
     /// Receive buffer for pieces that are reduced (u64 words so any element type is aligned).
     scratch: Vec<u64>,
+}
+
+/// What a rank publishes under `pg/shm/{rank}`: its host identity and shared-memory directory.
+fn shm_key(rank: usize) -> String {
+    format!("pg/shm/{rank}")
 }
 
 const KEY_ABORT: &str = "pg/abort";
@@ -127,8 +151,13 @@ impl TcpProcessGroup {
             scratch: Vec::new(),
         };
         if world_size > 1 {
+            // Kept until the first barrier: the neighbours open its files during set-up.
+            let shm_dir;
             match group.connect_ring() {
-                Ok(ring) => group.ring = Some(ring),
+                Ok((ring, dir)) => {
+                    group.ring = Some(ring);
+                    shm_dir = dir;
+                }
                 Err(e) => {
                     // Tell the other ranks, so they fail now rather than at their timeout.
                     let _ = group
@@ -138,6 +167,12 @@ impl TcpProcessGroup {
                 }
             }
             group.barrier()?;
+            // Both neighbours have entered the barrier, so they have opened our files.
+            drop(shm_dir);
+            if let Some(ring) = &mut group.ring {
+                ring.next_shm.iter_mut().for_each(ShmSender::go_live);
+                ring.prev_shm.iter_mut().for_each(ShmReceiver::go_live);
+            }
         }
         tracing::debug!(rank, world_size, "process group ready");
         Ok(group)
@@ -157,8 +192,33 @@ impl TcpProcessGroup {
         }
     }
 
-    /// Steps 1–3 of the set-up (module docs).
-    fn connect_ring(&self) -> Result<Ring, CollectiveError> {
+    /// This rank's shared-memory ends, or `None` (with the reason logged) where they cannot be
+    /// made; the links then use TCP.
+    fn shm_setup(&self) -> Option<ShmSetup> {
+        if !self.options.shared_memory {
+            return None;
+        }
+        let made = ShmDir::create(self.rank).and_then(|dir| {
+            let receiver = ShmReceiver::create(&dir)?;
+            let sender = ShmSender::create(&dir)?;
+            Ok(ShmSetup {
+                dir,
+                receiver,
+                sender,
+            })
+        });
+        match made {
+            Ok(setup) => Some(setup),
+            Err(e) => {
+                tracing::debug!(rank = self.rank, "no shared memory (using TCP): {e}");
+                None
+            }
+        }
+    }
+
+    /// Steps 1–3 of the set-up (module docs), and the shared-memory links to neighbours on this
+    /// host. Returns the ring and the directory of our shared files (to keep until the barrier).
+    fn connect_ring(&self) -> Result<(Ring, Option<ShmDir>), CollectiveError> {
         let (rank, world) = (self.rank, self.world_size);
         let deadline = Instant::now() + self.options.timeout;
         let store = &self.store;
@@ -183,6 +243,17 @@ impl TcpProcessGroup {
                 )));
             }
         }
+
+        // Before our address: whoever sees the address also finds this.
+        let host = shm::host_identity();
+        let shm_ends = host.as_ref().and_then(|_| self.shm_setup());
+        let published = match (&host, &shm_ends) {
+            (Some(host), Some(ends)) => format!("{host}\n{}", ends.dir.path().display()),
+            _ => String::new(),
+        };
+        store
+            .set(&shm_key(rank), published.as_bytes())
+            .map_err(|e| self.store_error(e))?;
 
         let ip = self
             .options
@@ -219,6 +290,46 @@ impl TcpProcessGroup {
         let prev_addr =
             String::from_utf8_lossy(&self.wait_get(&addr_keys[prev_rank], deadline)?).to_string();
 
+        // A link uses shared memory when both ends made theirs and share a host (both sides
+        // decide alike from the same published values).
+        let (mut next_shm, mut prev_shm, mut shm_dir) = (None, None, None);
+        if let Some(ends) = shm_ends {
+            let ours =
+                String::from_utf8_lossy(&self.wait_get(&shm_key(rank), deadline)?).to_string();
+            let dir_of = |r: usize| -> Result<Option<PathBuf>, CollectiveError> {
+                let theirs = self.wait_get(&shm_key(r), deadline)?;
+                let theirs = String::from_utf8_lossy(&theirs);
+                let (their_host, their_dir) = theirs.split_once('\n').unwrap_or(("", ""));
+                let our_host = ours.split_once('\n').map_or("", |(h, _)| h);
+                Ok((!their_host.is_empty() && their_host == our_host)
+                    .then(|| PathBuf::from(their_dir)))
+            };
+            let ShmSetup {
+                dir,
+                mut receiver,
+                mut sender,
+            } = ends;
+            if let Some(next_dir) = dir_of(next_rank)? {
+                sender.connect(&next_dir).map_err(|e| {
+                    self.setup_error(format!(
+                        "cannot open rank {next_rank}'s shared memory in {}: {e} (set BURN_DDP_SHM=0 to use TCP only)",
+                        next_dir.display()
+                    ))
+                })?;
+                next_shm = Some(sender);
+            }
+            if let Some(prev_dir) = dir_of(prev_rank)? {
+                receiver.connect(&prev_dir).map_err(|e| {
+                    self.setup_error(format!(
+                        "cannot open rank {prev_rank}'s shared memory in {}: {e} (set BURN_DDP_SHM=0 to use TCP only)",
+                        prev_dir.display()
+                    ))
+                })?;
+                prev_shm = Some(receiver);
+            }
+            shm_dir = Some(dir);
+        }
+
         // Connecting first cannot deadlock: the successor's kernel completes the connection from
         // its listen backlog before the successor calls accept.
         let next = self.connect_next(&next_addr, next_rank, deadline)?;
@@ -230,21 +341,25 @@ impl TcpProcessGroup {
             let _ = link.stream.set_nodelay(true);
         }
         let interface = super::netif::interface_of(local.ip()).unwrap_or_else(|| "?".into());
+        let via = |shm: bool| if shm { " (shared memory)" } else { "" };
         tracing::info!(
             rank,
             listen = %local,
             interface = %interface,
-            next = %format!("rank {next_rank} at {next_addr}"),
-            prev = %format!("rank {prev_rank} at {prev_addr}"),
+            next = %format!("rank {next_rank} at {next_addr}{}", via(next_shm.is_some())),
+            prev = %format!("rank {prev_rank} at {prev_addr}{}", via(prev_shm.is_some())),
             "ring connected"
         );
-        Ok(Ring {
+        let ring = Ring {
             next,
             prev: Link {
                 peer_addr: prev_addr,
                 ..prev
             },
-        })
+            next_shm,
+            prev_shm,
+        };
+        Ok((ring, shm_dir))
     }
 
     /// `get` that gives up early when another rank aborted the rendezvous.
@@ -507,7 +622,13 @@ impl TcpProcessGroup {
                         st.send += 1;
                         continue;
                     }
-                    write_some(&mut ring.next, &bytes[st.send_off..], desc, rank)?
+                    let bytes = &bytes[st.send_off..];
+                    match &mut ring.next_shm {
+                        Some(shm) => shm
+                            .write_some(bytes)
+                            .map_err(|e| peer_lost(&ring.next, desc, rank, e))?,
+                        None => write_some(&mut ring.next, bytes, desc, rank)?,
+                    }
                 } else {
                     break;
                 };
@@ -565,16 +686,19 @@ impl TcpProcessGroup {
                         st.recv += 1;
                         continue;
                     }
-                    match item.action {
+                    let dst: &mut [u8] = match item.action {
                         // Copies land in place: no second pass over the bytes.
                         RecvAction::Copy => {
-                            let dst: &mut [u8] =
-                                bytemuck::cast_slice_mut(&mut buffer[item.range.clone()]);
-                            read_some(&mut ring.prev, &mut dst[st.recv_off..], desc, rank)?
+                            &mut bytemuck::cast_slice_mut(&mut buffer[item.range.clone()])
+                                [st.recv_off..]
                         }
-                        RecvAction::Reduce => {
-                            read_some(&mut ring.prev, &mut scratch[st.recv_off..total], desc, rank)?
-                        }
+                        RecvAction::Reduce => &mut scratch[st.recv_off..total],
+                    };
+                    match &mut ring.prev_shm {
+                        Some(shm) => shm
+                            .read_some(dst)
+                            .map_err(|e| peer_lost(&ring.prev, desc, rank, e))?,
+                        None => read_some(&mut ring.prev, dst, desc, rank)?,
                     }
                 } else {
                     break;
@@ -634,20 +758,33 @@ impl TcpProcessGroup {
                 );
                 next_warning = now + self.options.stall_warning;
             }
-            let want_send = st.fwd_header < HEADER_LEN
-                || (st.send < plan.sends.len() && st.recv >= plan.sends[st.send].after_recvs);
-            let mut next_events = if want_send { libc::POLLOUT } else { 0 };
+            let want_data_out = st.fwd_header == HEADER_LEN
+                && st.send < plan.sends.len()
+                && st.recv >= plan.sends[st.send].after_recvs;
+            let want_data_in = st.prev_header_len == HEADER_LEN && st.recv < plan.recvs.len();
+            let mut next_events = 0;
+            if st.fwd_header < HEADER_LEN || (want_data_out && ring.next_shm.is_none()) {
+                next_events |= libc::POLLOUT;
+            }
             if st.next_header_len < HEADER_LEN {
                 next_events |= libc::POLLIN;
             }
-            let mut prev_events = if st.back_header < HEADER_LEN {
-                libc::POLLOUT
-            } else {
-                0
-            };
-            if st.prev_header_len < HEADER_LEN || st.recv < plan.recvs.len() {
+            let mut prev_events = 0;
+            if st.back_header < HEADER_LEN {
+                prev_events |= libc::POLLOUT;
+            }
+            if st.prev_header_len < HEADER_LEN || (want_data_in && ring.prev_shm.is_none()) {
                 prev_events |= libc::POLLIN;
             }
+            // Shared-memory links wake us through their FIFOs (room to write, data to read).
+            let space_fd = match &ring.next_shm {
+                Some(shm) if want_data_out => shm.wakeup_fd(),
+                _ => -1,
+            };
+            let data_fd = match &ring.prev_shm {
+                Some(shm) if want_data_in => shm.wakeup_fd(),
+                _ => -1,
+            };
             // A socket we expect nothing from is not polled: a neighbour that has finished this
             // collective and closed (end of job) must not wake us in a loop.
             let mut fds = [
@@ -659,6 +796,8 @@ impl TcpProcessGroup {
                     if prev_events == 0 { -1 } else { ring.prev.fd() },
                     prev_events,
                 ),
+                pollfd(space_fd, libc::POLLIN),
+                pollfd(data_fd, libc::POLLIN),
             ];
             let wake = deadline.min(next_warning).saturating_duration_since(now);
             wait_fds(&mut fds, wake).map_err(|source| CollectiveError::PeerLost {
