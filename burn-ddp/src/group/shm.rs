@@ -267,7 +267,15 @@ impl ShmReceiver {
             .create_new(true)
             .mode(0o600)
             .open(dir.path().join(RING_FILE))?;
-        file.set_len((DATA_OFFSET + CAPACITY) as u64)?;
+        // Reserve the pages now: on a full tmpfs this fails here (and the link uses TCP), where
+        // a sparse file would fail later with SIGBUS on first touch.
+        // SAFETY: a valid open descriptor; the call only allocates file space.
+        let rc = unsafe {
+            libc::posix_fallocate(file.as_raw_fd(), 0, (DATA_OFFSET + CAPACITY) as libc::off_t)
+        };
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
         let map = Mapping::new(&file)?;
         fifo(&dir.path().join(DATA_FIFO))?;
         let data_wakeups = open_fifo(&dir.path().join(DATA_FIFO), false)?;
