@@ -6,18 +6,22 @@
 //! |---|---|
 //! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables |
 //! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]) |
-//! | [`group`] | the [`group::ProcessGroup`] trait; the ring plan (pure); the TCP ring backend |
+//! | [`group`] | the [`group::ProcessGroup`] trait; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
-//! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer |
+//! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
+//! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL) |
+//! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
 //! | [`error`] | typed errors per layer |
 //!
 //! ## How a gradient travels
 //! `loss.backward()` gives Burn's gradients; `GradientsParams::from_grads` keys them by
 //! parameter; [`ddp::Reducer::sync`] walks the model's parameters in visit order (the same on
-//! every rank), packs the gradients into buckets of at most `bucket_cap_mb`, all-reduces each
-//! bucket with [`group::ReduceOp::Avg`] over the process group, and puts the averaged gradients
-//! back; the optimizer step then sees the same gradients on every rank, so replicas stay equal.
+//! every rank), packs the gradients into buckets of at most `bucket_cap_mb` on their device,
+//! sums each bucket across ranks ([`ddp::BucketComm`]: the TCP ring through the host, or NCCL on
+//! the GPU), unpacks it with the `1 / world_size` scale fused in, and puts the averaged
+//! gradients back; the optimizer step then sees the same gradients on every rank, so replicas
+//! stay equal.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;

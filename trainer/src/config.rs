@@ -296,7 +296,7 @@ impl GradientSyncMode {
 }
 
 /// `distributed.gradient_compression`: the precision of gradient buckets on the wire, on every
-/// path (host and NCCL). PyTorch's `bf16_compress_hook` / `fp16_compress_hook`.
+/// path (host and NCCL): what PyTorch's `bf16_compress_hook` / `fp16_compress_hook` do.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum GradientCompression {
@@ -306,7 +306,8 @@ pub enum GradientCompression {
     /// bfloat16: half the bytes; `f32`'s range, 8 significant bits.
     Bf16,
     /// IEEE half: half the bytes; 11 significant bits, but magnitudes past 65504 overflow and
-    /// those below 6e-8 vanish (each rank divides by the world size before rounding).
+    /// those up to 2^-25 (3e-8) become 0 (each rank divides by the world size before rounding,
+    /// so the sum overflows only where the mean would).
     Fp16,
 }
 

@@ -18,9 +18,10 @@ pub struct Bucket {
 }
 
 /// The bucket cap in f32 elements for a cap of `bucket_cap_mb` MiB (at least one element).
+/// Capped at [`MAX_BUCKET_LEN`](crate::kernels::MAX_BUCKET_LEN), what the bucket kernels index.
 pub fn cap_elements(bucket_cap_mb: f64) -> usize {
     let bytes = (bucket_cap_mb.max(0.0) * (1u64 << 20) as f64) as usize;
-    (bytes / 4).max(1)
+    (bytes / 4).clamp(1, crate::kernels::MAX_BUCKET_LEN)
 }
 
 /// Assigns parameters of the given sizes to buckets of at most `cap` elements (see module docs).
@@ -76,5 +77,12 @@ mod tests {
         assert_eq!(buckets[0].params, vec![6, 5], "reverse visit order");
         assert_eq!(plan_buckets(&numels, usize::MAX).len(), 1);
         assert!(plan_buckets(&[], 10).is_empty());
+    }
+
+    #[test]
+    fn the_cap_stays_within_what_the_kernels_index() {
+        assert_eq!(cap_elements(1.0), 1 << 18);
+        assert_eq!(cap_elements(0.0), 1);
+        assert_eq!(cap_elements(1e9), crate::kernels::MAX_BUCKET_LEN);
     }
 }

@@ -10,7 +10,9 @@
 //!   3. fence     B::sync(device): this thread's CubeCL stream has finished the pack
 //!   4. reduce    NcclProcessGroup::all_reduce_device(ptr, n, F32 | BF16 | F16, Sum), in place,
 //!                on the group's own stream; it returns once that stream is idle
-//!   5. unpack    [decompress], BucketOps::unpack_bucket(bucket, shapes, 1/world) on Burn's stream
+//!   5. unpack    BucketOps::unpack_bucket(bucket, shapes, 1/world) on Burn's stream
+//!                [compressed: decompress_bucket, then unpack with scale 1: the 1/world was
+//!                applied by compress_bucket]
 //! ```
 //!
 //! # Why this ordering is enough (read from burn-cubecl 0.21.0, cubecl 0.10.0)
@@ -55,7 +57,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-use cubecl::cuda::CudaRuntime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
 
 use super::comm::BucketComm;
 use crate::error::DdpError;
@@ -70,6 +72,9 @@ use crate::kernels::{BucketOps, HalfFormat};
 /// `burn::backend::Cuda` is with this workspace's features). Burn-version-specific code stays in
 /// this file.
 pub trait CudaBuffers: BucketOps {
+    /// The CUDA device ordinal of `device` (in the numbering `CUDA_VISIBLE_DEVICES` leaves).
+    fn cuda_ordinal(device: &Self::Device) -> usize;
+
     /// Calls `f` with the device address of `bucket`'s first element, at a point where every
     /// device operation this thread enqueued on the backend (the one that wrote `bucket`
     /// included) has finished. The memory stays allocated, and is not handed to another tensor,
@@ -101,6 +106,10 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn cuda_ordinal(device: &CudaDevice) -> usize {
+        device.index
+    }
+
     fn with_float_ptr<T>(
         bucket: &CubeTensor<CudaRuntime>,
         f: impl FnOnce(u64) -> Result<T, DdpError>,
@@ -186,6 +195,20 @@ fn check_buffer(
 /// backend. See the module docs for the ordering with Burn's stream.
 pub struct NcclBuckets<'a>(pub &'a mut NcclProcessGroup);
 
+impl NcclBuckets<'_> {
+    /// NCCL may only be handed memory of the group's own GPU.
+    fn check_device<B: CudaBuffers>(&self, device: &B::Device) -> Result<(), DdpError> {
+        let (bucket, group) = (B::cuda_ordinal(device), self.0.device());
+        if bucket != group {
+            return Err(DdpError::Device(format!(
+                "the gradients are on CUDA device {bucket} but the NCCL group was formed on \
+                 device {group}: form the group with the ordinal of the model's device"
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
     fn world_size(&self) -> usize {
         crate::group::ProcessGroup::world_size(&*self.0)
@@ -197,14 +220,15 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
     }
 
     fn all_reduce_f32(&mut self, bucket: FloatTensor<B>) -> Result<FloatTensor<B>, DdpError> {
+        self.check_device::<B>(&B::float_device(&bucket))?;
         let count = bucket.shape().num_elements();
         B::with_float_ptr(&bucket, |ptr| {
             // SAFETY: `ptr` addresses `bucket`, a contiguous f32 tensor of `count` elements
-            // (checked by `with_float_ptr`), in a buffer of this process's CUDA device that
-            // `with_float_ptr` keeps allocated until this closure returns. Nothing else reads or
-            // writes it meanwhile: the reducer gives NCCL the fresh buffer `pack_bucket` returned,
-            // and Burn's work on it has finished (the sync in `with_float_ptr`). The group's
-            // device is Burn's: the trainer forms it with the ordinal of the `CudaDevice`.
+            // (checked by `with_float_ptr`), in a buffer of the group's CUDA device (checked
+            // above) that `with_float_ptr` keeps allocated until this closure returns. Nothing
+            // else reads or writes it meanwhile: the reducer gives NCCL the fresh buffer
+            // `pack_bucket` returned, and Burn's work on it has finished (the sync in
+            // `with_float_ptr`).
             unsafe {
                 self.0
                     .all_reduce_device(ptr, count, DataType::F32, ReduceOp::Sum)
@@ -220,6 +244,7 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
         len: usize,
         format: HalfFormat,
     ) -> Result<IntTensor<B>, DdpError> {
+        self.check_device::<B>(&B::int_device(&words))?;
         let capacity = words.shape().num_elements() * 2;
         if len > capacity {
             return Err(DdpError::Unsupported(format!(

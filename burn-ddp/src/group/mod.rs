@@ -124,7 +124,7 @@ element!(f32, F32, sum: |a, b| a + b, div: |x, n| x / n as f32);
 element!(f64, F64, sum: |a, b| a + b, div: |x, n| x / n as f64);
 element!(i32, I32, sum: |a, b| a.wrapping_add(b), div: |x, n| x / n as i32);
 element!(i64, I64, sum: |a, b| a.wrapping_add(b), div: |x, n| x / n as i64);
-element!(u8, U8, sum: |a, b| a.wrapping_add(b), div: |x, n| x / n as u8);
+element!(u8, U8, sum: |a, b| a.wrapping_add(b), div: |x, n| u8::try_from(n).map_or(0, |n| x / n));
 // 16-bit floats (compressed gradient buckets) add through `f32` and round back after each
 // step, as NCCL does: a sum over N ranks is rounded N - 1 times, once per ring step.
 element!(half::bf16, BF16, sum: |a, b| a + b, div: |x, n| half::bf16::from_f32(x.to_f32() / n as f32));

@@ -187,6 +187,16 @@ fn widen_f16(h: u32) -> f32 {
     f32::reinterpret(bits)
 }
 
+/// The `f32` that bf16 bits `h` denote: the `half` crate's `bf16::to_f32` (NaN made quiet).
+#[cube]
+fn widen_bf16(h: u32) -> f32 {
+    let mut bits = h << 16u32;
+    if (h & 0x7fffu32) > 0x7f80u32 {
+        bits |= 0x0040_0000u32;
+    }
+    f32::reinterpret(bits)
+}
+
 /// `x * scale` rounded to f16 (`f16 = true`) or bf16, in the low 16 bits.
 #[cube]
 fn round_to_half(x: f32, scale: f32, #[comptime] f16: bool) -> u32 {
@@ -226,7 +236,7 @@ fn decompress_kernel(words: &Array<u32>, out: &mut Array<f32>, #[comptime] f16: 
     if f16 {
         out[i] = widen_f16(half);
     } else {
-        out[i] = f32::reinterpret(half << 16u32);
+        out[i] = widen_bf16(half);
     }
 }
 
@@ -626,6 +636,12 @@ mod wgpu_tests {
     #[test]
     fn wgpu_f16_bit_exact() {
         compress_bit_exact::<Wgpu>(&device(), HalfFormat::F16);
+    }
+
+    #[test]
+    fn wgpu_decompress_every_pattern() {
+        decompress_every_pattern::<Wgpu>(&device(), HalfFormat::Bf16);
+        decompress_every_pattern::<Wgpu>(&device(), HalfFormat::F16);
     }
 
     #[test]

@@ -481,6 +481,25 @@ pub(crate) mod conformance {
         }
     }
 
+    /// Decompress of every one of the 65,536 16-bit patterns (NaNs with any payload, both
+    /// infinities, subnormals), bit-exact with [`wire16::decompress`].
+    pub fn decompress_every_pattern<B: BucketOps>(device: &B::Device, format: HalfFormat) {
+        let words: Vec<u32> = (0..1u32 << 15)
+            .map(|k| (2 * k) | ((2 * k + 1) << 16))
+            .collect();
+        let expected = wire16::decompress(&words, 1 << 16, format);
+        let tensor = B::int_from_data(TensorData::new(words, [1 << 15]), device);
+        let got = read_f32::<B>(B::decompress_bucket(tensor, 1 << 16, format).expect("decompress"));
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != expected[i].to_bits()) {
+            panic!(
+                "{}: pattern {i:#06x} widens to {:#010x}, want {:#010x}",
+                format.name(),
+                got[i].to_bits(),
+                expected[i].to_bits()
+            );
+        }
+    }
+
     /// A random-normal bucket survives the round trip within the format's relative error.
     pub fn compress_round_trip_error<B: BucketOps>(device: &B::Device, format: HalfFormat) {
         let len = 4099;
@@ -534,6 +553,12 @@ mod tests {
     fn flex_compress_bit_exact() {
         compress_bit_exact::<Flex>(&Default::default(), HalfFormat::Bf16);
         compress_bit_exact::<Flex>(&Default::default(), HalfFormat::F16);
+    }
+
+    #[test]
+    fn flex_decompress_every_pattern() {
+        decompress_every_pattern::<Flex>(&Default::default(), HalfFormat::Bf16);
+        decompress_every_pattern::<Flex>(&Default::default(), HalfFormat::F16);
     }
 
     #[test]

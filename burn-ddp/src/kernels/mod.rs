@@ -102,7 +102,9 @@ pub trait BucketOps: Backend {
     /// cannot overflow where the mean does not) and rounds it to `format` for communication:
     /// round to nearest, ties to even; NaN stays NaN (quiet, sign kept); ±inf and ±0 are kept;
     /// finite values past the format's range round to ±inf; subnormals are rounded, not flushed
-    /// (except by devices that flush `f32` subnormals). Bit-exact with [`wire16::compress`].
+    /// (except by devices that flush `f32` subnormals). Bit-exact with [`wire16::compress`],
+    /// except that with `scale != 1` a device's multiply may replace a NaN's payload by its
+    /// canonical NaN (tested bit for bit on wgpu; the CUDA build has not run on a GPU yet).
     ///
     /// Returns the packed words described in [`wire16`]: a 1-D `U32` int tensor of
     /// `ceil(len / 2)` elements, half the bytes of the bucket.

@@ -17,9 +17,9 @@ use half::{bf16, f16};
 ///
 /// - `Bf16`: 8 exponent bits like `f32`, 8 significant bits: no overflow, relative error 2^-9.
 /// - `F16`: 5 exponent bits (largest finite 65504), 11 significant bits: relative error 2^-12
-///   but overflow past 65504 and flush of magnitudes below 2^-24; the reducer divides by the
-///   world size *before* rounding (as PyTorch's `fp16_compress_hook` does) so a sum cannot
-///   overflow where the mean does not.
+///   but overflow past 65504, and magnitudes up to 2^-25 become 0; the reducer divides by the
+///   world size *before* rounding (PyTorch's `fp16_compress_hook` rounds first, then divides)
+///   so that a sum cannot overflow where the mean does not.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HalfFormat {
     Bf16,
