@@ -78,9 +78,10 @@ impl ShmDir {
     /// processes that no longer exist (killed during set-up) are removed first.
     pub fn create(rank: usize) -> io::Result<Self> {
         let base = Path::new("/dev/shm");
-        remove_stale(base);
+        let prefix = format!("burn-ddp-{}-", pid_namespace());
+        remove_stale(base, &prefix);
         for attempt in 0..100u32 {
-            let path = base.join(format!("burn-ddp-{}-r{rank}-{attempt}", std::process::id()));
+            let path = base.join(format!("{prefix}{}-r{rank}-{attempt}", std::process::id()));
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
                 Ok(()) => return Ok(Self { path }),
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
@@ -109,9 +110,22 @@ impl Drop for ShmDir {
     }
 }
 
-/// Removes `burn-ddp-<pid>-…` directories in `base` whose process is gone. Only our own user's
-/// can be removed (they are mode 0700); anything else is left alone.
-fn remove_stale(base: &Path) {
+/// The inode of this process's pid namespace: process ids are only meaningful within it
+/// (containers sharing `/dev/shm` may have different ones).
+fn pid_namespace() -> String {
+    std::fs::read_link("/proc/self/ns/pid")
+        .ok()
+        .and_then(|link| {
+            let link = link.to_string_lossy().into_owned();
+            let inode = link.strip_prefix("pid:[")?.strip_suffix(']')?.to_string();
+            Some(inode)
+        })
+        .unwrap_or_else(|| "0".into())
+}
+
+/// Removes `<prefix><pid>-…` directories in `base` (ours: same pid namespace) whose process is
+/// gone. Only our own user's can be removed (they are mode 0700); anything else is left alone.
+fn remove_stale(base: &Path, prefix: &str) {
     let Ok(entries) = std::fs::read_dir(base) else {
         return;
     };
@@ -119,7 +133,7 @@ fn remove_stale(base: &Path) {
         let name = entry.file_name();
         let Some(pid) = name
             .to_str()
-            .and_then(|n| n.strip_prefix("burn-ddp-"))
+            .and_then(|n| n.strip_prefix(prefix))
             .and_then(|rest| rest.split('-').next())
             .and_then(|pid| pid.parse::<u32>().ok())
         else {
@@ -544,11 +558,19 @@ mod tests {
 
     #[test]
     fn the_directory_is_private_and_removed_and_stale_ones_are_cleaned() {
-        // A directory of a process that cannot exist (pids are below 2^22 on Linux).
-        let stale = Path::new("/dev/shm/burn-ddp-4294967295-r0-0");
+        // A directory of a process that cannot exist (pids are below 2^22 on Linux), in our pid
+        // namespace, and one of another namespace, which is not ours to judge.
+        let stale = PathBuf::from(format!(
+            "/dev/shm/burn-ddp-{}-4294967295-r0-0",
+            pid_namespace()
+        ));
+        let foreign = Path::new("/dev/shm/burn-ddp-1-4294967295-r0-0");
         std::fs::create_dir_all(stale.join("x")).unwrap();
+        std::fs::create_dir_all(foreign).unwrap();
         let dir = ShmDir::create(92).unwrap();
         assert!(!stale.exists(), "stale directory removed");
+        assert!(foreign.exists(), "another namespace's directory left alone");
+        std::fs::remove_dir(foreign).unwrap();
         let path = dir.path().to_path_buf();
         let mode = std::fs::metadata(&path).unwrap().permissions();
         assert_eq!(
