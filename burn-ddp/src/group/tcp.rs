@@ -30,7 +30,7 @@
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -309,22 +309,22 @@ impl TcpProcessGroup {
                 mut receiver,
                 mut sender,
             } = ends;
+            let open_failed = |peer: usize, dir: &Path, e: io::Error| {
+                self.setup_error(format!(
+                    "cannot open rank {peer}'s shared memory in {}: {e} (set BURN_DDP_SHM=0 to use TCP only)",
+                    dir.display()
+                ))
+            };
             if let Some(next_dir) = dir_of(next_rank)? {
-                sender.connect(&next_dir).map_err(|e| {
-                    self.setup_error(format!(
-                        "cannot open rank {next_rank}'s shared memory in {}: {e} (set BURN_DDP_SHM=0 to use TCP only)",
-                        next_dir.display()
-                    ))
-                })?;
+                sender
+                    .connect(&next_dir)
+                    .map_err(|e| open_failed(next_rank, &next_dir, e))?;
                 next_shm = Some(sender);
             }
             if let Some(prev_dir) = dir_of(prev_rank)? {
-                receiver.connect(&prev_dir).map_err(|e| {
-                    self.setup_error(format!(
-                        "cannot open rank {prev_rank}'s shared memory in {}: {e} (set BURN_DDP_SHM=0 to use TCP only)",
-                        prev_dir.display()
-                    ))
-                })?;
+                receiver
+                    .connect(&prev_dir)
+                    .map_err(|e| open_failed(prev_rank, &prev_dir, e))?;
                 prev_shm = Some(receiver);
             }
             shm_dir = Some(dir);
