@@ -242,8 +242,9 @@ enum Outcome {
 
 /// Waits for every rank; on the first failure stops the rest and reports it.
 ///
-/// When several ranks are found dead in the same poll, the likely cause is reported first: a
-/// rank killed by a signal (its peers then fail with "connection lost"), else the lowest rank.
+/// The likely cause is reported first: a rank killed by a signal (its peers then fail with
+/// "connection lost"), else the lowest failed rank. After an error exit, other ranks get up to
+/// [`SETTLE`] to show such a crash before they are stopped.
 fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
@@ -253,19 +254,18 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
             return Outcome::Interrupted(sig);
         }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
-        for (i, Rank { rank, child, .. }) in children.iter_mut().enumerate() {
-            if done[i].is_none() {
-                match child.try_wait() {
-                    Ok(Some(status)) => {
-                        done[i] = Some(status);
-                        if !status.success() {
-                            failed.push((*rank, status));
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!("cannot query rank {rank}: {e}"),
-                }
-            }
+        reap(&mut children, &mut done, &mut failed);
+        // A rank that exits with an error may only be reacting to a peer that crashed: the
+        // peer's socket or shared memory closed before we could reap it. Give such a crash a
+        // moment to show up, so that it, not its messenger, is named as the cause.
+        let settle = Instant::now() + SETTLE;
+        while !failed.is_empty()
+            && failed.iter().all(|(_, status)| status.signal().is_none())
+            && done.iter().any(Option::is_none)
+            && Instant::now() < settle
+        {
+            std::thread::sleep(Duration::from_millis(20));
+            reap(&mut children, &mut done, &mut failed);
         }
         failed.sort_by_key(|(rank, status)| (status.signal().is_none(), *rank));
         if let Some(&(rank, status)) = failed.first() {
@@ -302,6 +302,31 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
             return Outcome::Success;
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// How long a rank's error exit waits for a crash of another rank to show (see `supervise`).
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// Records the ranks that have exited since the last call; failures go to `failed`.
+fn reap(
+    children: &mut [Rank],
+    done: &mut [Option<ExitStatus>],
+    failed: &mut Vec<(usize, ExitStatus)>,
+) {
+    for (i, Rank { rank, child, .. }) in children.iter_mut().enumerate() {
+        if done[i].is_none() {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    done[i] = Some(status);
+                    if !status.success() {
+                        failed.push((*rank, status));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!("cannot query rank {rank}: {e}"),
+            }
+        }
     }
 }
 
