@@ -251,6 +251,7 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
         let sig = interrupted.load(Ordering::SeqCst);
         if sig != 0 {
             stop_all(&mut children, &done);
+            flush_logs(children);
             return Outcome::Interrupted(sig);
         }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
@@ -276,11 +277,13 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
                     describe(other_status)
                 );
             }
-            // The failing rank's last words come last, where the user looks.
+            // The failing rank's last words come last, where the user looks: every other
+            // rank's output is forwarded in full before them.
             let failing = children.iter().position(|r| r.rank == rank);
             let tail = failing
                 .and_then(|i| children.swap_remove(i).log)
                 .map(RankLog::last_lines);
+            flush_logs(children);
             eprintln!(
                 "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks.",
                 describe(status)
@@ -299,9 +302,18 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
             };
         }
         if done.iter().all(Option::is_some) {
+            flush_logs(children);
             return Outcome::Success;
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until every rank's forwarded output has reached our stderr (their pipes close when
+/// they exit), so that no line is lost when the launcher exits.
+fn flush_logs(children: Vec<Rank>) {
+    for log in children.into_iter().filter_map(|r| r.log) {
+        let _ = log.last_lines();
     }
 }
 
