@@ -514,41 +514,10 @@ fn new_from_handle<R: CubeRuntime>(
     )
 }
 
-/// `Wgpu` / `Cuda` with Burn's `fusion` feature on: the [`fallback`] ops, which the fusion stream
-/// records lazily (and may fuse). Running our kernels here would take registering a fusion custom
-/// operation, which needs `burn_ir` types this crate does not depend on (Burn's `ir` feature).
-impl<B: burn_fusion::FusionBackend> BucketOps for burn_fusion::Fusion<B> {
-    fn pack_bucket(
-        tensors: Vec<burn::tensor::ops::FloatTensor<Self>>,
-        device: &Self::Device,
-    ) -> burn::tensor::ops::FloatTensor<Self> {
-        fallback::pack_bucket::<Self>(tensors, device)
-    }
-
-    fn unpack_bucket(
-        bucket: burn::tensor::ops::FloatTensor<Self>,
-        shapes: &[Shape],
-        scale: f32,
-    ) -> Vec<burn::tensor::ops::FloatTensor<Self>> {
-        fallback::unpack_bucket::<Self>(bucket, shapes, scale)
-    }
-
-    fn compress_bucket(
-        bucket: burn::tensor::ops::FloatTensor<Self>,
-        format: HalfFormat,
-        scale: f32,
-    ) -> Result<burn::tensor::ops::IntTensor<Self>, BucketOpsError> {
-        fallback::compress_bucket::<Self>(bucket, format, scale)
-    }
-
-    fn decompress_bucket(
-        words: burn::tensor::ops::IntTensor<Self>,
-        len: usize,
-        format: HalfFormat,
-    ) -> Result<burn::tensor::ops::FloatTensor<Self>, BucketOpsError> {
-        fallback::decompress_bucket::<Self>(words, len, format)
-    }
-}
+// `Wgpu` / `Cuda` with Burn's `fusion` feature on: the [`fallback`] ops, which the fusion stream
+// records lazily (and may fuse). Running our kernels here would take registering a fusion custom
+// operation, which needs `burn_ir` types this crate does not depend on (Burn's `ir` feature).
+fallback::fallback_bucket_ops!(impl[B: burn_fusion::FusionBackend] for burn_fusion::Fusion<B>);
 
 #[cfg(test)]
 mod tests {

@@ -1,7 +1,7 @@
 //! [`BucketOps`] with plain Burn tensor ops, for backends without kernels of ours.
 //!
-//! Each function is generic over any [`Backend`], so another backend gets [`BucketOps`] with four
-//! one-line delegations (as [`Flex`] does below). Costs, per call:
+//! Each function is generic over any [`Backend`], so another backend gets [`BucketOps`] with one
+//! line, `fallback_bucket_ops!` (as [`Flex`] does below). Costs, per call:
 //! - pack: a reshape per tensor and one `cat` (which most backends run as a copy per tensor);
 //! - unpack: one multiply over the whole bucket, then a slice + reshape per tensor (views);
 //! - compress / decompress: a round trip through host memory (Burn has no op that reinterprets float bits), which
@@ -155,36 +155,49 @@ pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
     );
 }
 
-/// Burn's CPU backend: the generic ops above are already what it would do.
-impl BucketOps for burn::backend::Flex {
-    fn pack_bucket(tensors: Vec<FloatTensor<Self>>, device: &Self::Device) -> FloatTensor<Self> {
-        pack_bucket::<Self>(tensors, device)
-    }
+/// `impl BucketOps for $backend` with the generic ops of this module, for backends without
+/// kernels of ours: `fallback_bucket_ops!(impl[generics] for Type);` (with `BucketOps` in scope).
+macro_rules! fallback_bucket_ops {
+    (impl[$($generics:tt)*] for $backend:ty) => {
+        impl<$($generics)*> BucketOps for $backend {
+            fn pack_bucket(
+                tensors: Vec<burn::tensor::ops::FloatTensor<Self>>,
+                device: &Self::Device,
+            ) -> burn::tensor::ops::FloatTensor<Self> {
+                $crate::kernels::fallback::pack_bucket::<Self>(tensors, device)
+            }
 
-    fn unpack_bucket(
-        bucket: FloatTensor<Self>,
-        shapes: &[Shape],
-        scale: f32,
-    ) -> Vec<FloatTensor<Self>> {
-        unpack_bucket::<Self>(bucket, shapes, scale)
-    }
+            fn unpack_bucket(
+                bucket: burn::tensor::ops::FloatTensor<Self>,
+                shapes: &[burn::tensor::Shape],
+                scale: f32,
+            ) -> Vec<burn::tensor::ops::FloatTensor<Self>> {
+                $crate::kernels::fallback::unpack_bucket::<Self>(bucket, shapes, scale)
+            }
 
-    fn compress_bucket(
-        bucket: FloatTensor<Self>,
-        format: HalfFormat,
-        scale: f32,
-    ) -> Result<IntTensor<Self>, BucketOpsError> {
-        compress_bucket::<Self>(bucket, format, scale)
-    }
+            fn compress_bucket(
+                bucket: burn::tensor::ops::FloatTensor<Self>,
+                format: $crate::kernels::HalfFormat,
+                scale: f32,
+            ) -> Result<burn::tensor::ops::IntTensor<Self>, $crate::kernels::BucketOpsError> {
+                $crate::kernels::fallback::compress_bucket::<Self>(bucket, format, scale)
+            }
 
-    fn decompress_bucket(
-        words: IntTensor<Self>,
-        len: usize,
-        format: HalfFormat,
-    ) -> Result<FloatTensor<Self>, BucketOpsError> {
-        decompress_bucket::<Self>(words, len, format)
-    }
+            fn decompress_bucket(
+                words: burn::tensor::ops::IntTensor<Self>,
+                len: usize,
+                format: $crate::kernels::HalfFormat,
+            ) -> Result<burn::tensor::ops::FloatTensor<Self>, $crate::kernels::BucketOpsError> {
+                $crate::kernels::fallback::decompress_bucket::<Self>(words, len, format)
+            }
+        }
+    };
 }
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+pub(crate) use fallback_bucket_ops;
+
+// Burn's CPU backend: the generic ops above are already what it would do.
+fallback_bucket_ops!(impl[] for burn::backend::Flex);
 
 /// The conformance suite every [`BucketOps`] implementation runs (see the `tests` modules here and
 /// in `cube.rs`): random data from a seeded generator, against plain-Rust references, bit for bit.
