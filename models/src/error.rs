@@ -1,4 +1,5 @@
-//! Errors of the model registry.
+//! Errors of the model registry, of model configurations and of the synthetic
+//! data sets.
 
 /// Why a model could not be selected, configured or built.
 ///
@@ -38,9 +39,10 @@ pub enum ModelError {
 
 /// A problem found by [`crate::ModelOptions::check`]; the registry turns it
 /// into a [`ModelError`] by adding the model name.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum CheckError {
     /// An option value is out of range or inconsistent with another option.
+    #[error("model.{field}: {message}")]
     Option {
         /// The key of the `[model]` table at fault.
         field: &'static str,
@@ -48,6 +50,7 @@ pub enum CheckError {
         message: String,
     },
     /// The data does not fit the model; says what the model needs and what it got.
+    #[error("{0}")]
     Input(String),
 }
 
@@ -78,4 +81,20 @@ impl CheckError {
             },
         }
     }
+}
+
+/// Invalid arguments to a synthetic data set's constructor (for example
+/// [`crate::SyntheticText::new`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DatasetError {
+    /// An argument is out of range or inconsistent with another one.
+    #[error("invalid argument `{argument}` of {dataset}: {message}")]
+    InvalidArgument {
+        /// The data set type, e.g. `"SyntheticText"`.
+        dataset: &'static str,
+        /// The constructor argument at fault.
+        argument: &'static str,
+        /// What is wrong with it, including the value found.
+        message: String,
+    },
 }

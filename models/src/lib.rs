@@ -1,11 +1,14 @@
-//! Reference classifiers for `burn-ddp`, generic over the Burn backend.
+//! Reference models for `burn-ddp`, generic over the Burn backend.
 //!
-//! Every model here takes flat features `[batch, features]` (images flattened
-//! row-major) and returns logits `[batch, classes]`; see [`Classifier`]. The
-//! trainer never names a model type: it passes the `[model]` table of the
-//! user's TOML to [`with_model`] (or [`validate`] to check it before starting
-//! any process), and the registry builds the model and hands it to a
-//! [`ModelTask`].
+//! # Digits classifiers (the registry)
+//!
+//! Every model of the registry takes flat features `[batch, features]`
+//! (images flattened row-major) and returns logits `[batch, classes]`; see
+//! [`Classifier`]. The trainer never names a model type: it passes the
+//! `[model]` table of the user's TOML to [`with_model`] (or [`validate`] to
+//! check it before starting any process), and the registry builds the model
+//! and hands it to a [`ModelTask`]. [`DigitsModel::from_options`] builds the
+//! same model as one concrete enum type instead.
 //!
 //! | name  | options and defaults ([`MlpOptions`], [`CnnOptions`]) | input            |
 //! |-------|-------------------------------------------------------|------------------|
@@ -26,6 +29,27 @@
 //! every parameter before handing the model over (Burn initialises parameters
 //! lazily), so a model is identical on every rank after
 //! `B::seed(&device, seed)`.
+//!
+//! # burn-train models
+//!
+//! Every model implements burn-train's [`TrainStep`](burn::train::TrainStep)
+//! (on an autodiff backend: forward, loss, backward) and
+//! [`InferenceStep`](burn::train::InferenceStep) (on any backend: forward and
+//! loss), so it can be trained by `burn::train`'s `Learner` or by a loop that
+//! calls `TrainStep::step` and an optimizer:
+//!
+//! | model             | config ([`serde`], strict, defaults)   | batch (batcher)                     | loss, output                     | synthetic data          |
+//! |-------------------|----------------------------------------|-------------------------------------|----------------------------------|-------------------------|
+//! | [`Mlp`], [`Cnn`], [`DigitsModel`] | [`MlpOptions`], [`CnnOptions`] (registry) | [`FeaturesBatch`]    | cross-entropy, `ClassificationOutput` | -                 |
+//! | [`RegressionModel`] | [`RegressionConfig`]: `hidden = [64]`, `dropout = 0.0` | [`RegressionBatch`] ([`RegressionBatcher`]) | mean squared error, `RegressionOutput` | [`SyntheticRegression`] |
+//! | [`TextClassifier`] | [`TextClassifierConfig`]: `vocab_size = 32`, `max_len = 32`, `d_model = 32`, `heads = 2`, `layers = 1`, `d_ff = 64`, `dropout = 0.0`, `classes = 2` | [`TextBatch`] ([`TextBatcher`], pads) | cross-entropy, `ClassificationOutput` | [`SyntheticText`] |
+//!
+//! [`RegressionConfig::check`] and [`TextClassifierConfig::check`] name the
+//! key at fault ([`CheckError`]), including for a layer above
+//! [`MAX_LAYER_WEIGHTS`]; their `init` functions, like
+//! [`DigitsModel::from_options`], draw every parameter before returning, as
+//! [`with_model`] does. The synthetic data sets compute item `index` from
+//! `(seed, index)` on demand and store nothing.
 //!
 //! # Adding a model
 //!
@@ -86,7 +110,10 @@
 //! ```
 //!
 //! The name appears in [`MODEL_NAMES`] and in the "unknown model" error from
-//! then on.
+//! then on. For burn-train, also add a variant to [`DigitsModel`] (with its
+//! arm in `DigitsModel::from_options` and its name in [`DIGITS_MODEL_NAMES`];
+//! a unit test checks that the two name lists agree) and the model type to
+//! the `classification_steps!` line in `src/classifier.rs`.
 
 #![warn(missing_docs)]
 
@@ -95,15 +122,28 @@ use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde::de::DeserializeOwned;
 
+mod classifier;
 mod cnn;
 mod error;
 mod mlp;
 mod registry;
+mod regression;
+mod rng;
+mod text;
 
+pub use classifier::{classification_output, DigitsModel, FeaturesBatch, DIGITS_MODEL_NAMES};
 pub use cnn::{Cnn, CnnOptions};
-pub use error::{CheckError, ModelError};
+pub use error::{CheckError, DatasetError, ModelError};
 pub use mlp::{Mlp, MlpOptions};
 pub use registry::{validate, with_model, MODEL_NAMES};
+pub use regression::{
+    RegressionBatch, RegressionBatcher, RegressionConfig, RegressionItem, RegressionModel,
+    SyntheticRegression, SYNTHETIC_REGRESSION_NOISE,
+};
+pub use text::{
+    SyntheticText, TextBatch, TextBatcher, TextClassifier, TextClassifierConfig, TextItem,
+    PAD_TOKEN, RESERVED_TOKEN,
+};
 
 /// A classifier the trainer can train: flat features in, logits out.
 pub trait Classifier<B: Backend>: Module<B> + core::fmt::Debug {
@@ -200,6 +240,27 @@ pub(crate) fn check_dropout(dropout: f64) -> Result<(), CheckError> {
             "dropout",
             format!("expected a probability in [0, 1), found {dropout}"),
         ))
+    }
+}
+
+/// The most weights one layer of a model may have: `2^28` (1 GiB of `f32`).
+///
+/// The `check` functions reject larger layers by naming the option at fault,
+/// so that a mistyped width (`hidden = [100000000]`) is a clear error rather
+/// than an allocation failure that aborts the process.
+pub const MAX_LAYER_WEIGHTS: usize = 1 << 28;
+
+/// What is wrong with a layer of `inputs x outputs` weights, if it is larger
+/// than [`MAX_LAYER_WEIGHTS`] (or its size overflows `usize`); `layer` names it
+/// in the message.
+pub(crate) fn oversized_layer(layer: &str, inputs: usize, outputs: usize) -> Option<String> {
+    match inputs.checked_mul(outputs) {
+        Some(weights) if weights <= MAX_LAYER_WEIGHTS => None,
+        weights => Some(format!(
+            "{layer} would have {inputs} x {outputs} = {} weights, more than the limit of \
+             {MAX_LAYER_WEIGHTS} (2^28) per layer; is a size mistyped?",
+            weights.map_or_else(|| "more than usize::MAX".to_owned(), |w| w.to_string()),
+        )),
     }
 }
 

@@ -128,28 +128,38 @@ impl<B: AutodiffBackend, T: ModelTask<B>> ModelTask<B> for Materialized<T> {
         M: Classifier<B> + AutodiffModule<B> + 'static,
         M::InnerModule: Classifier<B::InnerBackend>,
     {
-        struct DrawParams;
-
-        impl<B: Backend> ModuleVisitor<B> for DrawParams {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                // `val` runs the lazy initialiser once and caches the tensor.
-                drop(param.val());
-            }
-            fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
-                drop(param.val());
-            }
-            fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
-                drop(param.val());
-            }
-        }
-
-        model.visit(&mut DrawParams);
+        draw_params(&model);
         self.0.run(model)
     }
 }
 
-/// Deserializes and checks the options of model `model`.
-fn parse<O: ModelOptions>(
+/// Draws every parameter of `model` that is still uninitialised, in
+/// declaration order (Burn runs a parameter's initialiser on first use; after
+/// this the values depend only on the backend's RNG state before the model
+/// was built, not on which parameter is used first).
+pub(crate) fn draw_params<B: Backend, M: Module<B>>(model: &M) {
+    struct DrawParams;
+
+    impl<B: Backend> ModuleVisitor<B> for DrawParams {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            // `val` runs the lazy initialiser once and caches the tensor.
+            drop(param.val());
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
+            drop(param.val());
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
+            drop(param.val());
+        }
+    }
+
+    model.visit(&mut DrawParams);
+}
+
+/// Deserializes and checks the options of model `model`: the input shape
+/// every model relies on, then the keys (unknown or wrongly typed keys named),
+/// then [`ModelOptions::check`].
+pub(crate) fn parse<O: ModelOptions>(
     model: &str,
     options: &toml::Table,
     input: &InputShape,
