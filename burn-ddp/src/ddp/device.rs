@@ -125,6 +125,73 @@ where
     }
 }
 
+/// What `burn::backend::Cuda` can do with NCCL, whichever type it is in the user's build: Burn's
+/// plain CUDA backend (`CubeBackend<CudaRuntime, ..>`, this workspace) hands its buckets to
+/// NCCL in place; with Burn's default features it is `Fusion<CubeBackend<..>>`, whose tensors
+/// have no stable device address before the fusion stream is drained, so gradients go through
+/// the host there ([`NcclBackend::NCCL`] is `false` and the caller falls back to host staging).
+pub trait NcclBackend: BucketOps {
+    /// Whether [`sync_nccl`](NcclBackend::sync_nccl) works on this backend.
+    const NCCL: bool;
+
+    /// [`Reducer::sync`](super::Reducer::sync) through [`NcclBuckets`]. Collective.
+    ///
+    /// # Errors
+    /// What the reducer reports; [`DdpError::Unsupported`] where `NCCL` is `false`.
+    fn sync_nccl<B, M>(
+        reducer: &mut super::Reducer,
+        group: &mut NcclProcessGroup,
+        model: &M,
+        grads: &mut burn::optim::GradientsParams,
+    ) -> Result<(), DdpError>
+    where
+        B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
+        M: burn::module::AutodiffModule<B>;
+}
+
+impl<F, I, BT> NcclBackend for CubeBackend<CudaRuntime, F, I, BT>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    const NCCL: bool = true;
+
+    fn sync_nccl<B, M>(
+        reducer: &mut super::Reducer,
+        group: &mut NcclProcessGroup,
+        model: &M,
+        grads: &mut burn::optim::GradientsParams,
+    ) -> Result<(), DdpError>
+    where
+        B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
+        M: burn::module::AutodiffModule<B>,
+    {
+        reducer.sync::<B, M, _>(&mut NcclBuckets(group), model, grads)
+    }
+}
+
+impl<FB: burn_fusion::FusionBackend> NcclBackend for burn_fusion::Fusion<FB> {
+    const NCCL: bool = false;
+
+    fn sync_nccl<B, M>(
+        _reducer: &mut super::Reducer,
+        _group: &mut NcclProcessGroup,
+        _model: &M,
+        _grads: &mut burn::optim::GradientsParams,
+    ) -> Result<(), DdpError>
+    where
+        B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
+        M: burn::module::AutodiffModule<B>,
+    {
+        Err(DdpError::Unsupported(
+            "NCCL buckets on Burn's fusion backend (burn::backend::Cuda with Burn's default \
+             features): average gradients through the host (distributed.gradient_sync = \"host\")"
+                .into(),
+        ))
+    }
+}
+
 /// [`CudaBuffers::with_float_ptr`] for a `CubeTensor` of the 4-byte `dtype`.
 fn with_cube_ptr<B: Backend<Device = <CudaRuntime as cubecl::Runtime>::Device>, T>(
     tensor: &CubeTensor<CudaRuntime>,

@@ -18,6 +18,6 @@ pub mod reducer;
 
 pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
-pub use device::{CudaBuffers, NcclBuckets};
+pub use device::{CudaBuffers, NcclBackend, NcclBuckets};
 pub use module::{param_checksum, prepare_module};
 pub use reducer::{Reducer, ReducerStats};
