@@ -1,6 +1,10 @@
 //! The launcher: `--nproc-per-node N` starts N ranks of this same program on this machine and
-//! supervises them, like `torchrun`.
+//! supervises them, like `torchrun`; `trainer launch [OPTIONS] -- PROGRAM [ARGS...]` does the
+//! same for any other program (torchrun's `--no-python`).
 //!
+//! - What to start, where, with which environment, is decided first by the pure
+//!   [`LaunchPlan`](crate::launch_plan::LaunchPlan); this file only binds, spawns and waits. The
+//!   variables each rank gets are listed in [`crate::worker_env`].
 //! - On the first node (`--node-rank 0`) the launcher hosts the rendezvous store itself (so the
 //!   port is bound before any rank starts: no race for a "free" port), on loopback when every
 //!   rank is local and on all interfaces otherwise. Without `--master-port` on a single node the
@@ -9,100 +13,130 @@
 //!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job token, and dies with the
 //!   launcher (`PR_SET_PDEATHSIG`), so no orphan outlives it.
 //! - The first rank to fail stops the others (SIGTERM, then SIGKILL after a grace period), and
-//!   the launcher reports which rank failed and how, last, where the user looks.
+//!   the launcher reports which rank failed and how, last, where the user looks; with
+//!   `--max-restarts K` every rank is then started again, up to K times.
 
+use std::ffi::{OsStr, OsString};
 use std::io::IsTerminal;
 use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use burn_ddp::init::{AGENT_STORE_VAR, TOKEN_VAR};
 use burn_ddp::store::TcpStoreServer;
 use clap::Args;
 
-use crate::cli::{UsageError, WORKER_VAR};
+use crate::error::UsageError;
+pub use crate::launch_plan::LaunchArgs;
+use crate::launch_plan::{LaunchEnv, LaunchPlan};
 use crate::ranklog::RankLog;
+use crate::worker_env::{THREADS_VAR, TOKEN_VAR};
 
-/// torchrun-style launch options.
-#[derive(Args, Debug, Clone, Default)]
-pub struct LaunchArgs {
-    /// Start this many ranks on this machine and supervise them.
-    #[arg(long)]
-    pub nproc_per_node: Option<usize>,
-    /// Number of machines in the job.
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
-    /// This machine's index, 0..nnodes (node 0 hosts the rendezvous store).
-    #[arg(long, default_value_t = 0)]
-    pub node_rank: usize,
-    /// Address of node 0, reachable from every node (default 127.0.0.1 on one node).
-    #[arg(long)]
-    pub master_addr: Option<String>,
-    /// Port of the rendezvous store on node 0 (default: a free port on one node, 29500 on
-    /// several).
-    #[arg(long)]
-    pub master_port: Option<u16>,
-    /// Also write each local rank's output to DIR/rank-N.log (appended across restarts; all
-    /// ranks' output is then piped, so rank 0 shows no progress bar).
-    #[arg(long, value_name = "DIR")]
-    pub log_dir: Option<std::path::PathBuf>,
-    /// After a rank fails, restart every local rank up to this many times; training resumes
-    /// from the newest complete checkpoint. Bad input (exit code 2) is never retried.
-    #[arg(long, default_value_t = 0)]
-    pub max_restarts: usize,
+/// Kept here too for the callers that still name it `launch::RESTART_COUNT_VAR`.
+pub use crate::worker_env::RESTART_COUNT_VAR;
+
+/// `trainer launch [OPTIONS] -- PROGRAM [ARGS...]`: any program as N supervised ranks.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchCommand {
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+    /// The program every rank runs (looked up in PATH unless it contains a `/`), and its
+    /// arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    pub program: Vec<OsString>,
 }
 
-/// Set in every rank's environment: how many times the job was restarted (torchrun's
-/// `TORCHELASTIC_RESTART_COUNT`).
-pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
+/// The program every rank runs, and its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Program {
+    pub exe: PathBuf,
+    pub args: Vec<OsString>,
+}
+
+impl Program {
+    /// This same program with this process's arguments: `trainer ... --nproc-per-node N`
+    /// starts N copies of itself, which see the launcher's variables and train.
+    pub fn this_process() -> anyhow::Result<Self> {
+        let exe =
+            std::env::current_exe().context("cannot find this program's path to start ranks")?;
+        Ok(Self {
+            exe,
+            args: std::env::args_os().skip(1).collect(),
+        })
+    }
+
+    /// `command[0]` found the way `execvp` finds it — in `PATH` (`/bin:/usr/bin` when unset)
+    /// unless it contains a `/` — with the rest of `command` as its arguments. A program that
+    /// is not there, or not executable, is a [`UsageError`] naming it, before any rank starts.
+    pub fn resolve(command: &[OsString]) -> Result<Self, UsageError> {
+        let (name, args) = command
+            .split_first()
+            .ok_or_else(|| UsageError("no program to launch (give it after `--`)".into()))?;
+        let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+        let exe = find_program(name, &path)?;
+        Ok(Self {
+            exe,
+            args: args.to_vec(),
+        })
+    }
+}
+
+/// Looks `name` up like `execvp`: a name with a `/` is taken as a path, anything else is
+/// searched in the directories of `search_path` (an empty entry is the current directory).
+fn find_program(name: &OsStr, search_path: &OsStr) -> Result<PathBuf, UsageError> {
+    let shown = Path::new(name).display();
+    if name.is_empty() {
+        return Err(UsageError(
+            "the program to launch is an empty string".into(),
+        ));
+    }
+    if name.as_encoded_bytes().contains(&b'/') {
+        let path = PathBuf::from(name);
+        return match std::fs::metadata(&path) {
+            Ok(meta) if is_executable(&meta) => Ok(path),
+            Ok(_) => Err(UsageError(format!(
+                "cannot launch `{shown}`: not an executable file"
+            ))),
+            Err(e) => Err(UsageError(format!("cannot launch `{shown}`: {e}"))),
+        };
+    }
+    std::env::split_paths(search_path)
+        .map(|dir| {
+            if dir.as_os_str().is_empty() {
+                PathBuf::from(".").join(name)
+            } else {
+                dir.join(name)
+            }
+        })
+        .find(|candidate| std::fs::metadata(candidate).is_ok_and(|m| is_executable(&m)))
+        .ok_or_else(|| {
+            UsageError(format!(
+                "cannot launch `{shown}`: no such program in PATH ({})",
+                Path::new(search_path).display()
+            ))
+        })
+}
+
+fn is_executable(meta: &std::fs::Metadata) -> bool {
+    meta.is_file() && meta.permissions().mode() & 0o111 != 0
+}
 
 /// How long ranks get to exit after SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(10);
 
-/// Starts the local ranks and waits for them. `config` is checked first, so a bad file fails
-/// once, with exit code 2, before any rank starts.
-pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCode> {
-    let nproc = args.nproc_per_node.unwrap_or(1);
-    if nproc == 0 {
-        return Err(UsageError("--nproc-per-node must be at least 1".into()).into());
-    }
-    if args.nnodes == 0 || args.node_rank >= args.nnodes {
-        return Err(UsageError(format!(
-            "--node-rank {} is not in 0..{} (--nnodes)",
-            args.node_rank, args.nnodes
-        ))
-        .into());
-    }
-    if let Some(path) = config {
-        crate::train::preflight(path)?;
-    }
-    let master_addr = match (&args.master_addr, args.nnodes) {
-        (Some(a), _) => a.clone(),
-        (None, 1) => "127.0.0.1".to_string(),
-        (None, _) => {
-            return Err(UsageError(
-                "--master-addr (node 0's address) is required with --nnodes > 1".into(),
-            )
-            .into())
-        }
-    };
-    let token = std::env::var(TOKEN_VAR).unwrap_or_else(|_| random_token());
-    let world_size = nproc * args.nnodes;
-    // Like torchrun's OMP_NUM_THREADS: N ranks on one machine share its cores instead of each
-    // starting a thread per core (which oversubscribes the machine N times).
-    let threads_per_rank = std::env::var("RAYON_NUM_THREADS").ok().unwrap_or_else(|| {
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        (cores / nproc).max(1).to_string()
-    });
-    let exe = std::env::current_exe().context("cannot find this program's path to start ranks")?;
-    let argv: Vec<String> = std::env::args().skip(1).collect();
+/// Starts the local ranks of `program` and waits for them (and restarts them, if asked).
+///
+/// Returns the job's exit code: 0 when every rank succeeded, the failing rank's code (1 when
+/// killed by a signal), or 128 + N when the launcher got signal N. Invalid options are a
+/// [`UsageError`]. Checks of the program's input (a config file, for example) are the caller's,
+/// before this call, so that bad input fails once instead of once per rank.
+pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> {
+    let plan = LaunchPlan::new(args, &machine())?;
 
     // Ctrl-C or SIGTERM: stop every rank, then exit (the flag is polled by `supervise`).
     let interrupted = Arc::new(AtomicUsize::new(0));
@@ -111,70 +145,32 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
             .context("cannot install the signal handler")?;
     }
 
-    let mut port = args
-        .master_port
-        .unwrap_or(if args.nnodes == 1 { 0 } else { 29500 });
-    for attempt in 0..=args.max_restarts {
+    let mut port = plan.port;
+    for attempt in 0..=plan.max_restarts {
         // A fresh store per attempt: the ranks of a restarted job start from an empty store.
-        let server = if args.node_rank == 0 {
-            let local_only = args.nnodes == 1 && is_loopback_name(&master_addr);
-            let host = if local_only { "127.0.0.1" } else { "0.0.0.0" };
-            let server = TcpStoreServer::bind(&format!("{host}:{port}"), &token)
-                .map_err(|e| UsageError(e.to_string()))?;
-            port = server.local_addr().port();
-            Some(server)
-        } else {
-            None
+        let server = match plan.store_bind_addr(port) {
+            Some(addr) => {
+                let server = TcpStoreServer::bind(&addr, &plan.token)
+                    .map_err(|e| UsageError(e.to_string()))?;
+                port = server.local_addr().port();
+                Some(server)
+            }
+            None => None,
         };
         tracing::info!(
-            "launching {nproc} rank(s) on node {} of {} (world size {world_size}), store at {master_addr}:{port}{}",
-            args.node_rank,
-            args.nnodes,
-            if attempt > 0 { format!(", restart {attempt} of {}", args.max_restarts) } else { String::new() }
+            "launching {} rank(s) on node {} of {} (world size {}), store at {}:{port}{}",
+            plan.nproc,
+            plan.node_rank,
+            plan.nnodes,
+            plan.world_size,
+            plan.master_addr,
+            if attempt > 0 {
+                format!(", restart {attempt} of {}", plan.max_restarts)
+            } else {
+                String::new()
+            }
         );
-        let mut children = Vec::with_capacity(nproc);
-        for local_rank in 0..nproc {
-            let rank = args.node_rank * nproc + local_rank;
-            let mut cmd = Command::new(&exe);
-            cmd.args(&argv)
-                .env(WORKER_VAR, "1")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world_size.to_string())
-                .env("LOCAL_RANK", local_rank.to_string())
-                .env("LOCAL_WORLD_SIZE", nproc.to_string())
-                .env("GROUP_RANK", args.node_rank.to_string())
-                .env("MASTER_ADDR", &master_addr)
-                .env("MASTER_PORT", port.to_string())
-                .env(TOKEN_VAR, &token)
-                .env("RAYON_NUM_THREADS", &threads_per_rank)
-                .env(RESTART_COUNT_VAR, attempt.to_string())
-                .env(AGENT_STORE_VAR, if server.is_some() { "1" } else { "0" });
-            // Rank 0 keeps the terminal (its progress bar needs one); the others are tagged.
-            let forward = rank != 0 || !std::io::stderr().is_terminal() || args.log_dir.is_some();
-            if forward {
-                cmd.stderr(Stdio::piped());
-            }
-            die_with_parent(&mut cmd);
-            let started = args
-                .log_dir
-                .as_deref()
-                .map(|dir| open_log(dir, rank))
-                .transpose()
-                .and_then(|file| {
-                    let mut child = cmd
-                        .spawn()
-                        .with_context(|| format!("cannot start rank {rank} ({})", exe.display()))?;
-                    let log = child.stderr.take().map(|e| RankLog::forward(rank, e, file));
-                    Ok(Rank { rank, child, log })
-                });
-            match started {
-                Ok(started) => children.push(started),
-                Err(e) => {
-                    stop_all(&mut children, &vec![None; nproc]);
-                    return Err(e);
-                }
-            }
-        }
+        let children = start_ranks(&plan, program, port, attempt)?;
         let outcome = supervise(children, &interrupted);
         drop(server);
         match outcome {
@@ -183,17 +179,71 @@ pub fn launch(args: &LaunchArgs, config: Option<&Path>) -> anyhow::Result<ExitCo
                 eprintln!("trainer launcher: stopped every rank on signal {sig}");
                 return Ok(ExitCode::from(128 + sig as u8));
             }
-            // Bad input: retrying cannot help.
-            Outcome::Failed { code: 2 } => return Ok(ExitCode::from(2)),
-            Outcome::Failed { code } if attempt == args.max_restarts => return Ok(ExitCode::from(code)),
-            Outcome::Failed { .. } => eprintln!(
-                "trainer launcher: restarting every rank ({} of {} restarts); training resumes from the newest complete checkpoint",
+            Outcome::Failed { code } if plan.restarts_after(code, attempt) => eprintln!(
+                "trainer launcher: restarting every rank ({} of {} restarts, {RESTART_COUNT_VAR}={}); \
+                 a trainer resumes from its newest complete checkpoint",
                 attempt + 1,
-                args.max_restarts
+                plan.max_restarts,
+                attempt + 1
             ),
+            Outcome::Failed { code } => return Ok(ExitCode::from(code)),
         }
     }
     unreachable!("the last attempt always returns")
+}
+
+/// What the plan needs from this machine: its cores, the launcher's `RAYON_NUM_THREADS`, and
+/// the job token (the launcher's `BURN_DDP_TOKEN`, else 128 fresh random bits).
+fn machine() -> LaunchEnv {
+    LaunchEnv {
+        cores: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        threads: std::env::var(THREADS_VAR).ok(),
+        token: std::env::var(TOKEN_VAR).unwrap_or_else(|_| random_token()),
+    }
+}
+
+/// Starts every local rank of one attempt; if one cannot start, stops those already started.
+fn start_ranks(
+    plan: &LaunchPlan,
+    program: &Program,
+    port: u16,
+    attempt: usize,
+) -> anyhow::Result<Vec<Rank>> {
+    let stderr_is_terminal = std::io::stderr().is_terminal();
+    let mut children = Vec::with_capacity(plan.nproc);
+    for local_rank in 0..plan.nproc {
+        let rank = plan.rank(local_rank);
+        let mut cmd = Command::new(&program.exe);
+        cmd.args(&program.args)
+            .envs(plan.rank_env(local_rank, port, attempt));
+        if plan.pipes_stderr(rank, stderr_is_terminal) {
+            cmd.stderr(Stdio::piped());
+        }
+        die_with_parent(&mut cmd);
+        let started = plan
+            .log_dir
+            .as_deref()
+            .map(|dir| open_log(dir, rank))
+            .transpose()
+            .and_then(|file| {
+                let mut child = cmd.spawn().with_context(|| {
+                    format!("cannot start rank {rank} ({})", program.exe.display())
+                })?;
+                let log = child.stderr.take().map(|e| RankLog::forward(rank, e, file));
+                Ok(Rank { rank, child, log })
+            });
+        match started {
+            Ok(started) => children.push(started),
+            Err(e) => {
+                let done = vec![None; children.len()];
+                stop_all(&mut children, &done);
+                return Err(e);
+            }
+        }
+    }
+    Ok(children)
 }
 
 /// Opens (appending) DIR/rank-N.log.
@@ -392,13 +442,6 @@ pub fn describe(status: ExitStatus) -> String {
     }
 }
 
-fn is_loopback_name(addr: &str) -> bool {
-    addr == "localhost"
-        || addr
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
-}
-
 /// 128 random bits as hex, from the OS.
 fn random_token() -> String {
     let mut bytes = [0u8; 16];
@@ -412,4 +455,53 @@ fn random_token() -> String {
         bytes.copy_from_slice(&(nanos ^ ((std::process::id() as u128) << 64)).to_le_bytes());
     }
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn a_program_is_found_in_path_like_execvp_finds_it() {
+        let dir = std::env::temp_dir().join(format!("launch-find-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("hello-rank");
+        std::fs::write(&script, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let plain = dir.join("not-executable");
+        std::fs::write(&plain, "").unwrap();
+        let search = std::env::join_paths(["/nonexistent-dir", dir.to_str().unwrap()]).unwrap();
+
+        assert_eq!(
+            find_program("hello-rank".as_ref(), &search).unwrap(),
+            script
+        );
+        let missing = find_program("no-such-program-xyz".as_ref(), &search).unwrap_err();
+        assert!(missing.0.contains("`no-such-program-xyz`"), "{}", missing.0);
+        assert!(missing.0.contains("PATH"), "{}", missing.0);
+        // A file without execute permission is skipped, as execvp skips it.
+        assert!(find_program("not-executable".as_ref(), &search).is_err());
+        // With a `/`, PATH is not searched.
+        assert_eq!(
+            find_program(script.as_os_str(), "".as_ref()).unwrap(),
+            script
+        );
+        let gone = find_program("./no-such-file".as_ref(), &search).unwrap_err();
+        assert!(gone.0.contains("`./no-such-file`"), "{}", gone.0);
+        let plain = find_program(plain.as_os_str(), &search).unwrap_err();
+        assert!(plain.0.contains("not an executable file"), "{}", plain.0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_resolved_program_keeps_its_arguments() {
+        let program = Program::resolve(&os(&["sh", "-c", "echo $RANK"])).unwrap();
+        assert!(program.exe.ends_with("sh"), "{}", program.exe.display());
+        assert_eq!(program.args, os(&["-c", "echo $RANK"]));
+        assert!(Program::resolve(&[]).is_err());
+    }
 }

@@ -1,0 +1,133 @@
+//! `trainer launch [OPTIONS] -- PROGRAM [ARGS...]`: any program as supervised ranks, with the
+//! same environment, failure reports and restarts as `trainer --nproc-per-node N`.
+
+use crate::common::*;
+
+/// `trainer launch <options> -- <program...>`.
+fn launch(options: &[&str], program: &[&str]) -> Output {
+    run(trainer()
+        .arg("launch")
+        .args(options)
+        .arg("--")
+        .args(program))
+}
+
+#[test]
+fn every_rank_gets_its_rank_the_world_size_and_the_store_port() {
+    let out = launch(
+        &["--nproc-per-node", "2"],
+        &[
+            "sh",
+            "-c",
+            r#"echo "rank=$RANK world=$WORLD_SIZE local=$LOCAL_RANK port=$MASTER_PORT""#,
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let mut lines: Vec<&str> = out
+        .stdout
+        .lines()
+        .filter(|l| l.starts_with("rank="))
+        .collect();
+    lines.sort();
+    assert_eq!(lines.len(), 2, "one line per rank:\n{}", out.all());
+    let field = |line: &str, key: &str| -> String {
+        line.split(' ')
+            .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("no {key} in {line:?}"))
+            .to_string()
+    };
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(field(line, "rank"), i.to_string(), "{}", out.all());
+        assert_eq!(field(line, "local"), i.to_string(), "{}", out.all());
+        assert_eq!(field(line, "world"), "2", "{}", out.all());
+    }
+    // One store for the job, on the port the launcher bound (the OS picked it).
+    let port = field(lines[0], "port");
+    assert_eq!(port, field(lines[1], "port"), "{}", out.all());
+    assert!(port.parse::<u16>().is_ok_and(|p| p != 0), "{}", out.all());
+}
+
+#[test]
+fn a_failing_rank_fails_the_job_with_its_exit_code_and_is_named() {
+    // Rank 1 gives up; rank 0 would run for a minute, so it must be stopped by the launcher.
+    let out = launch(
+        &["--nproc-per-node", "2"],
+        &[
+            "sh",
+            "-c",
+            r#"if [ "$RANK" = 1 ]; then echo "rank one gives up" >&2; exit 3; fi; exec sleep 60"#,
+        ],
+    );
+    assert_eq!(out.code, Some(3), "{}", out.all());
+    assert!(
+        out.stderr.contains("rank 1 failed: exit code 3"),
+        "the report names the rank and its exit code:\n{}",
+        out.all()
+    );
+    assert!(
+        out.stderr.contains("[rank 1] rank one gives up"),
+        "the failing rank's own words are shown:\n{}",
+        out.all()
+    );
+    assert!(!out.stderr.contains("rank 0 failed"), "{}", out.all());
+}
+
+#[test]
+fn max_restarts_starts_every_rank_again_after_a_failure() {
+    let out = launch(
+        &["--nproc-per-node", "2", "--max-restarts", "1"],
+        &[
+            "sh",
+            "-c",
+            r#"if [ "$TRAINER_RESTART_COUNT" = 0 ]; then exit 1; fi; echo "rank $RANK ok on attempt $TRAINER_RESTART_COUNT""#,
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stderr.contains("restarting every rank (1 of 1"),
+        "{}",
+        out.all()
+    );
+    for rank in 0..2 {
+        assert!(
+            out.stdout.contains(&format!("rank {rank} ok on attempt 1")),
+            "{}",
+            out.all()
+        );
+    }
+}
+
+#[test]
+fn a_missing_program_is_bad_input_named_in_the_message() {
+    let out = launch(
+        &["--nproc-per-node", "2"],
+        &["no-such-program-for-burn-ddp", "--flag"],
+    );
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(
+        out.stderr.contains("no-such-program-for-burn-ddp"),
+        "the message names the program:\n{}",
+        out.all()
+    );
+    // Not a launch: no rank was started, so no failure report.
+    assert!(!out.stderr.contains("failed:"), "{}", out.all());
+}
+
+#[test]
+fn the_trainer_itself_trains_under_trainer_launch() {
+    let dir = scratch("launch-trainer");
+    let config = write_config(&dir, "launched", &digits_config(SGD, 8, "max_steps = 5"));
+    let exe = trainer().get_program().to_owned();
+    let out = run(trainer()
+        .args(["launch", "--nproc-per-node", "2", "--"])
+        .arg(exe)
+        .arg("--config")
+        .arg(&config));
+    assert_eq!(
+        out.code,
+        Some(0),
+        "2 ranks of `trainer --config` under `trainer launch`:\n{}",
+        out.all()
+    );
+    newest_checkpoint(&dir.join("launched-ckpt"));
+}
