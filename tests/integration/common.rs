@@ -218,17 +218,30 @@ pub fn max_abs_diff(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32
     worst
 }
 
-/// The percentage on the trainer's `final validation accuracy: X%` line.
-pub fn final_accuracy(out: &Output) -> f64 {
+/// The value of metric `name` on the engine's `final validation: Loss 0.07, Accuracy 97.77% (...)`
+/// line.
+pub fn final_metric(out: &Output, name: &str) -> f64 {
     let line = out
         .stdout
         .lines()
-        .find(|l| l.starts_with("final validation accuracy"))
-        .unwrap_or_else(|| panic!("no final accuracy line:\n{}", out.all()));
-    line.split_whitespace()
-        .nth(3)
-        .and_then(|v| v.trim_end_matches('%').parse().ok())
-        .unwrap_or_else(|| panic!("unreadable: {line}"))
+        .find(|l| l.starts_with("final validation:"))
+        .unwrap_or_else(|| panic!("no final validation line:\n{}", out.all()));
+    metric_on(line, name).unwrap_or_else(|| panic!("no {name} on: {line}"))
+}
+
+/// The number after `name ` on a line of `name value[unit]` pairs.
+pub fn metric_on(line: &str, name: &str) -> Option<f64> {
+    let rest = &line[line.find(&format!("{name} "))? + name.len() + 1..];
+    let number: String = rest
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || matches!(c, '.' | '-' | 'e' | 'N' | 'a'))
+        .collect();
+    number.parse().ok()
+}
+
+/// The validation accuracy (%) on the engine's final line.
+pub fn final_accuracy(out: &Output) -> f64 {
+    final_metric(out, "Accuracy")
 }
 
 /// A small, fast MLP run on the digits data; `{ckpt}`/`{out}` land in the test's scratch dir.

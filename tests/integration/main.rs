@@ -9,7 +9,11 @@ mod collectives;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod faults;
+mod launch;
 mod multinode;
+mod reference_models;
+mod tiers;
 mod training;
+mod user_crate;
 #[cfg(feature = "wgpu")]
 mod wgpu;

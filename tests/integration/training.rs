@@ -232,7 +232,12 @@ fn bad_configs_exit_2_naming_the_field_or_file() {
         (
             "unknown-model",
             good.replace("name = \"mlp\"", "name = \"rnn\""),
-            "unknown model 'rnn'",
+            "\"rnn\" is not a known model",
+        ),
+        (
+            "unknown-model-key",
+            good.replace("hidden = [32]", "hiden = [32]"),
+            "hiden",
         ),
     ];
     for (name, body, needle) in cases {
@@ -307,7 +312,11 @@ fn a_checkpoint_of_another_model_is_refused_and_left_intact() {
         .arg("--checkpoint")
         .arg(&ckpt));
     assert_eq!(out.code, Some(0), "{}", out.all());
-    assert!(out.stdout.contains("validation accuracy"), "{}", out.all());
+    assert!(
+        out.stdout.contains("validation Loss") && out.stdout.contains("Accuracy"),
+        "{}",
+        out.all()
+    );
 }
 
 #[test]

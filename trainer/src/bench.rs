@@ -24,9 +24,12 @@ use burn::prelude::*;
 use clap::Args;
 use models::{Classifier, InputShape, MlpOptions};
 
-use crate::config::Config;
+use crate::backend::CpuBackend;
+use crate::builtin::classifier::ClassifierApp;
 use crate::data::{self, ClassificationBatch, ClassificationBatcher};
-use crate::train::CpuBackend;
+use crate::fit::AppConfig;
+
+type Config = AppConfig<ClassifierApp>;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {
@@ -199,7 +202,6 @@ fn plain_loop(config: &Config) -> anyhow::Result<f64> {
         let b: ClassificationBatch<B> =
             ClassificationBatcher.batch(items[from..from + batch].to_vec(), &device);
         let loss = loss_fn.forward(model.forward(b.inputs), b.targets);
-        let _ = loss.clone().into_scalar(); // the trainer reads the loss every step too
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(config.optimizer.learning_rate, model, grads);
     }

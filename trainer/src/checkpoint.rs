@@ -4,6 +4,7 @@
 //! <checkpoint.dir>/step-00000120/
 //!     model.safetensors   the weights, named as in the plain model (loads in Python too)
 //!     optimizer.mpk       the optimizer state (Burn's recorder, full precision)
+//!     scheduler.mpk       the learning-rate scheduler's record (Burn's recorder)
 //!     manifest.json       format version, model name and fingerprint, config fingerprint,
 //!                         world size, training position, and a checksum of each file
 //! ```
@@ -29,9 +30,10 @@ use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
 /// Bumped when the layout or the manifest changes incompatibly.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.mpk";
+const SCHEDULER_FILE: &str = "scheduler.mpk";
 const MANIFEST_FILE: &str = "manifest.json";
 
 /// Where training stands; everything needed to continue, independent of the world size.
@@ -107,6 +109,7 @@ pub fn save<B, M, O>(
     mut manifest: Manifest,
     model: &M,
     optim: &O,
+    scheduler: &[u8],
 ) -> anyhow::Result<PathBuf>
 where
     B: AutodiffBackend,
@@ -149,6 +152,10 @@ where
         manifest
             .checksums
             .insert(OPTIMIZER_FILE.to_string(), checksum(&optimizer));
+        write_synced(&tmp.join(SCHEDULER_FILE), scheduler)?;
+        manifest
+            .checksums
+            .insert(SCHEDULER_FILE.to_string(), checksum(scheduler));
         write_synced(
             &tmp.join(MANIFEST_FILE),
             serde_json::to_string_pretty(&manifest)?.as_bytes(),
@@ -197,7 +204,7 @@ fn crash_if_asked(step: usize) {
     let at = std::env::var("TRAINER_CRASH_IN_CHECKPOINT")
         .ok()
         .and_then(|v| v.parse::<usize>().ok());
-    let restarted = std::env::var(crate::launch::RESTART_COUNT_VAR).is_ok_and(|c| c != "0");
+    let restarted = std::env::var(crate::worker_env::RESTART_COUNT_VAR).is_ok_and(|c| c != "0");
     if at == Some(step) && !restarted {
         eprintln!("TRAINER_CRASH_IN_CHECKPOINT={step}: killing this process mid-checkpoint (fault injection)");
         // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
@@ -249,7 +256,7 @@ pub fn open(dir: &Path) -> anyhow::Result<Checkpoint> {
             manifest.format_version
         );
     }
-    for file in [MODEL_FILE, OPTIMIZER_FILE] {
+    for file in [MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE] {
         let bytes = fs::read(dir.join(file))
             .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
         let expected = manifest
@@ -326,6 +333,16 @@ where
         .into());
     }
     Ok(model)
+}
+
+/// The learning-rate scheduler's record of `ckpt` (see `crate::schedule`).
+pub fn scheduler_bytes(ckpt: &Checkpoint) -> anyhow::Result<Vec<u8>> {
+    fs::read(ckpt.dir.join(SCHEDULER_FILE)).with_context(|| {
+        format!(
+            "checkpoint {}: cannot read {SCHEDULER_FILE}",
+            ckpt.dir.display()
+        )
+    })
 }
 
 /// Loads the optimizer state of `ckpt` into `optim`.

@@ -1,6 +1,10 @@
-//! The command line. `trainer --config cfg.toml` trains; with `--nproc-per-node N` it first
-//! becomes a launcher that starts N ranks of itself (like `torchrun`); under torchrun, SLURM or
-//! Open MPI variables it is one rank of a job started by them.
+//! The `trainer` binary's command line: the engine's CLI ([`crate::run`]) for the built-in
+//! apps ([`crate::builtin`], picked by `[model] name`), plus the tools. Nothing imports this
+//! module but `main`.
+//!
+//! `trainer --config cfg.toml` trains; with `--nproc-per-node N` it first becomes a launcher
+//! that starts N ranks of itself (like `torchrun`); under torchrun, SLURM or Open MPI variables
+//! it is one rank of a job started by them. `trainer launch -- PROGRAM` launches any program.
 //!
 //! Exit codes: 0 success, 1 failure while running, 2 bad input (command line, config, data,
 //! checkpoint), or the failing rank's code when a launcher's rank fails.
@@ -8,15 +12,15 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 
-use crate::config::ConfigError;
-use crate::launch::{self, LaunchArgs};
-use crate::tools;
-use crate::train;
-
-/// Set by the launcher in its children's environment: "you are a rank, do not launch again".
-pub const WORKER_VAR: &str = "TRAINER_WORKER";
+use crate::backend::LearnAnywhere;
+use crate::builtin::{self, WithApp};
+use crate::error::UsageError;
+use crate::launch::{self, Program};
+use crate::run::{self, EvalArgs, TrainArgs};
+use crate::worker_env::WORKER_VAR;
+use crate::{bench, fit, tools};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -25,150 +29,79 @@ pub const WORKER_VAR: &str = "TRAINER_WORKER";
     about = "Data-parallel training of Burn models: one process per CPU rank or GPU",
     args_conflicts_with_subcommands = true
 )]
-pub struct Cli {
+struct Cli {
     #[command(subcommand)]
-    pub command: Option<Command>,
+    command: Option<Command>,
     #[command(flatten)]
-    pub train: TrainArgs,
-}
-
-#[derive(Args, Debug, Clone)]
-pub struct TrainArgs {
-    /// The TOML configuration (see configs/).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Start from scratch even if the checkpoint directory holds checkpoints.
-    #[arg(long)]
-    pub no_resume: bool,
-    #[command(flatten)]
-    pub launch: LaunchArgs,
+    train: TrainArgs,
 }
 
 #[derive(Subcommand, Debug)]
-pub enum Command {
+enum Command {
     /// Evaluate a checkpoint on the validation set.
-    Eval {
-        #[arg(long)]
-        config: PathBuf,
-        /// A checkpoint directory (`.../step-00000120`), or the checkpoint root for the newest.
-        #[arg(long)]
-        checkpoint: PathBuf,
-    },
+    Eval(EvalArgs),
     /// Run collectives on deterministic data and check every result (a network self-test).
     Collectives(tools::CollectiveArgs),
     /// Print an all-reduce bandwidth table (like nccl-tests) and this machine's ceilings.
     BenchAllreduce(tools::BenchArgs),
-    /// Measure the trainer against a plain Burn loop, and scaling from 1 to 2 processes.
-    BenchTrain(crate::bench::BenchTrainArgs),
+    /// Measure the engine against a plain Burn loop, and scaling from 1 to 2 processes.
+    BenchTrain(bench::BenchTrainArgs),
+    /// Start any program as N supervised ranks, like `torchrun --no-python`:
+    /// `trainer launch --nproc-per-node N -- PROGRAM [ARGS...]`.
+    Launch(launch::LaunchCommand),
 }
 
-/// A problem with the user's input: exit code 2, message only.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct UsageError(pub String);
-
+/// The `trainer` binary.
 pub fn main() -> ExitCode {
     let cli = Cli::parse(); // clap prints usage errors itself and exits with 2
-    init_logging();
-    match run(cli) {
-        Ok(code) => code,
-        Err(e) => {
-            let rank = std::env::var("RANK")
-                .map(|r| format!("[rank {r}] "))
-                .unwrap_or_default();
-            eprintln!("{rank}error: {}", describe_error(&e));
-            ExitCode::from(exit_code(&e))
-        }
-    }
+    run::init_logging();
+    run::report(dispatch(cli))
 }
 
-/// The error and its causes, each cause once: library errors already include their source in
-/// their message, so a cause whose text is already shown is not repeated.
-pub fn describe_error(e: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in e.chain() {
-        let s = cause.to_string();
-        if !text.contains(&s) {
-            if !text.is_empty() {
-                text.push_str(": ");
-            }
-            text.push_str(&s);
-        }
-    }
-    text
-}
-
-/// 2 for input problems, 1 for everything else.
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    let usage = e.chain().any(|c| {
-        c.is::<UsageError>()
-            || c.is::<ConfigError>()
-            || c.is::<crate::data::DataError>()
-            || c.is::<models::ModelError>()
-            || c.is::<crate::checkpoint::CheckpointMismatch>()
-            || c.is::<burn_ddp::InitError>()
-            || matches!(
-                c.downcast_ref::<burn_ddp::DdpError>(),
-                Some(burn_ddp::DdpError::Init(_))
-            )
-    });
-    if usage {
-        2
-    } else {
-        1
-    }
-}
-
-fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     let is_worker = std::env::var_os(WORKER_VAR).is_some();
     match cli.command {
-        Some(Command::Eval { config, checkpoint }) => train::evaluate(&config, &checkpoint),
+        Some(Command::Eval(args)) => {
+            struct Eval(EvalArgs);
+            impl WithApp for Eval {
+                type Output = anyhow::Result<ExitCode>;
+                fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output {
+                    fit::evaluate(app, &self.0.config, &self.0.checkpoint)
+                }
+            }
+            let config = args.config.clone();
+            builtin::with_app(&config, Eval(args))?
+        }
         Some(Command::Collectives(args)) => {
             if args.launch.nproc_per_node.is_some() && !is_worker {
-                launch::launch(&args.launch, None)
+                launch::launch(&args.launch, &Program::this_process()?)
             } else {
                 tools::collectives(&args)
             }
         }
         Some(Command::BenchAllreduce(args)) => {
             if args.launch.nproc_per_node.is_some() && !is_worker {
-                launch::launch(&args.launch, None)
+                launch::launch(&args.launch, &Program::this_process()?)
             } else {
                 tools::bench_allreduce(&args)
             }
         }
-        Some(Command::BenchTrain(args)) => crate::bench::bench_train(&args),
+        Some(Command::BenchTrain(args)) => bench::bench_train(&args),
+        Some(Command::Launch(cmd)) => launch::launch(&cmd.launch, &Program::resolve(&cmd.program)?),
         None => {
-            let Some(config) = cli.train.config else {
+            let Some(config) = cli.train.config.clone() else {
                 return Err(
                     UsageError("missing --config FILE (try `trainer --help`)".into()).into(),
                 );
             };
-            if cli.train.launch.nproc_per_node.is_some() && !is_worker {
-                launch::launch(&cli.train.launch, Some(&config))
-            } else {
-                train::run(&config, cli.train.no_resume)
+            struct Train(PathBuf, TrainArgs);
+            impl WithApp for Train {
+                type Output = anyhow::Result<ExitCode>;
+                fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output {
+                    run::train_or_launch(app, &self.0, &self.1)
+                }
             }
+            builtin::with_app(&config, Train(config.clone(), cli.train))?
         }
     }
-}
-
-/// Logs go to stderr, tagged with the rank; `RUST_LOG` overrides the level (default: info on
-/// rank 0, warnings elsewhere so N ranks do not print N copies of everything).
-fn init_logging() {
-    use tracing_subscriber::EnvFilter;
-    let rank = std::env::var("RANK").ok();
-    let default = match rank.as_deref() {
-        None | Some("0") => "info",
-        Some(_) => "warn",
-    };
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    use std::io::IsTerminal;
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        .without_time()
-        .try_init();
 }

@@ -3,15 +3,24 @@
 
 use std::path::{Path, PathBuf};
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-/// A whole configuration file. Unknown keys are errors everywhere except inside `[model]`,
-/// whose keys the chosen model checks itself.
+/// A whole configuration file: the app's own `[model]` and `[data]` tables (`M`, `D`: see
+/// [`crate::app::App`]) and the engine's sections. Unknown keys are errors everywhere (the
+/// app's tables decide for themselves with `deny_unknown_fields`). Every engine field has one
+/// default, in its section's `Default` impl, used for a missing key and a missing section alike.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct Config {
-    pub model: ModelSection,
-    pub data: DataConfig,
+#[serde(
+    deny_unknown_fields,
+    bound(
+        serialize = "M: Serialize, D: Serialize",
+        deserialize = "M: DeserializeOwned, D: DeserializeOwned"
+    )
+)]
+pub struct Config<M, D> {
+    pub model: M,
+    pub data: D,
     #[serde(default)]
     pub optimizer: OptimizerConfig,
     #[serde(default)]
@@ -22,45 +31,6 @@ pub struct Config {
     pub distributed: DistributedConfig,
     #[serde(default)]
     pub output: OutputConfig,
-}
-
-/// `[model]`: `name` picks the model from the registry; the other keys are its options.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct ModelSection {
-    pub name: String,
-    #[serde(flatten)]
-    pub options: toml::Table,
-}
-
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum DataSource {
-    /// The vendored UCI digits (8x8 images, 10 classes).
-    Digits,
-    /// Random data of the configured shape, for benchmarks.
-    Synthetic,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct DataConfig {
-    pub source: DataSource,
-    /// The digits file (relative paths are relative to the working directory).
-    #[serde(default = "default_data_path")]
-    pub path: PathBuf,
-    /// Fraction held out for validation, after a seeded shuffle.
-    #[serde(default = "default_validation_fraction")]
-    pub validation_fraction: f64,
-    /// Seed of the train/validation split (fixed, independent of the training seed).
-    #[serde(default)]
-    pub split_seed: u64,
-    /// Synthetic data only: number of samples, features and classes.
-    #[serde(default = "default_synthetic_samples")]
-    pub samples: usize,
-    #[serde(default = "default_synthetic_features")]
-    pub features: usize,
-    #[serde(default = "default_synthetic_classes")]
-    pub classes: usize,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -89,25 +59,36 @@ pub enum LrSchedule {
     Constant,
     /// Cosine decay to zero over the whole run (after the warm-up).
     Cosine,
+    /// Burn's `NoamLrScheduler` (the Transformer paper's): `learning_rate` is its factor,
+    /// with `warmup_steps` (at least 1) and `model_size`.
+    Noam,
+}
+
+impl LrScaling {
+    /// The factor for `world_size` ranks.
+    pub fn factor(self, world_size: usize) -> f64 {
+        match self {
+            Self::None => 1.0,
+            Self::Linear => world_size as f64,
+            Self::Sqrt => (world_size as f64).sqrt(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct OptimizerConfig {
     pub name: OptimizerName,
     pub learning_rate: f64,
     /// SGD momentum (0 disables it).
-    #[serde(default)]
     pub momentum: f64,
-    #[serde(default)]
     pub weight_decay: f64,
-    #[serde(default)]
     pub lr_scaling: LrScaling,
-    #[serde(default)]
     pub schedule: LrSchedule,
-    /// Linear warm-up from 0 over this many optimizer steps.
-    #[serde(default)]
+    /// Linear warm-up from 0 over this many optimizer steps (Noam: its warm-up).
     pub warmup_steps: usize,
+    /// `schedule = "noam"` only: the model width in its `model_size^-0.5` factor.
+    pub model_size: usize,
 }
 
 impl OptimizerConfig {
@@ -116,17 +97,13 @@ impl OptimizerConfig {
     /// with a linear warm-up and the configured decay. A pure function of its inputs, so a
     /// resumed run continues the same schedule.
     pub fn learning_rate(&self, world_size: usize, step: usize, total_steps: usize) -> f64 {
-        let scale = match self.lr_scaling {
-            LrScaling::None => 1.0,
-            LrScaling::Linear => world_size as f64,
-            LrScaling::Sqrt => (world_size as f64).sqrt(),
-        };
-        let base = self.learning_rate * scale;
+        let base = self.learning_rate * self.lr_scaling.factor(world_size);
         if step < self.warmup_steps {
             return base * (step + 1) as f64 / self.warmup_steps as f64;
         }
         match self.schedule {
-            LrSchedule::Constant => base,
+            // Noam is stateful: `crate::schedule` steps Burn's scheduler instead.
+            LrSchedule::Constant | LrSchedule::Noam => base,
             LrSchedule::Cosine => {
                 let span = total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
                 let progress = ((step - self.warmup_steps) as f64 / span).min(1.0);
@@ -146,39 +123,37 @@ impl Default for OptimizerConfig {
             lr_scaling: LrScaling::None,
             schedule: LrSchedule::Constant,
             warmup_steps: 0,
+            model_size: 512,
         }
     }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct TrainingConfig {
     pub epochs: usize,
     /// Samples per rank per micro-batch; the global batch is this x world size x accumulation.
     pub batch_size: usize,
     /// Micro-batches per optimizer step; gradients are communicated once per step.
-    #[serde(default = "one")]
     pub accumulation_steps: usize,
     pub seed: u64,
     /// Drop the tail of each epoch that does not fill every rank equally (else pad, as PyTorch).
-    #[serde(default)]
     pub drop_last: bool,
     /// Shuffle the training order every epoch (seeded by seed + epoch).
-    #[serde(default = "yes")]
     pub shuffle: bool,
     /// Draw training samples with probability inversely proportional to their class's
     /// frequency (with replacement, as many draws per epoch as samples) instead of a shuffle.
-    #[serde(default)]
     pub balance_classes: bool,
     /// Stop after this many optimizer steps in total (for tests and benchmarks).
-    #[serde(default)]
     pub max_steps: Option<usize>,
     /// Log (and average across ranks) the training loss every this many steps.
-    #[serde(default = "default_log_every")]
     pub log_every: usize,
     /// Compare a checksum of the parameters across ranks every this many steps (0: never).
-    #[serde(default)]
     pub check_replicas_every: usize,
+    /// Threads that build batches ahead of the training thread (`Dataset::get` and the
+    /// batcher), like PyTorch's `DataLoader(num_workers=...)`; 0 builds them on the training
+    /// thread.
+    pub num_workers: usize,
 }
 
 impl Default for TrainingConfig {
@@ -192,31 +167,27 @@ impl Default for TrainingConfig {
             shuffle: true,
             balance_classes: false,
             max_steps: None,
-            log_every: default_log_every(),
+            log_every: 10,
             check_replicas_every: 0,
+            num_workers: 1,
         }
     }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Where rank 0 writes checkpoints; `None` disables them.
     pub dir: Option<PathBuf>,
     /// Also checkpoint every this many optimizer steps (0: only at the end of epochs).
-    #[serde(default)]
     pub every_steps: usize,
     /// Checkpoint at the end of every this many epochs (0: never at epoch ends).
-    #[serde(default = "one")]
     pub every_epochs: usize,
     /// Keep this many newest checkpoints.
-    #[serde(default = "default_keep_last")]
     pub keep_last: usize,
     /// Resume from the newest complete checkpoint in `dir` when there is one.
-    #[serde(default = "yes")]
     pub resume: bool,
     /// How long ranks other than 0 wait for rank 0 to finish writing.
-    #[serde(default = "default_checkpoint_timeout")]
     pub timeout_secs: u64,
 }
 
@@ -226,40 +197,35 @@ impl Default for CheckpointConfig {
             dir: None,
             every_steps: 0,
             every_epochs: 1,
-            keep_last: default_keep_last(),
+            keep_last: 3,
             resume: true,
-            timeout_secs: default_checkpoint_timeout(),
+            timeout_secs: 600,
         }
     }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct DistributedConfig {
     /// Largest gradient bucket in MiB (PyTorch's default, 25).
-    #[serde(default = "default_bucket_cap_mb")]
     pub bucket_cap_mb: f64,
     /// Deadline of set-up and of every collective.
-    #[serde(default = "default_timeout")]
     pub timeout_secs: u64,
     /// Warn about ranks that have not arrived after this long in one collective.
-    #[serde(default = "default_stall")]
     pub stall_warning_secs: u64,
     /// Where gradients are averaged: `"auto"`, `"host"` or `"nccl"` (see [`GradientSyncMode`]).
-    #[serde(default)]
     pub gradient_sync: GradientSyncMode,
     /// How gradient buckets travel: `"none"` (f32), `"bf16"` or `"fp16"` (see
     /// [`GradientCompression`]).
-    #[serde(default)]
     pub gradient_compression: GradientCompression,
 }
 
 impl Default for DistributedConfig {
     fn default() -> Self {
         Self {
-            bucket_cap_mb: default_bucket_cap_mb(),
-            timeout_secs: default_timeout(),
-            stall_warning_secs: default_stall(),
+            bucket_cap_mb: 25.0,
+            timeout_secs: 300,
+            stall_warning_secs: 60,
             gradient_sync: GradientSyncMode::default(),
             gradient_compression: GradientCompression::default(),
         }
@@ -333,22 +299,19 @@ pub enum DeviceKind {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct OutputConfig {
     /// Metrics (`metrics.jsonl`) and per-rank logs go here.
-    #[serde(default = "default_output_dir")]
     pub dir: PathBuf,
-    #[serde(default)]
     pub device: DeviceKind,
     /// Write each rank's visited sample indices to `samples-rank<R>.txt` (for tests).
-    #[serde(default)]
     pub log_samples: bool,
 }
 
 impl Default for OutputConfig {
     fn default() -> Self {
         Self {
-            dir: default_output_dir(),
+            dir: PathBuf::from("runs/default"),
             device: DeviceKind::Cpu,
             log_samples: false,
         }
@@ -361,49 +324,6 @@ fn fnv_hex(text: &str) -> String {
         (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
     });
     format!("{hash:016x}")
-}
-
-fn one() -> usize {
-    1
-}
-fn yes() -> bool {
-    true
-}
-fn default_data_path() -> PathBuf {
-    PathBuf::from("data/digits.csv.gz")
-}
-fn default_validation_fraction() -> f64 {
-    0.2
-}
-fn default_synthetic_samples() -> usize {
-    4096
-}
-fn default_synthetic_features() -> usize {
-    784
-}
-fn default_synthetic_classes() -> usize {
-    10
-}
-fn default_log_every() -> usize {
-    10
-}
-fn default_keep_last() -> usize {
-    3
-}
-fn default_checkpoint_timeout() -> u64 {
-    600
-}
-fn default_bucket_cap_mb() -> f64 {
-    25.0
-}
-fn default_timeout() -> u64 {
-    300
-}
-fn default_stall() -> u64 {
-    60
-}
-fn default_output_dir() -> PathBuf {
-    PathBuf::from("runs/default")
 }
 
 /// A configuration problem: the user must fix the file (exit code 2).
@@ -425,7 +345,7 @@ pub enum ConfigError {
     },
 }
 
-impl Config {
+impl<M: DeserializeOwned, D: DeserializeOwned> Config<M, D> {
     /// Reads, parses and validates `path`.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
@@ -437,14 +357,16 @@ impl Config {
 
     /// Parses and validates `text`; `path` is only used in messages.
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let config: Self = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             message: e.to_string().trim_end().to_string(),
         })?;
         config.validate(path)?;
         Ok(config)
     }
+}
 
+impl<M, D> Config<M, D> {
     fn validate(&self, path: &Path) -> Result<(), ConfigError> {
         let invalid = |field: &'static str, problem: String| {
             Err(ConfigError::Invalid {
@@ -471,21 +393,6 @@ impl Config {
             return invalid(
                 "optimizer.learning_rate",
                 format!("must be a positive number (got {lr})"),
-            );
-        }
-        let vf = self.data.validation_fraction;
-        if !(0.0..1.0).contains(&vf) {
-            return invalid(
-                "data.validation_fraction",
-                format!("must be in [0, 1) (got {vf})"),
-            );
-        }
-        if self.data.source == DataSource::Synthetic
-            && (self.data.samples == 0 || self.data.features == 0 || self.data.classes < 2)
-        {
-            return invalid(
-                "data.samples/features/classes",
-                "must be at least 1, 1 and 2 for synthetic data".into(),
             );
         }
         if self.distributed.bucket_cap_mb.is_nan() || self.distributed.bucket_cap_mb <= 0.0 {
@@ -516,7 +423,9 @@ impl Config {
         }
         Ok(())
     }
+}
 
+impl<M: Serialize, D: Serialize> Config<M, D> {
     /// A stable hash of the settings that shape the model, its training and its communication
     /// (bucket sizes, gradient sync), compared across ranks at start-up: ranks with different
     /// settings refuse to start.
@@ -545,9 +454,21 @@ impl Config {
 mod tests {
     use super::*;
 
+    /// A stand-in for an app's tables.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Model {
+        hidden: Vec<usize>,
+    }
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Data {
+        source: String,
+    }
+    type TestConfig = Config<Model, Data>;
+
     const MINIMAL: &str = r#"
 [model]
-name = "mlp"
 hidden = [32]
 [data]
 source = "digits"
@@ -557,18 +478,31 @@ batch_size = 8
 seed = 1
 "#;
 
-    fn parse(text: &str) -> Result<Config, ConfigError> {
+    fn parse(text: &str) -> Result<TestConfig, ConfigError> {
         Config::parse(text, Path::new("test.toml"))
     }
 
     #[test]
     fn minimal_config_gets_defaults() {
         let c = parse(MINIMAL).unwrap();
-        assert_eq!(c.model.name, "mlp");
-        assert!(c.model.options.contains_key("hidden"));
+        assert_eq!(c.model.hidden, vec![32]);
         assert_eq!(c.training.accumulation_steps, 1);
         assert_eq!(c.distributed.bucket_cap_mb, 25.0);
         assert_eq!(c.checkpoint.dir, None);
+    }
+
+    #[test]
+    fn one_default_per_field_with_or_without_its_section() {
+        let without = parse("[model]\nhidden = []\n[data]\nsource = \"x\"\n").unwrap();
+        let with = parse(
+            "[model]\nhidden = []\n[data]\nsource = \"x\"\n[training]\n[optimizer]\n[checkpoint]\n[distributed]\n[output]\n",
+        )
+        .unwrap();
+        assert_eq!(without, with);
+        assert_eq!(without.training, TrainingConfig::default());
+        assert_eq!(without.optimizer, OptimizerConfig::default());
+        let partial = parse(&MINIMAL.replace("epochs = 1\n", "")).unwrap();
+        assert_eq!(partial.training.epochs, TrainingConfig::default().epochs);
     }
 
     #[test]
@@ -588,10 +522,11 @@ seed = 1
             .unwrap_err()
             .to_string();
         assert!(err.contains("training.batch_size"), "{err}");
-        let err = parse(&MINIMAL.replace("source = \"digits\"", "source = \"mnist\""))
+        // The app's own table: an unknown key is named.
+        let err = parse(&MINIMAL.replace("hidden = [32]", "hidden = [32]\nhiden = 3"))
             .unwrap_err()
             .to_string();
-        assert!(err.contains("mnist"), "{err}");
+        assert!(err.contains("hiden"), "{err}");
     }
 
     #[test]
@@ -676,9 +611,7 @@ seed = 1
         b.training.seed = 2;
         assert_ne!(a.fingerprint(), b.fingerprint());
         assert_eq!(a.model_fingerprint(), b.model_fingerprint());
-        b.model
-            .options
-            .insert("hidden".into(), toml::Value::Array(vec![]));
+        b.model.hidden = vec![];
         assert_ne!(a.model_fingerprint(), b.model_fingerprint());
     }
 }

@@ -281,14 +281,9 @@ pub fn synthetic(
         .collect()
 }
 
-/// A batch of [`ClassificationItem`]s as tensors.
-#[derive(Clone, Debug)]
-pub struct ClassificationBatch<B: Backend> {
-    /// `[batch, features]`.
-    pub inputs: Tensor<B, 2>,
-    /// `[batch]` class indices.
-    pub targets: Tensor<B, 1, Int>,
-}
+/// A batch of [`ClassificationItem`]s as tensors: the input of the reference classifiers'
+/// `TrainStep` / `InferenceStep` (`inputs` `[batch, features]`, `targets` `[batch]`).
+pub type ClassificationBatch<B> = models::FeaturesBatch<B>;
 
 /// Stacks items into a [`ClassificationBatch`], one `Tensor::from_data` per
 /// tensor, in item order.
@@ -315,7 +310,7 @@ impl<B: Backend> Batcher<B, ClassificationItem, ClassificationBatch<B>> for Clas
             inputs.extend(item.features);
             targets.push(item.label as i64);
         }
-        ClassificationBatch {
+        models::FeaturesBatch {
             inputs: Tensor::from_data(TensorData::new(inputs, [batch_size, features]), device),
             targets: Tensor::from_data(TensorData::new(targets, [batch_size]), device),
         }

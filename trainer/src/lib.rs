@@ -1,25 +1,55 @@
-//! The `trainer` binary's modules.
+//! The burn-ddp engine and the `trainer` binary: train any Burn model data-parallel, one
+//! process per CPU rank or GPU.
+//!
+//! **Bring your own model** (three ways in, see README "Bring your own model"):
+//! 1. your own binary, the whole CLI: implement [`app::App`] + [`app::Learn`] and call
+//!    [`run::main`] (compiled example: `examples/custom-model/`);
+//! 2. your own loop: [`parallel::DataParallel`] (compiled example: `trainer/examples/own_loop.rs`);
+//! 3. the built-in models: `trainer --config configs/digits-mlp.toml`.
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`cli`] | the command line; decides launcher / worker / tool; exit codes |
-//! | [`config`] | the TOML schema, defaults and validation |
-//! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`), like torchrun |
-//! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
-//! | [`train`] | the training loop, top to bottom |
+//! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn<B>` (model, batchers, metrics) |
+//! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
+//! | [`parallel`] | tier 2: `DataParallel`, the handle for your own loop (join, prepare, average, shard, sum, checkpoint) |
+//! | [`fit`] | the training loop, validation and `eval`, for any app |
+//! | [`plan`] | the step plan (pure): steps, logs, checkpoints, validations |
+//! | [`schedule`] | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
+//! | [`loader`] | batches built ahead of the training thread (`training.num_workers`) |
+//! | [`backend`] | every backend and cargo feature: devices, gradient paths (host, NCCL) |
+//! | [`config`] | the engine's TOML sections, one default per field, validation |
 //! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
-//! | [`metrics`] | cross-rank averages, progress bar, metrics file |
-//! | [`data`] | the digits and synthetic data sets, batching |
+//! | [`metrics`] | burn-train metrics summed across ranks with counts, progress bar, metrics file |
+//! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`), like torchrun |
+//! | [`launch_plan`] | the launcher's pure decisions: ranks, each rank's environment, threads, port |
+//! | [`worker_env`] | the launcher ↔ worker contract: every environment variable and rendezvous key |
+//! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
+//! | [`error`] | `UsageError` (exit code 2), error reports and exit codes |
+//! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
+//! | [`data`] | the digits and synthetic classification data, batching |
 //! | [`tools`] | collective self-test and all-reduce benchmark |
-//! | [`bench`] | the trainer's overhead and scaling benchmark |
+//! | [`bench`] | the engine's overhead and scaling benchmark |
+//! | `cli` | the `trainer` binary's command line (imported by `main` only) |
 
+pub mod app;
+pub mod backend;
 pub mod bench;
+pub mod builtin;
 pub mod checkpoint;
+#[doc(hidden)]
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod error;
+pub mod fit;
 pub mod launch;
+pub mod launch_plan;
+pub mod loader;
 pub mod metrics;
+pub mod parallel;
+pub mod plan;
 pub mod ranklog;
+pub mod run;
+pub mod schedule;
 pub mod tools;
-pub mod train;
+pub mod worker_env;

@@ -1,12 +1,18 @@
-//! What the user sees and plots: cross-rank sums, rank 0's progress bar, and `metrics.jsonl`.
+//! What the user sees and plots: burn-train metrics summed across ranks with their counts,
+//! rank 0's progress bar, and `metrics.jsonl`.
 //!
 //! Only rank 0 draws and writes; every rank takes part in the sums (they are collectives).
 
+use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::Context;
+use burn::data::dataloader::Progress;
+use burn::train::metric::{
+    Adaptor, Metric, MetricAttributes, MetricMetadata, Numeric, NumericEntry,
+};
 use burn_ddp::{CollectiveError, ProcessGroup, ReduceOp};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -22,27 +28,196 @@ pub fn global_sum<const N: usize>(
     Ok(v)
 }
 
-/// One line of `metrics.jsonl`.
+/// One line of `metrics.jsonl`. Metric values are keyed by the burn-train metric's name
+/// (`"Loss"`, `"Accuracy"`, ...), each the global mean over the samples it covers.
 #[derive(Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Record {
-    /// Mean training loss over the steps since the previous record, over all ranks.
+    /// Training metrics over the steps since the previous record, over all ranks.
     Train {
         epoch: usize,
         step: usize,
-        loss: f64,
         lr: f64,
         samples_per_sec: f64,
         world_size: usize,
+        metrics: BTreeMap<String, f64>,
     },
     /// Validation over every validation sample exactly once.
     Valid {
         epoch: usize,
         step: usize,
-        loss: f64,
-        accuracy: f64,
         samples: usize,
+        metrics: BTreeMap<String, f64>,
     },
+}
+
+/// One numeric burn-train metric fed with items of type `I`, type-erased so that a set can hold
+/// metrics of different input types.
+trait NumericSlot<I>: Send {
+    fn name(&self) -> String;
+    fn unit(&self) -> Option<String>;
+    fn update(&mut self, item: &I, metadata: &MetricMetadata);
+    /// (value x count, count) since the last clear.
+    fn weighted(&self) -> (f64, f64);
+    fn clear(&mut self);
+}
+
+struct Slot<Me>(Me);
+
+impl<I, Me> NumericSlot<I> for Slot<Me>
+where
+    Me: Metric + Numeric + 'static,
+    I: Adaptor<Me::Input>,
+{
+    fn name(&self) -> String {
+        self.0.name().to_string()
+    }
+    fn unit(&self) -> Option<String> {
+        match self.0.attributes() {
+            MetricAttributes::Numeric(a) => a.unit,
+            MetricAttributes::None => None,
+        }
+    }
+    fn update(&mut self, item: &I, metadata: &MetricMetadata) {
+        self.0.update(&item.adapt(), metadata);
+    }
+    fn weighted(&self) -> (f64, f64) {
+        match self.0.running_value() {
+            NumericEntry::Aggregated { count: 0, .. } => (0.0, 0.0),
+            NumericEntry::Aggregated {
+                aggregated_value,
+                count,
+            } => (aggregated_value * count as f64, count as f64),
+            // A metric without counts (e.g. a learning rate) counts once per rank.
+            NumericEntry::Value(v) if v.is_nan() => (0.0, 0.0),
+            NumericEntry::Value(v) => (v, 1.0),
+        }
+    }
+    fn clear(&mut self) {
+        self.0.clear();
+    }
+}
+
+/// A set of burn-train numeric metrics (`LossMetric`, `AccuracyMetric`, any type implementing
+/// `Metric + Numeric`) computed on outputs of type `I` (the synced output of a `TrainStep` or
+/// `InferenceStep`, which must implement `Adaptor` to each metric's input, as burn-train's
+/// `ClassificationOutput` and `RegressionOutput` do; a metric the output cannot feed is a
+/// compile error at [`Metrics::with`]).
+///
+/// Across ranks, each metric is combined as `sum(value x count) / sum(count)`, never a mean of
+/// per-rank means, so unequal shards weigh by their samples.
+pub struct Metrics<I> {
+    slots: Vec<Box<dyn NumericSlot<I>>>,
+}
+
+impl<I> Default for Metrics<I> {
+    fn default() -> Self {
+        Self { slots: Vec::new() }
+    }
+}
+
+/// A metric's global value over the samples it covers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricValue {
+    pub name: String,
+    /// The metric's unit, e.g. `%`.
+    pub unit: Option<String>,
+    pub value: f64,
+    pub count: f64,
+}
+
+impl<I> Metrics<I> {
+    /// No metrics.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a numeric metric.
+    #[must_use]
+    pub fn with<Me>(mut self, metric: Me) -> Self
+    where
+        Me: Metric + Numeric + 'static,
+        I: Adaptor<Me::Input>,
+    {
+        self.slots.push(Box::new(Slot(metric)));
+        self
+    }
+
+    /// The metrics' names, in the order they were added.
+    pub fn names(&self) -> Vec<String> {
+        self.slots.iter().map(|s| s.name()).collect()
+    }
+
+    /// Feeds one synced output to every metric (local, no communication).
+    pub fn update(&mut self, item: &I, progress: Progress, iteration: usize, lr: Option<f64>) {
+        let metadata = MetricMetadata {
+            global_progress: Progress {
+                items_processed: progress.items_processed,
+                items_total: progress.items_total,
+            },
+            progress,
+            iteration: Some(iteration),
+            lr,
+        };
+        for slot in &mut self.slots {
+            slot.update(item, &metadata);
+        }
+    }
+
+    /// Every metric's global value since the last call, then clears them. Collective: every
+    /// rank calls it at the same point with the same metric set (one all-reduce).
+    pub fn global(
+        &mut self,
+        group: &mut impl ProcessGroup,
+    ) -> Result<Vec<MetricValue>, CollectiveError> {
+        let mut sums: Vec<f64> = self
+            .slots
+            .iter()
+            .flat_map(|s| {
+                let (weighted, count) = s.weighted();
+                [weighted, count]
+            })
+            .collect();
+        if !sums.is_empty() {
+            group.all_reduce(&mut sums, ReduceOp::Sum)?;
+        }
+        let values = self
+            .slots
+            .iter_mut()
+            .zip(sums.chunks_exact(2))
+            .map(|(slot, pair)| {
+                slot.clear();
+                MetricValue {
+                    name: slot.name(),
+                    unit: slot.unit(),
+                    value: if pair[1] > 0.0 {
+                        pair[0] / pair[1]
+                    } else {
+                        f64::NAN
+                    },
+                    count: pair[1],
+                }
+            })
+            .collect();
+        Ok(values)
+    }
+}
+
+/// `name value` pairs for a log line, e.g. `Loss 0.1234, Accuracy 97.50%`.
+pub fn describe(values: &[MetricValue]) -> String {
+    values
+        .iter()
+        .map(|v| match &v.unit {
+            Some(unit) => format!("{} {:.2}{unit}", v.name, v.value),
+            None => format!("{} {:.4}", v.name, v.value),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The values as a name → value map (for [`Record`]).
+pub fn as_map(values: &[MetricValue]) -> BTreeMap<String, f64> {
+    values.iter().map(|v| (v.name.clone(), v.value)).collect()
 }
 
 /// Rank 0's outputs; inert on other ranks.

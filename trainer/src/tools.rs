@@ -12,7 +12,7 @@ use burn_ddp::group::Element;
 use burn_ddp::{Distributed, ProcessGroup, ReduceOp, TcpGroupOptions};
 use clap::Args;
 
-use crate::cli::UsageError;
+use crate::error::UsageError;
 use crate::launch::LaunchArgs;
 
 #[derive(Args, Debug, Clone)]

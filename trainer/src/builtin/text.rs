@@ -1,0 +1,136 @@
+//! `[model] name = "text_transformer"`: a small transformer text classifier (integer token ids,
+//! a boolean padding mask, variable-length sequences padded per batch) on lazily generated
+//! synthetic sequences, as a user's app would be written.
+
+use std::sync::Arc;
+
+use burn::backend::Flex;
+use burn::data::dataset::transform::PartialDataset;
+use burn::data::dataset::Dataset;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextItem};
+use serde::{Deserialize, Serialize};
+
+use super::Named;
+use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
+use crate::metrics::Metrics;
+
+/// The `[model] name` of this app.
+pub const NAME: &str = "text_transformer";
+
+/// `[data]`: synthetic token sequences, generated per index.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct TextData {
+    /// Token ids are below this (0 is padding); at most the model's `vocab_size`.
+    pub vocab_size: usize,
+    pub samples: usize,
+    pub validation_samples: usize,
+    pub min_len: usize,
+    pub max_len: usize,
+    pub seed: u64,
+}
+
+impl Default for TextData {
+    fn default() -> Self {
+        Self {
+            vocab_size: 32,
+            samples: 2048,
+            validation_samples: 512,
+            min_len: 4,
+            max_len: 24,
+            seed: 0,
+        }
+    }
+}
+
+/// The text classification app.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TextApp;
+
+impl App for TextApp {
+    type ModelConfig = Named<TextClassifierConfig>;
+    type DataConfig = TextData;
+    type Item = TextItem;
+
+    fn name(&self, model: &Self::ModelConfig) -> String {
+        model.name.clone()
+    }
+
+    fn check(&self, model: &Self::ModelConfig, data: &TextData) -> Result<(), AppError> {
+        if data.samples == 0 || data.min_len == 0 || data.min_len > data.max_len {
+            return Err(AppError::key(
+                "data.samples/min_len/max_len",
+                "need samples >= 1 and 1 <= min_len <= max_len",
+            ));
+        }
+        if data.vocab_size < 4 || data.vocab_size > model.config.vocab_size {
+            return Err(AppError::key(
+                "data.vocab_size",
+                format!(
+                    "must be in 4..={} (the model's vocab_size), got {}",
+                    model.config.vocab_size, data.vocab_size
+                ),
+            ));
+        }
+        if data.max_len > model.config.max_len {
+            return Err(AppError::key(
+                "data.max_len",
+                format!(
+                    "{} is longer than the model's max_len {} (raise model.max_len)",
+                    data.max_len, model.config.max_len
+                ),
+            ));
+        }
+        model.config.check().map_err(|e| AppError(e.to_string()))
+    }
+
+    fn datasets(&self, d: &TextData) -> Result<Datasets<TextItem>, AppError> {
+        // One generator for both sets (the same task), split by index.
+        let total = d.samples + d.validation_samples;
+        let all = SyntheticText::new(total, d.vocab_size, d.min_len, d.max_len, d.seed)
+            .map(Arc::new)
+            .map_err(|e| AppError(format!("[data] {e}")))?;
+        let train = PartialDataset::new(all.clone(), 0, d.samples);
+        let valid = PartialDataset::new(all, d.samples, total);
+        Ok(Datasets {
+            train: Arc::new(train),
+            valid: (d.validation_samples > 0)
+                .then(|| Arc::new(valid) as Arc<dyn Dataset<TextItem>>),
+        })
+    }
+}
+
+impl<B: AutodiffBackend> Learn<B> for TextApp {
+    type Model = TextClassifier<B>;
+    type ValidModel = TextClassifier<B::InnerBackend>;
+    type TrainBatcher = TextBatcher;
+    type ValidBatcher = TextBatcher;
+
+    fn model(
+        &self,
+        model: &Self::ModelConfig,
+        _data: &TextData,
+        device: &B::Device,
+    ) -> Result<TextClassifier<B>, AppError> {
+        Ok(model.config.init(device))
+    }
+
+    fn batchers(&self, _model: &Self::ModelConfig, _data: &TextData) -> (TextBatcher, TextBatcher) {
+        let batcher = TextBatcher { pad_token: 0 };
+        (batcher, batcher)
+    }
+
+    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
+        Metrics::new()
+            .with(LossMetric::<Flex>::new())
+            .with(AccuracyMetric::<Flex>::new())
+    }
+
+    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
+        Metrics::new()
+            .with(LossMetric::<Flex>::new())
+            .with(AccuracyMetric::<Flex>::new())
+    }
+}

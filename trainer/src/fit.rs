@@ -1,0 +1,814 @@
+//! The engine's training loop, for any [`App`], read top to bottom:
+//!
+//! 1. **join the job** — one process or one rank of many (launcher, torchrun, SLURM); ranks
+//!    check that they run the same config;
+//! 2. **open the data** — the app's data sets, once per rank; only this rank's shard is read;
+//! 3. **build the model**, **restore** the newest checkpoint if there is one, and make replicas
+//!    equal (deterministic parameter ids, broadcast from rank 0);
+//! 4. **for each epoch**: the sampler gives this rank its shard of the epoch's global order
+//!    (skipping what a restored checkpoint already consumed); each optimizer step runs
+//!    `accumulation_steps` micro-batches through [`TrainStep::step`], averages the gradients
+//!    across ranks once, and calls [`TrainStep::optimize`]; then validation on every
+//!    validation sample exactly once, and a checkpoint — as the [`StepPlan`] says.
+//!
+//! No `cfg(feature)` here: backends and their gradient paths live in [`crate::backend`].
+
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::Progress;
+use burn::data::dataset::Dataset;
+use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig,
+};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::{InferenceStep, ItemLazy, TrainStep};
+use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
+use burn_ddp::Distributed;
+
+use crate::app::{App, AppError, Datasets, Learn};
+use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
+use crate::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::config::{Config, OptimizerName, TrainingConfig};
+use crate::error::UsageError;
+use crate::loader::BatchStream;
+use crate::metrics::{self, MetricValue, Metrics, Record, Reporter};
+use crate::parallel::{CheckpointPolicy, DataParallel};
+use crate::plan::{PlanInput, StepPlan};
+use crate::schedule::Schedule;
+
+/// The configuration of app `A`.
+pub type AppConfig<A> = Config<<A as App>::ModelConfig, <A as App>::DataConfig>;
+
+/// Checks what can be checked before any rank starts: the config file (the engine's sections
+/// and the app's tables), the app's own checks, and the device. Reads no data.
+pub fn preflight<A: App>(app: &A, config_path: &Path) -> anyhow::Result<AppConfig<A>> {
+    let config = AppConfig::<A>::load(config_path)?;
+    app.check(&config.model, &config.data)?;
+    if config.training.balance_classes && config.training.drop_last {
+        // The weighted sampler draws with replacement and never drops: say so instead of
+        // silently ignoring one of them.
+        bail!(UsageError(
+            "training.balance_classes draws with replacement and cannot drop_last: set one of them to false".into()
+        ));
+    }
+    let local_rank = std::env::var(crate::worker_env::LOCAL_RANK_VAR)
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    backend::device_available(config.output.device, local_rank)?;
+    Ok(config)
+}
+
+/// `--config FILE` as one rank (or the only process): train app `A`.
+pub fn run<A: LearnAnywhere>(
+    app: A,
+    config_path: &Path,
+    no_resume: bool,
+) -> anyhow::Result<ExitCode> {
+    let config = preflight(&app, config_path)?;
+    let data = app.datasets(&config.data)?;
+    if data.train.is_empty() {
+        bail!(AppError(
+            "data: the training set is empty (check the [data] table)".into()
+        ));
+    }
+    let dist = Distributed::from_env_or_standalone(backend::tcp_options(&config.distributed))?;
+    let (device, local_rank) = (config.output.device, dist.env.local_rank);
+    backend::with_backend::<A, _, _>(
+        device,
+        local_rank,
+        TrainTask {
+            app,
+            config,
+            dist,
+            data,
+            no_resume,
+        },
+    )
+}
+
+struct TrainTask<A: App> {
+    app: A,
+    config: AppConfig<A>,
+    dist: Distributed,
+    data: Datasets<A::Item>,
+    no_resume: bool,
+}
+
+impl<A: App> OnBackend<A> for TrainTask<A> {
+    type Output = anyhow::Result<ExitCode>;
+
+    fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
+    where
+        A: Learn<B>,
+    {
+        let TrainTask {
+            app,
+            config,
+            dist,
+            data,
+            no_resume,
+        } = self;
+        let ddp = DataParallel::new::<B>(dist, &config.distributed, config.output.device)?;
+        let c = &config.checkpoint;
+        let checkpoints = c.dir.clone().map(|dir| CheckpointPolicy {
+            dir,
+            keep_last: c.keep_last,
+            timeout: Duration::from_secs(c.timeout_secs),
+            model_name: app.name(&config.model),
+            model_fingerprint: config.model_fingerprint(),
+            config_fingerprint: config.fingerprint(),
+            seed: config.training.seed,
+        });
+        let resume = c.resume && !no_resume;
+        let mut job = Job::<A, B> {
+            app,
+            config,
+            ddp,
+            data,
+            device,
+            checkpoints,
+            resume,
+        };
+        job.ddp.check_same(&job.config.fingerprint())?;
+        B::seed(&job.device, job.config.training.seed);
+        let model = job
+            .app
+            .model(&job.config.model, &job.config.data, &job.device)?;
+        let summary = with_optimizer(&mut job, model)?;
+        if job.rank() == 0 {
+            println!("{}", summary.line(job.world_size()));
+        }
+        // Rank 0 may host the store: leave together.
+        job.ddp.barrier()?;
+        Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// The final validation metrics, `None` without a validation set.
+    pub validation: Option<Validation>,
+    pub steps: usize,
+}
+
+impl Summary {
+    /// The line rank 0 prints at the end of a run.
+    pub fn line(&self, world_size: usize) -> String {
+        match &self.validation {
+            Some(v) => format!(
+                "final validation: {} ({} samples, {} optimizer steps, world size {world_size})",
+                metrics::describe(&v.metrics),
+                v.samples,
+                self.steps
+            ),
+            None => format!(
+                "finished: {} optimizer steps, world size {world_size}; no validation set (data has none), so no validation metrics",
+                self.steps
+            ),
+        }
+    }
+}
+
+/// Validation results over all ranks.
+#[derive(Debug, Clone)]
+pub struct Validation {
+    pub metrics: Vec<MetricValue>,
+    pub samples: usize,
+    /// The optimizer step it was measured after.
+    pub step: usize,
+}
+
+/// Everything one rank's training needs.
+struct Job<A: App, B: AutodiffBackend> {
+    app: A,
+    config: AppConfig<A>,
+    ddp: DataParallel,
+    data: Datasets<A::Item>,
+    device: B::Device,
+    /// `None` without `checkpoint.dir`.
+    checkpoints: Option<CheckpointPolicy>,
+    /// Resume from the newest checkpoint (`checkpoint.resume`, not `--no-resume`).
+    resume: bool,
+}
+
+impl<A: App, B: AutodiffBackend> Job<A, B> {
+    fn rank(&self) -> usize {
+        self.ddp.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ddp.world_size()
+    }
+
+    /// The newest usable checkpoint, if resuming; every rank sees the same one. Collective.
+    fn find_checkpoint(&mut self) -> anyhow::Result<Option<Checkpoint>> {
+        match (&self.checkpoints, self.resume) {
+            (Some(policy), true) => self.ddp.latest_checkpoint(policy),
+            _ => Ok(None),
+        }
+    }
+
+    /// Rank 0 writes; the others wait for it. Collective.
+    fn save_checkpoint<M, O>(
+        &mut self,
+        position: TrainPosition,
+        model: &M,
+        optim: &O,
+        schedule: &Schedule,
+    ) -> anyhow::Result<()>
+    where
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let Some(policy) = &self.checkpoints else {
+            return Ok(());
+        };
+        let scheduler = schedule.to_bytes::<B>().map_err(anyhow::Error::msg)?;
+        self.ddp
+            .save_checkpoint::<B, M, O>(policy, position, model, optim, &scheduler)
+    }
+}
+
+/// Picks the configured optimizer, then runs [`fit`] with the concrete optimizer type.
+fn with_optimizer<A: Learn<B>, B: TrainBackend>(
+    job: &mut Job<A, B>,
+    model: A::Model,
+) -> anyhow::Result<Summary> {
+    let o = job.config.optimizer.clone();
+    let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig::new(o.weight_decay as f32));
+    match o.name {
+        OptimizerName::Sgd => {
+            let momentum = (o.momentum > 0.0).then(|| {
+                MomentumConfig::new()
+                    .with_momentum(o.momentum)
+                    .with_dampening(0.0)
+            });
+            let optim = SgdConfig::new()
+                .with_momentum(momentum)
+                .with_weight_decay(decay)
+                .init();
+            fit(job, model, optim)
+        }
+        OptimizerName::Adam => fit(
+            job,
+            model,
+            AdamConfig::new().with_weight_decay(decay).init(),
+        ),
+        OptimizerName::AdamW => {
+            let optim = AdamWConfig::new()
+                .with_weight_decay(o.weight_decay as f32)
+                .init();
+            fit(job, model, optim)
+        }
+    }
+}
+
+/// The loop itself (module docs, steps 3 and 4).
+fn fit<A, B, O>(job: &mut Job<A, B>, model: A::Model, optim: O) -> anyhow::Result<Summary>
+where
+    A: Learn<B>,
+    B: TrainBackend,
+    O: Optimizer<A::Model, B>,
+{
+    let t = job.config.training.clone();
+    let (rank, world) = (job.rank(), job.world_size());
+
+    // Restore, then make the replicas equal.
+    let restored = job.find_checkpoint()?;
+    let mut model = model;
+    let mut optim = optim;
+    let mut position = TrainPosition::default();
+    if let Some(ckpt) = &restored {
+        model = checkpoint::load_model::<B, A::Model>(ckpt, model)?;
+        position = ckpt.manifest.position;
+    }
+    let mut model = job.ddp.prepare(model)?;
+    if let Some(ckpt) = &restored {
+        optim = checkpoint::load_optimizer::<B, A::Model, O>(ckpt, optim, &job.device)?;
+        tracing::info!(
+            "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {world})",
+            ckpt.dir.display(),
+            position.epoch,
+            position.consumed,
+            position.step,
+            ckpt.manifest.world_size
+        );
+    }
+
+    let train = job.data.train.clone();
+    let train_len = train.len();
+    let weights = if t.balance_classes {
+        let w = job.app.sample_weights(&*train).ok_or_else(|| {
+            UsageError(
+                "training.balance_classes = true, but this app gives no per-sample weights (App::sample_weights)".into(),
+            )
+        })?;
+        Some(w)
+    } else {
+        None
+    };
+    let sampler = EpochSampler::new(train_len, &t, world, rank, weights)?;
+    let plan = StepPlan::new(
+        PlanInput {
+            train_len,
+            world_size: world,
+            batch_size: t.batch_size,
+            accumulation_steps: t.accumulation_steps,
+            epochs: t.epochs,
+            max_steps: t.max_steps,
+            log_every: t.log_every,
+            checkpoint_every_steps: job.config.checkpoint.every_steps,
+            checkpoint_every_epochs: job.config.checkpoint.every_epochs,
+            check_replicas_every: t.check_replicas_every,
+        },
+        position,
+        sampler.samples(0, 0).len(),
+        sampler
+            .samples(position.epoch as u64, position.consumed)
+            .len(),
+    );
+    let total_steps = plan.total_steps;
+    let mut schedule = Schedule::new(&job.config.optimizer, world, total_steps)?;
+    if let Some(ckpt) = &restored {
+        schedule = schedule
+            .load_bytes::<B>(checkpoint::scheduler_bytes(ckpt)?, &job.device)
+            .map_err(|reason| checkpoint::CheckpointMismatch {
+                dir: ckpt.dir.clone(),
+                reason,
+            })?;
+    }
+    let (train_batcher, valid_batcher) = job.app.batchers(&job.config.model, &job.config.data);
+    let (train_batcher, valid_batcher) = (Arc::new(train_batcher), Arc::new(valid_batcher));
+    let mut train_metrics = job.app.train_metrics();
+    let mut valid_metrics = job.app.valid_metrics();
+    let mut reporter = Reporter::new(
+        rank,
+        &job.config.output.dir,
+        total_steps as u64,
+        position.step as u64,
+    )?;
+    let mut window = Window::new();
+    let mut pending: Vec<<<A::Model as TrainStep>::Output as ItemLazy>::ItemSync> = Vec::new();
+    let mut unsynced: Vec<<A::Model as TrainStep>::Output> = Vec::new();
+    let mut last_saved = restored.as_ref().map(|c| c.manifest.position.step);
+    let mut last_valid: Option<Validation> = None;
+    let mut lr = 0.0;
+
+    while plan.more_after(position) {
+        let samples = sampler.samples(position.epoch as u64, position.consumed);
+        let epoch_start = position.consumed;
+        // Each optimizer step's micro-batches, as lists of data-set indices, for the loader.
+        let steps: Vec<&[Sample]> = samples.chunks(plan.per_step).collect();
+        let micro_indices: Vec<Vec<usize>> = steps
+            .iter()
+            .flat_map(|step| plan.micro_batches(step))
+            .map(|(micro, _)| micro.iter().map(|s| s.index).collect())
+            .collect();
+        let mut batches = BatchStream::new::<B, A::Item, A::TrainBatcher>(
+            train.clone(),
+            train_batcher.clone(),
+            job.device.clone(),
+            micro_indices,
+            t.num_workers,
+        );
+        for (k, step_samples) in steps.iter().enumerate() {
+            // Seeded per step, so dropout masks are the same in a resumed run.
+            B::seed(&job.device, t.seed.wrapping_add(position.step as u64 + 1));
+            let mut accumulator = GradientsAccumulator::<A::Model>::new();
+            for (_, weight) in plan.micro_batches(step_samples) {
+                let batch = batches.next_batch()?;
+                let output = model.step(batch);
+                let mut grads = output.grads;
+                if weight != 1.0 {
+                    // The step's gradient is the mean over its samples: each micro-batch's
+                    // mean loss counts by its share.
+                    scale_gradients::<B, A::Model>(&model, &mut grads, weight);
+                }
+                accumulator.accumulate(&model, grads);
+                unsynced.push(output.item);
+            }
+            let mut grads = accumulator.grads();
+            job.ddp.average_gradients(&model, &mut grads)?;
+            lr = schedule.next_lr();
+            model = model.optimize(&mut optim, lr, grads);
+
+            position = plan.after_step(position, epoch_start, k);
+            window.add(step_samples.len() * world);
+            if job.config.output.log_samples {
+                log_samples(&job.config.output.dir, rank, position.epoch, step_samples)?;
+            }
+            if plan.log_after(position.step) {
+                // Device-to-host reads of the outputs happen here, not every micro-batch.
+                pending.extend(unsynced.drain(..).map(ItemLazy::sync));
+                let progress = || Progress {
+                    items_processed: position.consumed,
+                    items_total: train_len,
+                };
+                for item in pending.drain(..) {
+                    train_metrics.update(&item, progress(), position.step, Some(lr));
+                }
+                let values = job.ddp.metrics(&mut train_metrics)?;
+                let rate = window.rate();
+                reporter.record(&Record::Train {
+                    epoch: position.epoch,
+                    step: position.step,
+                    lr,
+                    samples_per_sec: rate,
+                    world_size: world,
+                    metrics: metrics::as_map(&values),
+                });
+                reporter.progress(
+                    position.step as u64,
+                    format!(
+                        "epoch {} {} {:.0} samples/s",
+                        position.epoch + 1,
+                        metrics::describe(&values),
+                        rate
+                    ),
+                );
+                window = Window::new();
+            }
+            if plan.check_replicas_after(position.step) {
+                job.ddp.check_replicas(&model, position.step)?;
+            }
+            if plan.checkpoint_after_step(position.step) {
+                job.save_checkpoint(position, &model, &optim, &schedule)?;
+                last_saved = Some(position.step);
+            }
+            crash_if_asked(rank, position.step);
+            if position.step >= total_steps {
+                break;
+            }
+        }
+        if plan.epoch_complete(position, samples.is_empty()) {
+            // The epoch is complete: validate, and checkpoint at the start of the next one.
+            position.epoch += 1;
+            position.consumed = 0;
+            let v = validate::<A, B>(
+                job,
+                &model,
+                &valid_batcher,
+                &mut valid_metrics,
+                position.step,
+            )?;
+            if let Some(v) = &v {
+                reporter.record(&Record::Valid {
+                    epoch: position.epoch - 1,
+                    step: position.step,
+                    samples: v.samples,
+                    metrics: metrics::as_map(&v.metrics),
+                });
+                reporter.say(&format!(
+                    "epoch {}/{}: validation {} ({} samples)",
+                    position.epoch,
+                    t.epochs,
+                    metrics::describe(&v.metrics),
+                    v.samples
+                ));
+            }
+            last_valid = v;
+            if plan.checkpoint_after_epoch(position.epoch) && last_saved != Some(position.step) {
+                job.save_checkpoint(position, &model, &optim, &schedule)?;
+                last_saved = Some(position.step);
+            }
+        }
+    }
+    reporter.finish();
+    if last_saved != Some(position.step) {
+        job.save_checkpoint(position, &model, &optim, &schedule)?;
+    }
+    let validation = match last_valid {
+        Some(v) if v.step == position.step => Some(v),
+        _ => {
+            // Stopped mid-epoch (max_steps): validate the final model too, and record it.
+            let v = validate::<A, B>(
+                job,
+                &model,
+                &valid_batcher,
+                &mut valid_metrics,
+                position.step,
+            )?;
+            if let Some(v) = &v {
+                reporter.record(&Record::Valid {
+                    epoch: position.epoch,
+                    step: position.step,
+                    samples: v.samples,
+                    metrics: metrics::as_map(&v.metrics),
+                });
+            }
+            v
+        }
+    };
+    let stats = job.ddp.gradient_stats();
+    tracing::debug!(
+        rank,
+        syncs = stats.syncs,
+        buckets = stats.bucket_all_reduces,
+        lr,
+        "gradient synchronisation"
+    );
+    if rank == 0 && job.config.output.log_samples {
+        // Tests read the gradient synchronisations and bytes per optimizer step from here.
+        fs::write(
+            job.config.output.dir.join("reducer-stats.json"),
+            format!(
+                "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{}}}",
+                stats.syncs, stats.bucket_all_reduces, stats.bytes_reduced, position.step
+            ),
+        )?;
+    }
+    Ok(Summary {
+        validation,
+        steps: position.step,
+    })
+}
+
+/// Multiplies every gradient of `model`'s float parameters in `grads` by `factor`.
+fn scale_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
+    model: &M,
+    grads: &mut GradientsParams,
+    factor: f32,
+) {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+    }
+    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale { grads, factor });
+}
+
+/// Fault injection for tests: `TRAINER_CRASH_AFTER_STEP=N` (optionally with
+/// `TRAINER_CRASH_RANK=R`, default every rank) kills this process with SIGKILL right after
+/// optimizer step `N` and its checkpoint — exactly what `kill -9` at that point does.
+fn crash_if_asked(rank: usize, step: usize) {
+    use crate::worker_env::{
+        CRASH_AFTER_STEP_VAR as CRASH_AFTER_STEP, CRASH_RANK_VAR as CRASH_RANK,
+        RESTART_COUNT_VAR as RESTART_COUNT,
+    };
+    let at = std::env::var(CRASH_AFTER_STEP)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    let who = std::env::var(CRASH_RANK)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    // Only in the first attempt: a restarted job must be able to get past the same step.
+    let restarted = std::env::var(RESTART_COUNT).is_ok_and(|c| c != "0");
+    if at == Some(step) && who.is_none_or(|r| r == rank) && !restarted {
+        eprintln!(
+            "[rank {rank}] {CRASH_AFTER_STEP}={step}: killing this process (fault injection)"
+        );
+        // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// The training sampler: uniform (PyTorch's `DistributedSampler`) or weighted
+/// (`WeightedDistributedSampler`, with the app's per-sample weights, as many draws per epoch as
+/// the data set has samples). Both shard one global order per epoch.
+enum EpochSampler {
+    Uniform(DistributedSampler),
+    Weighted(WeightedDistributedSampler),
+}
+
+impl EpochSampler {
+    fn new(
+        len: usize,
+        t: &TrainingConfig,
+        world: usize,
+        rank: usize,
+        weights: Option<Vec<f64>>,
+    ) -> anyhow::Result<Self> {
+        match weights {
+            None => Ok(Self::Uniform(
+                DistributedSampler::new(len, world, rank)
+                    .with_seed(t.seed)
+                    .with_shuffle(t.shuffle)
+                    .with_drop_last(t.drop_last),
+            )),
+            Some(weights) => WeightedDistributedSampler::new(&weights, len, world, rank, t.seed)
+                .map(Self::Weighted)
+                .ok_or_else(|| {
+                    anyhow::anyhow!(UsageError(
+                        "training.balance_classes: no usable sample weights".into()
+                    ))
+                }),
+        }
+    }
+
+    fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
+        match self {
+            Self::Uniform(s) => s.samples(epoch, consumed),
+            Self::Weighted(s) => s.samples(epoch, consumed),
+        }
+    }
+}
+
+/// Throughput since the last log line.
+struct Window {
+    samples: usize,
+    start: Instant,
+}
+
+impl Window {
+    fn new() -> Self {
+        Self {
+            samples: 0,
+            start: Instant::now(),
+        }
+    }
+    fn add(&mut self, global_samples: usize) {
+        self.samples += global_samples;
+    }
+    fn rate(&self) -> f64 {
+        self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
+    }
+}
+
+/// Evaluates every validation sample exactly once across the ranks (no padding) and sums the
+/// metrics with their real counts. Collective; `None` when the app has no validation set.
+fn validate<A, B>(
+    job: &mut Job<A, B>,
+    model: &A::Model,
+    batcher: &A::ValidBatcher,
+    metrics: &mut Metrics<<<A::ValidModel as InferenceStep>::Output as ItemLazy>::ItemSync>,
+    step: usize,
+) -> anyhow::Result<Option<Validation>>
+where
+    A: Learn<B>,
+    B: TrainBackend,
+{
+    let Some(valid) = job.data.valid.clone() else {
+        return Ok(None);
+    };
+    let inner = model.valid();
+    let samples = evaluate_shard::<B::InnerBackend, _, _, _>(
+        &inner,
+        &*valid,
+        batcher,
+        metrics,
+        job.rank(),
+        job.world_size(),
+        &job.device,
+        job.config.training.batch_size,
+    )?;
+    let values = job.ddp.metrics(metrics)?;
+    let [n] = job.ddp.sum([samples as f64])?;
+    Ok(Some(Validation {
+        metrics: values,
+        samples: n as usize,
+        step,
+    }))
+}
+
+/// Feeds this rank's evaluation shard of `items` through `model` to `metrics` (local); returns
+/// the shard's size.
+#[allow(clippy::too_many_arguments)]
+fn evaluate_shard<IB, I, VM, Bt>(
+    model: &VM,
+    items: &dyn Dataset<I>,
+    batcher: &Bt,
+    metrics: &mut Metrics<<VM::Output as ItemLazy>::ItemSync>,
+    rank: usize,
+    world: usize,
+    device: &IB::Device,
+    batch_size: usize,
+) -> anyhow::Result<usize>
+where
+    IB: Backend,
+    VM: InferenceStep,
+    Bt: Batcher<IB, I, VM::Input>,
+{
+    let indices = DistributedSampler::new(items.len(), world, rank).eval_indices();
+    for (k, chunk) in indices.chunks(batch_size.max(1)).enumerate() {
+        let batch_items = chunk
+            .iter()
+            .map(|&i| {
+                items.get(i).ok_or_else(|| {
+                    AppError(format!(
+                        "the validation set returned no item for index {i} (its len() is {})",
+                        items.len()
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let batch = batcher.batch(batch_items, device);
+        let output = model.step(batch).sync();
+        let progress = Progress {
+            items_processed: ((k + 1) * batch_size).min(indices.len()),
+            items_total: indices.len(),
+        };
+        metrics.update(&output, progress, k, None);
+    }
+    Ok(indices.len())
+}
+
+/// `eval --config FILE --checkpoint DIR`: loads a checkpoint into app `A`'s model and validates
+/// it on the configured device (one process).
+pub fn evaluate<A: LearnAnywhere>(
+    app: A,
+    config_path: &Path,
+    checkpoint_path: &Path,
+) -> anyhow::Result<ExitCode> {
+    let config = preflight(&app, config_path)?;
+    let ckpt = if checkpoint_path.join("manifest.json").exists() {
+        checkpoint::open(checkpoint_path)?
+    } else {
+        checkpoint::latest(checkpoint_path).ok_or_else(|| {
+            UsageError(format!(
+                "no usable checkpoint in {} (give a checkpoint directory, or the checkpoint.dir that holds them)",
+                checkpoint_path.display()
+            ))
+        })?
+    };
+    checkpoint::check_compatible(&ckpt, &app.name(&config.model), &config.model_fingerprint())?;
+    let data = app.datasets(&config.data)?;
+    let Some(valid) = data.valid else {
+        bail!(UsageError(
+            "the data has no validation set (e.g. data.validation_fraction = 0): nothing to evaluate".into()
+        ));
+    };
+    struct Eval<A: App> {
+        app: A,
+        config: AppConfig<A>,
+        ckpt: Checkpoint,
+        valid: Arc<dyn Dataset<A::Item>>,
+    }
+    impl<A: App> OnBackend<A> for Eval<A> {
+        type Output = anyhow::Result<(Vec<MetricValue>, usize)>;
+        fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
+        where
+            A: Learn<B>,
+        {
+            let model = self
+                .app
+                .model(&self.config.model, &self.config.data, &device)?;
+            let model = checkpoint::load_model::<B, A::Model>(&self.ckpt, model)?.valid();
+            let (_, batcher) = self.app.batchers(&self.config.model, &self.config.data);
+            let mut metrics = self.app.valid_metrics();
+            let n = evaluate_shard::<B::InnerBackend, _, _, _>(
+                &model,
+                &*self.valid,
+                &batcher,
+                &mut metrics,
+                0,
+                1,
+                &device,
+                self.config.training.batch_size,
+            )?;
+            let mut alone = burn_ddp::Distributed::standalone();
+            Ok((metrics.global(&mut alone.group)?, n))
+        }
+    }
+    let (step, dir) = (ckpt.manifest.position.step, ckpt.dir.clone());
+    let device = config.output.device;
+    let (values, n) = backend::with_backend::<A, _, _>(
+        device,
+        0,
+        Eval {
+            app,
+            config,
+            ckpt,
+            valid,
+        },
+    )?;
+    println!(
+        "checkpoint {} (step {step}): validation {}, {n} samples",
+        dir.display(),
+        metrics::describe(&values),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Appends `epoch index is_padding` lines for the samples of one step (for tests).
+fn log_samples(dir: &Path, rank: usize, epoch: usize, chunk: &[Sample]) -> anyhow::Result<()> {
+    fs::create_dir_all(dir)?;
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(format!("samples-rank{rank}.txt")))?;
+    for s in chunk {
+        writeln!(f, "{epoch} {} {}", s.index, u8::from(s.is_padding))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,292 @@
+//! Tier 2, "your own loop": [`DataParallel`], one handle for people who keep their own training
+//! loop (what Accelerate's `Accelerator` is to PyTorch). The engine's loop (`fit`) is written
+//! with this same handle.
+//!
+//! ```text
+//! let mut ddp = DataParallel::from_env(&DistributedConfig::default(), DeviceKind::Cpu)?;
+//! let mut model = ddp.prepare(model)?;                    // replicas equal (rank 0's weights)
+//! for epoch in 0..epochs {
+//!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
+//!         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+//!         ddp.average_gradients(&model, &mut grads)?;    // the mean over all ranks
+//!         model = optim.step(lr, model, grads);
+//!     }
+//!     let [loss_sum, n] = ddp.sum([loss_sum, n])?;        // exact global metrics
+//!     ddp.save_checkpoint(&policy, position, &model, &optim, &[])?;   // rank 0 writes
+//! }
+//! ```
+//! A compiled, runnable version: `trainer/examples/own_loop.rs`.
+//!
+//! Every method marked *collective* must be called by every rank, in the same order, with
+//! arguments that agree where it says so; each has a deadline (`distributed.timeout_secs`, or
+//! the checkpoint timeout) after which it fails naming the ranks that did not arrive.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use burn::module::AutodiffModule;
+use burn::optim::{GradientsParams, Optimizer};
+use burn::tensor::backend::AutodiffBackend;
+use burn_ddp::ddp::{param_checksum, prepare_module, ReducerStats};
+use burn_ddp::sampler::DistributedSampler;
+use burn_ddp::{Distributed, ProcessGroup};
+
+use crate::backend::{self, GradientSync, TrainBackend};
+use crate::checkpoint::{self, Checkpoint, Manifest, TrainPosition, FORMAT_VERSION};
+use crate::config::{DeviceKind, DistributedConfig};
+use crate::error::UsageError;
+use crate::metrics::{global_sum, MetricValue, Metrics};
+use crate::worker_env;
+
+/// Where rank 0 writes checkpoints and what they must match to be loaded.
+#[derive(Debug, Clone)]
+pub struct CheckpointPolicy {
+    /// The checkpoint root (`step-XXXXXXXX/` directories), shared by every rank.
+    pub dir: PathBuf,
+    /// Keep this many newest checkpoints.
+    pub keep_last: usize,
+    /// How long the other ranks wait for rank 0's write.
+    pub timeout: Duration,
+    /// A checkpoint of another model name or model fingerprint is refused on load.
+    pub model_name: String,
+    pub model_fingerprint: String,
+    /// Recorded in the manifest (which settings produced it).
+    pub config_fingerprint: String,
+    pub seed: u64,
+}
+
+/// One rank's membership of a data-parallel job, and everything it does with the other ranks.
+pub struct DataParallel {
+    dist: Distributed,
+    sync: GradientSync,
+    timeout: Duration,
+}
+
+impl DataParallel {
+    /// Joins the job described by the environment (this project's launcher, torchrun, SLURM,
+    /// Open MPI: `burn_ddp::env`), or forms a job of one when there is none. Collective: every
+    /// rank calls it; it returns once all have joined (deadline `timeout_secs`). `B` is the
+    /// backend the model trains on (whether its gradients can go through NCCL).
+    pub fn from_env<B: TrainBackend>(
+        options: &DistributedConfig,
+        device: DeviceKind,
+    ) -> anyhow::Result<Self> {
+        let dist = Distributed::from_env_or_standalone(backend::tcp_options(options))?;
+        Self::new::<B>(dist, options, device)
+    }
+
+    /// The handle over an already formed group.
+    pub fn new<B: TrainBackend>(
+        dist: Distributed,
+        options: &DistributedConfig,
+        device: DeviceKind,
+    ) -> anyhow::Result<Self> {
+        let sync = GradientSync::new::<B>(options, device, &dist)?;
+        Ok(Self {
+            dist,
+            sync,
+            timeout: Duration::from_secs(options.timeout_secs),
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.dist.env.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.dist.env.world_size
+    }
+
+    /// This rank's index among the ranks of its machine (the GPU it should use).
+    pub fn local_rank(&self) -> usize {
+        self.dist.env.local_rank
+    }
+
+    /// The process group, for collectives of your own.
+    pub fn group(&mut self) -> &mut burn_ddp::TcpProcessGroup {
+        &mut self.dist.group
+    }
+
+    /// Fails on every rank whose `fingerprint` (of its settings) differs from rank 0's, naming
+    /// it. Collective.
+    pub fn check_same(&mut self, fingerprint: &str) -> anyhow::Result<()> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        let rank = self.rank();
+        let store = &self.dist.store;
+        store.set(&worker_env::config_key(rank), fingerprint.as_bytes())?;
+        let theirs = store.get(&worker_env::config_key(0), self.timeout)?;
+        if theirs != fingerprint.as_bytes() {
+            bail!(UsageError(format!(
+                "rank {rank}'s config differs from rank 0's (fingerprint {fingerprint} vs {}): every rank must train with the same settings",
+                String::from_utf8_lossy(&theirs)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Makes the replicas equal: parameter ids from the visit order (so optimizer state
+    /// matches across ranks and runs) and rank 0's parameter values on every rank, as PyTorch's
+    /// `DistributedDataParallel` constructor does. Collective; the model must have the same
+    /// architecture everywhere.
+    pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+    ) -> anyhow::Result<M> {
+        Ok(prepare_module(model, &mut self.dist.group, 0)?)
+    }
+
+    /// Replaces every gradient with its mean over the ranks (through the host, or NCCL on
+    /// CUDA; compressed as `gradient_compression` says). Collective, once per optimizer step,
+    /// after all the micro-batches of the step.
+    pub fn average_gradients<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> anyhow::Result<()> {
+        Ok(self.sync.sync::<B, M>(&mut self.dist.group, model, grads)?)
+    }
+
+    /// What gradient averaging did so far (synchronisations, buckets, bytes).
+    pub fn gradient_stats(&self) -> ReducerStats {
+        self.sync.stats()
+    }
+
+    /// This rank's data-set indices for `epoch`: its share of one global permutation seeded by
+    /// `seed + epoch`, padded so every rank gets as many (PyTorch's `DistributedSampler`).
+    /// Local; `len` and `seed` must agree across ranks.
+    pub fn shard(&self, len: usize, seed: u64, epoch: usize) -> Vec<usize> {
+        DistributedSampler::new(len, self.world_size(), self.rank())
+            .with_seed(seed)
+            .indices(epoch as u64, 0)
+    }
+
+    /// Element-wise sums over the ranks. Collective.
+    pub fn sum<const N: usize>(&mut self, values: [f64; N]) -> anyhow::Result<[f64; N]> {
+        Ok(global_sum(&mut self.dist.group, values)?)
+    }
+
+    /// Every metric's global value (summed with its counts over the ranks), then clears them.
+    /// Collective, with the same metric set everywhere.
+    pub fn metrics<I>(&mut self, metrics: &mut Metrics<I>) -> anyhow::Result<Vec<MetricValue>> {
+        Ok(metrics.global(&mut self.dist.group)?)
+    }
+
+    /// Fails when the replicas' parameters are not bit-identical, naming the first rank that
+    /// differs from rank 0. Collective.
+    pub fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        step: usize,
+    ) -> anyhow::Result<()> {
+        let ours = param_checksum::<B, M>(model) as i64;
+        let mut all = vec![0i64; self.world_size()];
+        self.dist.group.all_gather(&[ours], &mut all)?;
+        if let Some(r) = all.iter().position(|&c| c != all[0]) {
+            bail!(
+                "replica drift at step {step}: rank {r}'s parameters (checksum {:016x}) differ from rank 0's ({:016x})",
+                all[r] as u64,
+                all[0] as u64
+            );
+        }
+        Ok(())
+    }
+
+    /// The newest usable checkpoint under `policy.dir` (damaged ones are skipped with a
+    /// warning), checked against the policy's model; the same on every rank or an error.
+    /// Collective.
+    pub fn latest_checkpoint(
+        &mut self,
+        policy: &CheckpointPolicy,
+    ) -> anyhow::Result<Option<Checkpoint>> {
+        let found = checkpoint::latest(&policy.dir);
+        if let Some(ckpt) = &found {
+            checkpoint::check_compatible(ckpt, &policy.model_name, &policy.model_fingerprint)?;
+        }
+        let step = found
+            .as_ref()
+            .map_or(-1, |c| c.manifest.position.step as i64);
+        let mut agreed = [step];
+        self.dist.group.broadcast(&mut agreed, 0)?;
+        if agreed[0] != step {
+            bail!(
+                "rank {} found the checkpoint of step {step} but rank 0 found step {} (-1: none): the checkpoint directory must be the same directory, shared by every rank",
+                self.rank(),
+                agreed[0]
+            );
+        }
+        Ok(found)
+    }
+
+    /// Rank 0 writes a checkpoint of `model`, `optim` and `scheduler` (a learning-rate
+    /// scheduler's record, or empty) at `position`, atomically, and prunes old ones; the others
+    /// wait for it (deadline `policy.timeout`, so a slow disk never trips the collectives'),
+    /// and fail if it failed. Collective.
+    pub fn save_checkpoint<B, M, O>(
+        &mut self,
+        policy: &CheckpointPolicy,
+        position: TrainPosition,
+        model: &M,
+        optim: &O,
+        scheduler: &[u8],
+    ) -> anyhow::Result<()>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B>,
+    {
+        let key = worker_env::checkpoint_key(position.step);
+        if self.rank() == 0 {
+            let manifest = Manifest {
+                format_version: FORMAT_VERSION,
+                model: policy.model_name.clone(),
+                model_fingerprint: policy.model_fingerprint.clone(),
+                config_fingerprint: policy.config_fingerprint.clone(),
+                seed: policy.seed,
+                world_size: self.world_size(),
+                position,
+                checksums: Default::default(),
+            };
+            let result = checkpoint::save::<B, M, O>(
+                &policy.dir,
+                policy.keep_last,
+                manifest,
+                model,
+                optim,
+                scheduler,
+            );
+            let status = match &result {
+                Ok(dir) => {
+                    tracing::info!("checkpoint written: {}", dir.display());
+                    "ok".to_string()
+                }
+                Err(e) => format!("{e:#}"),
+            };
+            if self.world_size() > 1 {
+                self.dist.store.set(&key, status.as_bytes())?;
+            }
+            result.map(|_| ())
+        } else {
+            let status = self
+                .dist
+                .store
+                .get(&key, policy.timeout)
+                .context("waiting for rank 0 to write a checkpoint")?;
+            if status != b"ok" {
+                bail!(
+                    "rank 0 failed to write the checkpoint: {}",
+                    String::from_utf8_lossy(&status)
+                );
+            }
+            Ok(())
+        }
+    }
+
+    /// Waits for every rank. Call it last: rank 0 may host the rendezvous store, so ranks
+    /// leave together. Collective.
+    pub fn barrier(&mut self) -> anyhow::Result<()> {
+        Ok(self.dist.group.barrier()?)
+    }
+}

@@ -1,0 +1,127 @@
+//! Tier 1, "your own binary, the whole CLI": [`main`] turns an [`App`](crate::app::App) into a complete
+//! `trainer`-like program. The built-in `trainer` binary is the same thing for the reference
+//! models.
+//!
+//! ```text
+//! my-trainer --config cfg.toml                          # one process
+//! my-trainer --config cfg.toml --nproc-per-node 4       # 4 local ranks, like torchrun
+//! my-trainer --config cfg.toml --nproc-per-node 8 --nnodes 2 --node-rank 0 --master-addr A
+//! my-trainer eval --config cfg.toml --checkpoint runs/x/checkpoints
+//! ```
+//! Under torchrun, SLURM or Open MPI variables (or `trainer launch -- my-trainer ...`) each
+//! process is one rank. Exit codes: 0 success, 2 bad input (with a message naming the key or
+//! file), 1 other failures, or the failing rank's code from the launcher.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::backend::LearnAnywhere;
+use crate::error::{describe_error, exit_code, UsageError};
+use crate::fit;
+use crate::launch::{self, LaunchArgs, Program};
+use crate::worker_env::WORKER_VAR;
+
+/// The training command line shared by `trainer` and every app's binary.
+#[derive(Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// The TOML configuration (see configs/).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Start from scratch even if the checkpoint directory holds checkpoints.
+    #[arg(long)]
+    pub no_resume: bool,
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+}
+
+/// An app's command line: train (the default), or `eval`.
+#[derive(Parser, Debug)]
+#[command(version, args_conflicts_with_subcommands = true)]
+struct AppCli {
+    #[command(subcommand)]
+    command: Option<AppCommand>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum AppCommand {
+    /// Evaluate a checkpoint on the validation set.
+    Eval(EvalArgs),
+}
+
+/// `eval` options.
+#[derive(Args, Debug, Clone)]
+pub struct EvalArgs {
+    #[arg(long)]
+    pub config: PathBuf,
+    /// A checkpoint directory (`.../step-00000120`), or the checkpoint root for the newest.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+}
+
+/// The whole CLI for `app`: parses the command line, sets up logging, and trains, launches or
+/// evaluates. Call it from `fn main() -> ExitCode`.
+pub fn main<A: LearnAnywhere>(app: A) -> ExitCode {
+    let cli = AppCli::parse(); // clap prints usage errors itself and exits with 2
+    init_logging();
+    report(match cli.command {
+        Some(AppCommand::Eval(args)) => fit::evaluate(app, &args.config, &args.checkpoint),
+        None => match cli.train.config.clone() {
+            Some(config) => train_or_launch(app, &config, &cli.train),
+            None => Err(UsageError("missing --config FILE (try `--help`)".into()).into()),
+        },
+    })
+}
+
+/// With `--nproc-per-node` (and not already a rank): check the config once, then start and
+/// supervise the local ranks, each running this same program. Otherwise: train as one rank.
+pub fn train_or_launch<A: LearnAnywhere>(
+    app: A,
+    config: &Path,
+    args: &TrainArgs,
+) -> anyhow::Result<ExitCode> {
+    let is_worker = std::env::var_os(WORKER_VAR).is_some();
+    if args.launch.nproc_per_node.is_some() && !is_worker {
+        fit::preflight(&app, config)?;
+        launch::launch(&args.launch, &Program::this_process()?)
+    } else {
+        fit::run(app, config, args.no_resume)
+    }
+}
+
+/// The exit code of a command's result, printing its error (tagged with the rank) first.
+pub fn report(result: anyhow::Result<ExitCode>) -> ExitCode {
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            let rank = std::env::var(crate::worker_env::RANK_VAR)
+                .map(|r| format!("[rank {r}] "))
+                .unwrap_or_default();
+            eprintln!("{rank}error: {}", describe_error(&e));
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}
+
+/// Logs go to stderr, tagged with the rank; `RUST_LOG` overrides the level (default: info on
+/// rank 0, warnings elsewhere so N ranks do not print N copies of everything).
+pub fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let rank = std::env::var(crate::worker_env::RANK_VAR).ok();
+    let default = match rank.as_deref() {
+        None | Some("0") => "info",
+        Some(_) => "warn",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .try_init();
+}
