@@ -1,0 +1,262 @@
+//! A user's own model trained data-parallel by burn-ddp's engine: everything here is the
+//! user's (model, batch type, loss, data set, config tables); the engine brings the command
+//! line, the launcher, sharding, gradient averaging, metrics across ranks and checkpoints.
+//!
+//! ```text
+//! custom-model --config circles.toml                      # one process
+//! custom-model --config circles.toml --nproc-per-node 2   # two ranks, launched by itself
+//! trainer launch --nproc-per-node 2 -- custom-model --config circles.toml
+//! ```
+
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use serde::{Deserialize, Serialize};
+use trainer::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
+use trainer::metrics::Metrics;
+
+/// The model: a two-layer perceptron on 2-D points.
+#[derive(Module, Debug)]
+pub struct CirclesNet<B: Backend> {
+    hidden: Linear<B>,
+    output: Linear<B>,
+    activation: Relu,
+}
+
+impl<B: Backend> CirclesNet<B> {
+    fn forward(&self, points: Tensor<B, 2>) -> Tensor<B, 2> {
+        let x = self.activation.forward(self.hidden.forward(points));
+        self.output.forward(x)
+    }
+
+    fn classify(&self, batch: PointsBatch<B>) -> ClassificationOutput<B> {
+        let logits = self.forward(batch.points);
+        let loss = CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits.clone(), batch.labels.clone());
+        ClassificationOutput::new(loss, logits, batch.labels)
+    }
+}
+
+/// burn-train's contract: a training step returns the gradients and an output for metrics.
+impl<B: AutodiffBackend> TrainStep for CirclesNet<B> {
+    type Input = PointsBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: PointsBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let output = self.classify(batch);
+        TrainOutput::new(self, output.loss.backward(), output)
+    }
+}
+
+impl<B: Backend> InferenceStep for CirclesNet<B> {
+    type Input = PointsBatch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: PointsBatch<B>) -> ClassificationOutput<B> {
+        self.classify(batch)
+    }
+}
+
+/// One sample: a point and whether it is on the outer circle.
+#[derive(Clone, Debug)]
+pub struct Point {
+    pub xy: [f32; 2],
+    pub outer: bool,
+}
+
+/// The user's own batch type.
+#[derive(Clone, Debug)]
+pub struct PointsBatch<B: Backend> {
+    pub points: Tensor<B, 2>,
+    pub labels: Tensor<B, 1, Int>,
+}
+
+#[derive(Clone, Debug)]
+pub struct PointsBatcher;
+
+impl<B: Backend> Batcher<B, Point, PointsBatch<B>> for PointsBatcher {
+    fn batch(&self, items: Vec<Point>, device: &B::Device) -> PointsBatch<B> {
+        let n = items.len();
+        let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
+        let labels: Vec<i64> = items.iter().map(|p| i64::from(p.outer)).collect();
+        PointsBatch {
+            points: Tensor::from_data(TensorData::new(xy, [n, 2]), device),
+            labels: Tensor::from_data(TensorData::new(labels, [n]), device),
+        }
+    }
+}
+
+/// Points on two noisy circles, computed from their index: nothing is held in memory, and a
+/// rank only computes the points of its shard.
+pub struct Circles {
+    len: usize,
+    first: usize,
+    noise: f32,
+    seed: u64,
+    /// How many times `get` was called (reported with `CIRCLES_DATA_LOG`, see below).
+    reads: AtomicUsize,
+}
+
+impl Dataset<Point> for Circles {
+    fn get(&self, index: usize) -> Option<Point> {
+        if index >= self.len {
+            return None;
+        }
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        let mut h = splitmix(self.seed ^ (self.first + index) as u64);
+        let mut unit = || {
+            h = splitmix(h);
+            (h >> 40) as f32 / (1u64 << 24) as f32
+        };
+        let outer = unit() < 0.5;
+        let angle = unit() * std::f32::consts::TAU;
+        let radius = if outer { 1.0 } else { 0.5 } + self.noise * (2.0 * unit() - 1.0);
+        Some(Point {
+            xy: [radius * angle.cos(), radius * angle.sin()],
+            outer,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// For the tests (`CIRCLES_DATA_LOG=FILE`): each process appends which data sets it opened
+/// and how many items it read from them, which shows that a rank reads only its shard and that
+/// the launcher reads nothing.
+fn data_log(line: &str) {
+    if let Some(path) = std::env::var_os("CIRCLES_DATA_LOG") {
+        let rank = std::env::var("RANK").unwrap_or_else(|_| "none".into());
+        let line = format!("pid={} rank={rank} {line}\n", std::process::id());
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+    }
+}
+
+impl Drop for Circles {
+    fn drop(&mut self) {
+        data_log(&format!(
+            "first={} len={} reads={}",
+            self.first,
+            self.len,
+            self.reads.load(Ordering::Relaxed)
+        ));
+    }
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// `[model]`: the user's own table; a misspelt key is an error naming it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub hidden: usize,
+}
+
+/// `[data]`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub train_points: usize,
+    pub valid_points: usize,
+    pub noise: f32,
+    pub seed: u64,
+}
+
+/// The app: what the engine needs to know about this model and data.
+#[derive(Clone, Copy)]
+pub struct CirclesApp;
+
+impl App for CirclesApp {
+    type ModelConfig = ModelConfig;
+    type DataConfig = DataConfig;
+    type Item = Point;
+
+    fn name(&self, _model: &ModelConfig) -> String {
+        "circles".into()
+    }
+
+    fn check(&self, model: &ModelConfig, data: &DataConfig) -> Result<(), AppError> {
+        if model.hidden == 0 {
+            return Err(AppError::key("model.hidden", "must be at least 1"));
+        }
+        if data.train_points == 0 {
+            return Err(AppError::key("data.train_points", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    fn datasets(&self, d: &DataConfig) -> Result<Datasets<Point>, AppError> {
+        data_log("opened the data sets");
+        let circles = |first, len| Circles {
+            len,
+            first,
+            noise: d.noise,
+            seed: d.seed,
+            reads: AtomicUsize::new(0),
+        };
+        Ok(Datasets {
+            train: Arc::new(circles(0, d.train_points)),
+            valid: Some(Arc::new(circles(d.train_points, d.valid_points))),
+        })
+    }
+}
+
+impl<B: AutodiffBackend> Learn<B> for CirclesApp {
+    type Model = CirclesNet<B>;
+    type ValidModel = CirclesNet<B::InnerBackend>;
+    type TrainBatcher = PointsBatcher;
+    type ValidBatcher = PointsBatcher;
+
+    fn model(
+        &self,
+        model: &ModelConfig,
+        _data: &DataConfig,
+        device: &B::Device,
+    ) -> Result<CirclesNet<B>, AppError> {
+        Ok(CirclesNet {
+            hidden: LinearConfig::new(2, model.hidden).init(device),
+            output: LinearConfig::new(model.hidden, 2).init(device),
+            activation: Relu::new(),
+        })
+    }
+
+    fn batchers(&self, _: &ModelConfig, _: &DataConfig) -> (PointsBatcher, PointsBatcher) {
+        (PointsBatcher, PointsBatcher)
+    }
+
+    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
+        Metrics::new()
+            .with(LossMetric::new())
+            .with(AccuracyMetric::new())
+    }
+
+    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
+        Metrics::new()
+            .with(LossMetric::new())
+            .with(AccuracyMetric::new())
+    }
+}
+
+fn main() -> ExitCode {
+    trainer::run::main(CirclesApp)
+}

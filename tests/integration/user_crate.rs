@@ -1,0 +1,183 @@
+//! A user's own crate (`examples/custom-model/`: its own model, batch type, data set and config
+//! tables, Burn with its default features) trained by the engine, launched by
+//! `trainer launch`, killed and resumed. `.ci/run` builds the example before the tests.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Command;
+
+use crate::common::*;
+
+/// The example's binary: `$CUSTOM_MODEL_BIN`, or where `.ci/run` builds it.
+fn custom_model() -> PathBuf {
+    let path = std::env::var_os("CUSTOM_MODEL_BIN").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/custom-model"),
+        PathBuf::from,
+    );
+    assert!(
+        path.exists(),
+        "{} is missing: build the example first with \
+         `(cd examples/custom-model && CARGO_TARGET_DIR=../../target cargo build --release)` \
+         (bash .ci/run does), or point CUSTOM_MODEL_BIN at it",
+        path.display()
+    );
+    path
+}
+
+/// The example's config with the test's directories, `epochs` epochs and extra `[training]` keys.
+fn circles_config(epochs: usize, extra_training: &str) -> String {
+    format!(
+        r#"
+[model]
+hidden = 16
+
+[data]
+train_points = 512
+valid_points = 128
+noise = 0.05
+seed = 7
+
+[optimizer]
+name = "adam"
+learning_rate = 0.01
+
+[training]
+epochs = {epochs}
+batch_size = 16
+seed = 1
+log_every = 4
+{extra_training}
+
+[checkpoint]
+dir = "{{ckpt}}"
+every_steps = 6
+every_epochs = 0
+
+[output]
+dir = "{{out}}"
+"#
+    )
+}
+
+/// `trainer launch --nproc-per-node 2 [launch_args] -- custom-model --config CONFIG`.
+fn launch_example(config: &std::path::Path, launch_args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = trainer();
+    cmd.args(["launch", "--nproc-per-node", "2"])
+        .args(launch_args)
+        .arg("--")
+        .arg(custom_model())
+        .arg("--config")
+        .arg(config);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run(&mut cmd)
+}
+
+#[test]
+fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
+    let dir = scratch("user-crate-resume");
+    let whole = write_config(&dir, "whole", &circles_config(2, ""));
+    let out = launch_example(&whole, &[], &[]);
+    assert_eq!(out.code, Some(0), "uninterrupted run:\n{}", out.all());
+    assert!(
+        final_accuracy(&out) > 80.0,
+        "the user's model learns:\n{}",
+        out.all()
+    );
+
+    // SIGKILL rank 1 right after step 15 (the last checkpoint is step 12); the launcher restarts
+    // both ranks, which resume from step 12 and finish.
+    let crashed = write_config(&dir, "crashed", &circles_config(2, ""));
+    let out = launch_example(
+        &crashed,
+        &["--max-restarts", "1"],
+        &[
+            ("TRAINER_CRASH_AFTER_STEP", "15"),
+            ("TRAINER_CRASH_RANK", "1"),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stderr.contains("killing this process") && out.stderr.contains("restarting every rank"),
+        "the crash and the restart happened:\n{}",
+        out.all()
+    );
+    assert!(
+        out.stderr.contains("resumed from") && out.stderr.contains("step-00000012"),
+        "resumed from the checkpoint of step 12:\n{}",
+        out.all()
+    );
+    let diff = max_abs_diff(
+        &final_weights(&dir, "crashed"),
+        &final_weights(&dir, "whole"),
+    );
+    assert!(diff < 1e-6, "max |w_resumed - w_whole| = {diff:e}");
+}
+
+#[test]
+fn ranks_read_only_their_shard_and_the_launcher_reads_nothing() {
+    let dir = scratch("user-crate-reads");
+    let config = write_config(&dir, "reads", &circles_config(1, ""));
+    let log = dir.join("data.log");
+    // The example launches itself (`--nproc-per-node`): its launcher process runs the
+    // pre-flight check, then starts the ranks.
+    let out = run(Command::new(custom_model())
+        .current_dir(&dir)
+        .arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "2"])
+        .env("CIRCLES_DATA_LOG", &log)
+        .env_remove("RANK")
+        .env_remove("TRAINER_WORKER"));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        !text.contains("rank=none"),
+        "the launcher / pre-flight opened or read the data:\n{text}"
+    );
+    // rank → (train reads, validation reads)
+    let mut reads: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut opened = 0;
+    for line in text.lines() {
+        let field = |key: &str| {
+            line.split(' ')
+                .find_map(|f| f.strip_prefix(key))
+                .unwrap_or_else(|| panic!("no {key} in {line}"))
+                .to_string()
+        };
+        if line.contains("opened") {
+            opened += 1;
+            continue;
+        }
+        let entry = reads.entry(field("rank=")).or_default();
+        let n: usize = field("reads=").parse().unwrap();
+        if field("first=") == "0" {
+            entry.0 += n;
+        } else {
+            entry.1 += n;
+        }
+    }
+    assert_eq!(opened, 2, "each rank opens the data once:\n{text}");
+    // One epoch of 512 training points over 2 ranks, and one validation pass of 128.
+    assert_eq!(
+        reads.get("0"),
+        Some(&(256, 64)),
+        "rank 0 reads its shard only:\n{text}"
+    );
+    assert_eq!(reads.get("1"), Some(&(256, 64)), "{text}");
+}
+
+#[test]
+fn a_misspelt_key_in_the_users_own_table_is_bad_input_naming_it() {
+    let dir = scratch("user-crate-bad");
+    let config = write_config(
+        &dir,
+        "bad",
+        &circles_config(1, "").replace("hidden = 16", "hiden = 16"),
+    );
+    let out = launch_example(&config, &[], &[]);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(out.stderr.contains("hiden"), "{}", out.all());
+    assert!(!out.stderr.contains("panicked"), "{}", out.all());
+}
