@@ -2,10 +2,11 @@
 //! one run on this machine.
 //!
 //! It runs, alternating so that machine noise hits all of them alike:
-//! - **plain**: a hand-written Burn training loop (model, loss, backward, SGD step; no sampler,
-//!   no reducer, no metrics) — the baseline a Burn user would write;
-//! - **trainer, world 1**: `trainer --config` on the same model and data;
-//! - **trainer, world 2**: `trainer --config --nproc-per-node 2`.
+//! - **plain**: a hand-written Burn training loop over the same app (its data set, batcher,
+//!   `TrainStep::step`, the optimizer; no sampler, no reducer, no metrics, no prefetching) — the
+//!   baseline a Burn user would write;
+//! - **engine, world 1**: `trainer --config` on the same model and data;
+//! - **engine, world 2**: `trainer --config --nproc-per-node 2`.
 //!
 //! Every process computes on one thread (`RAYON_NUM_THREADS=1`). It prints the overhead of the
 //! trainer at world 1 over the plain loop, and the throughput and scaling efficiency at world 2
@@ -18,22 +19,21 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::AutodiffModule;
-use burn::nn::loss::CrossEntropyLossConfig;
-use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 use burn::prelude::*;
+use burn::train::TrainStep;
 use clap::Args;
-use models::{Classifier, InputShape, MlpOptions};
 
-use crate::backend::CpuBackend;
-use crate::builtin::classifier::ClassifierApp;
-use crate::data::{self, ClassificationBatch, ClassificationBatcher};
+use crate::app::Learn;
+use crate::backend::{CpuBackend, LearnAnywhere};
+use crate::builtin::{self, WithApp};
+use crate::config::OptimizerName;
 use crate::fit::AppConfig;
-
-type Config = AppConfig<ClassifierApp>;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {
-    /// A config with `data.source = "synthetic"` and an `mlp` model.
+    /// The workload: any built-in model's config (`configs/bench-mlp.toml`,
+    /// `configs/bench-text.toml`).
     #[arg(long, default_value = "configs/bench-mlp.toml")]
     pub config: PathBuf,
     /// Rounds of (plain, world 1, world 2); the median of each is reported.
@@ -45,9 +45,20 @@ pub struct BenchTrainArgs {
 }
 
 pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
-    let config = Config::load(&args.config)?;
+    struct Bench<'a>(&'a BenchTrainArgs);
+    impl WithApp for Bench<'_> {
+        type Output = anyhow::Result<ExitCode>;
+        fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output {
+            bench_app(app, self.0)
+        }
+    }
+    builtin::with_app(&args.config, Bench(args))?
+}
+
+fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
+    let config = AppConfig::<A>::load(&args.config)?;
     if args.plain_only {
-        println!("plain samples/s: {:.1}", plain_loop(&config)?);
+        println!("plain samples/s: {:.1}", plain_loop(&app, &config)?);
         return Ok(ExitCode::SUCCESS);
     }
     let exe = std::env::current_exe()?;
@@ -75,15 +86,18 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let _ = std::fs::remove_dir_all(&scratch);
     let (plain, one, two) = (median(plain), median(one), median(two));
     println!(
-        "workload: {} (one compute thread per process)",
-        describe(&config)
+        "workload: {} {}, {:?}, per-rank batch {} (one compute thread per process)",
+        app.name(&config.model),
+        serde_json::to_string(&config.model).unwrap_or_default(),
+        config.optimizer.name,
+        config.training.batch_size
     );
     println!("{:<28} {:>12} {:>14}", "", "samples/s", "step time (ms)");
     let per_step = config.training.batch_size as f64;
     for (name, rate, batch) in [
         ("plain Burn loop", plain, per_step),
-        ("trainer, world 1", one, per_step),
-        ("trainer, world 2", two, 2.0 * per_step),
+        ("engine, world 1", one, per_step),
+        ("engine, world 2", two, 2.0 * per_step),
     ] {
         println!("{name:<28} {rate:>12.0} {:>14.2}", 1e3 * batch / rate);
     }
@@ -96,23 +110,6 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
         100.0 * two / (2.0 * one)
     );
     Ok(ExitCode::SUCCESS)
-}
-
-fn describe(config: &Config) -> String {
-    let hidden = config
-        .model
-        .options
-        .get("hidden")
-        .map(|h| h.to_string())
-        .unwrap_or_default();
-    format!(
-        "{} {}-{hidden}-{}, {:?}, per-rank batch {}",
-        config.model.name,
-        config.data.features,
-        config.data.classes,
-        config.optimizer.name,
-        config.training.batch_size
-    )
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -178,32 +175,42 @@ fn run_trainer(exe: &Path, config: &Path, out_dir: &Path, nproc: usize) -> anyho
     Ok(rates.iter().sum::<f64>() / rates.len() as f64)
 }
 
-/// The baseline: a straightforward Burn loop over the same data and model.
-fn plain_loop(config: &Config) -> anyhow::Result<f64> {
-    type B = CpuBackend;
+/// The baseline: a straightforward Burn loop over the same app's data, batcher and model
+/// (`TrainStep::step`, then the optimizer), with the configured optimizer at a constant rate:
+/// no sampler, no reducer, no metrics, no prefetching.
+fn plain_loop<A: LearnAnywhere>(app: &A, config: &AppConfig<A>) -> anyhow::Result<f64> {
+    let o = &config.optimizer;
+    match o.name {
+        OptimizerName::Sgd => plain_with(app, config, SgdConfig::new().init()),
+        OptimizerName::Adam => plain_with(app, config, AdamConfig::new().init()),
+        OptimizerName::AdamW => plain_with(app, config, AdamWConfig::new().init()),
+    }
+}
+
+fn plain_with<A, O>(app: &A, config: &AppConfig<A>, mut optim: O) -> anyhow::Result<f64>
+where
+    A: Learn<CpuBackend>,
+    O: Optimizer<A::Model, CpuBackend>,
+{
     let device = Default::default();
-    B::seed(&device, config.training.seed);
-    let d = &config.data;
-    let items = data::synthetic(d.samples, d.features, d.classes, d.split_seed);
-    let input = InputShape::flat(d.features, d.classes);
-    let options: MlpOptions = config.model.options.clone().try_into()?;
-    let mut model = options.init::<B>(&input, &device);
-    let mut optim = SgdConfig::new().init::<B, models::Mlp<B>>();
-    let loss_fn = CrossEntropyLossConfig::new().init::<B>(&device);
+    CpuBackend::seed(&device, config.training.seed);
+    let data = app.datasets(&config.data)?;
+    let mut model = app.model(&config.model, &config.data, &device)?;
+    let (batcher, _) = app.batchers(&config.model, &config.data);
     let batch = config.training.batch_size;
     let steps = config.training.max_steps.unwrap_or(100);
     let warmup = config.training.log_every;
+    let len = data.train.len();
     let mut start = Instant::now();
     for step in 0..steps + warmup {
         if step == warmup {
             start = Instant::now();
         }
-        let from = (step * batch) % (items.len() - batch);
-        let b: ClassificationBatch<B> =
-            ClassificationBatcher.batch(items[from..from + batch].to_vec(), &device);
-        let loss = loss_fn.forward(model.forward(b.inputs), b.targets);
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        model = optim.step(config.optimizer.learning_rate, model, grads);
+        let items = (0..batch)
+            .filter_map(|i| data.train.get((step * batch + i) % len))
+            .collect();
+        let output = model.step(batcher.batch(items, &device));
+        model = model.optimize(&mut optim, config.optimizer.learning_rate, output.grads);
     }
     let _ = model.valid();
     Ok((steps * batch) as f64 / start.elapsed().as_secs_f64())
