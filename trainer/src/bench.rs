@@ -27,8 +27,8 @@ use clap::Args;
 use crate::app::Learn;
 use crate::backend::{CpuBackend, LearnAnywhere};
 use crate::builtin::{self, WithApp};
+use crate::config::AppConfig;
 use crate::config::OptimizerName;
-use crate::fit::AppConfig;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {

@@ -20,7 +20,7 @@ use crate::error::UsageError;
 use crate::launch::{self, Program};
 use crate::run::{self, EvalArgs, TrainArgs};
 use crate::worker_env::WORKER_VAR;
-use crate::{bench, fit, tools};
+use crate::{bench, tools};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -66,7 +66,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             impl WithApp for Eval {
                 type Output = anyhow::Result<ExitCode>;
                 fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output {
-                    fit::evaluate(app, &self.0.config, &self.0.checkpoint)
+                    crate::eval::evaluate(app, &self.0.config, &self.0.checkpoint)
                 }
             }
             let config = args.config.clone();

@@ -33,6 +33,10 @@ pub struct Config<M, D> {
     pub output: OutputConfig,
 }
 
+/// The configuration of app `A`.
+pub type AppConfig<A> =
+    Config<<A as crate::app::App>::ModelConfig, <A as crate::app::App>::DataConfig>;
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerName {

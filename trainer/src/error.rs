@@ -1,7 +1,7 @@
 //! Errors of the trainer binary that are not tied to one module.
 
 /// A problem with the user's input (command line, a program to launch): exit code 2, message
-/// only. Re-exported as `cli::UsageError`.
+/// only.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);

@@ -21,7 +21,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::Progress;
 use burn::data::dataset::Dataset;
 use burn::module::{AutodiffModule, ModuleVisitor, Param};
@@ -39,36 +38,14 @@ use burn_ddp::Distributed;
 use crate::app::{App, AppError, Datasets, Learn};
 use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::config::{Config, OptimizerName, TrainingConfig};
+use crate::config::{AppConfig, OptimizerName, TrainingConfig};
 use crate::error::UsageError;
 use crate::loader::BatchStream;
 use crate::metrics::{self, MetricValue, Metrics, Record, Reporter};
 use crate::parallel::{CheckpointPolicy, DataParallel};
 use crate::plan::{PlanInput, StepPlan};
+use crate::preflight::preflight;
 use crate::schedule::Schedule;
-
-/// The configuration of app `A`.
-pub type AppConfig<A> = Config<<A as App>::ModelConfig, <A as App>::DataConfig>;
-
-/// Checks what can be checked before any rank starts: the config file (the engine's sections
-/// and the app's tables), the app's own checks, and the device. Reads no data.
-pub fn preflight<A: App>(app: &A, config_path: &Path) -> anyhow::Result<AppConfig<A>> {
-    let config = AppConfig::<A>::load(config_path)?;
-    app.check(&config.model, &config.data)?;
-    if config.training.balance_classes && config.training.drop_last {
-        // The weighted sampler draws with replacement and never drops: say so instead of
-        // silently ignoring one of them.
-        bail!(UsageError(
-            "training.balance_classes draws with replacement and cannot drop_last: set one of them to false".into()
-        ));
-    }
-    let local_rank = std::env::var(crate::worker_env::LOCAL_RANK_VAR)
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
-    backend::device_available(config.output.device, local_rank)?;
-    Ok(config)
-}
 
 /// `--config FILE` as one rank (or the only process): train app `A`.
 pub fn run<A: LearnAnywhere>(
@@ -662,7 +639,7 @@ where
         return Ok(None);
     };
     let inner = model.valid();
-    let samples = evaluate_shard::<B::InnerBackend, _, _, _>(
+    let samples = crate::eval::evaluate_shard::<B::InnerBackend, _, _, _>(
         &inner,
         &*valid,
         batcher,
@@ -679,125 +656,6 @@ where
         samples: n as usize,
         step,
     }))
-}
-
-/// Feeds this rank's evaluation shard of `items` through `model` to `metrics` (local); returns
-/// the shard's size.
-#[allow(clippy::too_many_arguments)]
-fn evaluate_shard<IB, I, VM, Bt>(
-    model: &VM,
-    items: &dyn Dataset<I>,
-    batcher: &Bt,
-    metrics: &mut Metrics<<VM::Output as ItemLazy>::ItemSync>,
-    rank: usize,
-    world: usize,
-    device: &IB::Device,
-    batch_size: usize,
-) -> anyhow::Result<usize>
-where
-    IB: Backend,
-    VM: InferenceStep,
-    Bt: Batcher<IB, I, VM::Input>,
-{
-    let indices = DistributedSampler::new(items.len(), world, rank).eval_indices();
-    for (k, chunk) in indices.chunks(batch_size.max(1)).enumerate() {
-        let batch_items = chunk
-            .iter()
-            .map(|&i| {
-                items.get(i).ok_or_else(|| {
-                    AppError(format!(
-                        "the validation set returned no item for index {i} (its len() is {})",
-                        items.len()
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let batch = batcher.batch(batch_items, device);
-        let output = model.step(batch).sync();
-        let progress = Progress {
-            items_processed: ((k + 1) * batch_size).min(indices.len()),
-            items_total: indices.len(),
-        };
-        metrics.update(&output, progress, k, None);
-    }
-    Ok(indices.len())
-}
-
-/// `eval --config FILE --checkpoint DIR`: loads a checkpoint into app `A`'s model and validates
-/// it on the configured device (one process).
-pub fn evaluate<A: LearnAnywhere>(
-    app: A,
-    config_path: &Path,
-    checkpoint_path: &Path,
-) -> anyhow::Result<ExitCode> {
-    let config = preflight(&app, config_path)?;
-    let ckpt = if checkpoint_path.join("manifest.json").exists() {
-        checkpoint::open(checkpoint_path)?
-    } else {
-        checkpoint::latest(checkpoint_path).ok_or_else(|| {
-            UsageError(format!(
-                "no usable checkpoint in {} (give a checkpoint directory, or the checkpoint.dir that holds them)",
-                checkpoint_path.display()
-            ))
-        })?
-    };
-    checkpoint::check_compatible(&ckpt, &app.name(&config.model), &config.model_fingerprint())?;
-    let data = app.datasets(&config.data)?;
-    let Some(valid) = data.valid else {
-        bail!(UsageError(
-            "the data has no validation set (e.g. data.validation_fraction = 0): nothing to evaluate".into()
-        ));
-    };
-    struct Eval<A: App> {
-        app: A,
-        config: AppConfig<A>,
-        ckpt: Checkpoint,
-        valid: Arc<dyn Dataset<A::Item>>,
-    }
-    impl<A: App> OnBackend<A> for Eval<A> {
-        type Output = anyhow::Result<(Vec<MetricValue>, usize)>;
-        fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
-        where
-            A: Learn<B>,
-        {
-            let model = self
-                .app
-                .model(&self.config.model, &self.config.data, &device)?;
-            let model = checkpoint::load_model::<B, A::Model>(&self.ckpt, model)?.valid();
-            let (_, batcher) = self.app.batchers(&self.config.model, &self.config.data);
-            let mut metrics = self.app.valid_metrics();
-            let n = evaluate_shard::<B::InnerBackend, _, _, _>(
-                &model,
-                &*self.valid,
-                &batcher,
-                &mut metrics,
-                0,
-                1,
-                &device,
-                self.config.training.batch_size,
-            )?;
-            let mut alone = burn_ddp::Distributed::standalone();
-            Ok((metrics.global(&mut alone.group)?, n))
-        }
-    }
-    let (step, dir) = (ckpt.manifest.position.step, ckpt.dir.clone());
-    let device = config.output.device;
-    let (values, n) = backend::with_backend::<A, _, _>(
-        device,
-        0,
-        Eval {
-            app,
-            config,
-            ckpt,
-            valid,
-        },
-    )?;
-    println!(
-        "checkpoint {} (step {step}): validation {}, {n} samples",
-        dir.display(),
-        metrics::describe(&values),
-    );
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Appends `epoch index is_padding` lines for the samples of one step (for tests).

@@ -12,7 +12,9 @@
 //! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn<B>` (model, batchers, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
 //! | [`parallel`] | tier 2: `DataParallel`, the handle for your own loop (join, prepare, average, shard, sum, checkpoint) |
-//! | [`fit`] | the training loop, validation and `eval`, for any app |
+//! | [`fit`] | the training loop, for any app |
+//! | [`eval`] | validation over every sample once, and the `eval` command |
+//! | [`preflight`] | the check before any rank starts: config, app tables, device; never the data |
 //! | [`plan`] | the step plan (pure): steps, logs, checkpoints, validations |
 //! | [`schedule`] | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
 //! | [`loader`] | batches built ahead of the training thread (`training.num_workers`) |
@@ -41,6 +43,7 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod error;
+pub mod eval;
 pub mod fit;
 pub mod launch;
 pub mod launch_plan;
@@ -48,6 +51,7 @@ pub mod loader;
 pub mod metrics;
 pub mod parallel;
 pub mod plan;
+pub mod preflight;
 pub mod ranklog;
 pub mod run;
 pub mod schedule;

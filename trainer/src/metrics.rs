@@ -106,6 +106,26 @@ where
 ///
 /// Across ranks, each metric is combined as `sum(value x count) / sum(count)`, never a mean of
 /// per-rank means, so unequal shards weigh by their samples.
+///
+/// ```
+/// use burn::backend::Flex;
+/// use burn::train::metric::LossMetric;
+/// use burn::train::RegressionOutput;
+/// use trainer::metrics::Metrics;
+/// let metrics = Metrics::<RegressionOutput<Flex>>::new().with(LossMetric::<Flex>::new());
+/// assert_eq!(metrics.names(), ["Loss"]);
+/// ```
+///
+/// A metric the output cannot feed does not compile (a regression output has no class scores
+/// for an accuracy):
+///
+/// ```compile_fail
+/// use burn::backend::Flex;
+/// use burn::train::metric::AccuracyMetric;
+/// use burn::train::RegressionOutput;
+/// use trainer::metrics::Metrics;
+/// let _ = Metrics::<RegressionOutput<Flex>>::new().with(AccuracyMetric::<Flex>::new());
+/// ```
 pub struct Metrics<I> {
     slots: Vec<Box<dyn NumericSlot<I>>>,
 }
@@ -287,5 +307,68 @@ impl Reporter {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use burn::tensor::{Int, Tensor};
+    use burn::train::metric::AccuracyMetric;
+    use burn::train::ClassificationOutput;
+    use burn_ddp::store::{MemoryStore, Store};
+    use burn_ddp::{TcpGroupOptions, TcpProcessGroup};
+    use std::sync::Arc;
+
+    /// `hits` correct predictions out of `n` (class 0 predicted, targets 0 for hits).
+    fn output(hits: usize, n: usize) -> ClassificationOutput<Flex> {
+        let device = Default::default();
+        let scores = Tensor::<Flex, 2>::from_floats([[1.0, 0.0]], &device).repeat_dim(0, n);
+        let targets: Vec<i64> = (0..n).map(|i| i64::from(i >= hits)).collect();
+        let targets = Tensor::<Flex, 1, Int>::from_ints(targets.as_slice(), &device);
+        let loss = Tensor::<Flex, 1>::from_floats([0.0], &device);
+        ClassificationOutput::new(loss, scores, targets)
+    }
+
+    #[test]
+    fn ranks_combine_with_their_counts_not_as_a_mean_of_means() {
+        // Rank 0: 1 of 1 correct; rank 1: 0 of 3. Global: 1 of 4 = 25% (a mean of the
+        // per-rank means would say 50%).
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let shards = [(1, 1), (0, 3)];
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
+                    let mut metrics =
+                        Metrics::<ClassificationOutput<Flex>>::new().with(AccuracyMetric::new());
+                    let (hits, n) = shards[rank];
+                    let progress = Progress {
+                        items_processed: n,
+                        items_total: n,
+                    };
+                    metrics.update(&output(hits, n), progress, 0, None);
+                    metrics.global(&mut group).unwrap()
+                })
+            })
+            .collect();
+        for handle in handles {
+            let values = handle.join().unwrap();
+            assert_eq!(values.len(), 1);
+            assert_eq!(values[0].name, "Accuracy");
+            assert!((values[0].value - 25.0).abs() < 1e-9, "{values:?}");
+            assert_eq!(values[0].count, 4.0);
+        }
+    }
+
+    #[test]
+    fn a_metric_with_nothing_counted_is_nan_not_zero() {
+        let mut group = burn_ddp::Distributed::standalone().group;
+        let mut metrics = Metrics::<ClassificationOutput<Flex>>::new().with(AccuracyMetric::new());
+        let values = metrics.global(&mut group).unwrap();
+        assert!(values[0].value.is_nan() && values[0].count == 0.0);
     }
 }

@@ -68,7 +68,7 @@ pub fn main<A: LearnAnywhere>(app: A) -> ExitCode {
     let cli = AppCli::parse(); // clap prints usage errors itself and exits with 2
     init_logging();
     report(match cli.command {
-        Some(AppCommand::Eval(args)) => fit::evaluate(app, &args.config, &args.checkpoint),
+        Some(AppCommand::Eval(args)) => crate::eval::evaluate(app, &args.config, &args.checkpoint),
         None => match cli.train.config.clone() {
             Some(config) => train_or_launch(app, &config, &cli.train),
             None => Err(UsageError("missing --config FILE (try `--help`)".into()).into()),
@@ -85,7 +85,7 @@ pub fn train_or_launch<A: LearnAnywhere>(
 ) -> anyhow::Result<ExitCode> {
     let is_worker = std::env::var_os(WORKER_VAR).is_some();
     if args.launch.nproc_per_node.is_some() && !is_worker {
-        fit::preflight(&app, config)?;
+        crate::preflight::preflight(&app, config)?;
         launch::launch(&args.launch, &Program::this_process()?)
     } else {
         fit::run(app, config, args.no_resume)

@@ -1,0 +1,31 @@
+//! The pre-flight check: what can be checked before any rank starts, in the launcher and again
+//! in every rank. It reads the config file only: never the data.
+
+use std::path::Path;
+
+use anyhow::bail;
+
+use crate::app::App;
+use crate::backend;
+use crate::config::AppConfig;
+use crate::error::UsageError;
+
+/// Checks what can be checked before any rank starts: the config file (the engine's sections
+/// and the app's tables), the app's own checks, and the device. Reads no data.
+pub fn preflight<A: App>(app: &A, config_path: &Path) -> anyhow::Result<AppConfig<A>> {
+    let config = AppConfig::<A>::load(config_path)?;
+    app.check(&config.model, &config.data)?;
+    if config.training.balance_classes && config.training.drop_last {
+        // The weighted sampler draws with replacement and never drops: say so instead of
+        // silently ignoring one of them.
+        bail!(UsageError(
+            "training.balance_classes draws with replacement and cannot drop_last: set one of them to false".into()
+        ));
+    }
+    let local_rank = std::env::var(crate::worker_env::LOCAL_RANK_VAR)
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    backend::device_available(config.output.device, local_rank)?;
+    Ok(config)
+}
