@@ -165,6 +165,33 @@ pub fn write_config(dir: &Path, name: &str, body: &str) -> PathBuf {
     path
 }
 
+/// (index → times seen) over the non-padding samples of epoch 0 in `samples-rank*.txt`.
+pub fn visits(out_dir: &Path, into: &mut BTreeMap<usize, usize>) {
+    for entry in std::fs::read_dir(out_dir).unwrap().filter_map(Result::ok) {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if !name.starts_with("samples-rank") {
+            continue;
+        }
+        for line in std::fs::read_to_string(entry.path()).unwrap().lines() {
+            let f: Vec<usize> = line.split(' ').map(|x| x.parse().unwrap()).collect();
+            if f[0] == 0 && f[2] == 0 {
+                *into.entry(f[1]).or_default() += 1;
+            }
+        }
+    }
+}
+
+/// Copies the newest checkpoint under `from` into the checkpoint root `to` (a run configured
+/// with `to` then resumes from it).
+pub fn copy_newest_checkpoint(from: &Path, to: &Path) {
+    let src = newest_checkpoint(from);
+    let dst = to.join(src.file_name().unwrap());
+    std::fs::create_dir_all(&dst).unwrap();
+    for f in std::fs::read_dir(&src).unwrap().filter_map(Result::ok) {
+        std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
+    }
+}
+
 /// The newest checkpoint directory under `root`.
 pub fn newest_checkpoint(root: &Path) -> PathBuf {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)

@@ -139,22 +139,6 @@ fn a_killed_rank_loses_only_the_work_since_the_checkpoint() {
     );
 }
 
-/// (index → times seen) over the non-padding samples of epoch 0 in `samples-rank*.txt`.
-fn visits(out_dir: &Path, into: &mut BTreeMap<usize, usize>) {
-    for entry in std::fs::read_dir(out_dir).unwrap().filter_map(Result::ok) {
-        let name = entry.file_name().to_string_lossy().to_string();
-        if !name.starts_with("samples-rank") {
-            continue;
-        }
-        for line in std::fs::read_to_string(entry.path()).unwrap().lines() {
-            let f: Vec<usize> = line.split(' ').map(|x| x.parse().unwrap()).collect();
-            if f[0] == 0 && f[2] == 0 {
-                *into.entry(f[1]).or_default() += 1;
-            }
-        }
-    }
-}
-
 #[test]
 fn resuming_with_another_world_size_visits_every_sample_once() {
     let dir = scratch("reshard");
@@ -170,14 +154,7 @@ fn resuming_with_another_world_size_visits_every_sample_once() {
 
     for nproc in [1, 3] {
         let name = format!("resume{nproc}");
-        let ckpt = dir.join(format!("{name}-ckpt"));
-        std::fs::create_dir_all(&ckpt).unwrap();
-        let src = newest_checkpoint(&dir.join("first-ckpt"));
-        let dst = ckpt.join(src.file_name().unwrap());
-        std::fs::create_dir_all(&dst).unwrap();
-        for f in std::fs::read_dir(&src).unwrap().filter_map(Result::ok) {
-            std::fs::copy(f.path(), dst.join(f.file_name())).unwrap();
-        }
+        copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
         let config = write_config(
             &dir,
             &name,

@@ -442,12 +442,7 @@ where
                 position.step,
             )?;
             if let Some(v) = &v {
-                reporter.record(&Record::Valid {
-                    epoch: position.epoch - 1,
-                    step: position.step,
-                    samples: v.samples,
-                    metrics: metrics::as_map(&v.metrics),
-                });
+                record_validation(&mut reporter, position.epoch - 1, v);
                 reporter.say(&format!(
                     "epoch {}/{}: validation {} ({} samples)",
                     position.epoch,
@@ -479,12 +474,7 @@ where
                 position.step,
             )?;
             if let Some(v) = &v {
-                reporter.record(&Record::Valid {
-                    epoch: position.epoch,
-                    step: position.step,
-                    samples: v.samples,
-                    metrics: metrics::as_map(&v.metrics),
-                });
+                record_validation(&mut reporter, position.epoch, v);
             }
             v
         }
@@ -511,6 +501,16 @@ where
         validation,
         steps: position.step,
     })
+}
+
+/// The `valid` line of `metrics.jsonl` for a validation during `epoch`.
+fn record_validation(reporter: &mut Reporter, epoch: usize, v: &Validation) {
+    reporter.record(&Record::Valid {
+        epoch,
+        step: v.step,
+        samples: v.samples,
+        metrics: metrics::as_map(&v.metrics),
+    });
 }
 
 /// Multiplies every gradient of `model`'s float parameters in `grads` by `factor`.

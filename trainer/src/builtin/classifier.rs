@@ -4,10 +4,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::backend::Flex;
 use burn::data::dataset::{Dataset, InMemDataset};
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::metric::{AccuracyMetric, LossMetric};
 use models::{DigitsModel, InputShape};
 use serde::{Deserialize, Serialize};
 
@@ -180,14 +178,10 @@ impl<B: AutodiffBackend> Learn<B> for ClassifierApp {
     }
 
     fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
-        Metrics::new()
-            .with(LossMetric::<Flex>::new())
-            .with(AccuracyMetric::<Flex>::new())
+        super::loss_and_accuracy()
     }
 
     fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
-        Metrics::new()
-            .with(LossMetric::<Flex>::new())
-            .with(AccuracyMetric::<Flex>::new())
+        super::loss_and_accuracy()
     }
 }

@@ -12,6 +12,16 @@ pub mod regression;
 pub mod text;
 
 use std::path::Path;
+use std::sync::Arc;
+
+use burn::backend::Flex;
+use burn::data::dataset::transform::PartialDataset;
+use burn::data::dataset::Dataset;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::ClassificationOutput;
+
+use crate::app::Datasets;
+use crate::metrics::Metrics;
 
 use crate::backend::LearnAnywhere;
 use crate::config::ConfigError;
@@ -63,6 +73,28 @@ pub fn with_app<T: WithApp>(config: &Path, task: T) -> Result<T::Output, ConfigE
             ),
         }),
     }
+}
+
+/// Training set = indices `0..train` of `all`, validation set = the next `valid` (none when
+/// 0): one generator, one task, read lazily through Burn's `PartialDataset`.
+pub fn split_by_index<I, D>(all: D, train: usize, valid: usize) -> Datasets<I>
+where
+    I: Clone + Send + Sync + 'static,
+    D: Dataset<I> + Clone + 'static,
+{
+    Datasets {
+        train: Arc::new(PartialDataset::new(all.clone(), 0, train)),
+        valid: (valid > 0).then(|| {
+            Arc::new(PartialDataset::new(all, train, train + valid)) as Arc<dyn Dataset<I>>
+        }),
+    }
+}
+
+/// burn-train's loss and accuracy, for classifiers' outputs.
+pub fn loss_and_accuracy() -> Metrics<ClassificationOutput<Flex>> {
+    Metrics::new()
+        .with(LossMetric::new())
+        .with(AccuracyMetric::new())
 }
 
 /// A `[model]` table with a `name` key (which picks the app) and the model's own keys, checked

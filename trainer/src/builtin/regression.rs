@@ -4,8 +4,6 @@
 use std::sync::Arc;
 
 use burn::backend::Flex;
-use burn::data::dataset::transform::PartialDataset;
-use burn::data::dataset::Dataset;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::LossMetric;
 use models::{
@@ -13,7 +11,7 @@ use models::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::Named;
+use super::{split_by_index, Named};
 use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
 use crate::metrics::Metrics;
 
@@ -78,13 +76,7 @@ impl App for RegressionApp {
             d.targets,
             d.seed,
         ));
-        let train = PartialDataset::new(all.clone(), 0, d.samples);
-        let valid = PartialDataset::new(all, d.samples, d.samples + d.validation_samples);
-        Ok(Datasets {
-            train: Arc::new(train),
-            valid: (d.validation_samples > 0)
-                .then(|| Arc::new(valid) as Arc<dyn Dataset<RegressionItem>>),
-        })
+        Ok(split_by_index(all, d.samples, d.validation_samples))
     }
 }
 

@@ -4,15 +4,11 @@
 
 use std::sync::Arc;
 
-use burn::backend::Flex;
-use burn::data::dataset::transform::PartialDataset;
-use burn::data::dataset::Dataset;
 use burn::tensor::backend::AutodiffBackend;
-use burn::train::metric::{AccuracyMetric, LossMetric};
 use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextItem};
 use serde::{Deserialize, Serialize};
 
-use super::Named;
+use super::{loss_and_accuracy, split_by_index, Named};
 use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
 use crate::metrics::Metrics;
 
@@ -92,13 +88,7 @@ impl App for TextApp {
         let all = SyntheticText::new(total, d.vocab_size, d.min_len, d.max_len, d.seed)
             .map(Arc::new)
             .map_err(|e| AppError(format!("[data] {e}")))?;
-        let train = PartialDataset::new(all.clone(), 0, d.samples);
-        let valid = PartialDataset::new(all, d.samples, total);
-        Ok(Datasets {
-            train: Arc::new(train),
-            valid: (d.validation_samples > 0)
-                .then(|| Arc::new(valid) as Arc<dyn Dataset<TextItem>>),
-        })
+        Ok(split_by_index(all, d.samples, d.validation_samples))
     }
 }
 
@@ -123,14 +113,10 @@ impl<B: AutodiffBackend> Learn<B> for TextApp {
     }
 
     fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
-        Metrics::new()
-            .with(LossMetric::<Flex>::new())
-            .with(AccuracyMetric::<Flex>::new())
+        loss_and_accuracy()
     }
 
     fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
-        Metrics::new()
-            .with(LossMetric::<Flex>::new())
-            .with(AccuracyMetric::<Flex>::new())
+        loss_and_accuracy()
     }
 }
