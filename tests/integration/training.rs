@@ -212,6 +212,11 @@ fn bad_configs_exit_2_naming_the_field_or_file() {
             "\"rnn\" is not a known model",
         ),
         (
+            "checkpoint-dir-is-a-file",
+            good.replace("{ckpt}", "{data}"),
+            "checkpoint.dir",
+        ),
+        (
             "unknown-model-key",
             good.replace("hidden = [32]", "hiden = [32]"),
             "hiden",

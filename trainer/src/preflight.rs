@@ -11,7 +11,8 @@ use crate::config::AppConfig;
 use crate::error::UsageError;
 
 /// Checks what can be checked before any rank starts: the config file (the engine's sections
-/// and the app's tables), the app's own checks, and the device. Reads no data.
+/// and the app's tables), the app's own checks, the output directories, and the device. Reads
+/// no data.
 pub fn preflight<A: App>(app: &A, config_path: &Path) -> anyhow::Result<AppConfig<A>> {
     let config = AppConfig::<A>::load(config_path)?;
     app.check(&config.model, &config.data)?;
@@ -21,6 +22,18 @@ pub fn preflight<A: App>(app: &A, config_path: &Path) -> anyhow::Result<AppConfi
         bail!(UsageError(
             "training.balance_classes draws with replacement and cannot drop_last: set one of them to false".into()
         ));
+    }
+    let dirs = [
+        ("checkpoint.dir", config.checkpoint.dir.as_deref()),
+        ("output.dir", Some(config.output.dir.as_path())),
+    ];
+    for (key, dir) in dirs {
+        if let Some(dir) = dir.filter(|d| d.exists() && !d.is_dir()) {
+            bail!(UsageError(format!(
+                "{key} = \"{}\" is a file, not a directory: point {key} at a directory (it is created if missing)",
+                dir.display()
+            )));
+        }
     }
     let local_rank = std::env::var(crate::worker_env::LOCAL_RANK_VAR)
         .ok()
