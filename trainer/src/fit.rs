@@ -17,7 +17,6 @@ use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -328,7 +327,6 @@ where
             })?;
     }
     let (train_batcher, valid_batcher) = job.app.batchers(&job.config.model, &job.config.data);
-    let (train_batcher, valid_batcher) = (Arc::new(train_batcher), Arc::new(valid_batcher));
     let mut train_metrics = job.app.train_metrics();
     let mut valid_metrics = job.app.valid_metrics();
     let mut reporter = Reporter::new(
@@ -354,19 +352,13 @@ where
             .flat_map(|step| plan.micro_batches(step))
             .map(|(micro, _)| micro.iter().map(|s| s.index).collect())
             .collect();
-        let mut batches = BatchStream::new::<B, A::Item, A::TrainBatcher>(
-            train.clone(),
-            train_batcher.clone(),
-            job.device.clone(),
-            micro_indices,
-            t.num_workers,
-        );
+        let mut batches = BatchStream::new(train.clone(), micro_indices, t.num_workers);
         for (k, step_samples) in steps.iter().enumerate() {
             // Seeded per step, so dropout masks are the same in a resumed run.
             B::seed(&job.device, t.seed.wrapping_add(position.step as u64 + 1));
             let mut accumulator = GradientsAccumulator::<A::Model>::new();
             for (_, weight) in plan.micro_batches(step_samples) {
-                let batch = batches.next_batch()?;
+                let batch = batches.next_batch(&train_batcher, &job.device)?;
                 let output = model.step(batch);
                 let mut grads = output.grads;
                 if weight != 1.0 {

@@ -1,6 +1,11 @@
-//! Batches built ahead of the training thread: `training.num_workers` threads call
-//! `Dataset::get` on this rank's indices and the app's batcher, in order, while the training
-//! thread computes (PyTorch's `DataLoader(num_workers=N)`). Only the indices given are read.
+//! Items read ahead of the training thread: `training.num_workers` threads call
+//! `Dataset::get` on this rank's indices, in order, while the training thread computes
+//! (PyTorch's `DataLoader(num_workers=N)`). Only the indices given are read.
+//!
+//! The app's batcher runs on the training thread, which owns the device: on CubeCL backends
+//! (wgpu, CUDA) each thread submits to its own stream, and a tensor uploaded by another thread
+//! was seen here to be read before its upload finished (wrong weights on wgpu/lavapipe). Reading
+//! and decoding items is the part worth doing ahead; the upload then stays in order.
 
 use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::Arc;
@@ -9,38 +14,31 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::tensor::backend::Backend;
 
-/// How many batches each worker may have ready before it waits for the training thread.
+/// How many micro-batches of items each worker may have ready before it waits.
 const READY_PER_WORKER: usize = 2;
 
-/// The batches of one epoch (or its rest), in order.
-pub struct BatchStream<O> {
-    source: Source<O>,
+/// The micro-batches of one epoch (or its rest), in order.
+pub struct BatchStream<I> {
+    source: Source<I>,
     next: usize,
     len: usize,
     /// Joined on drop, so no worker (nor its share of the data set) outlives the stream.
     workers: Vec<std::thread::JoinHandle<()>>,
 }
 
-enum Source<O> {
-    /// `num_workers = 0`: built on demand on the calling thread.
-    Inline(Box<dyn FnMut(usize) -> Result<O, String>>),
-    /// Worker `w` builds batches `w, w + N, ...` into `receivers[w]`.
-    Workers(Vec<Receiver<Result<O, String>>>),
+enum Source<I> {
+    /// `num_workers = 0`: read on demand on the calling thread.
+    Inline {
+        dataset: Arc<dyn Dataset<I>>,
+        batches: Vec<Vec<usize>>,
+    },
+    /// Worker `w` reads micro-batches `w, w + N, ...` into `receivers[w]`.
+    Workers(Vec<Receiver<Result<Vec<I>, String>>>),
 }
 
-/// Reads `indices[k]` from `dataset` and batches them, for every `k`; the error names the index
-/// the data set did not have.
-fn build<B, I, O, Bt>(
-    dataset: &dyn Dataset<I>,
-    batcher: &Bt,
-    device: &B::Device,
-    indices: &[usize],
-) -> Result<O, String>
-where
-    B: Backend,
-    Bt: Batcher<B, I, O> + ?Sized,
-{
-    let items = indices
+/// The items at `indices`; the error names the index the data set did not have.
+fn read<I>(dataset: &dyn Dataset<I>, indices: &[usize]) -> Result<Vec<I>, String> {
+    indices
         .iter()
         .map(|&i| {
             dataset.get(i).ok_or_else(|| {
@@ -50,54 +48,33 @@ where
                 )
             })
         })
-        .collect::<Result<Vec<I>, String>>()?;
-    Ok(batcher.batch(items, device))
+        .collect()
 }
 
-impl<O: Send + 'static> BatchStream<O> {
-    /// Starts building `batches` (each a list of data-set indices) with `workers` threads.
-    pub fn new<B, I, Bt>(
-        dataset: Arc<dyn Dataset<I>>,
-        batcher: Arc<Bt>,
-        device: B::Device,
-        batches: Vec<Vec<usize>>,
-        workers: usize,
-    ) -> Self
-    where
-        B: Backend,
-        I: Send + Sync + 'static,
-        Bt: Batcher<B, I, O> + 'static,
-    {
+impl<I: Send + Sync + 'static> BatchStream<I> {
+    /// Starts reading `batches` (each a list of data-set indices) with `workers` threads.
+    pub fn new(dataset: Arc<dyn Dataset<I>>, batches: Vec<Vec<usize>>, workers: usize) -> Self {
         let len = batches.len();
         if workers == 0 {
-            let build_one =
-                move |k: usize| build::<B, I, O, Bt>(&*dataset, &*batcher, &device, &batches[k]);
             return Self {
-                source: Source::Inline(Box::new(build_one)),
+                source: Source::Inline { dataset, batches },
                 next: 0,
                 len,
                 workers: Vec::new(),
             };
         }
         let batches = Arc::new(batches);
+        let threads = workers.min(len.max(1));
         let mut handles = Vec::new();
-        let receivers = (0..workers.min(len.max(1)))
+        let receivers = (0..threads)
             .map(|w| {
                 let (tx, rx) = sync_channel(READY_PER_WORKER);
-                let (dataset, batcher, device, batches) = (
-                    dataset.clone(),
-                    batcher.clone(),
-                    device.clone(),
-                    batches.clone(),
-                );
-                let step = workers.min(len.max(1));
+                let (dataset, batches) = (dataset.clone(), batches.clone());
                 handles.push(std::thread::spawn(move || {
-                    for k in (w..batches.len()).step_by(step) {
-                        let batch =
-                            build::<B, I, O, Bt>(&*dataset, &*batcher, &device, &batches[k]);
+                    for k in (w..batches.len()).step_by(threads) {
                         // The training thread stopped early (the run ended mid-epoch, or it
-                        // failed): nothing more to build.
-                        if tx.send(batch).is_err() {
+                        // failed): nothing more to read.
+                        if tx.send(read(&*dataset, &batches[k])).is_err() {
                             break;
                         }
                     }
@@ -113,30 +90,36 @@ impl<O: Send + 'static> BatchStream<O> {
         }
     }
 
-    /// The next batch in order. An error says which index the data set lacked, or that a worker
-    /// stopped (a panic in the data set or the batcher: its message is on stderr).
-    pub fn next_batch(&mut self) -> anyhow::Result<O> {
+    /// The next micro-batch in order, batched by `batcher` on `device` on this thread. An
+    /// error says which index the data set lacked, or that a worker stopped (a panic in the
+    /// data set: its message is on stderr).
+    pub fn next_batch<B, O, Bt>(&mut self, batcher: &Bt, device: &B::Device) -> anyhow::Result<O>
+    where
+        B: Backend,
+        Bt: Batcher<B, I, O>,
+    {
         if self.next >= self.len {
             anyhow::bail!("internal: asked for batch {} of {}", self.next, self.len);
         }
         let k = self.next;
         self.next += 1;
-        let batch = match &mut self.source {
-            Source::Inline(build_one) => build_one(k),
+        let items = match &mut self.source {
+            Source::Inline { dataset, batches } => read(&**dataset, &batches[k]),
             Source::Workers(receivers) => {
                 let n = receivers.len();
                 receivers[k % n].recv().unwrap_or_else(|_| {
                     Err(format!(
-                        "the batch worker building batch {k} stopped (a panic in the data set's `get` or in the batcher; see its message above)"
+                        "the data worker reading batch {k} stopped (a panic in the data set's `get`; see its message above)"
                     ))
                 })
             }
         };
-        batch.map_err(|e| anyhow::anyhow!(crate::app::AppError(e)))
+        let items = items.map_err(|e| anyhow::anyhow!(crate::app::AppError(e)))?;
+        Ok(batcher.batch(items, device))
     }
 }
 
-impl<O> Drop for BatchStream<O> {
+impl<I> Drop for BatchStream<I> {
     fn drop(&mut self) {
         // Closing the channels first wakes any worker blocked on a full one (it then stops).
         self.source = Source::Workers(Vec::new());
@@ -160,15 +143,13 @@ mod tests {
         }
     }
 
-    fn stream(workers: usize, batches: Vec<Vec<usize>>) -> BatchStream<u64> {
+    fn stream(workers: usize, batches: Vec<Vec<usize>>) -> BatchStream<u32> {
         let data: Arc<dyn Dataset<u32>> = Arc::new(InMemDataset::new((0..100).collect()));
-        BatchStream::new::<Flex, u32, Sum>(
-            data,
-            Arc::new(Sum),
-            Default::default(),
-            batches,
-            workers,
-        )
+        BatchStream::new(data, batches, workers)
+    }
+
+    fn next(s: &mut BatchStream<u32>) -> anyhow::Result<u64> {
+        s.next_batch::<Flex, u64, Sum>(&Sum, &Default::default())
     }
 
     #[test]
@@ -176,18 +157,18 @@ mod tests {
         let batches: Vec<Vec<usize>> = (0..10).map(|k| vec![k, k + 10]).collect();
         for workers in [0, 1, 3, 16] {
             let mut s = stream(workers, batches.clone());
-            let got: Vec<u64> = (0..10).map(|_| s.next_batch().unwrap()).collect();
+            let got: Vec<u64> = (0..10).map(|_| next(&mut s).unwrap()).collect();
             let want: Vec<u64> = (0..10).map(|k| 2 * k + 10).collect();
             assert_eq!(got, want, "{workers} workers");
-            assert!(s.next_batch().is_err());
+            assert!(next(&mut s).is_err());
         }
     }
 
     #[test]
     fn a_missing_index_is_named() {
         let mut s = stream(2, vec![vec![1], vec![100]]);
-        assert_eq!(s.next_batch().unwrap(), 1);
-        let err = s.next_batch().unwrap_err().to_string();
+        assert_eq!(next(&mut s).unwrap(), 1);
+        let err = next(&mut s).unwrap_err().to_string();
         assert!(err.contains("index 100") && err.contains("100"), "{err}");
     }
 }
