@@ -110,7 +110,9 @@ pub trait Learn<B: AutodiffBackend>: App {
         device: &B::Device,
     ) -> Result<Self::Model, AppError>;
 
-    /// The batchers for training and validation.
+    /// The batchers for training and validation. They run on the training thread (which owns
+    /// the device); `training.num_workers` threads read the items ahead through
+    /// `Dataset::get`.
     fn batchers(
         &self,
         model: &Self::ModelConfig,

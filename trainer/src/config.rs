@@ -154,9 +154,9 @@ pub struct TrainingConfig {
     pub log_every: usize,
     /// Compare a checksum of the parameters across ranks every this many steps (0: never).
     pub check_replicas_every: usize,
-    /// Threads that build batches ahead of the training thread (`Dataset::get` and the
-    /// batcher), like PyTorch's `DataLoader(num_workers=...)`; 0 builds them on the training
-    /// thread.
+    /// Threads that read items (`Dataset::get`) ahead of the training thread, like PyTorch's
+    /// `DataLoader(num_workers=...)`; 0 reads them on the training thread. The batcher always
+    /// runs on the training thread.
     pub num_workers: usize,
 }
 

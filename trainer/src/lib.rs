@@ -17,7 +17,7 @@
 //! | [`preflight`] | the check before any rank starts: config, app tables, device; never the data |
 //! | [`plan`] | the step plan (pure): steps, logs, checkpoints, validations |
 //! | [`schedule`] | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
-//! | [`loader`] | batches built ahead of the training thread (`training.num_workers`) |
+//! | [`loader`] | items read ahead of the training thread (`training.num_workers`) |
 //! | [`backend`] | every backend and cargo feature: devices, gradient paths (host, NCCL) |
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
 //! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
