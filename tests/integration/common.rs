@@ -192,6 +192,40 @@ pub fn copy_newest_checkpoint(from: &Path, to: &Path) {
     }
 }
 
+/// Resumes the 2-rank run `dir/first-*` as run `resume<nproc>` with `nproc` ranks and `body`,
+/// and checks that epoch 0, counted from `before` (the first run's visits), saw each of its
+/// `len` samples exactly once. Returns the resumed run's output.
+pub fn resume_visits_every_sample_once(
+    dir: &Path,
+    nproc: usize,
+    body: &str,
+    before: &BTreeMap<usize, usize>,
+    len: usize,
+) -> Output {
+    let name = format!("resume{nproc}");
+    copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
+    let config = write_config(dir, &name, body);
+    let out = train(&config, nproc);
+    assert!(
+        out.stderr.contains("saved with world size 2"),
+        "{}",
+        out.all()
+    );
+    let mut seen = before.clone();
+    visits(&dir.join(format!("{name}-out")), &mut seen);
+    assert_eq!(
+        seen.len(),
+        len,
+        "every sample of the epoch, with {nproc} rank(s) after resume"
+    );
+    let repeated: Vec<_> = seen.iter().filter(|(_, &c)| c != 1).collect();
+    assert!(
+        repeated.is_empty(),
+        "samples seen more than once with {nproc} rank(s): {repeated:?}"
+    );
+    out
+}
+
 /// The newest checkpoint directory under `root`.
 pub fn newest_checkpoint(root: &Path) -> PathBuf {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)

@@ -172,23 +172,8 @@ fn transformer_resumes_at_another_world_size_with_its_noam_schedule() {
 
     for nproc in [1, 3] {
         let name = format!("resume{nproc}");
-        copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
-        let config = write_config(&dir, &name, &text_config(NOAM_ADAM, 8, ""));
-        let out = train(&config, nproc);
-        assert!(
-            out.stderr.contains("saved with world size 2"),
-            "{}",
-            out.all()
-        );
-        let mut seen = before.clone();
-        visits(&dir.join(format!("{name}-out")), &mut seen);
-        assert_eq!(
-            seen.len(),
-            384,
-            "every sample of the epoch with {nproc} rank(s)"
-        );
-        let repeated: Vec<_> = seen.iter().filter(|(_, &c)| c != 1).collect();
-        assert!(repeated.is_empty(), "seen more than once: {repeated:?}");
+        let body = text_config(NOAM_ADAM, 8, "");
+        resume_visits_every_sample_once(&dir, nproc, &body, &before, 384);
         // The schedule continues where it stopped: step 8 onwards has the rates of the
         // uninterrupted run (Noam depends on the step only, not on the world size).
         let resumed = learning_rates(&dir.join(format!("{name}-out")));

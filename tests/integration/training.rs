@@ -152,32 +152,9 @@ fn resuming_with_another_world_size_visits_every_sample_once() {
     visits(&dir.join("first-out"), &mut before);
     assert_eq!(before.values().sum::<usize>(), 5 * 8 * 2);
 
+    let body = digits_config(SGD, 8, "").replace("epochs = 3", "epochs = 1");
     for nproc in [1, 3] {
-        let name = format!("resume{nproc}");
-        copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
-        let config = write_config(
-            &dir,
-            &name,
-            &digits_config(SGD, 8, "").replace("epochs = 3", "epochs = 1"),
-        );
-        let out = train(&config, nproc);
-        assert!(
-            out.stderr.contains("saved with world size 2"),
-            "{}",
-            out.all()
-        );
-        let mut seen = before.clone();
-        visits(&dir.join(format!("{name}-out")), &mut seen);
-        assert_eq!(
-            seen.len(),
-            1438,
-            "every training sample of the epoch, with {nproc} rank(s) after resume"
-        );
-        let repeated: Vec<_> = seen.iter().filter(|(_, &c)| c != 1).collect();
-        assert!(
-            repeated.is_empty(),
-            "samples seen more than once with {nproc} rank(s): {repeated:?}"
-        );
+        resume_visits_every_sample_once(&dir, nproc, &body, &before, 1438);
     }
 }
 
