@@ -104,6 +104,19 @@ impl<B: Backend> DigitsModel<B> {
         input: &InputShape,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
+        let model = Self::lazy(name, options, input, device)?;
+        draw_params(&model);
+        Ok(model)
+    }
+
+    /// [`from_options`](Self::from_options) without drawing the parameters: nothing of the
+    /// parameters' size is allocated until first use (see [`lazy_param_count`](crate::lazy_param_count)).
+    pub fn lazy(
+        name: &str,
+        options: &toml::Table,
+        input: &InputShape,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         let model = match name {
             "mlp" => Self::Mlp(parse::<MlpOptions>("mlp", options, input)?.init(input, device)),
             "cnn" => Self::Cnn(parse::<CnnOptions>("cnn", options, input)?.init(input, device)),
@@ -114,7 +127,6 @@ impl<B: Backend> DigitsModel<B> {
                 })
             }
         };
-        draw_params(&model);
         Ok(model)
     }
 

@@ -100,6 +100,23 @@ impl RegressionConfig {
         targets: usize,
         device: &B::Device,
     ) -> RegressionModel<B> {
+        let model = self.init_lazy(features, targets, device);
+        draw_params(&model);
+        model
+    }
+
+    /// [`init`](Self::init) without drawing the parameters (see
+    /// [`lazy_param_count`](crate::lazy_param_count)).
+    ///
+    /// # Panics
+    ///
+    /// As [`init`](Self::init).
+    pub fn init_lazy<B: Backend>(
+        &self,
+        features: usize,
+        targets: usize,
+        device: &B::Device,
+    ) -> RegressionModel<B> {
         if let Err(error) = self.check(features, targets) {
             panic!("RegressionConfig::init: invalid configuration (call check first): {error:?}");
         }
@@ -109,14 +126,12 @@ impl RegressionConfig {
             hidden.push(LinearConfig::new(width, next).init(device));
             width = next;
         }
-        let model = RegressionModel {
+        RegressionModel {
             hidden,
             output: LinearConfig::new(width, targets).init(device),
             activation: Relu::new(),
             dropout: (self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init()),
-        };
-        draw_params(&model);
-        model
+        }
     }
 }
 

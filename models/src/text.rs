@@ -138,12 +138,24 @@ impl TextClassifierConfig {
     /// If [`check`](Self::check) fails (as Burn's configs do for invalid
     /// values); call it first.
     pub fn init<B: Backend>(&self, device: &B::Device) -> TextClassifier<B> {
+        let model = self.init_lazy(device);
+        draw_params(&model);
+        model
+    }
+
+    /// [`init`](Self::init) without drawing the parameters (see
+    /// [`lazy_param_count`](crate::lazy_param_count)).
+    ///
+    /// # Panics
+    ///
+    /// As [`init`](Self::init).
+    pub fn init_lazy<B: Backend>(&self, device: &B::Device) -> TextClassifier<B> {
         if let Err(error) = self.check() {
             panic!(
                 "TextClassifierConfig::init: invalid configuration (call check first): {error:?}"
             );
         }
-        let model = TextClassifier {
+        TextClassifier {
             tokens: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
             positions: EmbeddingConfig::new(self.max_len, self.d_model).init(device),
             encoder: TransformerEncoderConfig::new(
@@ -158,9 +170,7 @@ impl TextClassifierConfig {
             output: LinearConfig::new(self.d_model, self.classes).init(device),
             dropout: (self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init()),
             max_len: self.max_len,
-        };
-        draw_params(&model);
-        model
+        }
     }
 }
 

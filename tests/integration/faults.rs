@@ -485,3 +485,144 @@ fn a_full_disk_leaves_the_previous_checkpoint_intact() {
         eval.all()
     );
 }
+
+/// `digits` with the optimizer line of Adam's learning rate replaced by `lr` and `extra`
+/// training keys, under the name `name` (so the same checkpoint directory for the same name).
+fn digits_with(name: &str, dir: &std::path::Path, lr: &str, max_steps: usize, extra: &str) -> std::path::PathBuf {
+    let body = std::fs::read_to_string(digits(name, dir))
+        .unwrap()
+        .replace("learning_rate = 0.003", &format!("learning_rate = {lr}"))
+        .replace("max_steps = 30", &format!("max_steps = {max_steps}\n{extra}"));
+    write_config(dir, name, &body)
+}
+
+/// The step directories under a checkpoint root, oldest first.
+fn checkpoint_steps(root: &std::path::Path) -> Vec<String> {
+    let mut steps: Vec<String> = std::fs::read_dir(root)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    steps.sort();
+    steps
+}
+
+#[test]
+fn a_diverging_run_stops_naming_the_step_and_keeps_every_good_checkpoint() {
+    let dir = scratch("diverging");
+    let root = dir.join("run-ckpt");
+    // 20 good steps: checkpoints at 10 and 20.
+    let good = digits_with("run", &dir, "0.003", 20, "");
+    assert_eq!(train2(&good, &[], &[]).code, Some(0));
+    assert_eq!(checkpoint_steps(&root), ["step-00000010", "step-00000020"]);
+
+    // Resumed with a learning rate of 1e30: the weights blow up after one step, the next
+    // step's gradients are NaN, and the run must stop there — with keep_last = 3 and a
+    // checkpoint due at step 30, a run that went on would rotate step 10 out.
+    let diverging = digits_with("run", &dir, "1e30", 40, "");
+    let out = train2(&diverging, &[], &[]);
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    let line = out
+        .stderr
+        .lines()
+        .find(|l| l.contains("non-finite gradients (NaN or Inf) at optimizer step"))
+        .unwrap_or_else(|| panic!("no non-finite report:\n{}", out.all()));
+    let step: usize = line
+        .split("at optimizer step ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no step in: {line}"));
+    assert!((21..=23).contains(&step), "diverged at step {step}: {line}");
+    assert!(line.contains("first on rank(s) [0, 1]"), "{line}");
+    assert!(line.contains("the newest checkpoint, of step 20, is kept"), "{line}");
+    assert_eq!(
+        checkpoint_steps(&root),
+        ["step-00000010", "step-00000020"],
+        "no checkpoint written or deleted"
+    );
+    for step in ["step-00000010", "step-00000020"] {
+        let weights = read_weights(&root.join(step).join("model.safetensors"));
+        assert!(weights.values().flatten().all(|x| x.is_finite()), "{step}");
+    }
+    // And the newest one still loads: resumed with a sane rate, the run finishes.
+    let out = train2(&digits_with("run", &dir, "0.003", 30, ""), &[], &[]);
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stderr.contains("resumed from") && out.stderr.contains("step 20"),
+        "{}",
+        out.all()
+    );
+    assert!(final_accuracy(&out) > 80.0, "{}", out.all());
+}
+
+#[test]
+fn on_nonfinite_skip_finishes_and_counts_the_skipped_steps() {
+    let dir = scratch("nonfinite-skip");
+    let config = digits_with("run", &dir, "1e30", 12, "on_nonfinite = \"skip\"");
+    let out = train2(&config, &[], &[]);
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let skipped: usize = out
+        .stdout
+        .split("skipped ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of skipped steps:\n{}", out.all()));
+    // Step 1 is finite (it is what blows the weights up); from then on every step is NaN.
+    assert!((9..=11).contains(&skipped), "skipped {skipped}:\n{}", out.all());
+    assert!(
+        out.stdout.contains("optimizer steps with non-finite gradients"),
+        "{}",
+        out.all()
+    );
+    assert!(out.stderr.contains("skipped (training.on_nonfinite = \"skip\")"), "{}", out.all());
+}
+
+#[test]
+fn a_model_too_big_for_memory_is_refused_before_any_rank_starts() {
+    let dir = scratch("too-big");
+    let body = std::fs::read_to_string(digits("big", &dir))
+        .unwrap()
+        .replace("hidden = [32]", "hidden = [100000000]");
+    let config = write_config(&dir, "big", &body);
+    let out = train2(&config, &[], &[]);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(
+        out.stderr.contains("7,500,000,010 parameters need at least")
+            && out.stderr.contains("is available (")
+            && out.stderr.contains("2 ranks on this machine need"),
+        "{}",
+        out.all()
+    );
+    assert!(!out.all().contains("[rank "), "no rank started:\n{}", out.all());
+}
+
+#[test]
+fn a_straggler_is_named_in_the_stall_warning_of_a_live_job() {
+    let dir = scratch("stall-warning");
+    let body = std::fs::read_to_string(digits("run", &dir))
+        .unwrap()
+        .replace("[output]", "[distributed]\nstall_warning_secs = 1\n\n[output]");
+    let config = write_config(&dir, "run", &body);
+    let out = train2(
+        &config,
+        &[],
+        &[
+            ("TRAINER_STALL_AFTER_STEP", "3:4"),
+            ("TRAINER_STALL_RANK", "1"),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "a straggler is only slow:\n{}", out.all());
+    let warning = out
+        .all()
+        .lines()
+        .find(|l| l.starts_with("[rank 0]") && l.contains("has made no progress"))
+        .map(str::to_owned)
+        .unwrap_or_else(|| panic!("rank 0 never warned:\n{}", out.all()));
+    assert!(
+        warning.contains("waiting for rank 1") && warning.contains("not seen in it: [1]"),
+        "{warning}"
+    );
+}

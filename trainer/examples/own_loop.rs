@@ -67,8 +67,15 @@ fn train() -> anyhow::Result<()> {
             loss_sum += loss.clone().into_scalar().elem::<f64>() * chunk.len() as f64;
             seen += chunk.len() as f64;
             let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-            // The mean gradient over every rank's batch.
-            ddp.average_gradients(&model, &mut grads)?;
+            // The mean gradient over every rank's batch, and which ranks (if any) had NaN or
+            // Inf in theirs: all ranks get the same answer, so all stop together.
+            let check = ddp.average_gradients(&model, &mut grads)?;
+            if !check.all_finite() {
+                anyhow::bail!(
+                    "non-finite gradients at step {step} on rank(s) {:?}",
+                    check.nonfinite_ranks
+                );
+            }
             model = optim.step(0.05, model, grads);
             step += 1;
             if step == steps {

@@ -81,6 +81,16 @@ pub trait App: Send + Sync + 'static {
         let _ = train;
         None
     }
+
+    /// How many float parameter values the model of these tables has, found without
+    /// allocating them — e.g. build it with Burn's lazily initialised parameters and count with
+    /// `models::lazy_param_count`, or use a formula. The pre-flight uses it to refuse, with the
+    /// numbers, a model that cannot fit in memory before any rank starts. `None` (the default)
+    /// skips that check.
+    fn parameter_count(&self, model: &Self::ModelConfig, data: &Self::DataConfig) -> Option<u64> {
+        let _ = (model, data);
+        None
+    }
 }
 
 /// The model half of an app, for one backend `B` (module docs).

@@ -12,7 +12,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 #[cfg(feature = "cuda")]
 use burn_ddp::ddp::NcclBackend;
-use burn_ddp::ddp::{HostStaging, Reducer, ReducerStats};
+use burn_ddp::ddp::{GradientCheck, HostStaging, Reducer, ReducerStats};
 #[cfg(feature = "cuda")]
 use burn_ddp::group::nccl::{NcclGroupOptions, NcclProcessGroup};
 use burn_ddp::kernels::BucketOps;
@@ -43,7 +43,7 @@ pub trait TrainBackend: AutodiffBackend<InnerBackend: BucketOps> {
         group: &mut NcclProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
-    ) -> Result<(), DdpError> {
+    ) -> Result<GradientCheck, DdpError> {
         let _ = (reducer, group, model, grads);
         Err(DdpError::Unsupported(
             "distributed.gradient_sync = \"nccl\" needs the CUDA backend".into(),
@@ -67,7 +67,7 @@ impl TrainBackend for Autodiff<burn::backend::Cuda> {
         group: &mut NcclProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
-    ) -> Result<(), DdpError> {
+    ) -> Result<GradientCheck, DdpError> {
         <burn::backend::Cuda as NcclBackend>::sync_nccl::<Self, M>(reducer, group, model, grads)
     }
 }
@@ -218,7 +218,7 @@ impl GradientSync {
         tcp: &mut TcpProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
-    ) -> Result<(), DdpError> {
+    ) -> Result<GradientCheck, DdpError> {
         #[cfg(feature = "cuda")]
         if let Some(group) = &mut self.nccl {
             return B::sync_with_nccl(&mut self.reducer, group, model, grads);

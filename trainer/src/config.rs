@@ -158,6 +158,20 @@ pub struct TrainingConfig {
     /// `DataLoader(num_workers=...)`; 0 reads them on the training thread. The batcher always
     /// runs on the training thread.
     pub num_workers: usize,
+    /// What to do when a rank's gradients hold a NaN or an infinity: `"stop"` (the default:
+    /// fail naming the step and the ranks, without updating the model or writing a
+    /// checkpoint) or `"skip"` (leave the model unchanged for that step and count it, like
+    /// PyTorch's `GradScaler` skipping `optimizer.step()`).
+    pub on_nonfinite: OnNonFinite,
+}
+
+/// `training.on_nonfinite`: see [`TrainingConfig::on_nonfinite`].
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnNonFinite {
+    #[default]
+    Stop,
+    Skip,
 }
 
 impl Default for TrainingConfig {
@@ -174,6 +188,7 @@ impl Default for TrainingConfig {
             log_every: 10,
             check_replicas_every: 0,
             num_workers: 1,
+            on_nonfinite: OnNonFinite::Stop,
         }
     }
 }

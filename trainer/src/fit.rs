@@ -37,7 +37,7 @@ use burn_ddp::Distributed;
 use crate::app::{App, AppError, Datasets, Learn};
 use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::config::{AppConfig, OptimizerName, TrainingConfig};
+use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
 use crate::error::UsageError;
 use crate::loader::BatchStream;
 use crate::metrics::{self, MetricValue, Metrics, Record, Reporter};
@@ -52,7 +52,7 @@ pub fn run<A: LearnAnywhere>(
     config_path: &Path,
     no_resume: bool,
 ) -> anyhow::Result<ExitCode> {
-    let config = preflight(&app, config_path)?;
+    let config = preflight(&app, config_path, 1)?;
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
         bail!(AppError(
@@ -138,11 +138,21 @@ pub struct Summary {
     /// The final validation metrics, `None` without a validation set.
     pub validation: Option<Validation>,
     pub steps: usize,
+    /// Optimizer steps skipped for non-finite gradients (`training.on_nonfinite = "skip"`).
+    pub skipped_steps: usize,
 }
 
 impl Summary {
     /// The line rank 0 prints at the end of a run.
     pub fn line(&self, world_size: usize) -> String {
+        let line = self.result_line(world_size);
+        match self.skipped_steps {
+            0 => line,
+            n => format!("{line}; skipped {n} optimizer steps with non-finite gradients"),
+        }
+    }
+
+    fn result_line(&self, world_size: usize) -> String {
         match &self.validation {
             Some(v) => format!(
                 "final validation: {} ({} samples, {} optimizer steps, world size {world_size})",
@@ -341,6 +351,7 @@ where
     let mut last_saved = restored.as_ref().map(|c| c.manifest.position.step);
     let mut last_valid: Option<Validation> = None;
     let mut lr = 0.0;
+    let mut skipped = 0;
 
     while plan.more_after(position) {
         let samples = sampler.samples(position.epoch as u64, position.consumed);
@@ -370,9 +381,25 @@ where
                 unsynced.push(output.item);
             }
             let mut grads = accumulator.grads();
-            job.ddp.average_gradients(&model, &mut grads)?;
+            let check = job.ddp.average_gradients(&model, &mut grads)?;
             lr = schedule.next_lr();
-            model = model.optimize(&mut optim, lr, grads);
+            if check.all_finite() {
+                model = model.optimize(&mut optim, lr, grads);
+            } else {
+                // Every rank has the same verdict: all stop, or all skip, together.
+                let failed = NonFiniteGradients {
+                    step: position.step + 1,
+                    ranks: check.nonfinite_ranks,
+                    last_checkpoint: last_saved,
+                };
+                match t.on_nonfinite {
+                    OnNonFinite::Stop => return Err(failed.into()),
+                    OnNonFinite::Skip => {
+                        skipped += 1;
+                        tracing::warn!("{failed}; skipped (training.on_nonfinite = \"skip\")");
+                    }
+                }
+            }
 
             position = plan.after_step(position, epoch_start, k);
             window.add(step_samples.len() * world);
@@ -418,6 +445,7 @@ where
                 last_saved = Some(position.step);
             }
             crash_if_asked(rank, position.step);
+            stall_if_asked(rank, position.step);
             if position.step >= total_steps {
                 break;
             }
@@ -492,7 +520,20 @@ where
     Ok(Summary {
         validation,
         steps: position.step,
+        skipped_steps: skipped,
     })
+}
+
+/// A step whose gradients held a NaN or an infinity on some ranks (`training.on_nonfinite`).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "non-finite gradients (NaN or Inf) at optimizer step {step}, first on rank(s) {ranks:?}: the model was not updated and no checkpoint was written{}; lower optimizer.learning_rate, check the data, or set training.on_nonfinite = \"skip\"",
+    match last_checkpoint { Some(s) => format!(" (the newest checkpoint, of step {s}, is kept)"), None => String::new() }
+)]
+pub struct NonFiniteGradients {
+    pub step: usize,
+    pub ranks: Vec<usize>,
+    pub last_checkpoint: Option<usize>,
 }
 
 /// The `valid` line of `metrics.jsonl` for a validation during `epoch`.
@@ -548,6 +589,28 @@ fn crash_if_asked(rank: usize, step: usize) {
         // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
+        }
+    }
+}
+
+/// Fault injection for tests: `TRAINER_STALL_AFTER_STEP=STEP:SECS` (optionally with
+/// `TRAINER_STALL_RANK=R`) sleeps right after optimizer step STEP, so the other ranks wait for
+/// this one in their next collective.
+fn stall_if_asked(rank: usize, step: usize) {
+    use crate::worker_env::{STALL_AFTER_STEP_VAR, STALL_RANK_VAR};
+    let Ok(spec) = std::env::var(STALL_AFTER_STEP_VAR) else {
+        return;
+    };
+    let parsed = spec
+        .split_once(':')
+        .and_then(|(at, secs)| Some((at.parse::<usize>().ok()?, secs.parse::<f64>().ok()?)));
+    let who = std::env::var(STALL_RANK_VAR)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    if let Some((at, secs)) = parsed {
+        if at == step && who.is_none_or(|r| r == rank) {
+            eprintln!("[rank {rank}] {STALL_AFTER_STEP_VAR}={spec}: sleeping (fault injection)");
+            std::thread::sleep(Duration::from_secs_f64(secs));
         }
     }
 }

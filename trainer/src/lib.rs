@@ -48,6 +48,7 @@ pub mod fit;
 pub mod launch;
 pub mod launch_plan;
 pub mod loader;
+pub mod memory;
 pub mod metrics;
 pub mod parallel;
 pub mod plan;

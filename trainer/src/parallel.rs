@@ -8,7 +8,8 @@
 //! for epoch in 0..epochs {
 //!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
 //!         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-//!         ddp.average_gradients(&model, &mut grads)?;    // the mean over all ranks
+//!         let check = ddp.average_gradients(&model, &mut grads)?;    // the mean over all ranks
+//!         if !check.all_finite() { bail!("NaN/Inf on ranks {:?}", check.nonfinite_ranks) }
 //!         model = optim.step(lr, model, grads);
 //!     }
 //!     let [loss_sum, n] = ddp.sum([loss_sum, n])?;        // exact global metrics
@@ -28,7 +29,7 @@ use anyhow::{bail, Context};
 use burn::module::AutodiffModule;
 use burn::optim::{GradientsParams, Optimizer};
 use burn::tensor::backend::AutodiffBackend;
-use burn_ddp::ddp::{param_checksum, prepare_module, ReducerStats};
+use burn_ddp::ddp::{param_checksum, prepare_module, GradientCheck, ReducerStats};
 use burn_ddp::sampler::DistributedSampler;
 use burn_ddp::{Distributed, ProcessGroup};
 
@@ -141,11 +142,15 @@ impl DataParallel {
     /// Replaces every gradient with its mean over the ranks (through the host, or NCCL on
     /// CUDA; compressed as `gradient_compression` says). Collective, once per optimizer step,
     /// after all the micro-batches of the step.
+    ///
+    /// Returns which ranks' own gradients held a NaN or an infinity (the same on every rank;
+    /// empty when all were finite). Where it is not empty the mean is not finite either: do
+    /// not apply it (skip the step, or stop — see `training.on_nonfinite`).
     pub fn average_gradients<B: TrainBackend, M: AutodiffModule<B>>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<GradientCheck> {
         Ok(self.sync.sync::<B, M>(&mut self.dist.group, model, grads)?)
     }
 
@@ -224,6 +229,9 @@ impl DataParallel {
     /// scheduler's record, or empty) at `position`, atomically, and prunes old ones; the others
     /// wait for it (deadline `policy.timeout`, so a slow disk never trips the collectives'),
     /// and fail if it failed. Collective.
+    ///
+    /// Refuses (on every rank alike, without writing or pruning anything) a model whose
+    /// weights hold a NaN or an infinity: a diverged run never rotates good checkpoints out.
     pub fn save_checkpoint<B, M, O>(
         &mut self,
         policy: &CheckpointPolicy,
@@ -237,6 +245,13 @@ impl DataParallel {
         M: AutodiffModule<B>,
         O: Optimizer<M, B>,
     {
+        if !burn_ddp::ddp::finite::module_is_finite::<B, M>(model)? {
+            bail!(
+                "refusing to write a checkpoint of non-finite weights (NaN or Inf) at optimizer step {}: the checkpoints already in {} are kept",
+                position.step,
+                policy.dir.display()
+            );
+        }
         let key = worker_env::checkpoint_key(position.step);
         if self.rank() == 0 {
             let manifest = Manifest {

@@ -7,15 +7,31 @@ use anyhow::bail;
 
 use crate::app::App;
 use crate::backend;
-use crate::config::AppConfig;
+use crate::config::{AppConfig, DeviceKind};
+use crate::memory::{available_memory, MemoryEstimate};
 use crate::error::UsageError;
 
 /// Checks what can be checked before any rank starts: the config file (the engine's sections
-/// and the app's tables), the app's own checks, the output directories, and the device. Reads
-/// no data.
-pub fn preflight<A: App>(app: &A, config_path: &Path) -> anyhow::Result<AppConfig<A>> {
+/// and the app's tables), the app's own checks, the output directories, the device, and
+/// whether `ranks_here` ranks of this model fit in this machine's memory (on the CPU, for apps
+/// that give [`App::parameter_count`]). Reads no data and allocates no model.
+pub fn preflight<A: App>(
+    app: &A,
+    config_path: &Path,
+    ranks_here: usize,
+) -> anyhow::Result<AppConfig<A>> {
     let config = AppConfig::<A>::load(config_path)?;
     app.check(&config.model, &config.data)?;
+    if config.output.device == DeviceKind::Cpu {
+        let parameters = app.parameter_count(&config.model, &config.data);
+        if let (Some(parameters), Some((available, source))) = (parameters, available_memory()) {
+            MemoryEstimate::new(parameters, &config.optimizer).check(
+                ranks_here,
+                available,
+                source,
+            )?;
+        }
+    }
     if config.training.balance_classes && config.training.drop_last {
         // The weighted sampler draws with replacement and never drops: say so instead of
         // silently ignoring one of them.

@@ -84,8 +84,8 @@ pub fn train_or_launch<A: LearnAnywhere>(
     args: &TrainArgs,
 ) -> anyhow::Result<ExitCode> {
     let is_worker = std::env::var_os(WORKER_VAR).is_some();
-    if args.launch.nproc_per_node.is_some() && !is_worker {
-        crate::preflight::preflight(&app, config)?;
+    if let (Some(ranks_here), false) = (args.launch.nproc_per_node, is_worker) {
+        crate::preflight::preflight(&app, config, ranks_here)?;
         launch::launch(&args.launch, &Program::this_process()?)
     } else {
         fit::run(app, config, args.no_resume)

@@ -79,6 +79,14 @@ pub const CRASH_RANK_VAR: &str = "TRAINER_CRASH_RANK";
 /// weights are written, before the checkpoint is complete), on the first attempt only.
 pub const CRASH_IN_CHECKPOINT_VAR: &str = "TRAINER_CRASH_IN_CHECKPOINT";
 
+/// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
+/// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other
+/// ranks' stall warning (`distributed.stall_warning_secs`) can be seen in a live job.
+pub const STALL_AFTER_STEP_VAR: &str = "TRAINER_STALL_AFTER_STEP";
+
+/// Fault injection: with [`STALL_AFTER_STEP_VAR`], only this rank sleeps.
+pub const STALL_RANK_VAR: &str = "TRAINER_STALL_RANK";
+
 /// Rendezvous-store key under which rank `rank` publishes its config fingerprint at start-up
 /// (every rank compares its own with rank 0's).
 pub fn config_key(rank: usize) -> String {

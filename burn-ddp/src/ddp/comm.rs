@@ -12,6 +12,7 @@
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 
+use super::finite::FiniteScan;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::kernels::{BucketOps, HalfFormat};
@@ -34,17 +35,27 @@ pub trait BucketComm<B: BucketOps> {
         false
     }
 
-    /// Sums a 1-D `f32` bucket.
-    fn all_reduce_f32(&mut self, bucket: FloatTensor<B>) -> Result<FloatTensor<B>, DdpError>;
+    /// Sums a 1-D `f32` bucket. `scan` looks at this rank's values before they are sent
+    /// (where they already pass: the host copy, or a device reduction).
+    fn all_reduce_f32(
+        &mut self,
+        bucket: FloatTensor<B>,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError>;
 
     /// Sums a compressed bucket: `len` values of `format` packed two per `u32` word (the layout
-    /// of [`wire16`](crate::kernels::wire16)), reduced as 16-bit floats.
+    /// of [`wire16`](crate::kernels::wire16)), reduced as 16-bit floats. `scan` as above.
     fn all_reduce_half(
         &mut self,
         words: IntTensor<B>,
         len: usize,
         format: HalfFormat,
+        scan: &mut FiniteScan,
     ) -> Result<IntTensor<B>, DdpError>;
+
+    /// Tells every rank which ranks found non-finite gradients: one byte per rank gathered
+    /// over the group, once per synchronisation. Collective.
+    fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError>;
 }
 
 /// Stages buckets through host memory and sums them with a host [`ProcessGroup`] (the TCP
@@ -58,13 +69,19 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         self.0.world_size()
     }
 
-    fn all_reduce_f32(&mut self, bucket: FloatTensor<B>) -> Result<FloatTensor<B>, DdpError> {
+    fn all_reduce_f32(
+        &mut self,
+        bucket: FloatTensor<B>,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
         let device = B::float_device(&bucket);
         let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
             .try_into_data()
             .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
-        self.0
-            .all_reduce(host_slice::<f32>(&mut data)?, ReduceOp::Sum)?;
+        let values = host_slice::<f32>(&mut data)?;
+        // The copy just read is still in cache: the scan costs one pass at memory speed.
+        scan.host_f32(values);
+        self.0.all_reduce(values, ReduceOp::Sum)?;
         Ok(B::float_from_data(data, &device))
     }
 
@@ -73,6 +90,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         words: IntTensor<B>,
         len: usize,
         format: HalfFormat,
+        scan: &mut FiniteScan,
     ) -> Result<IntTensor<B>, DdpError> {
         let device = B::int_device(&words);
         let mut data = Tensor::<B, 1, Int>::from_primitive(words)
@@ -88,6 +106,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
                 halves.len() / 2
             )));
         };
+        scan.host_half(values, format);
         match format {
             HalfFormat::Bf16 => self.0.all_reduce(
                 bytemuck::cast_slice_mut::<u16, half::bf16>(values),
@@ -100,6 +119,20 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         }
         Ok(B::int_from_data(data, &device))
     }
+
+    fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
+        gather_flags(self.0, local)
+    }
+}
+
+/// [`BucketComm::gather_flags`] over any process group.
+pub(crate) fn gather_flags<G: ProcessGroup>(
+    group: &mut G,
+    local: bool,
+) -> Result<Vec<bool>, DdpError> {
+    let mut all = vec![0u8; group.world_size()];
+    group.all_gather(&[u8::from(local)], &mut all)?;
+    Ok(all.into_iter().map(|f| f != 0).collect())
 }
 
 fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
@@ -142,7 +175,9 @@ mod tests {
                     let values: Vec<f32> = (0..5).map(|i| i as f32 + 10.0 * r).collect();
                     let bucket =
                         Flex::float_from_data(TensorData::new(values.clone(), [5]), &device);
-                    let sum = BucketComm::<Flex>::all_reduce_f32(&mut comm, bucket).unwrap();
+                    let mut scan = FiniteScan::new(true);
+                    let sum = BucketComm::<Flex>::all_reduce_f32(&mut comm, bucket, &mut scan)
+                        .unwrap();
                     let sum = Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(sum))
                         .into_data()
                         .to_vec::<f32>()
@@ -153,8 +188,10 @@ mod tests {
                         let words = wire16::compress(&values, format, 0.5);
                         let words = Flex::int_from_data(TensorData::new(words, [3]), &device);
                         let words =
-                            BucketComm::<Flex>::all_reduce_half(&mut comm, words, 5, format)
-                                .unwrap();
+                            BucketComm::<Flex>::all_reduce_half(
+                                &mut comm, words, 5, format, &mut scan,
+                            )
+                            .unwrap();
                         let words = Tensor::<Flex, 1, Int>::from_primitive(words)
                             .into_data()
                             .to_vec::<u32>()
@@ -162,6 +199,10 @@ mod tests {
                         assert_eq!(words[2] >> 16, 0, "the padding stays 0");
                         halves.push(wire16::decompress(&words, 5, format));
                     }
+                    assert!(!scan.found_nonfinite());
+                    // Rank 1 says it saw a NaN: both ranks learn it, in rank order.
+                    let flags = BucketComm::<Flex>::gather_flags(&mut comm, rank == 1).unwrap();
+                    assert_eq!(flags, vec![false, true]);
                     (sum, halves)
                 })
             })

@@ -60,6 +60,7 @@ use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
 use cubecl::cuda::{CudaDevice, CudaRuntime};
 
 use super::comm::BucketComm;
+use super::finite::{FiniteScan, GradientCheck};
 use crate::error::DdpError;
 use crate::group::nccl::NcclProcessGroup;
 use crate::group::{DataType, ReduceOp};
@@ -143,7 +144,7 @@ pub trait NcclBackend: BucketOps {
         group: &mut NcclProcessGroup,
         model: &M,
         grads: &mut burn::optim::GradientsParams,
-    ) -> Result<(), DdpError>
+    ) -> Result<GradientCheck, DdpError>
     where
         B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
         M: burn::module::AutodiffModule<B>;
@@ -162,7 +163,7 @@ where
         group: &mut NcclProcessGroup,
         model: &M,
         grads: &mut burn::optim::GradientsParams,
-    ) -> Result<(), DdpError>
+    ) -> Result<GradientCheck, DdpError>
     where
         B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
         M: burn::module::AutodiffModule<B>,
@@ -179,7 +180,7 @@ impl<FB: burn_fusion::FusionBackend> NcclBackend for burn_fusion::Fusion<FB> {
         _group: &mut NcclProcessGroup,
         _model: &M,
         _grads: &mut burn::optim::GradientsParams,
-    ) -> Result<(), DdpError>
+    ) -> Result<GradientCheck, DdpError>
     where
         B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
         M: burn::module::AutodiffModule<B>,
@@ -286,8 +287,14 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
         true
     }
 
-    fn all_reduce_f32(&mut self, bucket: FloatTensor<B>) -> Result<FloatTensor<B>, DdpError> {
+    fn all_reduce_f32(
+        &mut self,
+        bucket: FloatTensor<B>,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
         self.check_device::<B>(&B::float_device(&bucket))?;
+        // The bucket never leaves the GPU: check it there (one reduction, one value read).
+        scan.device_f32::<B>(&bucket)?;
         let count = bucket.shape().num_elements();
         B::with_float_ptr(&bucket, |ptr| {
             // SAFETY: `ptr` addresses `bucket`, a contiguous f32 tensor of `count` elements
@@ -310,8 +317,10 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
         words: IntTensor<B>,
         len: usize,
         format: HalfFormat,
+        scan: &mut FiniteScan,
     ) -> Result<IntTensor<B>, DdpError> {
         self.check_device::<B>(&B::int_device(&words))?;
+        scan.device_half::<B>(&words, format)?;
         let capacity = words.shape().num_elements() * 2;
         if len > capacity {
             return Err(DdpError::Unsupported(format!(
@@ -330,6 +339,10 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
                 .map_err(DdpError::from)
         })?;
         Ok(words)
+    }
+
+    fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
+        super::comm::gather_flags(self.0, local)
     }
 }
 
@@ -483,9 +496,10 @@ mod tests {
 
             // 300 elements per bucket: several buckets, and a weight (512) alone in its own.
             let mut reducer = Reducer::new(300.0 * 4.0 / (1u64 << 20) as f64, compression);
-            reducer
+            let check = reducer
                 .sync::<B, _, _>(&mut NcclBuckets(&mut group), &net, &mut grads)
                 .expect("NCCL sync");
+            assert!(check.all_finite(), "{check:?}");
             let numels = [512, 32, 256, 8, 24, 3];
             let element_bytes = if compression.is_some() { 2 } else { 4 };
             assert_eq!(

@@ -7,17 +7,21 @@
 //!   (packed, optionally compressed to bf16 / fp16, on the device).
 //! - [`comm`]: [`BucketComm`], how a bucket is summed: [`HostStaging`] through any host
 //!   process group (the TCP ring), or `NcclBuckets` on the GPU.
+//! - [`finite`]: each rank's gradients checked for NaN / ±Inf on the way to the wire, and
+//!   [`GradientCheck`], which ranks had them.
 //! - `device` (feature `cuda`): `NcclBuckets` and the device addresses NCCL needs.
 
 pub mod bucket;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
+pub mod finite;
 pub mod module;
 pub mod reducer;
 
 pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
 pub use device::{CudaBuffers, NcclBackend, NcclBuckets};
+pub use finite::GradientCheck;
 pub use module::{param_checksum, prepare_module};
 pub use reducer::{Reducer, ReducerStats};

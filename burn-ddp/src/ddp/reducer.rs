@@ -34,6 +34,7 @@ use burn::tensor::{DType, FloatDType, TensorPrimitive};
 
 use super::bucket::plan_buckets;
 use super::comm::BucketComm;
+use super::finite::{probe, FiniteScan, GradientCheck};
 use crate::error::DdpError;
 use crate::kernels::{BucketOps, BucketOpsError, HalfFormat, MAX_BUCKET_LEN};
 
@@ -53,6 +54,7 @@ pub struct ReducerStats {
 pub struct Reducer {
     bucket_cap_elems: usize,
     compression: Option<HalfFormat>,
+    check_finite: bool,
     stats: ReducerStats,
 }
 
@@ -64,8 +66,17 @@ impl Reducer {
         Self {
             bucket_cap_elems: super::bucket::cap_elements(bucket_cap_mb),
             compression,
+            check_finite: true,
             stats: ReducerStats::default(),
         }
+    }
+
+    /// Whether [`sync`](Self::sync) looks for NaN and ±Inf in each rank's gradients (on by
+    /// default; it rides on the pass that reads each bucket, plus one byte per rank gathered
+    /// per step). Must be the same on every rank.
+    pub fn with_finite_check(mut self, check: bool) -> Self {
+        self.check_finite = check;
+        self
     }
 
     pub fn stats(&self) -> ReducerStats {
@@ -81,6 +92,10 @@ impl Reducer {
     ///
     /// Gradients come back with their shapes and dtypes, in new buffers, on their device.
     ///
+    /// Returns which ranks' own gradients held a NaN or an infinity (the same answer on every
+    /// rank, so all ranks can stop or skip the step together); the mean is then non-finite
+    /// too, and the caller must not apply it.
+    ///
     /// # Errors
     /// What `comm` reports (a collective failed or timed out: the group is then aborted), a
     /// device read that failed, or a parameter of more than 2^31 - 1 elements (the kernels
@@ -91,7 +106,7 @@ impl Reducer {
         comm: &mut C,
         model: &M,
         grads: &mut GradientsParams,
-    ) -> Result<(), DdpError>
+    ) -> Result<GradientCheck, DdpError>
     where
         B: AutodiffBackend,
         B::InnerBackend: BucketOps,
@@ -100,8 +115,21 @@ impl Reducer {
     {
         self.stats.syncs += 1;
         let world = comm.world_size();
+        let mut scan = FiniteScan::new(self.check_finite);
         if world == 1 && !comm.reduces_alone() {
-            return Ok(());
+            // Nothing to send, so nothing to read: check on the device, one read in all.
+            if self.check_finite {
+                let mut prober = ProbeGrads::<B> {
+                    grads,
+                    sum: None,
+                };
+                model.visit(&mut prober);
+                if let Some(sum) = prober.sum {
+                    scan.device_probe(sum)?;
+                }
+            }
+            let nonfinite_ranks = if scan.found_nonfinite() { vec![0] } else { vec![] };
+            return Ok(GradientCheck { nonfinite_ranks });
         }
         let mut taker = TakeGrads::<B> {
             grads,
@@ -135,13 +163,13 @@ impl Reducer {
             let packed = B::InnerBackend::pack_bucket(inputs, &device);
             let outputs = match self.compression {
                 None => {
-                    let sum = comm.all_reduce_f32(packed)?;
+                    let sum = comm.all_reduce_f32(packed, &mut scan)?;
                     B::InnerBackend::unpack_bucket(sum, &shapes, scale)
                 }
                 Some(format) => {
                     let words = B::InnerBackend::compress_bucket(packed, format, scale)
                         .map_err(device_error)?;
-                    let words = comm.all_reduce_half(words, bucket.numel, format)?;
+                    let words = comm.all_reduce_half(words, bucket.numel, format, &mut scan)?;
                     let mean = B::InnerBackend::decompress_bucket(words, bucket.numel, format)
                         .map_err(device_error)?;
                     B::InnerBackend::unpack_bucket(mean, &shapes, 1.0)
@@ -165,7 +193,13 @@ impl Reducer {
             taken: taken.into_iter().peekable(),
         };
         model.visit(&mut putter);
-        Ok(())
+        if !self.check_finite {
+            return Ok(GradientCheck::default());
+        }
+        let flags = comm.gather_flags(scan.found_nonfinite())?;
+        Ok(GradientCheck {
+            nonfinite_ranks: (0..flags.len()).filter(|&r| flags[r]).collect(),
+        })
     }
 }
 
@@ -174,6 +208,24 @@ fn device_error(e: BucketOpsError) -> DdpError {
 }
 
 /// A gradient taken out of `GradientsParams`, still on its device.
+/// Adds up a [`probe`] of every float gradient in `grads`, without taking them out.
+struct ProbeGrads<'a, B: AutodiffBackend> {
+    grads: &'a GradientsParams,
+    sum: Option<Tensor<B::InnerBackend, 1>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for ProbeGrads<'_, B> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            let p = probe(g);
+            self.sum = Some(match self.sum.take() {
+                Some(sum) => sum + p,
+                None => p,
+            });
+        }
+    }
+}
+
 struct TakenGrad<B: Backend> {
     id: ParamId,
     /// `None` only while its bucket is being reduced.
@@ -251,6 +303,12 @@ mod tests {
 
     /// The same weights on every rank (`seed`), an input that depends on the rank.
     fn gradients(rank: usize) -> (Net<B>, GradientsParams, Vec<Vec<f32>>) {
+        gradients_of(rank, 0.0)
+    }
+
+    /// As [`gradients`], with `poison` added to one input value (NaN or Inf poisons every
+    /// gradient that depends on it; 0 changes nothing).
+    fn gradients_of(rank: usize, poison: f32) -> (Net<B>, GradientsParams, Vec<Vec<f32>>) {
         let device = Default::default();
         B::seed(&device, 7);
         let net = Net::<B> {
@@ -258,7 +316,7 @@ mod tests {
             b: LinearConfig::new(40, 3).init(&device),
         };
         let x: Vec<f32> = (0..12)
-            .map(|i| (i as f32 - 5.0) * (rank as f32 + 1.0))
+            .map(|i| (i as f32 - 5.0) * (rank as f32 + 1.0) + if i == 0 { poison } else { 0.0 })
             .collect();
         let x = Tensor::<B, 2>::from_data(TensorData::new(x, [2, 6]), &device);
         let y = net.b.forward(net.a.forward(x));
@@ -300,6 +358,43 @@ mod tests {
     }
 
     type Outcome = (Vec<Vec<f32>>, Vec<Vec<f32>>, ReducerStats);
+
+    /// Runs `sync` on `world` ranks where rank `r` adds `poison[r]` to its input; returns each
+    /// rank's verdict.
+    fn checks(compression: Option<HalfFormat>, poison: Vec<f32>) -> Vec<GradientCheck> {
+        let world = poison.len();
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (store, poison) = (store.clone(), poison[rank]);
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, world, TcpGroupOptions::default())
+                            .unwrap();
+                    let (net, mut grads, _) = gradients_of(rank, poison);
+                    Reducer::new(25.0, compression)
+                        .sync::<B, _, _>(&mut HostStaging(&mut group), &net, &mut grads)
+                        .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn every_rank_learns_which_ranks_had_nonfinite_gradients() {
+        for compression in [None, Some(HalfFormat::Bf16), Some(HalfFormat::F16)] {
+            let found = checks(compression, vec![0.0, f32::NAN, 0.0]);
+            assert!(found.iter().all(|c| c.nonfinite_ranks == [1]), "{found:?}");
+            let found = checks(compression, vec![f32::INFINITY, 0.0, f32::NAN]);
+            assert!(found.iter().all(|c| c.nonfinite_ranks == [0, 2]), "{found:?}");
+            let found = checks(compression, vec![0.0, 0.0, 0.0]);
+            assert!(found.iter().all(GradientCheck::all_finite), "{found:?}");
+        }
+        // A job of one rank checks on the device.
+        assert_eq!(checks(None, vec![f32::NAN])[0].nonfinite_ranks, [0]);
+        assert!(checks(None, vec![1.0])[0].all_finite());
+    }
 
     /// The mean over the ranks of `f` of each gradient element before the sync.
     fn mean_of(results: &[Outcome], f: impl Fn(f32) -> f32) -> Vec<Vec<f32>> {

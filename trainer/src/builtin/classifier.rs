@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use burn::backend::Flex;
 use burn::data::dataset::{Dataset, InMemDataset};
 use burn::tensor::backend::AutodiffBackend;
 use models::{DigitsModel, InputShape};
@@ -150,6 +151,12 @@ impl App for ClassifierApp {
             counts[label] += 1;
         }
         Some(labels.iter().map(|&l| 1.0 / counts[l] as f64).collect())
+    }
+
+    fn parameter_count(&self, model: &ModelSection, data: &DataConfig) -> Option<u64> {
+        let device = Default::default();
+        let lazy = DigitsModel::<Flex>::lazy(&model.name, &model.options, &data.input(), &device);
+        lazy.ok().map(|m| models::lazy_param_count(&m))
     }
 }
 

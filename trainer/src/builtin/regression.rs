@@ -78,6 +78,13 @@ impl App for RegressionApp {
         ));
         Ok(split_by_index(all, d.samples, d.validation_samples))
     }
+
+    fn parameter_count(&self, model: &Self::ModelConfig, d: &RegressionData) -> Option<u64> {
+        let lazy = model
+            .config
+            .init_lazy::<Flex>(d.features, d.targets, &Default::default());
+        Some(models::lazy_param_count(&lazy))
+    }
 }
 
 impl<B: AutodiffBackend> Learn<B> for RegressionApp {

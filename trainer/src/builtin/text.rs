@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use burn::backend::Flex;
 use burn::tensor::backend::AutodiffBackend;
 use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextItem};
 use serde::{Deserialize, Serialize};
@@ -89,6 +90,11 @@ impl App for TextApp {
             .map(Arc::new)
             .map_err(|e| AppError(format!("[data] {e}")))?;
         Ok(split_by_index(all, d.samples, d.validation_samples))
+    }
+
+    fn parameter_count(&self, model: &Self::ModelConfig, _data: &TextData) -> Option<u64> {
+        let lazy = model.config.init_lazy::<Flex>(&Default::default());
+        Some(models::lazy_param_count(&lazy))
     }
 }
 
