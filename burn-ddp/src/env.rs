@@ -10,6 +10,10 @@
 //! `MASTER_ADDR`/`MASTER_PORT` have no SLURM or MPI equivalent and must be set (as with
 //! PyTorch). The parsing is a pure function of a lookup so it is tested without touching the
 //! process environment.
+//!
+//! The job's transport settings are read here too, once, where the job is formed
+//! ([`crate::init::Distributed::init`]); the process groups themselves never read the
+//! environment: `BURN_DDP_SHM=0` keeps same-host ring links on TCP ([`shared_memory_from`]).
 
 use crate::error::InitError;
 
@@ -128,6 +132,15 @@ impl DistEnv {
     }
 }
 
+/// Environment variable that turns shared memory between same-host ring neighbours off (`0`).
+pub const SHM_VAR: &str = "BURN_DDP_SHM";
+
+/// Whether a job formed from the environment moves same-host ring data through shared memory:
+/// yes unless [`SHM_VAR`] is `0`. `lookup` reads a variable (pure, for tests).
+pub fn shared_memory_from(lookup: impl Fn(&str) -> Option<String>) -> bool {
+    lookup(SHM_VAR).is_none_or(|v| v.trim() != "0")
+}
+
 /// The first variable of `names` that is set, parsed as `usize`.
 fn first_usize(
     lookup: &impl Fn(&str) -> Option<String>,
@@ -214,6 +227,13 @@ mod tests {
         v.extend(MASTER);
         let env = parse(&v).unwrap();
         assert_eq!((env.rank, env.local_rank, env.local_world_size), (1, 1, 2));
+    }
+
+    #[test]
+    fn shared_memory_is_on_unless_turned_off() {
+        assert!(shared_memory_from(|_| None));
+        assert!(shared_memory_from(|_| Some("1".into())));
+        assert!(!shared_memory_from(|k| (k == SHM_VAR).then(|| "0".into())));
     }
 
     #[test]

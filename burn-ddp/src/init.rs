@@ -29,7 +29,8 @@ impl Distributed {
     /// Hosts the store on rank 0 (unless a launcher does), connects every rank to it, and forms
     /// the TCP ring. Collective: every rank of `env` calls it. `options.token` is taken from
     /// [`TOKEN_VAR`] when empty; `options.advertise_ip` defaults to the address this rank uses to
-    /// reach the store.
+    /// reach the store; `options.shared_memory`, when `None`, is on unless
+    /// [`crate::env::SHM_VAR`] is `0` (the one place the environment decides it).
     pub fn init(env: DistEnv, mut options: TcpGroupOptions) -> Result<Self, CollectiveError> {
         let setup = |message: String| CollectiveError::Setup {
             rank: env.rank,
@@ -37,6 +38,9 @@ impl Distributed {
         };
         if options.token.is_empty() {
             options.token = std::env::var(TOKEN_VAR).unwrap_or_default();
+        }
+        if options.shared_memory.is_none() {
+            options.shared_memory = Some(crate::env::shared_memory_from(|k| std::env::var(k).ok()));
         }
         let endpoint = env.master_endpoint();
         let agent_store = std::env::var_os(AGENT_STORE_VAR).is_some_and(|v| v == "1");

@@ -5,8 +5,8 @@
 //! | module | owns |
 //! |---|---|
 //! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables |
-//! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]) |
-//! | [`group`] | the [`group::ProcessGroup`] trait; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
+//! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]) and its per-group namespaces ([`store::PrefixStore`]) |
+//! | [`group`] | the [`group::ProcessGroup`] trait and its conformance suite; the rendezvous and stall reporter every group shares; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |

@@ -33,6 +33,7 @@
 //! | [`bench`] | the engine's overhead and scaling benchmark |
 //! | `cli` | the `trainer` binary's command line (imported by `main` only) |
 
+pub mod alloc;
 pub mod app;
 pub mod backend;
 pub mod bench;

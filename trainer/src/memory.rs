@@ -111,7 +111,7 @@ fn group_digits(n: u64) -> String {
     let digits = n.to_string();
     let mut out = String::with_capacity(digits.len() + digits.len() / 3);
     for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -132,10 +132,22 @@ mod tests {
     #[test]
     fn copies_follow_the_optimizer() {
         let p = 1_000;
-        assert_eq!(MemoryEstimate::new(p, &optimizer("sgd", 0.0)).per_rank_bytes(), 12_000);
-        assert_eq!(MemoryEstimate::new(p, &optimizer("sgd", 0.9)).per_rank_bytes(), 16_000);
-        assert_eq!(MemoryEstimate::new(p, &optimizer("adam", 0.0)).per_rank_bytes(), 20_000);
-        assert_eq!(MemoryEstimate::new(p, &optimizer("adamw", 0.0)).per_rank_bytes(), 20_000);
+        assert_eq!(
+            MemoryEstimate::new(p, &optimizer("sgd", 0.0)).per_rank_bytes(),
+            12_000
+        );
+        assert_eq!(
+            MemoryEstimate::new(p, &optimizer("sgd", 0.9)).per_rank_bytes(),
+            16_000
+        );
+        assert_eq!(
+            MemoryEstimate::new(p, &optimizer("adam", 0.0)).per_rank_bytes(),
+            20_000
+        );
+        assert_eq!(
+            MemoryEstimate::new(p, &optimizer("adamw", 0.0)).per_rank_bytes(),
+            20_000
+        );
     }
 
     #[test]
@@ -145,8 +157,14 @@ mod tests {
         let err = e.check(2, 12_000_000_000, "MemAvailable").unwrap_err().0;
         assert!(err.contains("1,000,000,000 parameters"), "{err}");
         assert!(err.contains("12,000,000,000 bytes"), "{err}");
-        assert!(err.contains("2 ranks on this machine need 22.4 GiB"), "{err}");
-        assert!(err.contains("11.2 GiB is available (MemAvailable)"), "{err}");
+        assert!(
+            err.contains("2 ranks on this machine need 22.4 GiB"),
+            "{err}"
+        );
+        assert!(
+            err.contains("11.2 GiB is available (MemAvailable)"),
+            "{err}"
+        );
         assert!(err.contains("--nproc-per-node"), "{err}");
     }
 
@@ -156,7 +174,10 @@ mod tests {
         assert_eq!(mem_available(meminfo), Some(20_000_000 * 1024));
         assert_eq!(mem_available("MemTotal: 5 kB\n"), None);
         assert_eq!(cgroup_room(Some("max\n".into()), Some("5\n".into())), None);
-        assert_eq!(cgroup_room(Some("100\n".into()), Some("30\n".into())), Some(70));
+        assert_eq!(
+            cgroup_room(Some("100\n".into()), Some("30\n".into())),
+            Some(70)
+        );
         assert_eq!(group_digits(0), "0");
         assert_eq!(group_digits(999), "999");
         assert_eq!(group_digits(1000), "1,000");

@@ -8,8 +8,8 @@ use anyhow::bail;
 use crate::app::App;
 use crate::backend;
 use crate::config::{AppConfig, DeviceKind};
-use crate::memory::{available_memory, MemoryEstimate};
 use crate::error::UsageError;
+use crate::memory::{available_memory, MemoryEstimate};
 
 /// Checks what can be checked before any rank starts: the config file (the engine's sections
 /// and the app's tables), the app's own checks, the output directories, the device, and
@@ -25,11 +25,8 @@ pub fn preflight<A: App>(
     if config.output.device == DeviceKind::Cpu {
         let parameters = app.parameter_count(&config.model, &config.data);
         if let (Some(parameters), Some((available, source))) = (parameters, available_memory()) {
-            MemoryEstimate::new(parameters, &config.optimizer).check(
-                ranks_here,
-                available,
-                source,
-            )?;
+            MemoryEstimate::new(parameters, &config.optimizer)
+                .check(ranks_here, available, source)?;
         }
     }
     if config.training.balance_classes && config.training.drop_last {

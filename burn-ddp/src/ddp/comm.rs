@@ -176,8 +176,8 @@ mod tests {
                     let bucket =
                         Flex::float_from_data(TensorData::new(values.clone(), [5]), &device);
                     let mut scan = FiniteScan::new(true);
-                    let sum = BucketComm::<Flex>::all_reduce_f32(&mut comm, bucket, &mut scan)
-                        .unwrap();
+                    let sum =
+                        BucketComm::<Flex>::all_reduce_f32(&mut comm, bucket, &mut scan).unwrap();
                     let sum = Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(sum))
                         .into_data()
                         .to_vec::<f32>()
@@ -187,11 +187,10 @@ mod tests {
                     for format in [HalfFormat::Bf16, HalfFormat::F16] {
                         let words = wire16::compress(&values, format, 0.5);
                         let words = Flex::int_from_data(TensorData::new(words, [3]), &device);
-                        let words =
-                            BucketComm::<Flex>::all_reduce_half(
-                                &mut comm, words, 5, format, &mut scan,
-                            )
-                            .unwrap();
+                        let words = BucketComm::<Flex>::all_reduce_half(
+                            &mut comm, words, 5, format, &mut scan,
+                        )
+                        .unwrap();
                         let words = Tensor::<Flex, 1, Int>::from_primitive(words)
                             .into_data()
                             .to_vec::<u32>()

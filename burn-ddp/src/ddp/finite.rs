@@ -229,10 +229,16 @@ mod tests {
             &[0.0, 1e38, -1e38, f32::NEG_INFINITY, 5.0],
         ];
         for values in cases {
-            let t = Tensor::<B, 1>::from_floats(values, &device).into_primitive().tensor();
+            let t = Tensor::<B, 1>::from_floats(values, &device)
+                .into_primitive()
+                .tensor();
             let mut scan = FiniteScan::new(true);
             scan.device_f32::<B>(&t).unwrap();
-            assert_eq!(scan.found_nonfinite(), !all_finite_f32(values), "{values:?}");
+            assert_eq!(
+                scan.found_nonfinite(),
+                !all_finite_f32(values),
+                "{values:?}"
+            );
 
             for format in [HalfFormat::Bf16, HalfFormat::F16] {
                 let words = wire16::compress(values, format, 1.0);

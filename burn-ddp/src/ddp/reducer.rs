@@ -119,16 +119,17 @@ impl Reducer {
         if world == 1 && !comm.reduces_alone() {
             // Nothing to send, so nothing to read: check on the device, one read in all.
             if self.check_finite {
-                let mut prober = ProbeGrads::<B> {
-                    grads,
-                    sum: None,
-                };
+                let mut prober = ProbeGrads::<B> { grads, sum: None };
                 model.visit(&mut prober);
                 if let Some(sum) = prober.sum {
                     scan.device_probe(sum)?;
                 }
             }
-            let nonfinite_ranks = if scan.found_nonfinite() { vec![0] } else { vec![] };
+            let nonfinite_ranks = if scan.found_nonfinite() {
+                vec![0]
+            } else {
+                vec![]
+            };
             return Ok(GradientCheck { nonfinite_ranks });
         }
         let mut taker = TakeGrads::<B> {
@@ -387,7 +388,10 @@ mod tests {
             let found = checks(compression, vec![0.0, f32::NAN, 0.0]);
             assert!(found.iter().all(|c| c.nonfinite_ranks == [1]), "{found:?}");
             let found = checks(compression, vec![f32::INFINITY, 0.0, f32::NAN]);
-            assert!(found.iter().all(|c| c.nonfinite_ranks == [0, 2]), "{found:?}");
+            assert!(
+                found.iter().all(|c| c.nonfinite_ranks == [0, 2]),
+                "{found:?}"
+            );
             let found = checks(compression, vec![0.0, 0.0, 0.0]);
             assert!(found.iter().all(GradientCheck::all_finite), "{found:?}");
         }

@@ -6,8 +6,15 @@
 //!   each step); no I/O, tested by simulation.
 //! - [`wire`]: the pure encoding of the ring's hello and per-collective header.
 //! - [`netif`]: which interface carries an address (for the set-up log).
-//! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets, for CPUs and for any device whose
-//!   tensors are staged through the host.
+//! - `rendezvous`: how the ranks of a new group find each other through the store (rank claims,
+//!   world size, missing ranks, the first-cause abort), shared by the TCP and NCCL groups; each
+//!   group's keys live in its own namespace of the store ([`crate::store::PrefixStore`]).
+//! - `stall`: the stall reporter (who has not arrived), shared by the TCP and NCCL groups.
+//! - [`shm`]: the shared-memory byte channel of same-host ring links.
+//! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets (or shared memory between
+//!   neighbours on one host), for CPUs and for any device whose tensors are staged through the
+//!   host.
+//! - `nccl` (feature `cuda`): `NcclProcessGroup`, NCCL on one GPU per process.
 //!
 //! # Contract shared by every collective
 //! - **Collective**: every rank of the group must call the same collectives in the same order,
@@ -23,11 +30,15 @@
 //! - **Results are identical on every rank**, bit for bit (each chunk is reduced on one rank, in
 //!   one order, then copied to the others), so replicas that apply the same update stay equal.
 
+#[cfg(test)]
+mod conformance;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod netif;
+pub(crate) mod rendezvous;
 pub mod ring;
 pub mod shm;
+pub(crate) mod stall;
 pub mod tcp;
 pub mod wire;
 

@@ -6,18 +6,18 @@
 //!    [`crate::cuda::check_nccl_available`].
 //! 2. The device's primary context (the one CubeCL uses) is retained and bound to this thread;
 //!    the group creates its own non-blocking stream on it.
-//! 3. Each rank claims its rank number (`{prefix}/claims/{rank}`, a second claim is an error).
-//!    Rank 0 creates the NCCL unique id and publishes it with its world size under
-//!    `{prefix}/unique_id`; the others wait for it, checking for a published abort every second,
-//!    and compare world sizes.
-//! 4. Each rank marks `{prefix}/joined/{rank}` and starts `ncclCommInitRankConfig` with a
-//!    **non-blocking** config (`blocking = 0`): the call returns at once and NCCL connects the
-//!    ranks on its own thread. This thread polls `ncclCommGetAsyncError` until it reports success,
-//!    an error, or the deadline passes; on an error or the deadline the communicator is aborted
-//!    and the error names the ranks that never joined.
+//! 3. The shared rendezvous ([`super::rendezvous`]) in the group's namespace
+//!    (`options.store_prefix`): each rank claims its rank number (a second claim is an error),
+//!    and every rank waits until all have joined with the same world size; ranks that never
+//!    arrive are named. Rank 0 then creates the NCCL unique id and publishes it under
+//!    `unique_id/0`; the others wait for it, checking for a published abort every second.
+//! 4. Each rank starts `ncclCommInitRankConfig` with a **non-blocking** config
+//!    (`blocking = 0`): the call returns at once and NCCL connects the ranks on its own thread.
+//!    This thread polls `ncclCommGetAsyncError` until it reports success, an error, or the
+//!    deadline passes; on an error or the deadline the communicator is aborted.
 //!
-//! A rank whose set-up fails publishes `{prefix}/abort`, so the others fail within a second
-//! instead of at their timeout.
+//! A rank whose set-up fails publishes an abort (`abort` in the namespace; the first cause
+//! wins), so the others fail within a second instead of at their timeout.
 //!
 //! # One collective
 //! 1. If the group is aborted, fail at once with [`CollectiveError::Aborted`].
@@ -42,7 +42,7 @@
 //!
 //! # Errors and timeouts
 //! Any failure aborts the group, as in the TCP group: the communicator is aborted with
-//! `ncclCommAbort` (which also stops kernels still running), `{prefix}/abort` is published so
+//! `ncclCommAbort` (which also stops kernels still running), an abort is published so
 //! that the other ranks stop waiting, and every later call fails with
 //! [`CollectiveError::Aborted`]. A call that does not finish within the timeout fails with
 //! [`CollectiveError::Timeout`], whose message says which ranks have reported being stuck in the
@@ -56,13 +56,16 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result as cu, sys as cu_sys, CudaContext};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
+use super::rendezvous::{self, check_member, Rendezvous, ABORT_CHECK_EVERY};
+use super::stall::{self, StallReporter};
 use super::wire::{self, HEADER_LEN};
 use super::{
     check, CallLog, CollectiveDesc, CollectiveKind, DataType, Element, ProcessGroup, ReduceOp,
 };
 use crate::cuda::{self, driver_error_text, NcclVersion};
-use crate::error::{CollectiveError, StoreError, WireError};
-use crate::store::Store;
+use crate::error::{CollectiveError, WireError};
+use crate::store::backoff::Backoff;
+use crate::store::{PrefixStore, Store};
 
 /// Settings of an [`NcclProcessGroup`]. Every rank must use the same values.
 #[derive(Debug, Clone)]
@@ -81,8 +84,8 @@ pub struct NcclGroupOptions {
     /// for a few large ones. Off by default, like PyTorch's `TORCH_DISTRIBUTED_DEBUG=DETAIL`.
     /// Must be the same on every rank (the check is itself a collective).
     pub check_collectives: bool,
-    /// Prefix of this group's keys in the store. A second NCCL group formed through the same
-    /// store needs another prefix.
+    /// The group's namespace in the store ([`PrefixStore`]). A second NCCL group formed
+    /// through the same store at the same time needs another prefix.
     pub store_prefix: String,
 }
 
@@ -92,10 +95,13 @@ impl Default for NcclGroupOptions {
             timeout: Duration::from_secs(300),
             stall_warning: Duration::from_secs(60),
             check_collectives: false,
-            store_prefix: "nccl".into(),
+            store_prefix: DEFAULT_STORE_PREFIX.into(),
         }
     }
 }
+
+/// The namespace of an NCCL group's keys in the store unless its options name another.
+pub const DEFAULT_STORE_PREFIX: &str = "pg/nccl";
 
 /// Host buffers are staged through device memory allocated in steps of this size, so a
 /// training loop whose buffers vary a little does not reallocate each step.
@@ -105,8 +111,6 @@ const SCRATCH_GRANULE: usize = 2 << 20;
 const SPIN: Duration = Duration::from_micros(200);
 /// Longest sleep between two polls.
 const MAX_PAUSE: Duration = Duration::from_millis(1);
-/// How often a long wait checks the store for an abort published by another rank.
-const STORE_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// How long an abort waits for the group's stream to drain (aborted kernels to exit).
 const ABORT_DRAIN: Duration = Duration::from_secs(10);
 /// Longest graceful shutdown (`ncclCommFinalize`) in `Drop` before falling back to an abort.
@@ -125,7 +129,8 @@ pub struct NcclProcessGroup {
     device_name: String,
     nccl_version: NcclVersion,
     options: NcclGroupOptions,
-    store: Arc<dyn Store>,
+    /// The group's namespace of the store (aborts, stall reports).
+    store: PrefixStore,
     /// `None` before the communicator is ready and after it was aborted or destroyed.
     comm: Option<nccl_sys::ncclComm_t>,
     /// The group's own non-blocking stream: NCCL and the staging copies run on it, apart from
@@ -171,6 +176,16 @@ enum Waiting<'a> {
         desc: &'a CollectiveDesc,
         what: &'a str,
     },
+}
+
+impl std::fmt::Display for Waiting<'_> {
+    /// The call, as the stall warning names it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Waiting::Init => write!(f, "NCCL set-up"),
+            Waiting::Collective { desc, .. } => write!(f, "{desc}"),
+        }
+    }
 }
 
 /// Why a collective failed, before it is turned into a [`CollectiveError`] with its context.
@@ -231,36 +246,27 @@ impl NcclProcessGroup {
         device_ordinal: usize,
         options: NcclGroupOptions,
     ) -> Result<Self, CollectiveError> {
-        if world_size == 0 || rank >= world_size || i32::try_from(world_size).is_err() {
-            return Err(CollectiveError::Setup {
-                rank,
-                message: format!("rank {rank} is not in 0..{world_size}"),
-            });
+        check_member(rank, world_size)?;
+        if i32::try_from(world_size).is_err() {
+            let message = format!("world size {world_size} is larger than NCCL's limit (i32)");
+            return Err(CollectiveError::Setup { rank, message });
         }
-        let deadline = Instant::now() + options.timeout;
-        let abort_key = format!("{}/abort", options.store_prefix);
-        let result = Self::form(
-            store.clone(),
-            rank,
-            world_size,
-            device_ordinal,
-            options,
-            deadline,
-        );
+        let namespace = PrefixStore::new(options.store_prefix.clone(), store);
+        let rdv = Rendezvous::new(namespace, rank, world_size, options.timeout);
+        let result = Self::form(&rdv, rank, world_size, device_ordinal, options);
         if let Err(e) = &result {
             // Tell the other ranks, so they fail now rather than at their timeout.
-            publish_abort(store.as_ref(), &abort_key, rank, e);
+            rdv.abort(e);
         }
         result
     }
 
     fn form(
-        store: Arc<dyn Store>,
+        rdv: &Rendezvous,
         rank: usize,
         world_size: usize,
         device: usize,
         options: NcclGroupOptions,
-        deadline: Instant,
     ) -> Result<Self, CollectiveError> {
         let setup = |message: String| CollectiveError::Setup { rank, message };
         let info = cuda::check_cuda_available(device).map_err(|e| setup(e.to_string()))?;
@@ -290,7 +296,7 @@ impl NcclProcessGroup {
             device_name: info.name,
             nccl_version,
             options,
-            store,
+            store: rdv.store().clone(),
             comm: None,
             stream,
             scratch: 0,
@@ -299,8 +305,8 @@ impl NcclProcessGroup {
             calls: CallLog::new(rank),
             ctx,
         };
-        let id = group.exchange_unique_id(deadline)?;
-        group.init_comm(id, deadline)?;
+        let id = group.exchange_unique_id(rdv)?;
+        group.init_comm(id, rdv.deadline())?;
         tracing::info!(
             rank,
             world_size,
@@ -322,10 +328,6 @@ impl NcclProcessGroup {
         &self.nccl_version
     }
 
-    fn key(&self, what: &str) -> String {
-        format!("{}/{what}", self.options.store_prefix)
-    }
-
     fn setup_error(&self, message: String) -> CollectiveError {
         CollectiveError::Setup {
             rank: self.rank,
@@ -333,96 +335,35 @@ impl NcclProcessGroup {
         }
     }
 
-    fn store_error(&self, source: StoreError) -> CollectiveError {
-        CollectiveError::Store {
-            rank: self.rank,
-            source,
-        }
-    }
-
-    /// Step 3 of the set-up: rank claim, then the unique id from rank 0 (module docs).
+    /// Step 3 of the set-up: the rendezvous, then the unique id from rank 0 (module docs).
     fn exchange_unique_id(
         &self,
-        deadline: Instant,
+        rdv: &Rendezvous,
     ) -> Result<nccl_sys::ncclUniqueId, CollectiveError> {
-        let (rank, world) = (self.rank, self.world_size);
-        let claims = self
-            .store
-            .add(&self.key(&format!("claims/{rank}")), 1)
-            .map_err(|e| self.store_error(e))?;
-        if claims > 1 {
-            return Err(self.setup_error(format!(
-                "rank {rank} joined twice: two processes were started with RANK={rank} (or a second NCCL group uses the store prefix {:?}: give it another)",
-                self.options.store_prefix
-            )));
-        }
-        let key = self.key("unique_id");
-        let id = if rank == 0 {
+        rdv.join()?;
+        rdv.wait_joined()?;
+        if self.rank == 0 {
             let id = nccl::get_uniqueid().map_err(|e| {
                 self.setup_error(format!("ncclGetUniqueId failed: {}", nccl_error_text(e.0)))
             })?;
-            let mut value = (world as u64).to_le_bytes().to_vec();
-            value.extend(id.internal.iter().map(|&c| c as u8));
-            self.store
-                .set(&key, &value)
-                .map_err(|e| self.store_error(e))?;
-            id
-        } else {
-            let value = self.wait_key(&key, deadline)?;
-            let mut id = nccl_sys::ncclUniqueId { internal: [0; 128] };
-            if value.len() != 8 + id.internal.len() {
-                return Err(self.setup_error(format!(
-                    "the NCCL unique id under {key:?} has {} bytes, expected {}: is another program using this store?",
-                    value.len(),
-                    8 + id.internal.len()
-                )));
-            }
-            let mut theirs = [0u8; 8];
-            theirs.copy_from_slice(&value[..8]);
-            let theirs = u64::from_le_bytes(theirs);
-            if theirs != world as u64 {
-                return Err(self.setup_error(format!(
-                    "world size mismatch: rank 0 was started with WORLD_SIZE={theirs}, rank {rank} with WORLD_SIZE={world}"
-                )));
-            }
-            for (dst, &src) in id.internal.iter_mut().zip(&value[8..]) {
-                *dst = src as c_char;
-            }
-            id
-        };
-        self.store
-            .set(&self.key(&format!("joined/{rank}")), b"1")
-            .map_err(|e| self.store_error(e))?;
-        Ok(id)
-    }
-
-    /// `get` of rank 0's key, in one-second slices that check for a published abort.
-    fn wait_key(&self, key: &str, deadline: Instant) -> Result<Vec<u8>, CollectiveError> {
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.store.wait(&[key], left.min(STORE_CHECK_EVERY)) {
-                Ok(()) => {
-                    return self
-                        .store
-                        .get(key, STORE_CHECK_EVERY)
-                        .map_err(|e| self.store_error(e))
-                }
-                Err(StoreError::Timeout { .. }) => {
-                    if let Some(why) = self.published_abort() {
-                        return Err(
-                            self.setup_error(format!("another rank aborted the rendezvous: {why}"))
-                        );
-                    }
-                    if left.is_zero() {
-                        return Err(self.setup_error(format!(
-                            "rank 0 did not publish the NCCL unique id within {:?} (is rank 0 running, and are MASTER_ADDR/MASTER_PORT the same on every rank?)",
-                            self.options.timeout
-                        )));
-                    }
-                }
-                Err(e) => return Err(self.store_error(e)),
-            }
+            let bytes: Vec<u8> = id.internal.iter().map(|&c| c as u8).collect();
+            rdv.publish("unique_id", &bytes)?;
+            return Ok(id);
         }
+        let value = rdv.published("unique_id", 0)?;
+        let mut id = nccl_sys::ncclUniqueId { internal: [0; 128] };
+        if value.len() != id.internal.len() {
+            return Err(self.setup_error(format!(
+                "the NCCL unique id under {:?} has {} bytes, expected {}: is another program using this store?",
+                rdv.store().full_key("unique_id/0"),
+                value.len(),
+                id.internal.len()
+            )));
+        }
+        for (dst, &src) in id.internal.iter_mut().zip(&value) {
+            *dst = src as c_char;
+        }
+        Ok(id)
     }
 
     /// Step 4 of the set-up: non-blocking communicator init, polled until ready (module docs).
@@ -475,7 +416,7 @@ impl NcclProcessGroup {
 
     /// Polls `done` until it returns true, fails, or the clock's deadline passes (module docs,
     /// step 5). Spins for [`SPIN`], then sleeps with doubling pauses up to [`MAX_PAUSE`]; checks
-    /// the store for another rank's abort every [`STORE_CHECK_EVERY`] and logs a stall warning
+    /// the store for another rank's abort every [`ABORT_CHECK_EVERY`] and logs a stall warning
     /// every `options.stall_warning`.
     fn poll(
         &self,
@@ -483,9 +424,15 @@ impl NcclProcessGroup {
         waiting: Waiting<'_>,
         mut done: impl FnMut() -> Result<bool, Fault>,
     ) -> Result<(), Fault> {
-        let mut next_store_check = clock.start + STORE_CHECK_EVERY;
-        let mut next_warning = clock.start + self.options.stall_warning;
-        let mut pause = Duration::ZERO;
+        let mut next_store_check = clock.start + ABORT_CHECK_EVERY;
+        let mut stall = StallReporter::new(
+            &self.store,
+            self.rank,
+            self.world_size,
+            self.options.stall_warning,
+            clock.start,
+        );
+        let mut backoff = Backoff::new(Duration::from_micros(10), MAX_PAUSE);
         loop {
             if done()? {
                 return Ok(());
@@ -497,27 +444,18 @@ impl NcclProcessGroup {
                 });
             }
             if now >= next_store_check {
-                if let Some(why) = self.published_abort() {
+                if let Some(why) = rendezvous::published_abort(&self.store) {
                     return Err(Fault::Failed(format!(
                         "another rank aborted the group: {why}"
                     )));
                 }
-                next_store_check = now + STORE_CHECK_EVERY;
+                next_store_check = now + ABORT_CHECK_EVERY;
             }
-            if now >= next_warning {
-                tracing::warn!(
-                    "rank {}: no progress for {:?}: waiting for {}",
-                    self.rank,
-                    now - clock.start,
-                    self.waiting_on(&waiting)
-                );
-                next_warning = now + self.options.stall_warning;
-            }
+            stall.warn_if_due(now, &waiting, None, || self.waiting_on(&waiting));
             if now - clock.start < SPIN {
                 std::thread::yield_now();
             } else {
-                pause = (pause * 2).clamp(Duration::from_micros(10), MAX_PAUSE);
-                std::thread::sleep(pause.min(clock.deadline - now));
+                backoff.sleep(clock.deadline);
             }
         }
     }
@@ -525,74 +463,13 @@ impl NcclProcessGroup {
     /// What a stalled wait is waiting for, with what the store knows about the other ranks.
     fn waiting_on(&self, waiting: &Waiting<'_>) -> String {
         match waiting {
-            Waiting::Init => {
-                let missing: Vec<String> = (0..self.world_size)
-                    .filter(|r| {
-                        !self
-                            .store
-                            .check(&[&self.key(&format!("joined/{r}"))])
-                            .unwrap_or(false)
-                    })
-                    .map(|r| r.to_string())
-                    .collect();
-                if missing.is_empty() {
-                    "every rank reached NCCL set-up, but NCCL's own connection set-up has not finished: check that the ranks can reach each other over TCP (set NCCL_SOCKET_IFNAME to the right interface) and rerun with NCCL_DEBUG=INFO".into()
-                } else {
-                    format!(
-                        "rank(s) {} never reached NCCL set-up (were all {} ranks started, with the same store?)",
-                        missing.join(", "),
-                        self.world_size
-                    )
-                }
-            }
+            // The rendezvous saw every rank arrive before NCCL's set-up started.
+            Waiting::Init => "every rank joined the rendezvous, but NCCL's own connection set-up has not finished: check that the ranks can reach each other over TCP (set NCCL_SOCKET_IFNAME to the right interface) and rerun with NCCL_DEBUG=INFO".into(),
             Waiting::Collective { desc, what } => format!(
                 "NCCL {what} on device {} to complete (every rank must enter this call). {}",
                 self.device,
-                self.stall_report(desc.seq)
+                stall::positions(&self.store, self.rank, self.world_size, desc.seq)
             ),
-        }
-    }
-
-    /// Records this rank's position in the store and reports the others'. Ranks that have not
-    /// reported are either not yet in this collective or stalled for less time than this one.
-    fn stall_report(&self, seq: u64) -> String {
-        let mine = self.key(&format!("stall/{}", self.rank));
-        if self.store.set(&mine, seq.to_string().as_bytes()).is_err() {
-            return "(the store is unreachable, so other ranks' positions are unknown)".into();
-        }
-        let mut stalled_here = Vec::new();
-        let mut elsewhere = Vec::new();
-        for r in (0..self.world_size).filter(|&r| r != self.rank) {
-            let key = self.key(&format!("stall/{r}"));
-            match self.store.check(&[&key]) {
-                Ok(true) => match self.store.get(&key, STORE_CHECK_EVERY) {
-                    Ok(v) if v == seq.to_string().as_bytes() => stalled_here.push(r.to_string()),
-                    Ok(v) => {
-                        elsewhere.push(format!("{r} (stalled at #{})", String::from_utf8_lossy(&v)))
-                    }
-                    Err(_) => elsewhere.push(format!("{r} (unknown)")),
-                },
-                _ => elsewhere.push(r.to_string()),
-            }
-        }
-        format!(
-            "Ranks also stalled in #{seq}: [{}]; ranks not seen in it: [{}]",
-            stalled_here.join(", "),
-            elsewhere.join(", ")
-        )
-    }
-
-    /// The abort message another rank published, if any (store errors count as none: the store
-    /// may already be gone at the end of a job).
-    fn published_abort(&self) -> Option<String> {
-        let key = self.key("abort");
-        match self.store.check(&[&key]) {
-            Ok(true) => self
-                .store
-                .get(&key, STORE_CHECK_EVERY)
-                .ok()
-                .map(|v| String::from_utf8_lossy(&v).into_owned()),
-            _ => None,
         }
     }
 
@@ -675,7 +552,7 @@ impl NcclProcessGroup {
     fn abort(&mut self, why: &CollectiveError) {
         // An argument error aborts before `run` binds the context; the stream query needs it.
         let _ = self.ctx.bind_to_thread();
-        publish_abort(self.store.as_ref(), &self.key("abort"), self.rank, why);
+        rendezvous::publish_abort(&self.store, self.rank, why);
         self.calls.abort(why);
         if let Some(comm) = self.comm.take() {
             abort_comm(comm);
@@ -1294,15 +1171,6 @@ fn stream_state(stream: cu_sys::CUstream) -> Result<bool, Fault> {
     }
 }
 
-/// Publishes this rank's error under `key` for the other ranks, unless a rank published one
-/// already: the first error is the cause, later ones are its echoes. Store failures are ignored
-/// (the store may be what failed).
-fn publish_abort(store: &dyn Store, key: &str, rank: usize, why: &CollectiveError) {
-    if !store.check(&[key]).unwrap_or(false) {
-        let _ = store.set(key, format!("rank {rank}: {why}").as_bytes());
-    }
-}
-
 /// Aborts `comm` (null is allowed): NCCL stops its kernels and frees it; never use it again.
 fn abort_comm(comm: nccl_sys::ncclComm_t) {
     if comm.is_null() {
@@ -1418,7 +1286,7 @@ mod tests {
                     assert!(msg.contains("libcuda.so.1"), "{msg}");
                 }
                 // The other ranks are told through the store.
-                let abort = store.get("nccl/abort", Duration::from_secs(1)).unwrap();
+                let abort = store.get("pg/nccl/abort", Duration::from_secs(1)).unwrap();
                 assert!(String::from_utf8_lossy(&abort).contains("rank 0"));
             }
             (Ok(_), Err(reason)) => {

@@ -4,6 +4,7 @@ use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use super::backoff::Backoff;
 use super::connection::{is_timeout, read_frame, write_frame, FrameError};
 use super::wire::{decode_response, encode_request, Request, Response, MAGIC};
 use super::Store;
@@ -28,7 +29,7 @@ impl TcpStore {
     /// passes (rank 0 may start after the others), then sends the hello with `token`.
     pub fn connect(addr: &str, token: &str, connect_timeout: Duration) -> Result<Self, StoreError> {
         let deadline = Instant::now() + connect_timeout;
-        let mut backoff = Duration::from_millis(10);
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
         let stream = loop {
             let last_error = match resolve(addr) {
                 Ok(addrs) => {
@@ -59,8 +60,7 @@ impl TcpStore {
                     last_error,
                 });
             }
-            std::thread::sleep(backoff.min(deadline - now));
-            backoff = (backoff * 2).min(Duration::from_secs(1));
+            backoff.sleep(deadline);
         };
         let _ = stream.set_nodelay(true);
         let store = Self {

@@ -7,10 +7,15 @@
 //! - [`server`]: [`TcpStoreServer`], a [`MemoryStore`] served over TCP (hosted by rank 0 or by the
 //!   launcher).
 //! - [`client`]: [`TcpStore`], the client every rank uses.
+//! - [`prefix`]: [`PrefixStore`], one namespace of a store (a group's keys), so several groups and
+//!   job attempts can share one store.
+//! - `backoff`: the capped back-off of every retry loop in the crate.
 
+pub(crate) mod backoff;
 pub mod client;
 mod connection;
 pub mod memory;
+pub mod prefix;
 pub mod server;
 pub mod wire;
 
@@ -18,6 +23,7 @@ use std::time::Duration;
 
 pub use client::TcpStore;
 pub use memory::MemoryStore;
+pub use prefix::PrefixStore;
 pub use server::TcpStoreServer;
 
 use crate::error::StoreError;

@@ -1,0 +1,526 @@
+//! [`TcpProcessGroup`]: the ring collectives over TCP.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `mod.rs` | the group: options, forming it, the [`ProcessGroup`] methods |
+//! | [`setup`] | forming the ring: rendezvous, shared-memory ends, connections and hellos |
+//! | [`exchange`] | one collective: the event loop that moves a ring plan's pieces |
+//! | [`transport`] | how a link moves data: its socket, or shared memory |
+//!
+//! # Set-up (through the store, in the group's namespace `options.store_prefix`)
+//! 1. The shared rendezvous ([`super::rendezvous`]): each rank claims its rank number (a second
+//!    claim is an error: two processes were given the same `RANK`), publishes its world size,
+//!    and waits (with the group timeout) until every rank has joined with the same world size; a
+//!    rank that never arrives is named in the error. A rank that fails anywhere in the set-up
+//!    publishes an abort (the first cause wins), so the others stop at once instead of waiting
+//!    out the timeout.
+//! 2. Each rank listens on an OS-chosen port on the address that routes to the store, publishes
+//!    `ip:port` (and, before it, its shared-memory directory), and waits for everyone's.
+//! 3. Each rank connects to its successor and sends a hello (rank, world size, job token), and
+//!    accepts its predecessor's connection; connections with a wrong hello are refused and
+//!    logged, and the rank keeps waiting for the right one.
+//! 4. A barrier over the new ring proves that every link works.
+//!
+//! # One collective
+//! All I/O is non-blocking and driven by one thread with `poll(2)`: the rank writes the
+//! collective's header to both neighbours, then streams pieces to its successor as the plan
+//! ([`super::ring`]) allows while it receives and reduces pieces from its predecessor. One thread
+//! per rank keeps the two cores of a small machine for two ranks' copies and reductions instead of
+//! four threads contending for them. Received headers are checked before any data is used.
+//!
+//! # Same-host neighbours: shared memory
+//! When a neighbour runs on the same host (same kernel and network namespace, see
+//! [`shm::host_identity`](super::shm::host_identity)), and `options.shared_memory` says so, the
+//! data of that link goes through a shared-memory ring buffer ([`super::shm`]) instead of the
+//! socket: no copies into and out of the kernel, no TCP stack. The TCP connection stays for the
+//! set-up, the per-collective headers (so mismatch checks are the same) and as the other half of
+//! liveness. The group itself never reads the environment: [`crate::init::Distributed::init`]
+//! turns shared memory on for a job unless `BURN_DDP_SHM=0`.
+
+mod exchange;
+mod setup;
+mod transport;
+
+use std::net::{IpAddr, Shutdown};
+use std::sync::Arc;
+use std::time::Duration;
+
+use self::exchange::Call;
+use self::setup::Ring;
+use super::rendezvous::{check_member, Rendezvous};
+use super::ring::{self, RingPlan};
+use super::stall::StallReporter;
+use super::{check, CallLog, CollectiveDesc, CollectiveKind, Element, ProcessGroup, ReduceOp};
+use crate::error::CollectiveError;
+use crate::store::{PrefixStore, Store};
+
+/// The namespace of a TCP group's keys in the store unless its options name another.
+pub const DEFAULT_STORE_PREFIX: &str = "pg/default";
+
+/// Settings of a [`TcpProcessGroup`]. Every rank of a group must use the same values.
+#[derive(Debug, Clone)]
+pub struct TcpGroupOptions {
+    /// Deadline of set-up and of each collective (PyTorch's default is 30 min for NCCL; 5 min
+    /// here: a collective on a CPU ring that takes longer than that has a dead peer).
+    pub timeout: Duration,
+    /// After this long without finishing a collective, log who has not arrived (Horovod's stall
+    /// warning, 60 s). Repeats every such interval until the timeout.
+    pub stall_warning: Duration,
+    /// Bytes per pipelined piece; smaller pieces overlap more, larger ones cost fewer syscalls.
+    pub piece_bytes: usize,
+    /// The job's shared secret; ring connections without it are refused.
+    pub token: String,
+    /// The address to listen on and publish for ring connections. `None`: loopback.
+    pub advertise_ip: Option<IpAddr>,
+    /// Move data to neighbours on the same host through shared memory (module docs).
+    /// `Some(true)`: yes, where the neighbour shares the host; `Some(false)`: sockets only;
+    /// `None` (the default): not decided by the caller, which the group takes as sockets only,
+    /// and [`crate::init::Distributed::init`] resolves from `BURN_DDP_SHM` (on unless `0`).
+    pub shared_memory: Option<bool>,
+    /// The group's namespace in the store ([`PrefixStore`]): two groups formed through one store
+    /// at the same time need different prefixes. Default [`DEFAULT_STORE_PREFIX`].
+    pub store_prefix: String,
+}
+
+impl Default for TcpGroupOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(300),
+            stall_warning: Duration::from_secs(60),
+            piece_bytes: 1 << 20,
+            token: String::new(),
+            advertise_ip: None,
+            shared_memory: None,
+            store_prefix: DEFAULT_STORE_PREFIX.into(),
+        }
+    }
+}
+
+impl TcpGroupOptions {
+    /// Whether links to same-host neighbours use shared memory (`shared_memory == Some(true)`).
+    pub fn uses_shared_memory(&self) -> bool {
+        self.shared_memory == Some(true)
+    }
+}
+
+/// A process group whose collectives run over a TCP ring. See the module docs.
+pub struct TcpProcessGroup {
+    rank: usize,
+    world_size: usize,
+    /// The group's namespace of the store (stall reports).
+    store: PrefixStore,
+    ring: Option<Ring>,
+    options: TcpGroupOptions,
+    calls: CallLog,
+    /// Receive buffer for pieces that are reduced (u64 words so any element type is aligned).
+    scratch: Vec<u64>,
+}
+
+impl TcpProcessGroup {
+    /// Forms the group: rendezvous through `store`, ring connections, then a barrier.
+    ///
+    /// Collective: every rank of the group calls it with its own `rank` and the same
+    /// `world_size` and options. Fails with a message naming the rank(s) at fault when world
+    /// sizes disagree, a rank number is claimed twice, or a rank does not arrive within
+    /// `options.timeout`; a rank that fails tells the others through the store, and they stop
+    /// within a second. A group of one touches neither the store nor the network.
+    pub fn new(
+        store: Arc<dyn Store>,
+        rank: usize,
+        world_size: usize,
+        options: TcpGroupOptions,
+    ) -> Result<Self, CollectiveError> {
+        check_member(rank, world_size)?;
+        let mut group = Self {
+            rank,
+            world_size,
+            store: PrefixStore::new(options.store_prefix.clone(), store),
+            ring: None,
+            options,
+            calls: CallLog::new(rank),
+            scratch: Vec::new(),
+        };
+        if world_size > 1 {
+            group.connect()?;
+        }
+        tracing::debug!(rank, world_size, "process group ready");
+        Ok(group)
+    }
+
+    /// Set-up steps 1–4 (module docs). On failure, tells the other ranks through the store, so
+    /// they fail now rather than at their timeout.
+    fn connect(&mut self) -> Result<(), CollectiveError> {
+        let (rank, world) = (self.rank, self.world_size);
+        let rdv = Rendezvous::new(self.store.clone(), rank, world, self.options.timeout);
+        let result =
+            setup::connect_ring(&rdv, &self.options, rank, world).and_then(|(ring, dir)| {
+                self.ring = Some(ring);
+                self.barrier()?;
+                Ok(dir)
+            });
+        match result {
+            // Both neighbours have entered the barrier, so they have opened our files.
+            Ok(shm_dir) => drop(shm_dir),
+            Err(e) => {
+                rdv.abort(&e);
+                return Err(e);
+            }
+        }
+        if let Some(ring) = &mut self.ring {
+            ring.data_out.go_live();
+            ring.data_in.go_live();
+        }
+        Ok(())
+    }
+
+    /// How the links move data (`""`: socket, `" (shared memory)"`): to the successor, from the
+    /// predecessor. `None` for a group of one.
+    #[cfg(test)]
+    pub(crate) fn link_labels(&self) -> Option<(&'static str, &'static str)> {
+        self.ring
+            .as_ref()
+            .map(|r| (r.data_out.label(), r.data_in.label()))
+    }
+
+    /// Closes the ring so the neighbours fail fast, and refuses every later call.
+    fn abort(&mut self, why: &CollectiveError) {
+        if let Some(ring) = self.ring.take() {
+            let _ = ring.next.stream.shutdown(Shutdown::Both);
+            let _ = ring.prev.stream.shutdown(Shutdown::Both);
+        }
+        self.calls.abort(why);
+    }
+
+    /// Runs one collective: checks, then the event loop over the plan; aborts the group on error.
+    fn run<T: Element>(
+        &mut self,
+        kind: CollectiveKind,
+        len: usize,
+        buffer: &mut [T],
+        plan: impl FnOnce(usize) -> RingPlan,
+        op: ReduceOp,
+        precheck: Option<String>,
+    ) -> Result<CollectiveDesc, CollectiveError> {
+        let desc = match self.calls.begin(kind, T::DTYPE, len, precheck) {
+            Ok(desc) => desc,
+            Err(err) => {
+                self.abort(&err);
+                return Err(err);
+            }
+        };
+        if self.world_size == 1 {
+            return Ok(desc);
+        }
+        let piece_elems = (self.options.piece_bytes / std::mem::size_of::<T>()).max(1);
+        let plan = plan(piece_elems);
+        let result = self.exchange(&desc, buffer, &plan, op);
+        if let Err(e) = &result {
+            self.abort(e);
+        }
+        result.map(|()| desc)
+    }
+
+    fn exchange<T: Element>(
+        &mut self,
+        desc: &CollectiveDesc,
+        buffer: &mut [T],
+        plan: &RingPlan,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let largest = plan
+            .recvs
+            .iter()
+            .map(|r| r.range.len() * std::mem::size_of::<T>())
+            .max()
+            .unwrap_or(0);
+        if self.scratch.len() * 8 < largest {
+            self.scratch.resize(largest.div_ceil(8), 0);
+        }
+        let Some(ring) = self.ring.as_mut() else {
+            return Err(CollectiveError::Aborted {
+                rank: self.rank,
+                first_error: "the ring is not connected".into(),
+            });
+        };
+        let call = Call {
+            desc,
+            plan,
+            op,
+            rank: self.rank,
+            timeout: self.options.timeout,
+        };
+        let stall = StallReporter::new(
+            &self.store,
+            self.rank,
+            self.world_size,
+            self.options.stall_warning,
+            std::time::Instant::now(),
+        );
+        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
+        exchange::exchange(ring, &call, buffer, scratch, stall)
+    }
+}
+
+impl ProcessGroup for TcpProcessGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn all_reduce<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let (world, rank, len) = (self.world_size, self.rank, buffer.len());
+        self.run(
+            CollectiveKind::AllReduce(op),
+            len,
+            buffer,
+            |piece| ring::all_reduce_plan(world, rank, len, piece),
+            op,
+            None,
+        )?;
+        if op == ReduceOp::Avg {
+            buffer.iter_mut().for_each(|x| *x = x.div_world(world));
+        }
+        Ok(())
+    }
+
+    fn broadcast<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        root: usize,
+    ) -> Result<(), CollectiveError> {
+        let (world, rank, len) = (self.world_size, self.rank, buffer.len());
+        let precheck = check::root(root, world);
+        self.run(
+            CollectiveKind::Broadcast { root },
+            len,
+            buffer,
+            |piece| ring::broadcast_plan(world, rank, root.min(world - 1), len, piece),
+            ReduceOp::Sum,
+            precheck,
+        )
+        .map(|_| ())
+    }
+
+    fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CollectiveError> {
+        let (world, rank, block) = (self.world_size, self.rank, input.len());
+        let precheck = check::all_gather(world, block, output.len());
+        if precheck.is_none() {
+            output[rank * block..(rank + 1) * block].copy_from_slice(input);
+        }
+        self.run(
+            CollectiveKind::AllGather,
+            block,
+            output,
+            |piece| ring::all_gather_plan(world, rank, block, piece),
+            ReduceOp::Sum,
+            precheck,
+        )
+        .map(|_| ())
+    }
+
+    fn reduce_scatter<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let (world, rank, block) = (self.world_size, self.rank, output.len());
+        let precheck = check::reduce_scatter(world, input.len(), block);
+        let mut work = input.to_vec();
+        self.run(
+            CollectiveKind::ReduceScatter(op),
+            block,
+            &mut work,
+            |piece| ring::reduce_scatter_plan(world, rank, block, piece),
+            op,
+            precheck,
+        )?;
+        output.copy_from_slice(&work[rank * block..(rank + 1) * block]);
+        if op == ReduceOp::Avg {
+            output.iter_mut().for_each(|x| *x = x.div_world(world));
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        let (world, rank) = (self.world_size, self.rank);
+        let mut token = [1i64];
+        self.run(
+            CollectiveKind::Barrier,
+            1,
+            &mut token,
+            |piece| ring::all_reduce_plan(world, rank, 1, piece),
+            ReduceOp::Sum,
+            None,
+        )?;
+        debug_assert_eq!(token[0], world as i64);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Threads in one process, real sockets on loopback. The multi-process suite lives in the
+    //! workspace's `tests/`.
+    use super::*;
+    use crate::group::wire::{self, RingHello};
+    use crate::store::MemoryStore;
+    use std::net::TcpStream;
+
+    fn with_group<R: Send + 'static>(
+        world: usize,
+        options: TcpGroupOptions,
+        body: impl Fn(&mut TcpProcessGroup) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let body = Arc::new(body);
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let (store, body, options) = (store.clone(), body.clone(), options.clone());
+                std::thread::spawn(move || {
+                    let mut group = TcpProcessGroup::new(store, rank, world, options).unwrap();
+                    body(&mut group)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn collectives_on_threads() {
+        let options = TcpGroupOptions {
+            piece_bytes: 16, // many pieces, to exercise the pipeline
+            ..Default::default()
+        };
+        let results = with_group(3, options, |g| {
+            let r = g.rank() as i64;
+            let mut a: Vec<i64> = (0..10).map(|i| i * 10 + r).collect();
+            g.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+            let mut m = vec![r as f32; 5];
+            g.all_reduce(&mut m, ReduceOp::Max).unwrap();
+            let mut b = vec![r; 7];
+            g.broadcast(&mut b, 1).unwrap();
+            let mut gathered = vec![0i64; 6];
+            g.all_gather(&[r, -r], &mut gathered).unwrap();
+            let mut out = [0i64; 2];
+            g.reduce_scatter(&[1, 2, 3, 4, 5, 6], &mut out, ReduceOp::Sum)
+                .unwrap();
+            g.barrier().unwrap();
+            (a, m, b, gathered, out)
+        });
+        for (rank, (a, m, b, gathered, out)) in results.into_iter().enumerate() {
+            assert_eq!(a, (0..10).map(|i| 30 * i + 3).collect::<Vec<i64>>());
+            assert_eq!(m, vec![2.0; 5]);
+            assert_eq!(b, vec![1; 7]);
+            assert_eq!(gathered, vec![0, 0, 1, -1, 2, -2]);
+            let r = rank as i64;
+            assert_eq!(out, [3 * (2 * r + 1), 3 * (2 * r + 2)]);
+        }
+    }
+
+    /// 16-bit floats (compressed gradient buckets) travel at 2 bytes an element and reduce
+    /// through `f32`: sums of small integers are exact, and every rank gets the same bits.
+    #[test]
+    fn sixteen_bit_floats_on_threads() {
+        use half::{bf16, f16};
+        let options = TcpGroupOptions {
+            piece_bytes: 6, // 3 elements a piece: pieces end mid-word of the packed layout
+            ..Default::default()
+        };
+        let results = with_group(3, options, |g| {
+            let r = g.rank() as f32;
+            let mut a: Vec<bf16> = (0..11).map(|i| bf16::from_f32(i as f32 + r)).collect();
+            g.all_reduce(&mut a, ReduceOp::Sum).unwrap();
+            let mut b: Vec<f16> = (0..11).map(|i| f16::from_f32(-(i as f32) * r)).collect();
+            g.all_reduce(&mut b, ReduceOp::Avg).unwrap();
+            let mut c = vec![f16::from_f32(r); 4];
+            g.all_reduce(&mut c, ReduceOp::Max).unwrap();
+            (a, b, c)
+        });
+        for (a, b, c) in results {
+            let a: Vec<f32> = a.iter().map(|x| x.to_f32()).collect();
+            let b: Vec<f32> = b.iter().map(|x| x.to_f32()).collect();
+            assert_eq!(a, (0..11).map(|i| 3.0 * i as f32 + 3.0).collect::<Vec<_>>());
+            assert_eq!(b, (0..11).map(|i| -(i as f32)).collect::<Vec<_>>());
+            assert_eq!(c, vec![f16::from_f32(2.0); 4]);
+        }
+    }
+
+    #[test]
+    fn strangers_on_the_ring_port_are_refused_and_the_group_forms() {
+        use std::io::Write as _;
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let options = TcpGroupOptions {
+            token: "job-token".into(),
+            ..Default::default()
+        };
+        let spawn_rank = |rank: usize| {
+            let (store, options) = (store.clone(), options.clone());
+            std::thread::spawn(move || {
+                let mut g = TcpProcessGroup::new(store, rank, 2, options).unwrap();
+                let mut v = [rank as i64 + 1];
+                g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                v[0]
+            })
+        };
+        let rank0 = spawn_rank(0);
+        let addr = String::from_utf8(
+            store
+                .get("pg/default/addr/0", Duration::from_secs(30))
+                .unwrap(),
+        )
+        .unwrap();
+        // Queued in rank 0's backlog before its real predecessor: garbage, then a wrong token.
+        let mut garbage = TcpStream::connect(&addr).unwrap();
+        garbage
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut impostor = TcpStream::connect(&addr).unwrap();
+        impostor
+            .write_all(&wire::encode_hello(&RingHello {
+                rank: 1,
+                world_size: 2,
+                token: "guess".into(),
+            }))
+            .unwrap();
+        let rank1 = spawn_rank(1);
+        assert_eq!(rank0.join().unwrap(), 3);
+        assert_eq!(rank1.join().unwrap(), 3);
+    }
+
+    #[test]
+    fn mismatched_lengths_name_both_sides() {
+        let results = with_group(2, TcpGroupOptions::default(), |g| {
+            let mut buf = vec![0f32; 4 + g.rank()];
+            let first = g
+                .all_reduce(&mut buf, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string();
+            let second = g.barrier().unwrap_err();
+            (first, second)
+        });
+        for (first, second) in results {
+            assert!(
+                first.contains("mismatch")
+                    && first.contains("4 elements")
+                    && first.contains("5 elements"),
+                "{first}"
+            );
+            assert!(
+                matches!(second, CollectiveError::Aborted { .. }),
+                "{second}"
+            );
+        }
+    }
+}
