@@ -569,7 +569,10 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_every_good_checkpoint() {
     );
     let straight = digits_with("straight", &dir, "0.003", 30, "");
     assert_eq!(train2(&straight, &[], &[]).code, Some(0));
-    let diff = max_abs_diff(&final_weights(&dir, "straight"), &final_weights(&dir, "run"));
+    let diff = max_abs_diff(
+        &final_weights(&dir, "straight"),
+        &final_weights(&dir, "run"),
+    );
     assert!(diff <= 1e-6, "{diff:e}");
 }
 

@@ -70,7 +70,7 @@ impl FiniteScan {
         }
     }
 
-    /// Checks an `f32` tensor on its device: one reduction and a one-value read.
+    /// Checks an `f32` tensor on its device: one reduction and a one-value read ([`probe`]).
     pub fn device_f32<B: Backend>(&mut self, tensor: &FloatTensor<B>) -> Result<(), DdpError> {
         if self.needed() {
             let t = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(tensor.clone()));
@@ -119,20 +119,28 @@ impl FiniteScan {
     }
 }
 
-/// A one-value tensor that is finite exactly when every value of `tensor` is: the sum of
-/// `x * 0`, which is 0 for a finite `x` and NaN for NaN and ±Inf (and cannot overflow). Probes
-/// add up, so many tensors cost one read.
+/// A one-value tensor that is finite when every value of `tensor` is finite and their sum
+/// stays within `f32`'s range: the plain sum, one pass (a fifth of the cost of an exact
+/// test on Burn's CPU backend, measured: 0.18 ms against 0.88 ms for 1.86 M values). Gradients
+/// summing past 3.4e38 are flagged too: the run is diverging either way. Probes add up, so
+/// many tensors cost one read.
 pub fn probe<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor<B, 1> {
+    tensor.sum()
+}
+
+/// An exact [`probe`]: the sum of `x * 0`, which is 0 for a finite `x` and NaN for NaN and
+/// ±Inf, and cannot overflow.
+fn exact_probe<B: Backend, const D: usize>(tensor: Tensor<B, D>) -> Tensor<B, 1> {
     tensor.mul_scalar(0.0).sum()
 }
 
-/// Whether every float parameter of `module` is finite: one probe per parameter, one read in
-/// all. Local (replicas are identical, so every rank gets the same answer without a message).
+/// Whether every float parameter of `module` is finite (exactly: huge finite weights pass):
+/// one probe per parameter, one read in all. Local (replicas are identical, so every rank gets the same answer without a message).
 pub fn module_is_finite<B: Backend, M: Module<B>>(module: &M) -> Result<bool, DdpError> {
     struct Probes<B: Backend>(Option<Tensor<B, 1>>);
     impl<B: Backend> ModuleVisitor<B> for Probes<B> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let p = probe(param.val());
+            let p = exact_probe(param.val());
             self.0 = Some(match self.0.take() {
                 Some(sum) => sum + p,
                 None => p,
@@ -252,6 +260,27 @@ mod tests {
                 assert_eq!(scan.found_nonfinite(), expected, "{format:?} {values:?}");
             }
         }
+    }
+
+    #[test]
+    fn device_probes_also_flag_sums_past_the_f32_range_and_weights_are_checked_exactly() {
+        let device = Default::default();
+        let huge = Tensor::<B, 1>::from_floats([3e38, 3e38], &device);
+        let mut scan = FiniteScan::new(true);
+        scan.device_f32::<B>(&huge.clone().into_primitive().tensor())
+            .unwrap();
+        assert!(scan.found_nonfinite(), "the sum overflows");
+
+        #[derive(Module, Debug)]
+        struct Weights<B: Backend> {
+            w: burn::module::Param<Tensor<B, 1>>,
+        }
+        let weights = |t: Tensor<B, 1>| Weights {
+            w: burn::module::Param::from_tensor(t),
+        };
+        assert!(module_is_finite::<B, _>(&weights(huge)).unwrap());
+        let nan = Tensor::<B, 1>::from_floats([1.0, f32::NAN], &device);
+        assert!(!module_is_finite::<B, _>(&weights(nan)).unwrap());
     }
 
     #[test]
