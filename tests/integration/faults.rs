@@ -695,3 +695,50 @@ fn an_allocation_failure_is_a_clear_error_not_an_abort() {
     );
     assert!(!out.stderr.contains("panicked"), "{}", out.all());
 }
+
+#[test]
+fn no_validation_set_is_said_so_and_a_file_as_checkpoint_dir_is_bad_input() {
+    let dir = scratch("bad-inputs");
+    let body = std::fs::read_to_string(digits("novalid", &dir))
+        .unwrap()
+        .replace(
+            "source = \"digits\"",
+            "source = \"digits\"\nvalidation_fraction = 0.0",
+        );
+    let config = write_config(&dir, "novalid", &body);
+    let out = train2(&config, &[], &[]);
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stdout.contains("no validation set") && !out.stdout.contains("Accuracy"),
+        "{}",
+        out.all()
+    );
+
+    let file = dir.join("not-a-dir");
+    std::fs::write(&file, "x").unwrap();
+    let body = std::fs::read_to_string(digits("filedir", &dir)).unwrap();
+    let ckpt = dir.join("filedir-ckpt").display().to_string();
+    let config = write_config(
+        &dir,
+        "filedir",
+        &body.replace(&ckpt, &file.display().to_string()),
+    );
+    let out = train2(&config, &[], &[]);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(
+        out.stderr.contains("checkpoint.dir = ")
+            && out.stderr.contains("is a file, not a directory"),
+        "{}",
+        out.all()
+    );
+    assert!(
+        !out.all().contains("[rank "),
+        "no rank started:\n{}",
+        out.all()
+    );
+    assert_eq!(
+        std::fs::read_to_string(&file).unwrap(),
+        "x",
+        "the file is untouched"
+    );
+}
