@@ -181,3 +181,32 @@ fn a_misspelt_key_in_the_users_own_table_is_bad_input_naming_it() {
     assert!(out.stderr.contains("hiden"), "{}", out.all());
     assert!(!out.stderr.contains("panicked"), "{}", out.all());
 }
+
+#[test]
+fn the_users_parameter_count_lets_the_preflight_refuse_a_model_too_big() {
+    let dir = scratch("user-crate-too-big");
+    let config = write_config(
+        &dir,
+        "big",
+        &circles_config(1, "").replace("hidden = 16", "hidden = 4000000000"),
+    );
+    // The user's binary as its own launcher (`run::main`): the pre-flight runs before any
+    // rank is started.
+    let mut cmd = Command::new(custom_model());
+    cmd.arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "2"]);
+    let out = run(&mut cmd);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(
+        out.stderr
+            .contains("20,000,000,002 parameters need at least"),
+        "{}",
+        out.all()
+    );
+    assert!(
+        !out.all().contains("[rank "),
+        "no rank started:\n{}",
+        out.all()
+    );
+}

@@ -219,6 +219,12 @@ impl App for CirclesApp {
             valid: Some(Arc::new(circles(d.train_points, d.valid_points))),
         })
     }
+
+    /// Optional: lets the pre-flight refuse a model too big for memory before any rank starts.
+    fn parameter_count(&self, model: &ModelConfig, _data: &DataConfig) -> Option<u64> {
+        let h = model.hidden as u64;
+        Some((2 * h + h) + (h * 2 + 2))
+    }
 }
 
 impl<B: AutodiffBackend> Learn<B> for CirclesApp {
@@ -256,6 +262,10 @@ impl<B: AutodiffBackend> Learn<B> for CirclesApp {
             .with(AccuracyMetric::new())
     }
 }
+
+/// Optional: an allocation failure becomes a one-line error instead of an abort.
+#[global_allocator]
+static ALLOC: trainer::alloc::ReportingAllocator = trainer::alloc::ReportingAllocator;
 
 fn main() -> ExitCode {
     trainer::run::main(CirclesApp)
