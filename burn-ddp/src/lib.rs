@@ -13,6 +13,7 @@
 //! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL) |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
 //! | [`error`] | typed errors per layer |
+//! | [`testing`] | test support: skipped tests recorded and counted, never silent |
 //!
 //! ## How a gradient travels
 //! `loss.backward()` gives Burn's gradients; `GradientsParams::from_grads` keys them by
@@ -33,6 +34,7 @@ pub mod init;
 pub mod kernels;
 pub mod sampler;
 pub mod store;
+pub mod testing;
 
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError};

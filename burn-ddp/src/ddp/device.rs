@@ -361,6 +361,7 @@ mod tests {
     use burn::tensor::{Shape, TensorPrimitive};
 
     use super::*;
+    use crate::testing::Needs;
     use crate::cuda::{check_cuda_available, check_nccl_available};
     use crate::ddp::bucket::plan_buckets;
     use crate::ddp::{Reducer, ReducerStats};
@@ -389,7 +390,7 @@ mod tests {
         match check_cuda_available(0) {
             Ok(_) => Some(CudaDevice::new(0)),
             Err(e) => {
-                eprintln!("skipped: no usable CUDA device: {e}");
+                crate::testing::skip(Needs::Gpu, &format!("no usable CUDA device: {e}"));
                 None
             }
         }
@@ -458,7 +459,7 @@ mod tests {
         type B = Autodiff<Cuda>;
         let Some(device) = cuda_device() else { return };
         if let Err(e) = check_nccl_available() {
-            eprintln!("skipped: no usable NCCL: {e}");
+            crate::testing::skip(Needs::Gpu, &format!("no usable NCCL: {e}"));
             return;
         }
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
