@@ -364,6 +364,55 @@ pub(crate) fn mismatched_calls_fail_on_every_rank<F: Form>(form: &F) {
     }
 }
 
+/// A call whose arguments are wrong on one rank (a root that is not a rank, sizes that do not fit
+/// the world size) fails there with `InvalidArgument`, and the other ranks, already inside the
+/// collective, fail too, at once (no timeout); the group is aborted on every rank.
+pub(crate) fn invalid_arguments_fail_on_every_rank<F: Form>(form: &F) {
+    let world = 3;
+    // What rank 1 gets wrong, and the message it must give.
+    for (case, expected) in [
+        ("root", "root 3 is not a rank of this group"),
+        (
+            "all_gather",
+            "output has 8 elements, expected world size x input = 6",
+        ),
+        (
+            "reduce_scatter",
+            "input has 8 elements, expected world size x output = 6",
+        ),
+    ] {
+        let start = Instant::now();
+        let results = on_ranks(form, world, GENEROUS, &[], |rank, group| {
+            let mut g = group.expect("every rank forms").expect("the group forms");
+            let odd = rank == 1;
+            let wrong = if odd { 8 } else { 6 };
+            let first = match case {
+                "root" => g.broadcast(&mut [1.0f32; 2], if odd { world } else { 0 }),
+                "all_gather" => g.all_gather(&[1.0f32; 2], &mut vec![0.0; wrong]),
+                _ => g.reduce_scatter(&vec![1.0f32; wrong], &mut [0.0; 2], ReduceOp::Sum),
+            };
+            (first, g.barrier())
+        });
+        assert!(
+            start.elapsed() < GENEROUS / 2,
+            "{case}: an invalid argument must not wait for the timeout"
+        );
+        for (rank, (first, next)) in results.iter().enumerate() {
+            match first {
+                Err(CollectiveError::InvalidArgument { message, .. }) if rank == 1 => {
+                    assert!(message.contains(expected), "{case}: {message}")
+                }
+                Err(e) => assert!(rank != 1, "{case}: rank 1: {e}"),
+                Ok(()) => panic!("{case}: rank {rank} finished a call with a wrong argument"),
+            }
+            assert!(
+                matches!(next, Err(CollectiveError::Aborted { .. })),
+                "{case}: rank {rank} after the error: {next:?}"
+            );
+        }
+    }
+}
+
 /// A rank that formed the group but never enters a collective makes the others time out
 /// within the deadline, naming it; the group is aborted afterwards.
 pub(crate) fn a_rank_that_never_calls_is_named_at_the_timeout<F: Form>(form: &F) {
@@ -480,6 +529,11 @@ macro_rules! conformance_suite {
             #[test]
             fn mismatched_calls_fail_on_every_rank() {
                 super::mismatched_calls_fail_on_every_rank(&$form);
+            }
+
+            #[test]
+            fn invalid_arguments_fail_on_every_rank() {
+                super::invalid_arguments_fail_on_every_rank(&$form);
             }
 
             #[test]
@@ -637,6 +691,11 @@ mod nccl {
     #[test]
     fn mismatched_calls_fail_on_every_rank() {
         with_gpus(3, |_| super::mismatched_calls_fail_on_every_rank(&nccl));
+    }
+
+    #[test]
+    fn invalid_arguments_fail_on_every_rank() {
+        with_gpus(3, |_| super::invalid_arguments_fail_on_every_rank(&nccl));
     }
 
     #[test]

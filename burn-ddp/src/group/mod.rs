@@ -16,19 +16,8 @@
 //!   host.
 //! - `nccl` (feature `cuda`): `NcclProcessGroup`, NCCL on one GPU per process.
 //!
-//! # Contract shared by every collective
-//! - **Collective**: every rank of the group must call the same collectives in the same order,
-//!   with the same element type, length (per rank for all-gather/reduce-scatter), reduce op and
-//!   root. Each call carries a sequence number and these fields; a rank that sees a neighbour
-//!   disagree fails with [`CollectiveError::Mismatch`] naming both calls, instead of hanging or
-//!   reducing garbage.
-//! - **Deadline**: a call that does not finish within the group's timeout fails with
-//!   [`CollectiveError::Timeout`]; a peer that dies makes its neighbours fail with
-//!   [`CollectiveError::PeerLost`], which propagates around the ring.
-//! - **After an error** the group is aborted: its sockets are closed and every later call fails at
-//!   once. Create a new group to go on.
-//! - **Results are identical on every rank**, bit for bit (each chunk is reduced on one rank, in
-//!   one order, then copied to the others), so replicas that apply the same update stay equal.
+//! The contract every collective shares (same calls in the same order on every rank, deadline,
+//! abort on error, identical results) is stated once, on [`ProcessGroup`].
 
 #[cfg(test)]
 mod conformance;
@@ -73,6 +62,16 @@ pub enum DataType {
 }
 
 impl DataType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Self::U8 => 1,
+            Self::BF16 | Self::F16 => 2,
+            Self::F32 | Self::I32 => 4,
+            Self::F64 | Self::I64 => 8,
+        }
+    }
+
     /// Every data type, for tests and tables.
     pub const ALL: [DataType; 7] = [
         Self::F32,
@@ -263,13 +262,129 @@ impl CallLog {
     }
 }
 
-/// A group of processes that run collectives together. See the module docs for the contract
-/// every method shares (collective, same order on every rank, deadline, abort on error).
-pub trait ProcessGroup {
-    /// This process's rank, `0..world_size()`.
-    fn rank(&self) -> usize;
+/// Which rank a process is in its group, and how many ranks the group has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Membership {
+    /// This process's rank, `0..world_size`.
+    pub rank: usize,
     /// Number of processes in the group.
-    fn world_size(&self) -> usize;
+    pub world_size: usize,
+}
+
+/// One call of a collective with its buffers: what the [`ProcessGroup`] methods hand to
+/// [`ProcessGroup::collective`].
+#[derive(Debug)]
+pub enum Collective<'a, T> {
+    /// See [`ProcessGroup::all_reduce`].
+    AllReduce { buffer: &'a mut [T], op: ReduceOp },
+    /// See [`ProcessGroup::broadcast`].
+    Broadcast { buffer: &'a mut [T], root: usize },
+    /// See [`ProcessGroup::all_gather`].
+    AllGather { input: &'a [T], output: &'a mut [T] },
+    /// See [`ProcessGroup::reduce_scatter`].
+    ReduceScatter {
+        input: &'a [T],
+        output: &'a mut [T],
+        op: ReduceOp,
+    },
+    /// See [`ProcessGroup::barrier`]. Carries no buffer: its `T` is unused.
+    Barrier,
+}
+
+impl<'a, T> Collective<'a, T> {
+    /// The collective and the arguments that must agree across ranks.
+    pub fn kind(&self) -> CollectiveKind {
+        match self {
+            Self::AllReduce { op, .. } => CollectiveKind::AllReduce(*op),
+            Self::Broadcast { root, .. } => CollectiveKind::Broadcast { root: *root },
+            Self::AllGather { .. } => CollectiveKind::AllGather,
+            Self::ReduceScatter { op, .. } => CollectiveKind::ReduceScatter(*op),
+            Self::Barrier => CollectiveKind::Barrier,
+        }
+    }
+
+    /// Elements per rank, as carried in [`CollectiveDesc::len`]: the buffer's length, the
+    /// input's for all-gather, the output's for reduce-scatter, 1 for the barrier.
+    pub fn elements_per_rank(&self) -> usize {
+        match self {
+            Self::AllReduce { buffer, .. } | Self::Broadcast { buffer, .. } => buffer.len(),
+            Self::AllGather { input, .. } => input.len(),
+            Self::ReduceScatter { output, .. } => output.len(),
+            Self::Barrier => 1,
+        }
+    }
+
+    /// Makes the argument checks of this call on a rank of a group of `world_size` ranks.
+    pub fn check(self, world_size: usize) -> Checked<'a, T> {
+        let precheck = match &self {
+            Self::Broadcast { root, .. } => check::root(*root, world_size),
+            Self::AllGather { input, output } => {
+                check::all_gather(world_size, input.len(), output.len())
+            }
+            Self::ReduceScatter { input, output, .. } => {
+                check::reduce_scatter(world_size, input.len(), output.len())
+            }
+            Self::AllReduce { .. } | Self::Barrier => None,
+        };
+        Checked {
+            call: self,
+            precheck,
+        }
+    }
+}
+
+/// A [`Collective`] with the result of its argument checks on this rank ([`Collective::check`]):
+/// what [`ProcessGroup::collective`] runs.
+#[derive(Debug)]
+pub struct Checked<'a, T> {
+    pub call: Collective<'a, T>,
+    /// `Some(message)` when the call is wrong on this rank alone (a root that is not a rank,
+    /// sizes that do not fit the world size); `None` when the buffers fit the call.
+    pub precheck: Option<String>,
+}
+
+/// A group of processes that run collectives together (PyTorch's `ProcessGroup`).
+///
+/// Implementations provide [`membership`](Self::membership) and one method that runs any
+/// collective, [`collective`](Self::collective); the named collectives are provided on top of it
+/// and make the argument checks every implementation shares.
+///
+/// # Contract shared by every collective
+/// - **Collective**: every rank of the group must call the same collectives in the same order,
+///   with the same element type, length (per rank for all-gather/reduce-scatter), reduce op and
+///   root. Each call carries a sequence number and these fields; a rank that sees another rank
+///   disagree fails with [`CollectiveError::Mismatch`] naming both calls, instead of hanging or
+///   reducing garbage.
+/// - **Arguments wrong on one rank** (a root that is not a rank, buffer sizes that do not fit
+///   the world size) fail on that rank with [`CollectiveError::InvalidArgument`]; the group is
+///   aborted, so the other ranks, already inside the collective, fail too instead of waiting.
+/// - **Deadline**: a call that does not finish within the group's timeout fails with
+///   [`CollectiveError::Timeout`]; a peer that dies makes its neighbours fail with
+///   [`CollectiveError::PeerLost`], which propagates to the other ranks.
+/// - **After an error** the group is aborted: its connections are closed and every later call
+///   fails at once. Create a new group to go on.
+/// - **Results are identical on every rank**, bit for bit (each chunk is reduced on one rank, in
+///   one order, then copied to the others), so replicas that apply the same update stay equal.
+pub trait ProcessGroup {
+    /// This process's rank and the group's size.
+    fn membership(&self) -> Membership;
+
+    /// Runs one collective (the contract above); callers use the named methods below. When
+    /// [`Checked::precheck`] is `Some`, the implementation must not touch the buffers, must fail
+    /// with [`CollectiveError::InvalidArgument`] carrying the message (or
+    /// [`CollectiveError::Aborted`] if the group already was) and must abort the group so that
+    /// the other ranks learn of it.
+    fn collective<T: Element>(&mut self, call: Checked<'_, T>) -> Result<(), CollectiveError>;
+
+    /// This process's rank, `0..world_size()`.
+    fn rank(&self) -> usize {
+        self.membership().rank
+    }
+
+    /// Number of processes in the group.
+    fn world_size(&self) -> usize {
+        self.membership().world_size
+    }
 
     /// Combines `buffer` across ranks with `op`, in place: afterwards every rank holds the result.
     /// `buffer.len()` must be equal on every rank.
@@ -277,14 +392,18 @@ pub trait ProcessGroup {
         &mut self,
         buffer: &mut [T],
         op: ReduceOp,
-    ) -> Result<(), CollectiveError>;
+    ) -> Result<(), CollectiveError> {
+        checked(self, Collective::AllReduce { buffer, op })
+    }
 
     /// Copies `root`'s `buffer` into every other rank's `buffer`. Lengths must be equal.
     fn broadcast<T: Element>(
         &mut self,
         buffer: &mut [T],
         root: usize,
-    ) -> Result<(), CollectiveError>;
+    ) -> Result<(), CollectiveError> {
+        checked(self, Collective::Broadcast { buffer, root })
+    }
 
     /// Concatenates every rank's `input` in rank order into `output`
     /// (`output.len() == world_size * input.len()`).
@@ -292,7 +411,9 @@ pub trait ProcessGroup {
         &mut self,
         input: &[T],
         output: &mut [T],
-    ) -> Result<(), CollectiveError>;
+    ) -> Result<(), CollectiveError> {
+        checked(self, Collective::AllGather { input, output })
+    }
 
     /// Reduces `input` (`world_size` blocks of `output.len()` elements) across ranks and leaves
     /// block `rank` of the result in `output`.
@@ -301,8 +422,46 @@ pub trait ProcessGroup {
         input: &[T],
         output: &mut [T],
         op: ReduceOp,
-    ) -> Result<(), CollectiveError>;
+    ) -> Result<(), CollectiveError> {
+        checked(self, Collective::ReduceScatter { input, output, op })
+    }
 
     /// Returns once every rank has called it.
-    fn barrier(&mut self) -> Result<(), CollectiveError>;
+    fn barrier(&mut self) -> Result<(), CollectiveError> {
+        checked(self, Collective::<u8>::Barrier)
+    }
+}
+
+/// Runs `call` on `group` with its argument checks.
+fn checked<G: ProcessGroup + ?Sized, T: Element>(
+    group: &mut G,
+    call: Collective<'_, T>,
+) -> Result<(), CollectiveError> {
+    let world_size = group.world_size();
+    group.collective(call.check(world_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn data_type_sizes_are_the_element_sizes() {
+        fn of<T: Element>() -> (DataType, usize) {
+            (T::DTYPE, std::mem::size_of::<T>())
+        }
+        let all = [
+            of::<f32>(),
+            of::<f64>(),
+            of::<i32>(),
+            of::<i64>(),
+            of::<u8>(),
+            of::<half::bf16>(),
+            of::<half::f16>(),
+        ];
+        assert_eq!(all.len(), DataType::ALL.len());
+        for (dtype, bytes) in all {
+            assert_eq!(dtype.size(), bytes, "{dtype:?}");
+        }
+    }
 }

@@ -60,7 +60,8 @@ use super::rendezvous::{self, check_member, Rendezvous, ABORT_CHECK_EVERY};
 use super::stall::{self, StallReporter};
 use super::wire::{self, HEADER_LEN};
 use super::{
-    check, CallLog, CollectiveDesc, CollectiveKind, DataType, Element, ProcessGroup, ReduceOp,
+    check, CallLog, Checked, Collective, CollectiveDesc, CollectiveKind, DataType, Element,
+    Membership, ProcessGroup, ReduceOp,
 };
 use crate::cuda::{self, driver_error_text, NcclVersion};
 use crate::error::{CollectiveError, WireError};
@@ -123,8 +124,7 @@ const DESTROY_GRACE: Duration = Duration::from_secs(10);
 /// [`NcclProcessGroup::broadcast_device`] on device buffers directly. Both kinds are
 /// collectives of the same group: every rank must make the same sequence of calls.
 pub struct NcclProcessGroup {
-    rank: usize,
-    world_size: usize,
+    member: Membership,
     device: usize,
     device_name: String,
     nccl_version: NcclVersion,
@@ -290,8 +290,7 @@ impl NcclProcessGroup {
         })?;
         // From here on, Drop releases whatever has been created.
         let mut group = Self {
-            rank,
-            world_size,
+            member: Membership { rank, world_size },
             device,
             device_name: info.name,
             nccl_version,
@@ -330,7 +329,7 @@ impl NcclProcessGroup {
 
     fn setup_error(&self, message: String) -> CollectiveError {
         CollectiveError::Setup {
-            rank: self.rank,
+            rank: self.member.rank,
             message,
         }
     }
@@ -342,7 +341,7 @@ impl NcclProcessGroup {
     ) -> Result<nccl_sys::ncclUniqueId, CollectiveError> {
         rdv.join()?;
         rdv.wait_joined()?;
-        if self.rank == 0 {
+        if self.member.rank == 0 {
             let id = nccl::get_uniqueid().map_err(|e| {
                 self.setup_error(format!("ncclGetUniqueId failed: {}", nccl_error_text(e.0)))
             })?;
@@ -381,9 +380,9 @@ impl NcclProcessGroup {
         let started = unsafe {
             nccl::comm_init_rank_config(
                 &mut comm,
-                self.world_size as i32,
+                self.member.world_size as i32,
                 id,
-                self.rank as i32,
+                self.member.rank as i32,
                 &mut config,
             )
         };
@@ -427,8 +426,8 @@ impl NcclProcessGroup {
         let mut next_store_check = clock.start + ABORT_CHECK_EVERY;
         let mut stall = StallReporter::new(
             &self.store,
-            self.rank,
-            self.world_size,
+            self.member.rank,
+            self.member.world_size,
             self.options.stall_warning,
             clock.start,
         );
@@ -468,7 +467,7 @@ impl NcclProcessGroup {
             Waiting::Collective { desc, what } => format!(
                 "NCCL {what} on device {} to complete (every rank must enter this call). {}",
                 self.device,
-                stall::positions(&self.store, self.rank, self.world_size, desc.seq)
+                stall::positions(&self.store, self.member.rank, self.member.world_size, desc.seq)
             ),
         }
     }
@@ -517,7 +516,7 @@ impl NcclProcessGroup {
     }
 
     fn fault_error(&self, fault: Fault, desc: &CollectiveDesc, clock: &Clock) -> CollectiveError {
-        let rank = self.rank;
+        let rank = self.member.rank;
         match fault {
             Fault::Timeout { waiting_on } => CollectiveError::Timeout {
                 rank,
@@ -552,7 +551,7 @@ impl NcclProcessGroup {
     fn abort(&mut self, why: &CollectiveError) {
         // An argument error aborts before `run` binds the context; the stream query needs it.
         let _ = self.ctx.bind_to_thread();
-        rendezvous::publish_abort(&self.store, self.rank, why);
+        rendezvous::publish_abort(&self.store, self.member.rank, why);
         self.calls.abort(why);
         if let Some(comm) = self.comm.take() {
             abort_comm(comm);
@@ -564,14 +563,14 @@ impl NcclProcessGroup {
                 Ok(false) if Instant::now() < deadline => std::thread::sleep(MAX_PAUSE),
                 Ok(false) => {
                     tracing::warn!(
-                        rank = self.rank,
+                        rank = self.member.rank,
                         "device work on the NCCL stream did not stop within {ABORT_DRAIN:?} of the abort"
                     );
                     break false;
                 }
                 Err(e) => {
                     tracing::warn!(
-                        rank = self.rank,
+                        rank = self.member.rank,
                         "NCCL stream after abort: {}",
                         e.describe()
                     );
@@ -606,6 +605,59 @@ impl NcclProcessGroup {
             // Until NCCL reports success, it may still be enqueuing on its own thread, and an
             // empty stream would look finished.
             Ok(nccl_state(comm)? && stream_state(stream)?)
+        })
+    }
+
+    /// Runs the collective `desc` in place on the device buffer at `ptr` and waits for it:
+    /// `desc.len` elements of `desc.dtype` per rank, in NCCL's in-place layouts (all-gather takes
+    /// its input from this rank's block of the output, reduce-scatter leaves its result there).
+    ///
+    /// # Safety
+    /// `ptr` must be a device address of this group's device, valid for the call's buffer
+    /// (`world_size * len` elements for all-gather and reduce-scatter, `len` otherwise), that
+    /// nothing else reads or writes until this returns; a broadcast's root must be a rank.
+    unsafe fn launch_in_place(
+        &self,
+        clock: &Clock,
+        desc: &CollectiveDesc,
+        ptr: u64,
+    ) -> Result<(), Fault> {
+        let (count, dtype) = (desc.len as usize, nccl_dtype(desc.dtype));
+        let (src, dst) = (ptr as *const c_void, ptr as *mut c_void);
+        // This rank's block of an all-gather's output or a reduce-scatter's input.
+        let own = ptr + (self.member.rank * count * desc.dtype.size()) as u64;
+        let what = match desc.kind {
+            CollectiveKind::AllReduce(_) => "all_reduce",
+            CollectiveKind::Broadcast { .. } => "broadcast",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::ReduceScatter(_) => "reduce_scatter",
+            CollectiveKind::Barrier => "barrier",
+        };
+        self.launch(clock, desc, what, |comm, stream| {
+            // SAFETY: the caller guarantees the buffer at `ptr` and the root (above).
+            unsafe {
+                match desc.kind {
+                    CollectiveKind::AllReduce(op) => {
+                        nccl::all_reduce(src, dst, count, dtype, nccl_op(op), comm, stream)
+                    }
+                    CollectiveKind::Broadcast { root } => {
+                        nccl::broadcast(src, dst, count, dtype, root as i32, comm, stream)
+                    }
+                    CollectiveKind::AllGather => {
+                        nccl::all_gather(own as *const c_void, dst, count, dtype, comm, stream)
+                    }
+                    CollectiveKind::ReduceScatter(op) => {
+                        let own = own as *mut c_void;
+                        nccl::reduce_scatter(src, own, count, dtype, nccl_op(op), comm, stream)
+                    }
+                    // Completes on a rank only once every rank has contributed, i.e. entered
+                    // the barrier; the value does not matter.
+                    CollectiveKind::Barrier => {
+                        let sum = nccl_op(ReduceOp::Sum);
+                        nccl::all_reduce(src, dst, count, dtype, sum, comm, stream)
+                    }
+                }
+            }
         })
     }
 
@@ -692,7 +744,7 @@ impl NcclProcessGroup {
 
     /// Step 2 of a collective: every rank's description of the call, all-gathered and compared.
     fn check_matches(&mut self, desc: &CollectiveDesc, clock: &Clock) -> Result<(), Fault> {
-        let (rank, world) = (self.rank, self.world_size);
+        let (rank, world) = (self.member.rank, self.member.world_size);
         let mut all = vec![0u8; world * HEADER_LEN];
         let mine = rank * HEADER_LEN;
         all[mine..mine + HEADER_LEN].copy_from_slice(&wire::encode_header(desc));
@@ -758,29 +810,12 @@ impl NcclProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         let precheck = (ptr == 0 && count > 0).then(|| "null device pointer".to_string());
-        self.run(
-            CollectiveKind::AllReduce(op),
-            dtype,
-            count,
-            precheck,
-            |g, clock, desc| {
-                g.launch(clock, desc, "all_reduce", |comm, stream| {
-                    // SAFETY: the caller guarantees `ptr` holds `count` elements of `dtype` on this
-                    // device and that nothing else touches them during the call (in place).
-                    unsafe {
-                        nccl::all_reduce(
-                            ptr as *const c_void,
-                            ptr as *mut c_void,
-                            count,
-                            nccl_dtype(dtype),
-                            nccl_op(op),
-                            comm,
-                            stream,
-                        )
-                    }
-                })
-            },
-        )
+        let kind = CollectiveKind::AllReduce(op);
+        self.run(kind, dtype, count, precheck, |g, clock, desc| {
+            // SAFETY: the caller guarantees `ptr` holds `count` elements of `dtype` on this
+            // device and that nothing else touches them during the call.
+            unsafe { g.launch_in_place(clock, desc, ptr) }
+        })
     }
 
     /// Copies `root`'s `count` elements of `dtype` at device address `ptr` into every other
@@ -800,218 +835,72 @@ impl NcclProcessGroup {
         dtype: DataType,
         root: usize,
     ) -> Result<(), CollectiveError> {
-        let world = self.world_size;
-        let precheck = check::root(root, world);
-        self.run(
-            CollectiveKind::Broadcast { root },
-            dtype,
-            count,
-            precheck,
-            |g, clock, desc| {
-                g.launch(clock, desc, "broadcast", |comm, stream| {
-                    // SAFETY: as in `all_reduce_device`; `root` was checked to be a rank.
-                    unsafe {
-                        nccl::broadcast(
-                            ptr as *const c_void,
-                            ptr as *mut c_void,
-                            count,
-                            nccl_dtype(dtype),
-                            root as i32,
-                            comm,
-                            stream,
-                        )
-                    }
-                })
-            },
-        )
+        let precheck = check::root(root, self.member.world_size);
+        let kind = CollectiveKind::Broadcast { root };
+        self.run(kind, dtype, count, precheck, |g, clock, desc| {
+            // SAFETY: as in `all_reduce_device`; `run` checked `root` to be a rank.
+            unsafe { g.launch_in_place(clock, desc, ptr) }
+        })
     }
 }
 
 impl ProcessGroup for NcclProcessGroup {
-    fn rank(&self) -> usize {
-        self.rank
+    fn membership(&self) -> Membership {
+        self.member
     }
 
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn all_reduce<T: Element>(
-        &mut self,
-        buffer: &mut [T],
-        op: ReduceOp,
-    ) -> Result<(), CollectiveError> {
-        let len = buffer.len();
-        self.run(
-            CollectiveKind::AllReduce(op),
-            T::DTYPE,
-            len,
-            None,
-            |g, clock, desc| {
-                let dev = g.scratch_for(std::mem::size_of_val(buffer))?;
-                g.copy_in(dev, buffer)?;
-                g.launch(clock, desc, "all_reduce", |comm, stream| {
-                    // SAFETY: in place on the staging buffer, which holds `len` elements of T.
-                    unsafe {
-                        nccl::all_reduce(
-                            dev as *const c_void,
-                            dev as *mut c_void,
-                            len,
-                            nccl_dtype(T::DTYPE),
-                            nccl_op(op),
-                            comm,
-                            stream,
-                        )
-                    }
-                })?;
-                g.copy_out(buffer, dev)
-            },
-        )
-    }
-
-    fn broadcast<T: Element>(
-        &mut self,
-        buffer: &mut [T],
-        root: usize,
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, len) = (self.world_size, self.rank, buffer.len());
-        let precheck = check::root(root, world);
-        self.run(
-            CollectiveKind::Broadcast { root },
-            T::DTYPE,
-            len,
-            precheck,
-            |g, clock, desc| {
-                let dev = g.scratch_for(std::mem::size_of_val(buffer))?;
-                if rank == root {
-                    g.copy_in(dev, buffer)?;
+    /// Host buffers are staged through the group's device buffer: copied in, the NCCL
+    /// collective run in place on it, copied out.
+    fn collective<T: Element>(&mut self, call: Checked<'_, T>) -> Result<(), CollectiveError> {
+        let Checked { call, precheck } = call;
+        let rank = self.member.rank;
+        let (kind, len) = (call.kind(), call.elements_per_rank());
+        let dtype = match call {
+            Collective::Barrier => DataType::I32,
+            _ => T::DTYPE,
+        };
+        self.run(kind, dtype, len, precheck, |g, clock, desc| {
+            // This rank's block of the staging buffer (bytes from its start): all-gather takes
+            // its input there, reduce-scatter leaves its result there.
+            let own = (rank * len * std::mem::size_of::<T>()) as u64;
+            // The staging buffer's size, and what is copied in (offset, host slice).
+            let (bytes, input): (usize, Option<(u64, &[T])>) = match &call {
+                Collective::AllReduce { buffer, .. } => {
+                    (std::mem::size_of_val(*buffer), Some((0, &**buffer)))
                 }
-                g.launch(clock, desc, "broadcast", |comm, stream| {
-                    // SAFETY: in place on the staging buffer, which holds `len` elements of T;
-                    // `root` was checked to be a rank.
-                    unsafe {
-                        nccl::broadcast(
-                            dev as *const c_void,
-                            dev as *mut c_void,
-                            len,
-                            nccl_dtype(T::DTYPE),
-                            root as i32,
-                            comm,
-                            stream,
-                        )
-                    }
-                })?;
-                if rank != root {
-                    g.copy_out(buffer, dev)?;
+                Collective::Broadcast { buffer, root } => (
+                    std::mem::size_of_val(*buffer),
+                    (rank == *root).then_some((0, &**buffer)),
+                ),
+                Collective::AllGather { input, output } => {
+                    (std::mem::size_of_val(*output), Some((own, *input)))
                 }
-                Ok(())
-            },
-        )
-    }
-
-    fn all_gather<T: Element>(
-        &mut self,
-        input: &[T],
-        output: &mut [T],
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, block) = (self.world_size, self.rank, input.len());
-        let precheck = check::all_gather(world, block, output.len());
-        self.run(
-            CollectiveKind::AllGather,
-            T::DTYPE,
-            block,
-            precheck,
-            |g, clock, desc| {
-                let block_bytes = std::mem::size_of_val(input);
-                let dev = g.scratch_for(world * block_bytes)?;
-                // In place: NCCL's all-gather takes its input from the rank's own block of the
-                // output.
-                let slot = dev + (rank * block_bytes) as u64;
-                g.copy_in(slot, input)?;
-                g.launch(clock, desc, "all_gather", |comm, stream| {
-                    // SAFETY: `dev` holds `world * block` elements of T and `slot` is this rank's
-                    // block of it (NCCL's in-place all-gather layout).
-                    unsafe {
-                        nccl::all_gather(
-                            slot as *const c_void,
-                            dev as *mut c_void,
-                            block,
-                            nccl_dtype(T::DTYPE),
-                            comm,
-                            stream,
-                        )
-                    }
-                })?;
-                g.copy_out(output, dev)
-            },
-        )
-    }
-
-    fn reduce_scatter<T: Element>(
-        &mut self,
-        input: &[T],
-        output: &mut [T],
-        op: ReduceOp,
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, block) = (self.world_size, self.rank, output.len());
-        let precheck = check::reduce_scatter(world, input.len(), block);
-        self.run(
-            CollectiveKind::ReduceScatter(op),
-            T::DTYPE,
-            block,
-            precheck,
-            |g, clock, desc| {
-                let dev = g.scratch_for(std::mem::size_of_val(input))?;
-                // In place: NCCL's reduce-scatter leaves the result in the rank's own block.
-                let slot = dev + (rank * std::mem::size_of_val(output)) as u64;
-                g.copy_in(dev, input)?;
-                g.launch(clock, desc, "reduce_scatter", |comm, stream| {
-                    // SAFETY: `dev` holds `world * block` elements of T and `slot` is this
-                    // rank's block of it (NCCL's in-place reduce-scatter layout).
-                    unsafe {
-                        nccl::reduce_scatter(
-                            dev as *const c_void,
-                            slot as *mut c_void,
-                            block,
-                            nccl_dtype(T::DTYPE),
-                            nccl_op(op),
-                            comm,
-                            stream,
-                        )
-                    }
-                })?;
-                g.copy_out(output, slot)
-            },
-        )
-    }
-
-    /// An all-reduce of one element on the device: it completes on a rank only once every rank
-    /// has contributed, i.e. entered the barrier.
-    fn barrier(&mut self) -> Result<(), CollectiveError> {
-        self.run(
-            CollectiveKind::Barrier,
-            DataType::I32,
-            1,
-            None,
-            |g, clock, desc| {
-                let dev = g.scratch_for(std::mem::size_of::<i32>())?;
-                g.launch(clock, desc, "barrier", |comm, stream| {
-                    // SAFETY: in place on the staging buffer (at least 256 bytes); its value
-                    // does not matter, only the completion.
-                    unsafe {
-                        nccl::all_reduce(
-                            dev as *const c_void,
-                            dev as *mut c_void,
-                            1,
-                            nccl_sys::ncclDataType_t::ncclInt32,
-                            nccl_sys::ncclRedOp_t::ncclSum,
-                            comm,
-                            stream,
-                        )
-                    }
-                })
-            },
-        )
+                Collective::ReduceScatter { input, .. } => {
+                    (std::mem::size_of_val(*input), Some((0, *input)))
+                }
+                Collective::Barrier => (std::mem::size_of::<i32>(), None),
+            };
+            let dev = g.scratch_for(bytes)?;
+            if let Some((at, input)) = input {
+                g.copy_in(dev + at, input)?;
+            }
+            // SAFETY: the staging buffer holds the call's whole buffer (`world_size` blocks of
+            // `len` elements for all-gather and reduce-scatter: the precheck passed), and `root`
+            // was checked to be a rank.
+            unsafe { g.launch_in_place(clock, desc, dev) }?;
+            // Where the result is copied out to (offset, host slice).
+            let output: Option<(u64, &mut [T])> = match call {
+                Collective::AllReduce { buffer, .. } => Some((0, buffer)),
+                Collective::Broadcast { buffer, root } => (rank != root).then_some((0, buffer)),
+                Collective::AllGather { output, .. } => Some((0, output)),
+                Collective::ReduceScatter { output, .. } => Some((own, output)),
+                Collective::Barrier => None,
+            };
+            match output {
+                Some((at, output)) => g.copy_out(output, dev + at),
+                None => Ok(()),
+            }
+        })
     }
 }
 
@@ -1022,13 +911,17 @@ impl Drop for NcclProcessGroup {
     fn drop(&mut self) {
         if let Err(e) = self.ctx.bind_to_thread() {
             tracing::warn!(
-                rank = self.rank,
+                rank = self.member.rank,
                 "cannot bind the CUDA context to release the NCCL group: {}",
                 driver_error_text(e)
             );
         }
         if let Some(comm) = self.comm.take() {
-            close_comm(comm, self.rank, self.options.timeout.min(DESTROY_GRACE));
+            close_comm(
+                comm,
+                self.member.rank,
+                self.options.timeout.min(DESTROY_GRACE),
+            );
         }
         if self.scratch != 0 {
             if self.stream_idle && matches!(stream_state(self.stream), Ok(true)) {
@@ -1036,14 +929,14 @@ impl Drop for NcclProcessGroup {
                 // idle.
                 if let Err(e) = unsafe { cu::free_sync(self.scratch) } {
                     tracing::warn!(
-                        rank = self.rank,
+                        rank = self.member.rank,
                         "freeing the NCCL staging buffer: {}",
                         driver_error_text(e)
                     );
                 }
             } else {
                 tracing::warn!(
-                    rank = self.rank,
+                    rank = self.member.rank,
                     "leaking {} bytes of device memory still in use by aborted NCCL work",
                     self.scratch_bytes
                 );
@@ -1055,7 +948,7 @@ impl Drop for NcclProcessGroup {
             // it (only after an abort) completes before the driver releases it.
             if let Err(e) = unsafe { cu::stream::destroy(self.stream) } {
                 tracing::warn!(
-                    rank = self.rank,
+                    rank = self.member.rank,
                     "destroying the NCCL stream: {}",
                     driver_error_text(e)
                 );

@@ -50,7 +50,10 @@ use self::setup::Ring;
 use super::rendezvous::{check_member, Rendezvous};
 use super::ring::{self, RingPlan};
 use super::stall::StallReporter;
-use super::{check, CallLog, CollectiveDesc, CollectiveKind, Element, ProcessGroup, ReduceOp};
+use super::{
+    CallLog, Checked, Collective, CollectiveDesc, CollectiveKind, Element, Membership,
+    ProcessGroup, ReduceOp,
+};
 use crate::error::CollectiveError;
 use crate::store::{PrefixStore, Store};
 
@@ -105,8 +108,7 @@ impl TcpGroupOptions {
 
 /// A process group whose collectives run over a TCP ring. See the module docs.
 pub struct TcpProcessGroup {
-    rank: usize,
-    world_size: usize,
+    member: Membership,
     /// The group's namespace of the store (stall reports).
     store: PrefixStore,
     ring: Option<Ring>,
@@ -132,8 +134,7 @@ impl TcpProcessGroup {
     ) -> Result<Self, CollectiveError> {
         check_member(rank, world_size)?;
         let mut group = Self {
-            rank,
-            world_size,
+            member: Membership { rank, world_size },
             store: PrefixStore::new(options.store_prefix.clone(), store),
             ring: None,
             options,
@@ -150,7 +151,10 @@ impl TcpProcessGroup {
     /// Set-up steps 1–4 (module docs). On failure, tells the other ranks through the store, so
     /// they fail now rather than at their timeout.
     fn connect(&mut self) -> Result<(), CollectiveError> {
-        let (rank, world) = (self.rank, self.world_size);
+        let Membership {
+            rank,
+            world_size: world,
+        } = self.member;
         let rdv = Rendezvous::new(self.store.clone(), rank, world, self.options.timeout);
         let result =
             setup::connect_ring(&rdv, &self.options, rank, world).and_then(|(ring, dir)| {
@@ -200,7 +204,7 @@ impl TcpProcessGroup {
         plan: impl FnOnce(usize) -> RingPlan,
         op: ReduceOp,
         precheck: Option<String>,
-    ) -> Result<CollectiveDesc, CollectiveError> {
+    ) -> Result<(), CollectiveError> {
         let desc = match self.calls.begin(kind, T::DTYPE, len, precheck) {
             Ok(desc) => desc,
             Err(err) => {
@@ -208,8 +212,8 @@ impl TcpProcessGroup {
                 return Err(err);
             }
         };
-        if self.world_size == 1 {
-            return Ok(desc);
+        if self.member.world_size == 1 {
+            return Ok(());
         }
         let piece_elems = (self.options.piece_bytes / std::mem::size_of::<T>()).max(1);
         let plan = plan(piece_elems);
@@ -217,7 +221,7 @@ impl TcpProcessGroup {
         if let Err(e) = &result {
             self.abort(e);
         }
-        result.map(|()| desc)
+        result
     }
 
     fn exchange<T: Element>(
@@ -238,7 +242,7 @@ impl TcpProcessGroup {
         }
         let Some(ring) = self.ring.as_mut() else {
             return Err(CollectiveError::Aborted {
-                rank: self.rank,
+                rank: self.member.rank,
                 first_error: "the ring is not connected".into(),
             });
         };
@@ -246,13 +250,13 @@ impl TcpProcessGroup {
             desc,
             plan,
             op,
-            rank: self.rank,
+            rank: self.member.rank,
             timeout: self.options.timeout,
         };
         let stall = StallReporter::new(
             &self.store,
-            self.rank,
-            self.world_size,
+            self.member.rank,
+            self.member.world_size,
             self.options.stall_warning,
             std::time::Instant::now(),
         );
@@ -262,110 +266,59 @@ impl TcpProcessGroup {
 }
 
 impl ProcessGroup for TcpProcessGroup {
-    fn rank(&self) -> usize {
-        self.rank
+    fn membership(&self) -> Membership {
+        self.member
     }
 
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn all_reduce<T: Element>(
-        &mut self,
-        buffer: &mut [T],
-        op: ReduceOp,
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, len) = (self.world_size, self.rank, buffer.len());
-        self.run(
-            CollectiveKind::AllReduce(op),
-            len,
-            buffer,
-            |piece| ring::all_reduce_plan(world, rank, len, piece),
-            op,
-            None,
-        )?;
-        if op == ReduceOp::Avg {
-            buffer.iter_mut().for_each(|x| *x = x.div_world(world));
+    /// One pass of the collective's ring plan over a host buffer (module docs).
+    fn collective<T: Element>(&mut self, call: Checked<'_, T>) -> Result<(), CollectiveError> {
+        let Checked { call, precheck } = call;
+        let Membership {
+            rank,
+            world_size: world,
+        } = self.member;
+        let (kind, len) = (call.kind(), call.elements_per_rank());
+        match call {
+            Collective::AllReduce { buffer, op } => {
+                let plan = |piece| ring::all_reduce_plan(world, rank, len, piece);
+                self.run(kind, len, buffer, plan, op, precheck)?;
+                divide_if_average(buffer, op, world);
+            }
+            Collective::Broadcast { buffer, root } => {
+                // `root` may be out of range only when the precheck fails, before any plan.
+                let root = root.min(world - 1);
+                let plan = |piece| ring::broadcast_plan(world, rank, root, len, piece);
+                self.run(kind, len, buffer, plan, ReduceOp::Sum, precheck)?;
+            }
+            Collective::AllGather { input, output } => {
+                if precheck.is_none() {
+                    output[rank * len..(rank + 1) * len].copy_from_slice(input);
+                }
+                let plan = |piece| ring::all_gather_plan(world, rank, len, piece);
+                self.run(kind, len, output, plan, ReduceOp::Sum, precheck)?;
+            }
+            Collective::ReduceScatter { input, output, op } => {
+                let mut work = input.to_vec();
+                let plan = |piece| ring::reduce_scatter_plan(world, rank, len, piece);
+                self.run(kind, len, &mut work, plan, op, precheck)?;
+                output.copy_from_slice(&work[rank * len..(rank + 1) * len]);
+                divide_if_average(output, op, world);
+            }
+            Collective::Barrier => {
+                let mut token = [1i64];
+                let plan = |piece| ring::all_reduce_plan(world, rank, 1, piece);
+                self.run(kind, 1, &mut token, plan, ReduceOp::Sum, precheck)?;
+                debug_assert_eq!(token[0], world as i64);
+            }
         }
         Ok(())
     }
+}
 
-    fn broadcast<T: Element>(
-        &mut self,
-        buffer: &mut [T],
-        root: usize,
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, len) = (self.world_size, self.rank, buffer.len());
-        let precheck = check::root(root, world);
-        self.run(
-            CollectiveKind::Broadcast { root },
-            len,
-            buffer,
-            |piece| ring::broadcast_plan(world, rank, root.min(world - 1), len, piece),
-            ReduceOp::Sum,
-            precheck,
-        )
-        .map(|_| ())
-    }
-
-    fn all_gather<T: Element>(
-        &mut self,
-        input: &[T],
-        output: &mut [T],
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, block) = (self.world_size, self.rank, input.len());
-        let precheck = check::all_gather(world, block, output.len());
-        if precheck.is_none() {
-            output[rank * block..(rank + 1) * block].copy_from_slice(input);
-        }
-        self.run(
-            CollectiveKind::AllGather,
-            block,
-            output,
-            |piece| ring::all_gather_plan(world, rank, block, piece),
-            ReduceOp::Sum,
-            precheck,
-        )
-        .map(|_| ())
-    }
-
-    fn reduce_scatter<T: Element>(
-        &mut self,
-        input: &[T],
-        output: &mut [T],
-        op: ReduceOp,
-    ) -> Result<(), CollectiveError> {
-        let (world, rank, block) = (self.world_size, self.rank, output.len());
-        let precheck = check::reduce_scatter(world, input.len(), block);
-        let mut work = input.to_vec();
-        self.run(
-            CollectiveKind::ReduceScatter(op),
-            block,
-            &mut work,
-            |piece| ring::reduce_scatter_plan(world, rank, block, piece),
-            op,
-            precheck,
-        )?;
-        output.copy_from_slice(&work[rank * block..(rank + 1) * block]);
-        if op == ReduceOp::Avg {
-            output.iter_mut().for_each(|x| *x = x.div_world(world));
-        }
-        Ok(())
-    }
-
-    fn barrier(&mut self) -> Result<(), CollectiveError> {
-        let (world, rank) = (self.world_size, self.rank);
-        let mut token = [1i64];
-        self.run(
-            CollectiveKind::Barrier,
-            1,
-            &mut token,
-            |piece| ring::all_reduce_plan(world, rank, 1, piece),
-            ReduceOp::Sum,
-            None,
-        )?;
-        debug_assert_eq!(token[0], world as i64);
-        Ok(())
+/// The ring sums for [`ReduceOp::Avg`]; the division by the world size happens once, at the end.
+fn divide_if_average<T: Element>(buffer: &mut [T], op: ReduceOp, world: usize) {
+    if op == ReduceOp::Avg {
+        buffer.iter_mut().for_each(|x| *x = x.div_world(world));
     }
 }
 
