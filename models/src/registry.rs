@@ -322,20 +322,119 @@ mod tests {
         }
     }
 
+    /// What the options change: the shape of every float parameter, in visit order, and
+    /// whether two training-mode forward passes of the same input differ (dropout).
+    struct Structure {
+        features: usize,
+    }
+
+    impl<B: AutodiffBackend> ModelTask<B> for Structure {
+        type Output = (Vec<Vec<usize>>, bool);
+
+        fn run<M>(self, model: M) -> (Vec<Vec<usize>>, bool)
+        where
+            M: Classifier<B> + AutodiffModule<B> + 'static,
+            M::InnerModule: Classifier<B::InnerBackend>,
+        {
+            struct Shapes(Vec<Vec<usize>>);
+
+            impl<B: Backend> ModuleVisitor<B> for Shapes {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+                    self.0.push(param.val().dims().to_vec());
+                }
+            }
+
+            let mut shapes = Shapes(Vec::new());
+            model.visit(&mut shapes);
+            let device = Default::default();
+            let inputs = Tensor::<B, 2>::ones([4, self.features], &device);
+            let a = model.forward(inputs.clone()).into_data();
+            let b = model.forward(inputs).into_data();
+            (shapes.0, a != b)
+        }
+    }
+
+    fn structure(name: &str, options: &str, input: &InputShape) -> (Vec<Vec<usize>>, bool) {
+        with_model::<TestAutodiffBackend, _>(
+            name,
+            &table(options),
+            input,
+            &Default::default(),
+            Structure {
+                features: input.features,
+            },
+        )
+        .expect("builds")
+    }
+
     #[test]
     fn options_are_applied() {
+        // The shapes of the logits do not depend on the options; the layers do.
         let shapes = build(
             "mlp",
             "hidden = [8, 4]\ndropout = 0.5",
             &InputShape::flat(5, 2),
         );
         assert_eq!(shapes, Ok(([3, 2], [3, 2])));
+        let flat = InputShape::flat(5, 2);
+        let (layers, dropout) = structure("mlp", "hidden = [8, 4]\ndropout = 0.5", &flat);
+        assert_eq!(
+            layers,
+            vec![
+                vec![5, 8],
+                vec![8],
+                vec![8, 4],
+                vec![4],
+                vec![4, 2],
+                vec![2]
+            ],
+            "hidden = [8, 4]: two hidden layers of 8 and 4"
+        );
+        assert!(dropout, "dropout = 0.5: training-mode passes differ");
+        let (layers, dropout) = structure("mlp", "", &flat);
+        assert_eq!(
+            layers,
+            vec![vec![5, 128], vec![128], vec![128, 2], vec![2]],
+            "the default: one hidden layer of 128"
+        );
+        assert!(!dropout, "no dropout by default: passes are equal");
+
         let shapes = build(
             "cnn",
             "channels = [2, 3]\nhidden = 4\ndropout = 0.1",
             &digits(),
         );
         assert_eq!(shapes, Ok(([3, 10], [3, 10])));
+        let (small, dropout) = structure(
+            "cnn",
+            "channels = [2, 3]\nhidden = 4\ndropout = 0.1",
+            &digits(),
+        );
+        let (default, no_dropout) = structure("cnn", "", &digits());
+        // Conv kernels are [out, in, kh, kw]; the first fully connected layer ends in `hidden`.
+        let outs = |layers: &[Vec<usize>]| -> Vec<usize> {
+            layers
+                .iter()
+                .filter(|s| s.len() == 4)
+                .map(|s| s[0])
+                .collect()
+        };
+        assert_eq!(outs(&small), vec![2, 3], "channels = [2, 3]: {small:?}");
+        assert_eq!(
+            outs(&default),
+            vec![16, 32],
+            "default channels: {default:?}"
+        );
+        let hidden = |layers: &[Vec<usize>]| -> Vec<usize> {
+            layers
+                .iter()
+                .filter(|s| s.len() == 2 && s[1] != 10)
+                .map(|s| s[1])
+                .collect()
+        };
+        assert_eq!(hidden(&small), vec![4], "hidden = 4: {small:?}");
+        assert_eq!(hidden(&default), vec![64], "default hidden: {default:?}");
+        assert!(dropout && !no_dropout, "cnn dropout = 0.1 only when set");
     }
 
     #[test]

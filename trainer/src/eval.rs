@@ -59,7 +59,7 @@ where
             items_processed: ((k + 1) * batch_size).min(indices.len()),
             items_total: indices.len(),
         };
-        metrics.update(&output, progress, k, None);
+        metrics.update(&output, chunk.len(), progress, k, None);
     }
     Ok(indices.len())
 }

@@ -34,7 +34,7 @@ use burn::train::{InferenceStep, ItemLazy, TrainStep};
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::Distributed;
 
-use crate::app::{App, AppError, Datasets, Learn};
+use crate::app::{App, AppError, Datasets, Learn, TrainSynced};
 use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
@@ -118,7 +118,7 @@ impl<A: App> OnBackend<A> for TrainTask<A> {
             resume,
         };
         job.ddp.check_same(&job.config.fingerprint())?;
-        B::seed(&job.device, job.config.training.seed);
+        B::seed(&job.device, init_seed(job.config.training.seed, job.rank()));
         let model = job
             .app
             .model(&job.config.model, &job.config.data, &job.device)?;
@@ -346,8 +346,9 @@ where
         position.step as u64,
     )?;
     let mut window = Window::new();
-    let mut pending: Vec<<<A::Model as TrainStep>::Output as ItemLazy>::ItemSync> = Vec::new();
-    let mut unsynced: Vec<<A::Model as TrainStep>::Output> = Vec::new();
+    // Each micro-batch's output with its number of samples, until the next log line.
+    let mut pending: Vec<(TrainSynced<A, B>, usize)> = Vec::new();
+    let mut unsynced: Vec<(<A::Model as TrainStep>::Output, usize)> = Vec::new();
     let mut last_saved = restored.as_ref().map(|c| c.manifest.position.step);
     let mut last_valid: Option<Validation> = None;
     let mut lr = 0.0;
@@ -368,7 +369,8 @@ where
             // Seeded per step, so dropout masks are the same in a resumed run.
             B::seed(&job.device, t.seed.wrapping_add(position.step as u64 + 1));
             let mut accumulator = GradientsAccumulator::<A::Model>::new();
-            for (_, weight) in plan.micro_batches(step_samples) {
+            for (micro, weight) in plan.micro_batches(step_samples) {
+                let micro_len = micro.len();
                 let batch = batches.next_batch(&train_batcher, &job.device)?;
                 let output = model.step(batch);
                 let mut grads = output.grads;
@@ -378,7 +380,7 @@ where
                     scale_gradients::<B, A::Model>(&model, &mut grads, weight);
                 }
                 accumulator.accumulate(&model, grads);
-                unsynced.push(output.item);
+                unsynced.push((output.item, micro_len));
             }
             let mut grads = accumulator.grads();
             let check = job.ddp.average_gradients(&model, &mut grads)?;
@@ -408,13 +410,13 @@ where
             }
             if plan.log_after(position.step) {
                 // Device-to-host reads of the outputs happen here, not every micro-batch.
-                pending.extend(unsynced.drain(..).map(ItemLazy::sync));
+                pending.extend(unsynced.drain(..).map(|(item, n)| (item.sync(), n)));
                 let progress = || Progress {
                     items_processed: position.consumed,
                     items_total: train_len,
                 };
-                for item in pending.drain(..) {
-                    train_metrics.update(&item, progress(), position.step, Some(lr));
+                for (item, n) in pending.drain(..) {
+                    train_metrics.update(&item, n, progress(), position.step, Some(lr));
                 }
                 let values = job.ddp.metrics(&mut train_metrics)?;
                 let rate = window.rate();
@@ -590,6 +592,22 @@ fn crash_if_asked(rank: usize, step: usize) {
         unsafe {
             libc::kill(libc::getpid(), libc::SIGKILL);
         }
+    }
+}
+
+/// The seed of the model's initial weights: `training.seed`, or with the fault-injection
+/// variable `TRAINER_SEED_BY_RANK=1` `training.seed + rank`, so that only the start-up broadcast
+/// makes the replicas equal.
+fn init_seed(seed: u64, rank: usize) -> u64 {
+    use crate::worker_env::SEED_BY_RANK_VAR;
+    if std::env::var(SEED_BY_RANK_VAR).is_ok_and(|v| v.trim() == "1") {
+        eprintln!(
+            "[rank {rank}] {SEED_BY_RANK_VAR}=1: initial weights seeded with {} (fault injection)",
+            seed.wrapping_add(rank as u64)
+        );
+        seed.wrapping_add(rank as u64)
+    } else {
+        seed
     }
 }
 

@@ -56,13 +56,19 @@ pub enum Record {
 trait NumericSlot<I>: Send {
     fn name(&self) -> String;
     fn unit(&self) -> Option<String>;
-    fn update(&mut self, item: &I, metadata: &MetricMetadata);
+    /// Feeds one batch of `samples` samples.
+    fn update(&mut self, item: &I, samples: usize, metadata: &MetricMetadata);
     /// (value x count, count) since the last clear.
     fn weighted(&self) -> (f64, f64);
     fn clear(&mut self);
 }
 
-struct Slot<Me>(Me);
+/// A metric and its own sums since the last clear: each batch's value times its weight.
+struct Slot<Me> {
+    metric: Me,
+    weighted_sum: f64,
+    weight: f64,
+}
 
 impl<I, Me> NumericSlot<I> for Slot<Me>
 where
@@ -70,31 +76,44 @@ where
     I: Adaptor<Me::Input>,
 {
     fn name(&self) -> String {
-        self.0.name().to_string()
+        self.metric.name().to_string()
     }
     fn unit(&self) -> Option<String> {
-        match self.0.attributes() {
+        match self.metric.attributes() {
             MetricAttributes::Numeric(a) => a.unit,
             MetricAttributes::None => None,
         }
     }
-    fn update(&mut self, item: &I, metadata: &MetricMetadata) {
-        self.0.update(&item.adapt(), metadata);
+    fn update(&mut self, item: &I, samples: usize, metadata: &MetricMetadata) {
+        self.metric.update(&item.adapt(), metadata);
+        if let NumericEntry::Aggregated {
+            aggregated_value,
+            count,
+        } = self.metric.value()
+        {
+            // A metric that counts a batch once gave the batch's mean (burn-train's
+            // `LossMetric` gets the mean loss as a one-element tensor): weigh it by the batch's
+            // samples, so the result is the mean over samples whatever the batches — and the
+            // same on any number of ranks. Other counts (samples, tokens) are the metric's own.
+            let weight = if count == 1 { samples.max(1) } else { count };
+            if weight > 0 {
+                self.weighted_sum += aggregated_value * weight as f64;
+                self.weight += weight as f64;
+            }
+        }
     }
     fn weighted(&self) -> (f64, f64) {
-        match self.0.running_value() {
-            NumericEntry::Aggregated { count: 0, .. } => (0.0, 0.0),
-            NumericEntry::Aggregated {
-                aggregated_value,
-                count,
-            } => (aggregated_value * count as f64, count as f64),
+        match self.metric.running_value() {
             // A metric without counts (e.g. a learning rate) counts once per rank.
             NumericEntry::Value(v) if v.is_nan() => (0.0, 0.0),
             NumericEntry::Value(v) => (v, 1.0),
+            NumericEntry::Aggregated { .. } => (self.weighted_sum, self.weight),
         }
     }
     fn clear(&mut self) {
-        self.0.clear();
+        self.metric.clear();
+        self.weighted_sum = 0.0;
+        self.weight = 0.0;
     }
 }
 
@@ -159,7 +178,11 @@ impl<I> Metrics<I> {
         Me: Metric + Numeric + 'static,
         I: Adaptor<Me::Input>,
     {
-        self.slots.push(Box::new(Slot(metric)));
+        self.slots.push(Box::new(Slot {
+            metric,
+            weighted_sum: 0.0,
+            weight: 0.0,
+        }));
         self
     }
 
@@ -168,8 +191,17 @@ impl<I> Metrics<I> {
         self.slots.iter().map(|s| s.name()).collect()
     }
 
-    /// Feeds one synced output to every metric (local, no communication).
-    pub fn update(&mut self, item: &I, progress: Progress, iteration: usize, lr: Option<f64>) {
+    /// Feeds one synced output, of a batch of `samples` samples, to every metric (local, no
+    /// communication). A metric that reports one value per batch (burn-train's `LossMetric`:
+    /// the batch's mean loss) is weighted by `samples`, so every result is a mean over samples.
+    pub fn update(
+        &mut self,
+        item: &I,
+        samples: usize,
+        progress: Progress,
+        iteration: usize,
+        lr: Option<f64>,
+    ) {
         let metadata = MetricMetadata {
             global_progress: Progress {
                 items_processed: progress.items_processed,
@@ -180,7 +212,7 @@ impl<I> Metrics<I> {
             lr,
         };
         for slot in &mut self.slots {
-            slot.update(item, &metadata);
+            slot.update(item, samples, &metadata);
         }
     }
 
@@ -315,7 +347,7 @@ mod tests {
     use super::*;
     use burn::backend::Flex;
     use burn::tensor::{Int, Tensor};
-    use burn::train::metric::AccuracyMetric;
+    use burn::train::metric::{AccuracyMetric, LossMetric};
     use burn::train::ClassificationOutput;
     use burn_ddp::store::{MemoryStore, Store};
     use burn_ddp::{TcpGroupOptions, TcpProcessGroup};
@@ -350,7 +382,7 @@ mod tests {
                         items_processed: n,
                         items_total: n,
                     };
-                    metrics.update(&output(hits, n), progress, 0, None);
+                    metrics.update(&output(hits, n), n, progress, 0, None);
                     metrics.global(&mut group).unwrap()
                 })
             })
@@ -362,6 +394,33 @@ mod tests {
             assert!((values[0].value - 25.0).abs() < 1e-9, "{values:?}");
             assert_eq!(values[0].count, 4.0);
         }
+    }
+
+    #[test]
+    fn a_loss_given_per_batch_is_a_mean_over_samples_whatever_the_batches() {
+        // burn-train's LossMetric sees one mean per batch. Batches of 7 (mean loss 1.0) and
+        // 1 (mean 9.0): the mean over the 8 samples is 2.0 (a mean of the batch means: 5.0).
+        let mut group = burn_ddp::Distributed::standalone().group;
+        let device = Default::default();
+        let with_loss = |loss: f32, n: usize| {
+            let mut o = output(n, n);
+            o.loss = Tensor::<Flex, 1>::from_floats([loss], &device);
+            o
+        };
+        let mut metrics = Metrics::<ClassificationOutput<Flex>>::new()
+            .with(LossMetric::new())
+            .with(AccuracyMetric::new());
+        let progress = || Progress {
+            items_processed: 0,
+            items_total: 8,
+        };
+        metrics.update(&with_loss(1.0, 7), 7, progress(), 0, None);
+        metrics.update(&with_loss(9.0, 1), 1, progress(), 1, None);
+        let values = metrics.global(&mut group).unwrap();
+        assert_eq!(values[0].name, "Loss");
+        assert!((values[0].value - 2.0).abs() < 1e-9, "{values:?}");
+        assert_eq!(values[0].count, 8.0);
+        assert_eq!(values[1].count, 8.0, "accuracy counts its own samples");
     }
 
     #[test]

@@ -87,6 +87,12 @@ pub const STALL_AFTER_STEP_VAR: &str = "TRAINER_STALL_AFTER_STEP";
 /// Fault injection: with [`STALL_AFTER_STEP_VAR`], only this rank sleeps.
 pub const STALL_RANK_VAR: &str = "TRAINER_STALL_RANK";
 
+/// Fault injection: `"1"` seeds each rank's freshly initialised model with `training.seed +
+/// rank` instead of `training.seed`, so the replicas start different (the config, and so its
+/// fingerprint, stays the same on every rank). The start-up broadcast of rank 0's weights must
+/// then make them equal; tests use it to show that it does.
+pub const SEED_BY_RANK_VAR: &str = "TRAINER_SEED_BY_RANK";
+
 /// Rendezvous-store key under which rank `rank` publishes its config fingerprint at start-up
 /// (every rank compares its own with rank 0's).
 pub fn config_key(rank: usize) -> String {

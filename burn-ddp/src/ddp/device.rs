@@ -361,11 +361,11 @@ mod tests {
     use burn::tensor::{Shape, TensorPrimitive};
 
     use super::*;
-    use crate::testing::Needs;
     use crate::cuda::{check_cuda_available, check_nccl_available};
     use crate::ddp::bucket::plan_buckets;
     use crate::ddp::{Reducer, ReducerStats};
     use crate::store::{MemoryStore, Store};
+    use crate::testing::Needs;
 
     #[test]
     fn buffers_must_be_dense_and_of_the_expected_dtype() {

@@ -645,8 +645,10 @@ mod tcp {
 
 #[cfg(feature = "cuda")]
 mod nccl {
-    //! Needs one GPU per rank and NCCL: skipped, with the reason printed, elsewhere (run with
-    //! `--nocapture` to see it). The mismatch check is an NCCL option; the suite turns it on.
+    //! Needs one GPU per rank and NCCL: skipped elsewhere, with the reason recorded
+    //! ([`crate::testing::skip`]; `.ci/run` prints it). On one GPU the closed-form table runs
+    //! at world size 1, so every collective reaches NCCL at least once. The mismatch check is
+    //! an NCCL option; the suite turns it on.
     use super::*;
     use crate::cuda::{check_cuda_available, check_nccl_available};
     use crate::group::nccl::{NcclGroupOptions, NcclProcessGroup};
@@ -674,12 +676,16 @@ mod nccl {
         NcclProcessGroup::with_options(store, rank, world, rank, options)
     }
 
-    /// Runs `test` when at least `ranks` GPUs are here; else prints why it is skipped.
+    /// Runs `test` when at least `ranks` GPUs are here; else records why it is skipped.
     fn with_gpus(ranks: usize, test: impl FnOnce(usize)) {
+        use crate::testing::{skip, Needs};
         match gpus() {
             Ok(n) if n >= ranks => test(n),
-            Ok(n) => println!("skipped: needs {ranks} GPUs, this machine has {n}"),
-            Err(reason) => println!("skipped: no GPU with NCCL here: {reason}"),
+            Ok(n) => skip(
+                Needs::Gpu,
+                &format!("needs {ranks} GPUs, this machine has {n}"),
+            ),
+            Err(reason) => skip(Needs::Gpu, &format!("no GPU with NCCL here: {reason}")),
         }
     }
 
