@@ -180,10 +180,10 @@ fn all_reduce_against_broadcast_is_a_mismatch_not_a_hang() {
 
 #[test]
 fn different_world_sizes_are_refused_by_every_rank() {
-    let port = unused_port();
-    let a = spawn(&mut rank(0, "2", port, &[]));
-    let b = spawn(&mut rank(1, "3", port, &[]));
-    let (a, b) = (finish(a), finish(b));
+    let (ranks, _port) =
+        start_by_hand(|port| vec![rank(0, "2", port, &[]), rank(1, "3", port, &[])]);
+    let mut outs = ranks.into_iter().map(finish);
+    let (a, b) = (outs.next().unwrap(), outs.next().unwrap());
     for out in [&a, &b] {
         assert_ne!(out.code, Some(0), "{}", out.all());
         assert!(
@@ -217,7 +217,8 @@ fn a_port_in_use_is_a_clear_error() {
 
 #[test]
 fn an_unreachable_master_times_out_naming_the_address() {
-    let port = unused_port();
+    let closed = ClosedPort::new();
+    let port = closed.port;
     let out = run(&mut rank(1, "2", port, &["--timeout-secs", "2"]));
     assert_ne!(out.code, Some(0));
     assert!(
@@ -229,8 +230,8 @@ fn an_unreachable_master_times_out_naming_the_address() {
 
 #[test]
 fn a_rank_that_never_arrives_is_named() {
-    let port = unused_port();
-    let out = run(&mut rank(0, "3", port, &["--timeout-secs", "3"]));
+    let (ranks, _port) = start_by_hand(|port| vec![rank(0, "3", port, &["--timeout-secs", "3"])]);
+    let out = ranks.into_iter().next().map(finish).unwrap();
     assert_ne!(out.code, Some(0));
     assert!(
         out.stderr.contains("rank(s) 1, 2 never joined"),

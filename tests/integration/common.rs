@@ -1,9 +1,11 @@
 //! Helpers: run the trainer with a watchdog, scratch directories, configs, checkpoints.
 
 use std::collections::BTreeMap;
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// Generous: these tests run on a loaded 2-core machine.
@@ -30,10 +32,11 @@ pub fn trainer() -> Command {
     cmd
 }
 
-/// A finished process: exit code (None when killed by a signal) and its output.
+/// A finished process: exit code (None when killed by a signal), the signal, and its output.
 #[derive(Debug)]
 pub struct Output {
     pub code: Option<i32>,
+    pub signal: Option<i32>,
     pub stdout: String,
     pub stderr: String,
 }
@@ -44,52 +47,306 @@ impl Output {
     }
 }
 
-/// Starts `cmd` with piped output.
-pub fn spawn(cmd: &mut Command) -> Child {
-    cmd.stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("cannot start trainer")
+/// Starts `cmd` with piped output, under the [`WATCHDOG`] (see [`Proc`]).
+pub fn spawn(cmd: &mut Command) -> Proc {
+    Proc::start(cmd)
 }
 
-/// Waits for `child` under the watchdog; a child still running after it is killed and the test
-/// fails, showing what it printed.
-pub fn finish(mut child: Child) -> Output {
-    let mut out = child.stdout.take().expect("piped");
-    let mut err = child.stderr.take().expect("piped");
-    let out_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    let deadline = Instant::now() + WATCHDOG;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait") {
-            break Some(status);
+/// Waits for `proc` under its deadline; a process still running then is killed with every
+/// process it started, and the test fails, showing what it printed.
+pub fn finish(proc: Proc) -> Output {
+    proc.finish()
+}
+
+/// One line of a process's output.
+enum Line {
+    Out(String),
+    Err(String),
+}
+
+/// A running process under a deadline: its stdout and stderr lines are streamed (and kept);
+/// any wait that passes the deadline kills it and every process it started (a launcher's
+/// ranks) and fails the test with its output; a wait for a line it never prints fails as soon
+/// as its output ends, not at the deadline. Dropped while running (a failed assertion), it is
+/// killed the same way, so a failing test leaves no process behind.
+pub struct Proc {
+    child: Child,
+    lines: mpsc::Receiver<Line>,
+    pub stdout: Vec<String>,
+    pub stderr: Vec<String>,
+    status: Option<ExitStatus>,
+    deadline: Instant,
+}
+
+impl Proc {
+    pub fn start(cmd: &mut Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {:?}: {e}", cmd.get_program()));
+        let (tx, lines) = mpsc::channel();
+        let out = child.stdout.take().expect("piped");
+        let err = child.stderr.take().expect("piped");
+        let tx_err = tx.clone();
+        std::thread::spawn(move || stream(out, &tx, Line::Out));
+        std::thread::spawn(move || stream(err, &tx_err, Line::Err));
+        Proc {
+            child,
+            lines,
+            stdout: Vec::new(),
+            stderr: Vec::new(),
+            status: None,
+            deadline: Instant::now() + WATCHDOG,
         }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
+    }
+
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Every line seen so far, stdout and stderr (in the order they arrived).
+    pub fn log(&self) -> String {
+        format!(
+            "--- stdout\n{}\n--- stderr\n{}",
+            self.stdout.join("\n"),
+            self.stderr.join("\n")
+        )
+    }
+
+    fn keep(&mut self, line: Line) -> String {
+        let (text, into) = match line {
+            Line::Out(l) => (l, &mut self.stdout),
+            Line::Err(l) => (l, &mut self.stderr),
+        };
+        into.push(text.clone());
+        text
+    }
+
+    /// Kills the process and its descendants, then fails the test with `why` and the output.
+    pub fn fail(&mut self, why: &str) -> ! {
+        self.kill();
+        while let Ok(line) = self.lines.recv_timeout(Duration::from_secs(5)) {
+            self.keep(line);
+        }
+        panic!("{why}\n{}", self.log());
+    }
+
+    /// Waits for a line (stdout or stderr) containing `needle` and returns it. Fails at the
+    /// deadline, or at once when the process's output ends (it exited) without one.
+    pub fn wait_for_line(&mut self, needle: &str) -> String {
+        match self.wait_for_line_or_end(needle) {
+            Some(line) => line,
+            None => {
+                let status = self.try_wait();
+                panic!(
+                    "the process ended ({status:?}) without a line with {needle:?}:\n{}",
+                    self.log()
+                )
+            }
+        }
+    }
+
+    /// Waits for a line containing `needle`; `None` when the output ends (the process exited)
+    /// without one. Fails at the deadline.
+    pub fn wait_for_line_or_end(&mut self, needle: &str) -> Option<String> {
+        loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    let line = self.keep(line);
+                    if line.contains(needle) {
+                        return Some(line);
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => self.fail(&format!(
+                    "no line with {needle:?} within the {WATCHDOG:?} watchdog"
+                )),
+                Err(mpsc::RecvTimeoutError::Disconnected) => return None,
+            }
+        }
+    }
+
+    /// Waits for `count` lines containing `needle` in all (counting those already seen).
+    pub fn wait_for_lines(&mut self, needle: &str, count: usize) {
+        let seen = |p: &Proc| {
+            p.stdout
+                .iter()
+                .chain(&p.stderr)
+                .filter(|l| l.contains(needle))
+                .count()
+        };
+        while seen(self) < count {
+            self.wait_for_line(needle);
+        }
+    }
+
+    /// Takes the lines printed so far without waiting.
+    pub fn poll_lines(&mut self) {
+        while let Ok(line) = self.lines.try_recv() {
+            self.keep(line);
+        }
+    }
+
+    /// The exit status if the process has exited (reaps it), else `None`.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        if self.status.is_none() {
+            self.status = self.child.try_wait().expect("wait");
+        }
+        self.status
+    }
+
+    /// Waits for the process to exit and its output to end, for at most `bound` (and never
+    /// past the deadline); past it, fails like [`Proc::fail`]. Returns the time it took.
+    pub fn wait_within(&mut self, bound: Duration) -> Duration {
+        let start = Instant::now();
+        let deadline = self.deadline.min(start + bound);
+        loop {
+            self.poll_lines();
+            if self.try_wait().is_some() {
+                break;
+            }
+            if Instant::now() > deadline {
+                self.fail(&format!("still running {bound:?} later (a hang)"));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let took = start.elapsed();
+        // Its output ends when every process holding its pipes has gone (its ranks too).
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.keep(line);
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return took,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    self.fail("exited, but processes it started still hold its output")
+                }
+            }
+        }
+    }
+
+    /// Waits (under the deadline) and returns the output.
+    pub fn finish(mut self) -> Output {
+        self.wait_within(WATCHDOG);
+        let status = self.status.expect("exited");
+        Output {
+            code: status.code(),
+            signal: status.signal(),
+            stdout: lines_text(&std::mem::take(&mut self.stdout)),
+            stderr: lines_text(&std::mem::take(&mut self.stderr)),
+        }
+    }
+
+    /// SIGKILLs the process and every descendant, and reaps it.
+    pub fn kill(&mut self) {
+        if self.try_wait().is_none() {
+            kill_tree(self.child.id());
+            self.status = self.child.wait().ok();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn lines_text(lines: &[String]) -> String {
+    lines.iter().map(|l| format!("{l}\n")).collect()
+}
+
+fn stream(pipe: impl Read, tx: &mpsc::Sender<Line>, wrap: fn(String) -> Line) {
+    let mut reader = BufReader::new(pipe);
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        match reader.read_until(b'\n', &mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {
+                let text = String::from_utf8_lossy(&buf);
+                let line = text.trim_end_matches(['\n', '\r']).to_string();
+                if tx.send(wrap(line)).is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Pids whose parent is `parent` (from /proc).
+pub fn children_of(parent: u32) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().filter_map(Result::ok) {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command name, which is in parentheses and may contain spaces.
+        let after = &stat[stat.rfind(')').map_or(0, |i| i + 2)..];
+        let ppid = after.split(' ').nth(1).and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// `root` and every process below it.
+pub fn tree_of(root: u32) -> Vec<u32> {
+    let mut all = vec![root];
+    let mut i = 0;
+    while i < all.len() {
+        let kids = children_of(all[i]);
+        all.extend(kids);
+        i += 1;
+    }
+    all
+}
+
+/// SIGKILLs `root` (stopped first, so it starts nothing more) and every process below it.
+pub fn kill_tree(root: u32) {
+    signal(root, libc::SIGSTOP);
+    for pid in tree_of(root) {
+        signal(pid, libc::SIGKILL);
+    }
+}
+
+pub fn alive(pid: u32) -> bool {
+    // A zombie still has /proc/<pid>; it is not running anything, so count it as gone.
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) with a pid and a signal number.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// The `RANK` a process was started with (from /proc/PID/environ).
+pub fn rank_of(pid: u32) -> Option<usize> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ
+        .split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())
+}
+
+/// Waits until every pid in `pids` has gone, for at most `bound`; returns those left.
+pub fn wait_gone(pids: &[u32], bound: Duration) -> Vec<u32> {
+    let deadline = Instant::now() + bound;
+    loop {
+        let left: Vec<u32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+        if left.is_empty() || Instant::now() > deadline {
+            return left;
         }
         std::thread::sleep(Duration::from_millis(20));
-    };
-    let output = Output {
-        code: status.and_then(|s| s.code()),
-        stdout: out_reader.join().unwrap_or_default(),
-        stderr: err_reader.join().unwrap_or_default(),
-    };
-    assert!(
-        status.is_some(),
-        "the process hung past the {WATCHDOG:?} watchdog:\n{}",
-        output.all()
-    );
-    output
+    }
 }
 
 pub fn run(cmd: &mut Command) -> Output {
@@ -135,13 +392,119 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// A port nobody listens on right now (bound, then released).
+/// A port nobody listened on a moment ago (bound, then released): another process may take it
+/// before it is used. Prefer the launcher's own port (it binds port 0 and says "store at"),
+/// [`start_by_hand`] (which retries when the port was taken) or [`ClosedPort`].
 pub fn unused_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Ranks started by hand, as torchrun's workers or SLURM's and Open MPI's tasks are:
+/// `commands(port)` gives each rank's command, rank 0 (which hosts the store on
+/// `MASTER_PORT`) first. The port is one the OS has just handed out and released; when rank 0
+/// finds it taken in between, every rank is stopped and the whole start is retried on another
+/// one. Each start gets its own job token, so a rank that reached someone else's store is
+/// refused instead of joining it. Returns the running ranks, rank 0 first, once rank 0 hosts
+/// the store (or has ended for another reason), and the port.
+pub fn start_by_hand(commands: impl Fn(u16) -> Vec<Command>) -> (Vec<Proc>, u16) {
+    for attempt in 0..20 {
+        let port = unused_port();
+        let token = format!("by-hand-{}-{port}-{attempt}", std::process::id());
+        let mut cmds = commands(port);
+        for cmd in &mut cmds {
+            cmd.env("BURN_DDP_TOKEN", &token);
+        }
+        // So that rank 0 says when it has bound the port (its default level is info).
+        let level = cmds[0]
+            .get_envs()
+            .find(|(k, _)| *k == "RUST_LOG")
+            .and_then(|(_, v)| Some(v?.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "info".into());
+        cmds[0].env("RUST_LOG", format!("{level},burn_ddp::store::server=debug"));
+        let mut procs: Vec<Proc> = cmds.iter_mut().map(spawn).collect();
+        if procs[0]
+            .wait_for_line_or_end("rendezvous store listening")
+            .is_none()
+        {
+            let err = procs[0].stderr.join("\n");
+            if err.contains("cannot host the rendezvous store") && err.contains("in use") {
+                eprintln!("port {port} was taken before rank 0 bound it: starting again");
+                continue;
+            }
+        }
+        return (procs, port);
+    }
+    panic!("20 ports in a row were taken before rank 0 could bind them");
+}
+
+/// A local port that refuses connections for as long as it lives: a socket bound to it (without
+/// `SO_REUSEADDR`, so nobody else can bind it) that does not listen.
+pub struct ClosedPort {
+    fd: libc::c_int,
+    pub port: u16,
+}
+
+impl ClosedPort {
+    pub fn new() -> ClosedPort {
+        // SAFETY: plain socket calls on a socket this function owns, with a properly sized
+        // sockaddr_in; every result is checked.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let mut addr: libc::sockaddr_in = std::mem::zeroed();
+            addr.sin_family = libc::AF_INET as libc::sa_family_t;
+            addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let rc = libc::bind(fd, (&addr as *const libc::sockaddr_in).cast(), len);
+            assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+            let mut len = len;
+            let rc = libc::getsockname(fd, (&mut addr as *mut libc::sockaddr_in).cast(), &mut len);
+            assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+            ClosedPort {
+                fd,
+                port: u16::from_be(addr.sin_port),
+            }
+        }
+    }
+}
+
+impl Drop for ClosedPort {
+    fn drop(&mut self) {
+        // SAFETY: our own descriptor, closed once.
+        unsafe {
+            libc::close(self.fd);
+        }
+    }
+}
+
+/// A tiny tmpfs, unmounted on drop.
+pub struct SmallDisk(pub PathBuf);
+
+impl SmallDisk {
+    pub fn mount(path: &Path, size: &str) -> Option<SmallDisk> {
+        std::fs::create_dir_all(path).ok()?;
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(path)
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !ok {
+            eprintln!("SKIPPED: cannot mount a small tmpfs here (needs root)");
+            return None;
+        }
+        Some(SmallDisk(path.to_path_buf()))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).output();
+    }
 }
 
 /// Writes a config into `dir/name.toml` and returns its path. `body` holds every section; the

@@ -131,3 +131,87 @@ fn the_trainer_itself_trains_under_trainer_launch() {
     );
     newest_checkpoint(&dir.join("launched-ckpt"));
 }
+
+#[test]
+fn bad_input_exit_2_is_never_restarted() {
+    let out = launch(
+        &["--nproc-per-node", "2", "--max-restarts", "3"],
+        &[
+            "sh",
+            "-c",
+            r#"echo "rank $RANK attempt $TRAINER_RESTART_COUNT"; exit 2"#,
+        ],
+    );
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert!(!out.stderr.contains("restarting"), "{}", out.all());
+    assert_eq!(
+        out.stdout.matches(" attempt ").count(),
+        2,
+        "one attempt of each rank:\n{}",
+        out.all()
+    );
+}
+
+#[test]
+fn the_report_ends_with_the_failing_ranks_last_lines_and_every_line_is_tagged() {
+    // Rank 0 speaks first (rank 1 waits for its file), then rank 1 fails.
+    let dir = scratch("last-lines");
+    let ready = dir.join("ready");
+    let out = run(trainer()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
+        .arg(
+            r#"if [ "$RANK" = 0 ]; then echo "rank zero is up" >&2; touch "$READY"; exec sleep 60; fi
+               while [ ! -e "$READY" ]; do sleep 0.05; done
+               echo "rank one: first words" >&2; echo "rank one: last words" >&2; exit 3"#,
+        )
+        .env("READY", &ready));
+    assert_eq!(out.code, Some(3), "{}", out.all());
+    assert!(
+        out.stderr.contains("[rank 0] rank zero is up"),
+        "{}",
+        out.all()
+    );
+    let lines: Vec<&str> = out.stderr.lines().collect();
+    let report = lines
+        .iter()
+        .rposition(|l| l.contains("trainer launcher: rank 1 failed: exit code 3"))
+        .unwrap_or_else(|| panic!("no report:\n{}", out.all()));
+    assert_eq!(
+        &lines[report + 1..],
+        [
+            "---- last lines of rank 1 ----",
+            "[rank 1] rank one: first words",
+            "[rank 1] rank one: last words",
+        ],
+        "{}",
+        out.all()
+    );
+}
+
+#[test]
+fn every_line_of_every_rank_is_forwarded_on_success() {
+    const LINES: usize = 20000;
+    let out = launch(
+        &["--nproc-per-node", "2"],
+        &[
+            "sh",
+            "-c",
+            &format!(
+                r#"seq 1 {LINES} | sed "s/^/rank $RANK err /" >&2; echo "rank $RANK out done""#
+            ),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    for rank in 0..2 {
+        let err = format!("[rank {rank}] rank {rank} err ");
+        let got = out.stderr.lines().filter(|l| l.starts_with(&err)).count();
+        assert_eq!(got, LINES, "stderr lines of rank {rank}");
+        assert!(out.stderr.contains(&format!("{err}{LINES}\n")));
+        // Ranks share the launcher's stdout (untagged, as under torchrun): whole short lines.
+        assert!(
+            out.stdout.contains(&format!("rank {rank} out done\n")),
+            "{}",
+            out.stdout
+        );
+    }
+}

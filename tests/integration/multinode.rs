@@ -122,6 +122,10 @@ impl Drop for Hosts {
     }
 }
 
+/// The store's port on node a: its namespace is new, with ports of its own, so no other
+/// process can hold this one.
+const STORE_PORT: u16 = 29500;
+
 fn config(dir: &Path, name: &str) -> std::path::PathBuf {
     write_config(dir, name, &digits_config(SGD, 8, "max_steps = 12"))
 }
@@ -134,7 +138,7 @@ fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
     let dir = scratch("multinode");
     let nodes = config(&dir, "nodes");
     let local = config(&dir, "local");
-    let port = 29000 + (std::process::id() % 1000) as u16;
+    let port = STORE_PORT;
     let cfg = nodes.display().to_string();
     let a = spawn(&mut hosts.node(&hosts.a, 0, &["--config", &cfg], port));
     let b = spawn(&mut hosts.node(&hosts.b, 1, &["--config", &cfg], port));
@@ -158,7 +162,7 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
     let Some(hosts) = Hosts::create("c", 2) else {
         return;
     };
-    let port = 29000 + (std::process::id() % 1000) as u16;
+    let port = STORE_PORT;
     let args = [
         "collectives",
         "--op",
@@ -172,14 +176,9 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
     ];
     let mut a = spawn(&mut hosts.node(&hosts.a, 0, &args, port));
     let b = spawn(&mut hosts.node(&hosts.b, 1, &args, port));
-    // Let the job run, then pull the cable on node b's side.
-    let start = Instant::now();
-    while start.elapsed().as_secs() < 2 {
-        if let Some(status) = a.try_wait().unwrap() {
-            panic!("node 0 ended early: {status}\n{}", finish(a).all());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
+    // Once rank 0 (on node a) has its ring, every rank of both nodes is in it: pull the cable
+    // on node b's side.
+    a.wait_for_line("ring connected");
     let cut = Command::new("ip")
         .args([
             "-n",

@@ -43,6 +43,9 @@ pub(super) fn exchange<T: Element>(
     let mut st = Progress::new(call);
     let start = Instant::now();
     let deadline = start + call.timeout;
+    // Set when the last poll found a neighbour's socket closed while we waited on its data
+    // path (see `poll_set`): if nothing moves after that either, the neighbour is gone.
+    let mut closed: Option<bool> = None;
     loop {
         let mut moved = st.send(ring, buffer)?;
         moved |= st.send_back_header(ring)?;
@@ -52,7 +55,19 @@ pub(super) fn exchange<T: Element>(
             return Ok(());
         }
         if moved {
+            closed = None;
             continue;
+        }
+        if let Some(prev) = closed {
+            let link = if prev { &ring.prev } else { &ring.next };
+            return Err(link.lost(
+                call.desc,
+                call.rank,
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "the peer closed the connection",
+                ),
+            ));
         }
         // Nothing moved: sleep in poll(2) until a descriptor is ready or a deadline passes.
         let now = Instant::now();
@@ -69,8 +84,17 @@ pub(super) fn exchange<T: Element>(
         let wake = deadline
             .min(stall.next_warning())
             .saturating_duration_since(now);
-        super::transport::wait_fds(&mut st.poll_set(ring), wake)
+        let mut fds = st.poll_set(ring);
+        super::transport::wait_fds(&mut fds, wake)
             .map_err(|e| ring.next.lost(call.desc, call.rank, e))?;
+        let hung_up = |fd: &libc::pollfd| {
+            fd.fd >= 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
+        };
+        if hung_up(&fds[1]) {
+            closed = Some(true);
+        } else if hung_up(&fds[0]) {
+            closed = Some(false);
+        }
     }
 }
 
@@ -265,6 +289,17 @@ impl<'a> Progress<'a> {
         }
         let want_out = self.fwd_header == HEADER_LEN && self.sendable().is_some();
         let want_in = self.prev_header_len == HEADER_LEN && self.recv < self.call.plan.recvs.len();
+        // While we wait on a neighbour's data path (for its data, or for room in its buffer),
+        // its socket closing means it is gone: a shared-memory link cannot always tell (until
+        // the first barrier has completed each side holds its own FIFO open, see
+        // `ShmReceiver::go_live`), and a neighbour that left normally would have sent (or
+        // taken) everything first.
+        if want_in {
+            prev_events |= libc::POLLRDHUP;
+        }
+        if want_out {
+            next_events |= libc::POLLRDHUP;
+        }
         let link = |l: &Link, events| pollfd(if events == 0 { -1 } else { l.fd() }, events);
         let data = |w: Option<Wakeup>| w.map_or(pollfd(-1, 0), |w| pollfd(w.fd, w.events));
         [
