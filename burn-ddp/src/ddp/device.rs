@@ -522,4 +522,102 @@ mod tests {
             assert_eq!(read(&grads), want, "{compression:?}");
         }
     }
+
+    /// Host staging forced through its whole path at world size 1 (the reducer skips a
+    /// one-rank job otherwise), to compare with NCCL bit for bit.
+    struct Alone<'a, G>(crate::ddp::HostStaging<'a, G>);
+
+    impl<B: BucketOps, G: crate::group::ProcessGroup> BucketComm<B> for Alone<'_, G> {
+        fn world_size(&self) -> usize {
+            BucketComm::<B>::world_size(&self.0)
+        }
+        fn reduces_alone(&self) -> bool {
+            true
+        }
+        fn all_reduce_f32(
+            &mut self,
+            bucket: FloatTensor<B>,
+            scan: &mut FiniteScan,
+        ) -> Result<FloatTensor<B>, DdpError> {
+            BucketComm::<B>::all_reduce_f32(&mut self.0, bucket, scan)
+        }
+        fn all_reduce_half(
+            &mut self,
+            words: IntTensor<B>,
+            len: usize,
+            format: HalfFormat,
+            scan: &mut FiniteScan,
+        ) -> Result<IntTensor<B>, DdpError> {
+            BucketComm::<B>::all_reduce_half(&mut self.0, words, len, format, scan)
+        }
+        fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
+            BucketComm::<B>::gather_flags(&mut self.0, local)
+        }
+    }
+
+    /// On the GPU, the host-staging path and NCCL give the same gradients bit for bit (f32,
+    /// bf16, fp16), and both find a NaN the same way (device check vs host scan).
+    #[test]
+    fn host_staging_and_nccl_agree_bit_for_bit_on_cuda() {
+        use crate::ddp::HostStaging;
+        use crate::group::{TcpGroupOptions, TcpProcessGroup};
+        type B = Autodiff<Cuda>;
+        let Some(device) = cuda_device() else { return };
+        if let Err(e) = check_nccl_available() {
+            crate::testing::skip(Needs::Gpu, &format!("no usable NCCL: {e}"));
+            return;
+        }
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let mut nccl = NcclProcessGroup::new(store.clone(), 0, 1, 0, Duration::from_secs(60))
+            .expect("a one-rank NCCL group");
+        let mut tcp = TcpProcessGroup::new(store, 0, 1, TcpGroupOptions::default())
+            .expect("a one-rank TCP group");
+        let net = Net::<B> {
+            a: LinearConfig::new(16, 32).init(&device),
+            b: LinearConfig::new(32, 8).init(&device),
+            c: LinearConfig::new(8, 3).init(&device),
+        };
+        let grads_for = |poison: f32| {
+            B::seed(&device, 3);
+            let x = Tensor::<B, 2>::random(
+                [5, 16],
+                burn::tensor::Distribution::Normal(0.0, 1.0),
+                &device,
+            )
+            .add_scalar(poison);
+            let y = net.c.forward(net.b.forward(net.a.forward(x)));
+            GradientsParams::from_grads(y.powi_scalar(2).sum().backward(), &net)
+        };
+        let read = |grads: &GradientsParams| -> Vec<Vec<u32>> {
+            [net.a.weight.id, net.b.weight.id, net.c.weight.id]
+                .iter()
+                .map(|&id| {
+                    let values = grads.get::<Cuda, 2>(id).expect("gradient").into_data();
+                    let values = values.to_vec::<f32>().expect("f32");
+                    values.iter().map(|v| v.to_bits()).collect()
+                })
+                .collect()
+        };
+        for compression in [None, Some(HalfFormat::Bf16), Some(HalfFormat::F16)] {
+            let mut reducer = Reducer::new(300.0 * 4.0 / (1u64 << 20) as f64, compression);
+            let (mut on_gpu, mut via_host) = (grads_for(0.0), grads_for(0.0));
+            reducer
+                .sync::<B, _, _>(&mut NcclBuckets(&mut nccl), &net, &mut on_gpu)
+                .expect("NCCL sync");
+            reducer
+                .sync::<B, _, _>(&mut Alone(HostStaging(&mut tcp)), &net, &mut via_host)
+                .expect("host sync");
+            assert_eq!(read(&on_gpu), read(&via_host), "{compression:?}");
+
+            let (mut on_gpu, mut via_host) = (grads_for(f32::NAN), grads_for(f32::NAN));
+            let gpu_check = reducer
+                .sync::<B, _, _>(&mut NcclBuckets(&mut nccl), &net, &mut on_gpu)
+                .expect("NCCL sync");
+            let host_check = reducer
+                .sync::<B, _, _>(&mut Alone(HostStaging(&mut tcp)), &net, &mut via_host)
+                .expect("host sync");
+            assert_eq!(gpu_check.nonfinite_ranks, [0], "{compression:?}");
+            assert_eq!(host_check.nonfinite_ranks, [0], "{compression:?}");
+        }
+    }
 }
