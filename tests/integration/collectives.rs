@@ -250,3 +250,107 @@ fn missing_environment_names_the_variable() {
     assert_eq!(out.code, Some(2), "{}", out.all());
     assert!(out.stderr.contains("MASTER_PORT"), "{}", out.all());
 }
+
+/// Two ranks exchanging 8 MiB each with shared memory asked for (`BURN_DDP_SHM=1`), in a
+/// private mount namespace whose `/dev/shm` is the tmpfs `shm`; debug logs of the ring's set-up.
+fn launch_with_dev_shm(shm: &SmallDisk) -> Output {
+    let mut cmd = trainer();
+    cmd.args(["collectives", "--nproc-per-node", "2"])
+        .args(["--len", &(1 << 20).to_string(), "--dtype", "i64"])
+        .args(["--op", "all_reduce", "--timeout-secs", "60"])
+        .env("BURN_DDP_SHM", "1")
+        .env("RUST_LOG", "info,burn_ddp::group::tcp::setup=debug");
+    run(&mut with_dev_shm(&cmd, &shm.0))
+}
+
+/// The inode of this process's pid namespace, as burn-ddp names its `/dev/shm` entries
+/// (`burn-ddp-<pid namespace>-<pid>-r<rank>-<n>`, see `burn_ddp::group::shm::ShmDir`).
+fn pid_namespace() -> String {
+    let link = std::fs::read_link("/proc/self/ns/pid").expect("/proc/self/ns/pid");
+    let link = link.to_string_lossy();
+    link.trim_start_matches("pid:[")
+        .trim_end_matches(']')
+        .to_string()
+}
+
+#[test]
+fn a_full_dev_shm_falls_back_to_tcp() {
+    // Each link's ring file is 4 MiB (reserved with posix_fallocate): 1 MiB cannot hold one.
+    let dir = scratch("shm-full");
+    let Some(shm) = SmallDisk::mount(&dir.join("shm"), "1m") else {
+        return;
+    };
+    let out = launch_with_dev_shm(&shm);
+    assert_eq!(
+        out.code,
+        Some(0),
+        "a full /dev/shm must not fail the job:\n{}",
+        out.all()
+    );
+    assert_eq!(
+        out.stdout.matches("all results correct").count(),
+        2,
+        "{}",
+        out.all()
+    );
+    assert!(
+        !out.all().contains("(shared memory)"),
+        "no link may use shared memory:\n{}",
+        out.all()
+    );
+    for rank in 0..2 {
+        assert!(
+            out.stderr
+                .lines()
+                .any(|l| l.starts_with(&format!("[rank {rank}]"))
+                    && l.contains("no shared memory (using TCP)")
+                    && l.contains("No space left on device")),
+            "rank {rank} says why it uses TCP:\n{}",
+            out.all()
+        );
+    }
+}
+
+#[test]
+fn dev_shm_is_left_clean_and_a_dead_jobs_leftovers_are_removed() {
+    let dir = scratch("shm-clean");
+    let Some(shm) = SmallDisk::mount(&dir.join("shm"), "64m") else {
+        return;
+    };
+    let ns = pid_namespace();
+    // Left by a process that cannot exist (pids stay below 2^22), and by one that is alive
+    // (this test): only the dead one's may go.
+    let dead = format!("burn-ddp-{ns}-{}-r0-0", u32::MAX);
+    let live = format!("burn-ddp-{ns}-{}-r1-0", std::process::id());
+    for name in [&dead, &live] {
+        std::fs::create_dir(shm.0.join(name)).unwrap();
+        std::fs::write(shm.0.join(name).join("ring"), b"leftover").unwrap();
+    }
+    let out = launch_with_dev_shm(&shm);
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_eq!(
+        out.stdout.matches("all results correct").count(),
+        2,
+        "{}",
+        out.all()
+    );
+    assert!(
+        out.all().contains("(shared memory)"),
+        "the ranks used this /dev/shm:\n{}",
+        out.all()
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&shm.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        vec![live.clone()],
+        "only the live process's entry may remain (the dead one's and the run's own gone)"
+    );
+    assert_eq!(
+        std::fs::read(shm.0.join(&live).join("ring")).unwrap(),
+        b"leftover"
+    );
+}

@@ -481,7 +481,9 @@ impl Drop for ClosedPort {
     }
 }
 
-/// A tiny tmpfs, unmounted on drop.
+/// A tiny tmpfs, unmounted on drop. Where it cannot be mounted (no root), [`SmallDisk::mount`]
+/// records a skip ([`burn_ddp::testing::skip`]: a failure where `TESTS_MUST_RUN` names `tmpfs`)
+/// and returns `None`; the test then returns.
 pub struct SmallDisk(pub PathBuf);
 
 impl SmallDisk {
@@ -494,11 +496,44 @@ impl SmallDisk {
             .map(|o| o.status.success())
             .unwrap_or(false);
         if !ok {
-            eprintln!("SKIPPED: cannot mount a small tmpfs here (needs root)");
+            burn_ddp::testing::skip(
+                burn_ddp::testing::Needs::Tmpfs,
+                &format!(
+                    "cannot mount a {size} tmpfs on {} (needs root)",
+                    path.display()
+                ),
+            );
             return None;
         }
         Some(SmallDisk(path.to_path_buf()))
     }
+}
+
+/// `cmd` (a [`trainer`] command: its program, arguments, directory and environment) run in a
+/// private mount namespace (`unshare -m`) where `shm` (a [`SmallDisk`]) is mounted over
+/// `/dev/shm`: the job sees only that tmpfs, and the test can read it before and after.
+pub fn with_dev_shm(cmd: &Command, shm: &Path) -> Command {
+    let mut wrapped = Command::new("unshare");
+    wrapped
+        .args([
+            "-m",
+            "sh",
+            "-c",
+            r#"mount --bind "$0" /dev/shm && exec "$@""#,
+        ])
+        .arg(shm)
+        .arg(cmd.get_program())
+        .args(cmd.get_args());
+    if let Some(dir) = cmd.get_current_dir() {
+        wrapped.current_dir(dir);
+    }
+    for (key, value) in cmd.get_envs() {
+        match value {
+            Some(value) => wrapped.env(key, value),
+            None => wrapped.env_remove(key),
+        };
+    }
+    wrapped
 }
 
 impl Drop for SmallDisk {

@@ -1,10 +1,13 @@
 //! Two "machines" on one host: network namespaces joined by a veth pair, each with its own
 //! address, running 2 nodes x 2 ranks. Needs root (CAP_NET_ADMIN) and `ip`; where namespaces
-//! cannot be created the test says so and returns.
+//! cannot be created the test records a skip ([`burn_ddp::testing::skip`], a failure where
+//! `TESTS_MUST_RUN` names `netns`) and returns.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
+
+use burn_ddp::testing::Needs;
 
 use crate::common::*;
 
@@ -13,6 +16,7 @@ struct Hosts {
     a: String,
     b: String,
     addr_a: String,
+    addr_b: String,
     veth: String,
 }
 
@@ -26,6 +30,7 @@ impl Hosts {
             a: a.clone(),
             b: b.clone(),
             addr_a: format!("10.77.{subnet}.1"),
+            addr_b: format!("10.77.{subnet}.2"),
             veth: veth.clone(),
         };
         let steps: Vec<Vec<String>> = vec![
@@ -76,7 +81,13 @@ impl Hosts {
                 .map(|o| o.status.success())
                 .unwrap_or(false);
             if !ok {
-                eprintln!("SKIPPED: cannot create network namespaces here (`ip {}` failed; needs root and iproute2)", step.join(" "));
+                burn_ddp::testing::skip(
+                    Needs::Netns,
+                    &format!(
+                        "cannot create network namespaces here (`ip {}` failed; needs root and iproute2)",
+                        step.join(" ")
+                    ),
+                );
                 return None;
             }
         }
@@ -194,17 +205,47 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
     let cut_at = Instant::now();
     let (a, b) = (finish(a), finish(b));
     eprintln!("link cut: both nodes exited within {:?}", cut_at.elapsed());
-    for (node, out) in [(0, &a), (1, &b)] {
+    // Ranks 0 and 1 run on node a, 2 and 3 on node b. Each node must fail with the ring's own
+    // error (a lost connection, or a collective's timeout saying whom it waited for) naming a
+    // ring peer by rank and address; a store's timeout ("rendezvous store at ...: ... timed out
+    // after") names none. The rank waiting on the cut link (0 for rank 3's data, 2 for rank
+    // 1's) names the rank across it; its node neighbour, waiting on it in turn, may fail first
+    // naming it (the launcher then stops the other), so the rank across the cut is required of
+    // one node at least.
+    let addr_of = |rank: usize| {
+        if rank < 2 {
+            &hosts.addr_a
+        } else {
+            &hosts.addr_b
+        }
+    };
+    let ring_failure = |line: &str, peers: &[usize]| {
+        (line.contains("connection with rank")
+            || (line.contains("timed out after") && line.contains("waiting for")))
+            && !line.contains("rendezvous store")
+            && peers
+                .iter()
+                .any(|&p| line.contains(&format!("rank {p} ({}:", addr_of(p))))
+    };
+    let mut named_across = false;
+    for (node, out, across) in [(0, &a, [2, 3]), (1, &b, [0, 1])] {
         assert_ne!(out.code, Some(0), "node {node} must fail:\n{}", out.all());
         assert!(
-            out.stderr.contains("timed out after") || out.stderr.contains("connection with rank"),
-            "node {node} names the failure:\n{}",
+            out.stderr.lines().any(|l| ring_failure(l, &[0, 1, 2, 3])),
+            "node {node} names the failed collective and a ring peer's rank and address:\n{}",
             out.all()
         );
+        named_across |= out.stderr.lines().any(|l| ring_failure(l, &across));
         assert!(
             out.stderr.contains("trainer launcher: rank"),
             "node {node}'s launcher reports the rank:\n{}",
             out.all()
         );
     }
+    assert!(
+        named_across,
+        "a rank names the rank and address across the cut link:\n{}\n{}",
+        a.all(),
+        b.all()
+    );
 }

@@ -281,20 +281,58 @@ mod tests {
         assert_eq!(good.get("k", Duration::from_secs(1)).unwrap(), b"v");
     }
 
+    /// A local port that refuses connections while it lives: a socket bound to it (without
+    /// `SO_REUSEADDR`, so no other process can take the port) that never listens. A port bound
+    /// and released instead could be taken, and listened on, by anyone in between.
+    struct ClosedPort {
+        fd: libc::c_int,
+        port: u16,
+    }
+
+    impl ClosedPort {
+        fn new() -> Self {
+            // SAFETY: plain socket calls on a descriptor this function owns, with a properly
+            // sized sockaddr_in; every result is checked.
+            unsafe {
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+                assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+                let mut addr: libc::sockaddr_in = std::mem::zeroed();
+                addr.sin_family = libc::AF_INET as libc::sa_family_t;
+                addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+                let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+                let rc = libc::bind(fd, (&raw const addr).cast(), len);
+                assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+                let rc = libc::getsockname(fd, (&raw mut addr).cast(), &mut len);
+                assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+                Self {
+                    fd,
+                    port: u16::from_be(addr.sin_port),
+                }
+            }
+        }
+    }
+
+    impl Drop for ClosedPort {
+        fn drop(&mut self) {
+            // SAFETY: our own descriptor, closed once.
+            unsafe {
+                libc::close(self.fd);
+            }
+        }
+    }
+
     #[test]
     fn unreachable_server_times_out_with_the_address() {
-        // Bind then drop: a local port that (almost certainly) nobody listens on.
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
+        // Held (bound, not listening) until the end of the test: nobody can listen there.
+        let closed = ClosedPort::new();
+        let addr = format!("127.0.0.1:{}", closed.port);
         let err = TcpStore::connect(&addr, "", Duration::from_millis(300))
             .err()
             .expect("nobody listens there");
         assert!(matches!(err, StoreError::Connect { .. }), "{err}");
         assert!(err.to_string().contains(&addr), "{err}");
+        assert!(err.to_string().contains("refused"), "{err}");
+        drop(closed);
     }
 
     #[test]
