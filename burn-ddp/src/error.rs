@@ -143,6 +143,35 @@ pub enum CollectiveError {
         #[source]
         source: std::io::Error,
     },
+    /// A peer's connection was lost, and the failure reports of the other ranks (see
+    /// `group::postmortem`) show the root cause: the rank(s) in `gone`, which other ranks lost
+    /// but which never reported an error themselves, so they died (a crash, `kill -9`, the OOM
+    /// killer) or exited outside the group. `peer` is the connection this rank lost: one of
+    /// `gone`, or a rank that closed its links after losing one of them (a messenger).
+    #[error("rank {rank}: {desc}: {}. {}", gone_list(.gone), lost_here(*.peer, .peer_addr, .source, .gone))]
+    PeerGone {
+        rank: usize,
+        desc: CollectiveDesc,
+        gone: Vec<GoneRank>,
+        peer: usize,
+        peer_addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A peer's connection was lost and the store, through which the ranks tell each other why
+    /// they failed, failed too (`store`), so the root cause is unknown. Under plain
+    /// `RANK`/`MASTER_*` variables rank 0 hosts the store: it is then probably rank 0 that died.
+    #[error("rank {rank}: {desc}: connection with rank {peer} ({peer_addr}) failed: {source}. The rendezvous store cannot tell which rank failed first ({store}): the store's host (rank 0 when the ranks were started with RANK/MASTER_ADDR/MASTER_PORT, else the launcher) is probably gone; otherwise rank {peer} exited or crashed: look at its log")]
+    PeerLostStoreGone {
+        rank: usize,
+        peer: usize,
+        peer_addr: String,
+        desc: CollectiveDesc,
+        #[source]
+        source: std::io::Error,
+        /// Boxed: it would double the size of every `CollectiveError`.
+        store: Box<StoreError>,
+    },
     /// A peer sent bytes that are not a frame of this protocol.
     #[error("rank {rank}: {desc}: malformed data from rank {peer}: {source}")]
     Protocol {
@@ -155,6 +184,55 @@ pub enum CollectiveError {
     /// An earlier collective failed; the group can no longer be used.
     #[error("rank {rank}: the process group was aborted by an earlier error ({first_error}); create a new group")]
     Aborted { rank: usize, first_error: String },
+}
+
+/// A rank that died without a word: other ranks lost their connections with it, and it never
+/// reported an error of its own (part of [`CollectiveError::PeerGone`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GoneRank {
+    pub rank: usize,
+    /// Its ring address, as the ranks that lost it knew it.
+    pub addr: String,
+    /// The ranks that lost their connection with it, in order.
+    pub lost_by: Vec<usize>,
+}
+
+impl std::fmt::Display for GoneRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let by: Vec<String> = self.lost_by.iter().map(usize::to_string).collect();
+        let s = if by.len() == 1 { "" } else { "s" };
+        write!(
+            f,
+            "rank {} ({}) is gone: it stopped without reporting an error (lost by rank{s} {})",
+            self.rank,
+            self.addr,
+            by.join(", ")
+        )
+    }
+}
+
+/// The root-cause part of [`CollectiveError::PeerGone`]'s message.
+fn gone_list(gone: &[GoneRank]) -> String {
+    let each: Vec<String> = gone.iter().map(GoneRank::to_string).collect();
+    let (who, whom) = if gone.len() == 1 {
+        ("it", "its")
+    } else {
+        ("they", "their")
+    };
+    format!(
+        "{}; {who} exited or crashed: look at {whom} log",
+        each.join("; ")
+    )
+}
+
+/// This rank's own loss in [`CollectiveError::PeerGone`]'s message.
+fn lost_here(peer: usize, addr: &str, source: &std::io::Error, gone: &[GoneRank]) -> String {
+    let how = if gone.iter().any(|g| g.rank == peer) {
+        "Here"
+    } else {
+        "This rank lost its neighbour as a consequence"
+    };
+    format!("{how}: connection with rank {peer} ({addr}) failed: {source}")
 }
 
 /// A failure of the DDP layer (parameter broadcast, gradient synchronisation).

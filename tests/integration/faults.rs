@@ -49,18 +49,10 @@ fn a_killed_rank_stops_the_job_and_is_named() {
     eprintln!("kill -9 of rank 1: launcher exited {detected:?} later");
 }
 
-/// Under torchrun, srun or mpirun there is no launcher of ours to stop the survivors of a
-/// crash: each must notice on its own. Four ranks started by hand (ring 0 → 1 → 2 → 3 → 0);
-/// rank 1 is SIGKILLed as soon as every ring is connected (during the first barrier, while
-/// shared-memory links cannot yet see a dead peer, or just after). Every survivor must exit
-/// with an error within 60 s, long before the collective's timeout (600 s) could be what stops
-/// it: rank 2, which waits on rank 1's data, naming rank 1 and its address; ranks 0 and 3 naming
-/// the peer whose closed link reached them.
-#[test]
-fn without_a_launcher_every_survivor_of_a_kill_9_fails_naming_the_dead_rank() {
+/// Four ranks started by hand with plain RANK/WORLD_SIZE/MASTER_* variables (ring
+/// 0 → 1 → 2 → 3 → 0; rank 0 hosts the store), each logging the address its peers know it by.
+fn four_ranks_by_hand() -> (Vec<Proc>, Vec<String>) {
     const WORLD: usize = 4;
-    const VICTIM: usize = 1;
-    const BOUND: Duration = Duration::from_secs(60);
     let (mut ranks, _port) = start_by_hand(|port| {
         (0..WORLD)
             .map(|rank| {
@@ -88,13 +80,25 @@ fn without_a_launcher_every_survivor_of_a_kill_9_fails_naming_the_dead_rank() {
             .to_string();
         listen.push(addr);
     }
-    let named = format!("rank {VICTIM} ({})", listen[VICTIM]);
-    signal(ranks[VICTIM].id(), libc::SIGKILL);
+    (ranks, listen)
+}
+
+/// SIGKILLs rank `victim` of [`four_ranks_by_hand`] and checks that every survivor exits
+/// non-zero within 60 s (long before the collective's timeout, 600 s, could be what stops it)
+/// with an error that passes `names(rank, its stderr, every rank's address)`. Returns how long
+/// each took.
+fn kill_9_and_check_every_survivor(
+    victim: usize,
+    names: impl Fn(usize, &str, &[String]) -> bool,
+) -> Vec<Duration> {
+    const BOUND: Duration = Duration::from_secs(60);
+    let (mut ranks, listen) = four_ranks_by_hand();
+    signal(ranks[victim].id(), libc::SIGKILL);
     let killed_at = Instant::now();
-    let victim = ranks.remove(VICTIM);
+    let dead = ranks.remove(victim);
     let mut took = Vec::new();
     for (i, rank) in ranks.iter_mut().enumerate() {
-        let r = if i < VICTIM { i } else { i + 1 };
+        let r = if i < victim { i } else { i + 1 };
         rank.wait_within(BOUND.saturating_sub(killed_at.elapsed()));
         took.push(killed_at.elapsed());
         let status = rank.try_wait().expect("exited");
@@ -104,21 +108,37 @@ fn without_a_launcher_every_survivor_of_a_kill_9_fails_naming_the_dead_rank() {
             rank.log()
         );
         let err = rank.stderr.join("\n");
-        // The rank that waits on the dead one's data names it; the others may name the
-        // neighbour whose failure reached them first (the one that then closed its links).
-        let expected = if r == VICTIM + 1 {
-            named.clone()
-        } else {
-            "connection with rank ".to_string()
-        };
-        assert!(
-            err.contains(&expected) && err.contains("(127.0.0.1:"),
-            "rank {r} names {expected:?} with its address:\n{}",
-            rank.log()
-        );
+        assert!(names(r, &err, &listen), "rank {r}:\n{}", rank.log());
     }
-    drop(victim);
-    eprintln!("kill -9 of rank {VICTIM}: survivors 0, 2, 3 exited after {took:?}");
+    drop(dead);
+    took
+}
+
+/// Under torchrun, srun or mpirun there is no launcher of ours to stop the survivors of a
+/// crash: each must notice on its own. Rank 1 is SIGKILLed as soon as every ring is connected
+/// (during the first barrier, while shared-memory links cannot yet see a dead peer, or just
+/// after). Every survivor must name the dead rank and its address — not only rank 2, which waits
+/// on its data, but also ranks 0 and 3, whose closed links came from a messenger: the ranks'
+/// failure reports in the store converge on the one rank that never reported.
+#[test]
+fn without_a_launcher_every_survivor_of_a_kill_9_fails_naming_the_dead_rank() {
+    let took = kill_9_and_check_every_survivor(1, |_, err, listen| {
+        // Every survivor names rank 1, at the address it logged, as the rank that is gone.
+        let named = format!("rank 1 ({})", listen[1]);
+        listen[1].starts_with("127.0.0.1:") && err.contains(&format!("{named} is gone"))
+    });
+    eprintln!("kill -9 of rank 1: survivors 0, 2, 3 exited after {took:?}");
+}
+/// The same when the rank killed is rank 0, which also hosts the store: the survivors cannot
+/// compare reports, but none may hang. Its neighbours name rank 0 and its address; the rank
+/// beyond them, which lost a messenger, says the store (and so, probably, its host) is gone.
+#[test]
+fn without_a_launcher_every_survivor_of_a_kill_9_of_the_store_host_fails() {
+    let took = kill_9_and_check_every_survivor(0, |_, err, listen| {
+        err.contains(&format!("rank 0 ({})", listen[0]))
+            || err.contains("The rendezvous store cannot tell which rank failed first")
+    });
+    eprintln!("kill -9 of rank 0 (the store's host): survivors 1, 2, 3 exited after {took:?}");
 }
 
 #[test]

@@ -9,6 +9,8 @@
 //! - `rendezvous`: how the ranks of a new group find each other through the store (rank claims,
 //!   world size, missing ranks, the first-cause abort), shared by the TCP and NCCL groups; each
 //!   group's keys live in its own namespace of the store ([`crate::store::PrefixStore`]).
+//! - `postmortem`: after a failed collective, which rank died without reporting (the root cause
+//!   that every survivor names, instead of the neighbour whose closed link reached it).
 //! - `stall`: the stall reporter (who has not arrived), shared by the TCP and NCCL groups.
 //! - [`shm`]: the shared-memory byte channel of same-host ring links.
 //! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets (or shared memory between
@@ -24,6 +26,7 @@ mod conformance;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod netif;
+pub(crate) mod postmortem;
 pub(crate) mod rendezvous;
 pub mod ring;
 pub mod shm;
@@ -360,7 +363,10 @@ pub struct Checked<'a, T> {
 ///   aborted, so the other ranks, already inside the collective, fail too instead of waiting.
 /// - **Deadline**: a call that does not finish within the group's timeout fails with
 ///   [`CollectiveError::Timeout`]; a peer that dies makes its neighbours fail with
-///   [`CollectiveError::PeerLost`], which propagates to the other ranks.
+///   [`CollectiveError::PeerLost`], which propagates to the other ranks. A backend that can
+///   tell (TCP, through the store) names the dead rank on every survivor instead:
+///   [`CollectiveError::PeerGone`], or [`CollectiveError::PeerLostStoreGone`] when the store
+///   went with it.
 /// - **After an error** the group is aborted: its connections are closed and every later call
 ///   fails at once. Create a new group to go on.
 /// - **Results are identical on every rank**, bit for bit (each chunk is reduced on one rank, in

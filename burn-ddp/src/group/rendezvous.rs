@@ -10,6 +10,8 @@
 //! | `world/{rank}` | the rank | its world size, decimal text |
 //! | `abort/claims` | `add` by a failing rank | how many ranks tried to publish an abort |
 //! | `abort` | the first failing rank only | `rank R: <error>`, the first cause |
+//! | `failed/{rank}` | the rank, when a collective fails | the peer it lost, and its error (see `super::postmortem`) |
+//! | `judged/{rank}` | the rank, once it knows the cause | `1` |
 //! | (group's own keys, e.g. `addr/{rank}`) | the group | through [`Rendezvous::publish`] |
 //!
 //! # Steps of [`Rendezvous::join`] and [`Rendezvous::wait_joined`]

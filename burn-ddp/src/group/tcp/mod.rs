@@ -28,6 +28,15 @@
 //! per rank keeps the two cores of a small machine for two ranks' copies and reductions instead of
 //! four threads contending for them. Received headers are checked before any data is used.
 //!
+//! # A failed collective
+//! The rank closes both ring connections, so its neighbours fail at once too, and the group is
+//! aborted. A rank that lost a peer's connection finds the root cause through the store
+//! ([`super::postmortem`]): every failing rank reports under `failed/{rank}`, and a rank that
+//! others lost but that never reported within a couple of seconds died; every survivor then
+//! names it ([`CollectiveError::PeerGone`]) instead of the neighbour whose closed link reached
+//! it first. A store that fails too (its host died) leaves the error as it was, saying so
+//! ([`CollectiveError::PeerLostStoreGone`]).
+//!
 //! # Same-host neighbours: shared memory
 //! When a neighbour runs on the same host (same kernel and network namespace, see
 //! [`shm::host_identity`](super::shm::host_identity)), and `options.shared_memory` says so, the
@@ -43,10 +52,11 @@ mod transport;
 
 use std::net::{IpAddr, Shutdown};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use self::exchange::Call;
 use self::setup::Ring;
+use super::postmortem::{post_mortem, Report, Verdict};
 use super::rendezvous::{check_member, Rendezvous};
 use super::ring::{self, RingPlan};
 use super::stall::StallReporter;
@@ -186,13 +196,71 @@ impl TcpProcessGroup {
             .map(|r| (r.data_out.label(), r.data_in.label()))
     }
 
-    /// Closes the ring so the neighbours fail fast, and refuses every later call.
-    fn abort(&mut self, why: &CollectiveError) {
-        if let Some(ring) = self.ring.take() {
+    /// Fails the group with `why`: publishes this rank's failure report, closes the ring so the
+    /// neighbours fail fast (they find the report already there) and, when it lost a peer,
+    /// turns `why` into the root cause the reports show ([`post_mortem`], bounded by `deadline`,
+    /// the collective's); then refuses every later call. Returns the error to give the caller.
+    fn fail(&mut self, why: CollectiveError, deadline: Instant) -> CollectiveError {
+        let Some(ring) = self.ring.take() else {
+            // A group of one, or an already aborted one: nothing to close or report.
+            self.calls.abort(&why);
+            return why;
+        };
+        let lost = match &why {
+            CollectiveError::PeerLost {
+                peer, peer_addr, ..
+            } => Some((*peer, peer_addr.clone())),
+            _ => None,
+        };
+        let report = Report {
+            lost,
+            message: why.to_string(),
+        };
+        let Membership { rank, world_size } = self.member;
+        let verdict = post_mortem(&self.store, (rank, world_size), report, deadline, || {
             let _ = ring.next.stream.shutdown(Shutdown::Both);
             let _ = ring.prev.stream.shutdown(Shutdown::Both);
-        }
-        self.calls.abort(why);
+            drop(ring);
+        });
+        let why = match (verdict, why) {
+            (
+                Verdict::Gone(gone),
+                CollectiveError::PeerLost {
+                    rank,
+                    peer,
+                    peer_addr,
+                    desc,
+                    source,
+                },
+            ) => CollectiveError::PeerGone {
+                rank,
+                desc,
+                gone,
+                peer,
+                peer_addr,
+                source,
+            },
+            (
+                Verdict::StoreFailed(store),
+                CollectiveError::PeerLost {
+                    rank,
+                    peer,
+                    peer_addr,
+                    desc,
+                    source,
+                },
+            ) => CollectiveError::PeerLostStoreGone {
+                rank,
+                peer,
+                peer_addr,
+                desc,
+                source,
+                store: Box::new(store),
+            },
+            (_, why) => why,
+        };
+        self.calls.abort(&why);
+        why
     }
 
     /// Runs one collective: checks, then the event loop over the plan; aborts the group on error.
@@ -205,23 +273,18 @@ impl TcpProcessGroup {
         op: ReduceOp,
         precheck: Option<String>,
     ) -> Result<(), CollectiveError> {
+        let deadline = Instant::now() + self.options.timeout;
         let desc = match self.calls.begin(kind, T::DTYPE, len, precheck) {
             Ok(desc) => desc,
-            Err(err) => {
-                self.abort(&err);
-                return Err(err);
-            }
+            Err(err) => return Err(self.fail(err, deadline)),
         };
         if self.member.world_size == 1 {
             return Ok(());
         }
         let piece_elems = (self.options.piece_bytes / std::mem::size_of::<T>()).max(1);
         let plan = plan(piece_elems);
-        let result = self.exchange(&desc, buffer, &plan, op);
-        if let Err(e) = &result {
-            self.abort(e);
-        }
-        result
+        self.exchange(&desc, buffer, &plan, op)
+            .map_err(|e| self.fail(e, deadline))
     }
 
     fn exchange<T: Element>(
@@ -258,7 +321,7 @@ impl TcpProcessGroup {
             self.member.rank,
             self.member.world_size,
             self.options.stall_warning,
-            std::time::Instant::now(),
+            Instant::now(),
         );
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
         exchange::exchange(ring, &call, buffer, scratch, stall)
