@@ -7,6 +7,8 @@
 //! - appends `test name: needs KIND: reason` to the file `$TESTS_SKIP_LOG`, which `.ci/run`
 //!   counts and prints at the end (`N passed, M skipped` with each reason);
 //! - prints the same line.
+//!
+//! And [`ClosedPort`]: a port that refuses connections without a race.
 
 use std::io::Write;
 
@@ -60,6 +62,54 @@ pub fn skip(needs: Needs, reason: &str) {
             .and_then(|mut f| writeln!(f, "{line}"));
         if let Err(e) = written {
             panic!("cannot record the skip in TESTS_SKIP_LOG={path}: {e}");
+        }
+    }
+}
+
+/// A local port that refuses connections for as long as it lives: a socket bound to it (without
+/// `SO_REUSEADDR`, so nobody else can bind it) that does not listen.
+pub struct ClosedPort {
+    fd: libc::c_int,
+    pub port: u16,
+}
+
+impl Default for ClosedPort {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ClosedPort {
+    /// # Panics
+    /// When the socket cannot be created or bound (test support: a broken machine).
+    pub fn new() -> ClosedPort {
+        // SAFETY: plain socket calls on a socket this function owns, with a properly sized
+        // sockaddr_in; every result is checked.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+            let mut addr: libc::sockaddr_in = std::mem::zeroed();
+            addr.sin_family = libc::AF_INET as libc::sa_family_t;
+            addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            let rc = libc::bind(fd, (&addr as *const libc::sockaddr_in).cast(), len);
+            assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+            let mut len = len;
+            let rc = libc::getsockname(fd, (&mut addr as *mut libc::sockaddr_in).cast(), &mut len);
+            assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
+            ClosedPort {
+                fd,
+                port: u16::from_be(addr.sin_port),
+            }
+        }
+    }
+}
+
+impl Drop for ClosedPort {
+    fn drop(&mut self) {
+        // SAFETY: our own descriptor, closed once.
+        unsafe {
+            libc::close(self.fd);
         }
     }
 }

@@ -441,45 +441,7 @@ pub fn start_by_hand(commands: impl Fn(u16) -> Vec<Command>) -> (Vec<Proc>, u16)
     panic!("20 ports in a row were taken before rank 0 could bind them");
 }
 
-/// A local port that refuses connections for as long as it lives: a socket bound to it (without
-/// `SO_REUSEADDR`, so nobody else can bind it) that does not listen.
-pub struct ClosedPort {
-    fd: libc::c_int,
-    pub port: u16,
-}
-
-impl ClosedPort {
-    pub fn new() -> ClosedPort {
-        // SAFETY: plain socket calls on a socket this function owns, with a properly sized
-        // sockaddr_in; every result is checked.
-        unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-            assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-            let mut addr: libc::sockaddr_in = std::mem::zeroed();
-            addr.sin_family = libc::AF_INET as libc::sa_family_t;
-            addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
-            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            let rc = libc::bind(fd, (&addr as *const libc::sockaddr_in).cast(), len);
-            assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
-            let mut len = len;
-            let rc = libc::getsockname(fd, (&mut addr as *mut libc::sockaddr_in).cast(), &mut len);
-            assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
-            ClosedPort {
-                fd,
-                port: u16::from_be(addr.sin_port),
-            }
-        }
-    }
-}
-
-impl Drop for ClosedPort {
-    fn drop(&mut self) {
-        // SAFETY: our own descriptor, closed once.
-        unsafe {
-            libc::close(self.fd);
-        }
-    }
-}
+pub use burn_ddp::testing::ClosedPort;
 
 /// A tiny tmpfs, unmounted on drop. Where it cannot be mounted (no root), [`SmallDisk::mount`]
 /// records a skip ([`burn_ddp::testing::skip`]: a failure where `TESTS_MUST_RUN` names `tmpfs`)
@@ -604,11 +566,7 @@ pub fn resume_visits_every_sample_once(
     copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
     let config = write_config(dir, &name, body);
     let out = train(&config, nproc);
-    assert!(
-        out.stderr.contains("saved with world size 2"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["saved with world size 2"], &out);
     let mut seen = before.clone();
     visits(&dir.join(format!("{name}-out")), &mut seen);
     assert_eq!(
@@ -742,4 +700,41 @@ pub const ADAM: &str = "name = \"adam\"\nlearning_rate = 0.003";
 /// The weights of the newest checkpoint of the run written by `write_config(dir, name, …)`.
 pub fn final_weights(dir: &Path, name: &str) -> BTreeMap<String, Vec<f32>> {
     read_weights(&newest_checkpoint(&dir.join(format!("{name}-ckpt"))).join("model.safetensors"))
+}
+
+/// Fails unless the newest checkpoints of the runs `a` and `b` (configs written by
+/// `write_config(dir, …)`) hold the same weights within `tolerance`.
+pub fn assert_same_weights(dir: &Path, a: &str, b: &str, tolerance: f32) {
+    let diff = max_abs_diff(&final_weights(dir, a), &final_weights(dir, b));
+    assert!(diff <= tolerance, "{a} vs {b}: max |dw| = {diff:e}");
+}
+
+/// Fails unless the run's log says it resumed from the checkpoint of optimizer step `step`.
+pub fn assert_resumed_at(out: &Output, step: usize) {
+    assert!(
+        out.stderr.contains("resumed from") && out.stderr.contains(&format!("step {step}")),
+        "{}",
+        out.all()
+    );
+}
+
+/// Fails, showing the whole output, unless `stream` (`out.stdout` or `out.stderr`) contains
+/// every one of `needles`.
+pub fn assert_says(stream: &str, needles: &[&str], out: &Output) {
+    for needle in needles {
+        assert!(
+            stream.contains(needle),
+            "missing {needle:?}:\n{}",
+            out.all()
+        );
+    }
+}
+
+/// Fails unless the launcher refused before starting any rank (no `[rank N]` line).
+pub fn assert_no_rank_started(out: &Output) {
+    assert!(
+        !out.all().contains("[rank "),
+        "no rank started:\n{}",
+        out.all()
+    );
 }

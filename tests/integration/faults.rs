@@ -40,11 +40,7 @@ fn a_killed_rank_stops_the_job_and_is_named() {
     let detected = launcher.wait_within(WATCHDOG);
     let out = launcher.finish();
     assert_ne!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("rank 1 failed: killed by signal 9"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["rank 1 failed: killed by signal 9"], &out);
     assert!(ranks.iter().all(|&p| !alive(p)), "no rank left behind");
     eprintln!("kill -9 of rank 1: launcher exited {detected:?} later");
 }
@@ -151,11 +147,7 @@ fn a_stalled_rank_times_out_naming_the_peer() {
     signal(victim, libc::SIGSTOP);
     let out = launcher.finish();
     assert_ne!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("timed out after") && out.stderr.contains("rank 1 (127.0.0.1"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["timed out after", "rank 1 (127.0.0.1"], &out);
     assert!(
         ranks.iter().all(|&p| !alive(p)),
         "the stopped rank was killed too"
@@ -335,22 +327,16 @@ fn with_max_restarts_a_killed_rank_costs_nothing_but_time() {
         ],
     );
     assert_eq!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("rank 0 failed: killed by signal 9")
-            && out.stderr.contains("restarting every rank (1 of 1"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &[
+            "rank 0 failed: killed by signal 9",
+            "restarting every rank (1 of 1",
+        ],
+        &out,
     );
-    assert!(
-        out.stderr.contains("resumed from") && out.stderr.contains("step 10"),
-        "{}",
-        out.all()
-    );
-    let diff = max_abs_diff(
-        &final_weights(&dir, "straight"),
-        &final_weights(&dir, "restarted"),
-    );
-    assert!(diff <= 1e-6, "{diff:e}");
+    assert_resumed_at(&out, 10);
+    assert_same_weights(&dir, "straight", "restarted", 1e-6);
 }
 
 #[test]
@@ -368,21 +354,13 @@ fn a_crash_mid_checkpoint_resumes_from_the_previous_one() {
     );
     let out = train2(&crashed, &[], &[]);
     assert_eq!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("step 10") && out.stderr.contains("interrupted checkpoint"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["step 10", "interrupted checkpoint"], &out);
     assert!(!std::fs::read_dir(&root).unwrap().any(|e| e
         .unwrap()
         .file_name()
         .to_string_lossy()
         .starts_with(".tmp")));
-    let diff = max_abs_diff(
-        &final_weights(&dir, "straight"),
-        &final_weights(&dir, "crashed"),
-    );
-    assert!(diff <= 1e-6, "{diff:e}");
+    assert_same_weights(&dir, "straight", "crashed", 1e-6);
 }
 
 #[test]
@@ -413,17 +391,15 @@ fn damaged_checkpoints_are_detected_and_skipped() {
         "falls back to the last good one:\n{}",
         out.all()
     );
-    assert!(
-        out.stderr
-            .contains("step-00000030: model.safetensors is corrupted"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["step-00000030: model.safetensors is corrupted"],
+        &out,
     );
-    assert!(
-        out.stderr
-            .contains("step-00000020: optimizer.mpk is corrupted"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["step-00000020: optimizer.mpk is corrupted"],
+        &out,
     );
 
     // Pointing at the damaged one directly is a clear error, not a panic.
@@ -522,16 +498,11 @@ fn a_full_disk_leaves_the_previous_checkpoint_intact() {
     let config = write_config(&dir, "run", &body);
     let out = train2(&config, &[], &[]);
     assert_ne!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("No space left on device"),
-        "{}",
-        out.all()
-    );
-    assert!(
-        out.stderr
-            .contains("was not written (the previous checkpoints are intact)"),
-        "{}",
-        out.all()
+    assert_says(&out.stderr, &["No space left on device"], &out);
+    assert_says(
+        &out.stderr,
+        &["was not written (the previous checkpoints are intact)"],
+        &out,
     );
     assert!(newest_checkpoint(&ckpt).ends_with("step-00000010"));
     let leftovers: Vec<_> = std::fs::read_dir(&ckpt)
@@ -634,18 +605,10 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_every_good_checkpoint() {
     // run that never diverged.
     let out = train2(&digits_with("run", &dir, "0.003", 30, ""), &[], &[]);
     assert_eq!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("resumed from") && out.stderr.contains("step 20"),
-        "{}",
-        out.all()
-    );
+    assert_resumed_at(&out, 20);
     let straight = digits_with("straight", &dir, "0.003", 30, "");
     assert_eq!(train2(&straight, &[], &[]).code, Some(0));
-    let diff = max_abs_diff(
-        &final_weights(&dir, "straight"),
-        &final_weights(&dir, "run"),
-    );
-    assert!(diff <= 1e-6, "{diff:e}");
+    assert_same_weights(&dir, "straight", "run", 1e-6);
 }
 
 #[test]
@@ -667,17 +630,15 @@ fn on_nonfinite_skip_finishes_and_counts_the_skipped_steps() {
         "skipped {skipped}:\n{}",
         out.all()
     );
-    assert!(
-        out.stdout
-            .contains("optimizer steps with non-finite gradients"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stdout,
+        &["optimizer steps with non-finite gradients"],
+        &out,
     );
-    assert!(
-        out.stderr
-            .contains("skipped (training.on_nonfinite = \"skip\")"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["skipped (training.on_nonfinite = \"skip\")"],
+        &out,
     );
 }
 
@@ -690,19 +651,16 @@ fn a_model_too_big_for_memory_is_refused_before_any_rank_starts() {
     let config = write_config(&dir, "big", &body);
     let out = train2(&config, &[], &[]);
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert!(
-        out.stderr
-            .contains("7,500,000,010 parameters need at least")
-            && out.stderr.contains("is available (")
-            && out.stderr.contains("2 ranks on this machine need"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &[
+            "7,500,000,010 parameters need at least",
+            "is available (",
+            "2 ranks on this machine need",
+        ],
+        &out,
     );
-    assert!(
-        !out.all().contains("[rank "),
-        "no rank started:\n{}",
-        out.all()
-    );
+    assert_no_rank_started(&out);
 }
 
 #[test]
@@ -759,11 +717,10 @@ fn an_allocation_failure_is_a_clear_error_not_an_abort() {
         .arg(&config);
     let out = run(&mut cmd);
     assert_eq!(out.code, Some(1), "{}", out.all());
-    assert!(
-        out.stderr.contains("error: out of memory: allocating ")
-            && out.stderr.contains(" bytes failed;"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["error: out of memory: allocating ", " bytes failed;"],
+        &out,
     );
     assert!(!out.stderr.contains("panicked"), "{}", out.all());
 }
@@ -797,17 +754,12 @@ fn no_validation_set_is_said_so_and_a_file_as_checkpoint_dir_is_bad_input() {
     );
     let out = train2(&config, &[], &[]);
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert!(
-        out.stderr.contains("checkpoint.dir = ")
-            && out.stderr.contains("is a file, not a directory"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["checkpoint.dir = ", "is a file, not a directory"],
+        &out,
     );
-    assert!(
-        !out.all().contains("[rank "),
-        "no rank started:\n{}",
-        out.all()
-    );
+    assert_no_rank_started(&out);
     assert_eq!(
         std::fs::read_to_string(&file).unwrap(),
         "x",

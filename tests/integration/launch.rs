@@ -83,11 +83,7 @@ fn max_restarts_starts_every_rank_again_after_a_failure() {
         ],
     );
     assert_eq!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stderr.contains("restarting every rank (1 of 1"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["restarting every rank (1 of 1"], &out);
     for rank in 0..2 {
         assert!(
             out.stdout.contains(&format!("rank {rank} ok on attempt 1")),
@@ -166,11 +162,7 @@ fn the_report_ends_with_the_failing_ranks_last_lines_and_every_line_is_tagged() 
         )
         .env("READY", &ready));
     assert_eq!(out.code, Some(3), "{}", out.all());
-    assert!(
-        out.stderr.contains("[rank 0] rank zero is up"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["[rank 0] rank zero is up"], &out);
     let lines: Vec<&str> = out.stderr.lines().collect();
     let report = lines
         .iter()

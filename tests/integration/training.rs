@@ -132,11 +132,7 @@ fn a_killed_rank_loses_only_the_work_since_the_checkpoint() {
     let records_before = records(&dir.join("crashed-out")).len();
     let samples_before = sample_lines(&dir.join("crashed-out"), 0).len();
     let out = train(&crashed, 2);
-    assert!(
-        out.stderr.contains("resumed from") && out.stderr.contains("step 10"),
-        "{}",
-        out.all()
-    );
+    assert_resumed_at(&out, 10);
     // It really resumed: it trained steps 11..=30 only (a restart from scratch gives the same
     // weights, but trains steps 1..=30 again).
     let steps: Vec<u64> = records(&dir.join("crashed-out"))[records_before..]
@@ -277,11 +273,7 @@ fn a_checkpoint_of_another_model_is_refused_and_left_intact() {
         .arg(&cnn)
         .args(["--nproc-per-node", "2"]));
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert!(
-        out.stderr.contains("does not fit this config") && out.stderr.contains("'mlp'"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stderr, &["does not fit this config", "'mlp'"], &out);
     assert_eq!(
         snapshot(&ckpt),
         before,
@@ -296,11 +288,7 @@ fn a_checkpoint_of_another_model_is_refused_and_left_intact() {
         .arg("--checkpoint")
         .arg(&ckpt));
     assert_eq!(out.code, Some(0), "{}", out.all());
-    assert!(
-        out.stdout.contains("validation Loss") && out.stdout.contains("Accuracy"),
-        "{}",
-        out.all()
-    );
+    assert_says(&out.stdout, &["validation Loss", "Accuracy"], &out);
 }
 
 #[test]
@@ -469,11 +457,10 @@ fn ranks_seeded_differently_start_equal_after_the_broadcast_and_stay_equal() {
         &[("TRAINER_SEED_BY_RANK", "1")],
     );
     // The hook was on: rank 1 drew its weights with seed 7 + 1.
-    assert!(
-        out.stderr
-            .contains("TRAINER_SEED_BY_RANK=1: initial weights seeded with 8"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["TRAINER_SEED_BY_RANK=1: initial weights seeded with 8"],
+        &out,
     );
     let diff = max_abs_diff(
         &final_weights(&dir, "same-seed"),

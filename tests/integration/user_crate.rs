@@ -198,15 +198,10 @@ fn the_users_parameter_count_lets_the_preflight_refuse_a_model_too_big() {
         .args(["--nproc-per-node", "2"]);
     let out = run(&mut cmd);
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert!(
-        out.stderr
-            .contains("20,000,000,002 parameters need at least"),
-        "{}",
-        out.all()
+    assert_says(
+        &out.stderr,
+        &["20,000,000,002 parameters need at least"],
+        &out,
     );
-    assert!(
-        !out.all().contains("[rank "),
-        "no rank started:\n{}",
-        out.all()
-    );
+    assert_no_rank_started(&out);
 }

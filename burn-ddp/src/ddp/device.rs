@@ -451,25 +451,40 @@ mod tests {
         c: Linear<B>,
     }
 
+    impl<B: Backend> Net<B> {
+        /// 16 → 32 → 8 → 3: six gradients of 512, 32, 256, 8, 24 and 3 elements.
+        fn new(device: &B::Device) -> Self {
+            Self {
+                a: LinearConfig::new(16, 32).init(device),
+                b: LinearConfig::new(32, 8).init(device),
+                c: LinearConfig::new(8, 3).init(device),
+            }
+        }
+    }
+
+    /// The CUDA device 0 where NCCL can run too, or why these tests cannot run here.
+    fn nccl_device() -> Option<CudaDevice> {
+        let device = cuda_device()?;
+        match check_nccl_available() {
+            Ok(_) => Some(device),
+            Err(e) => {
+                crate::testing::skip(Needs::Gpu, &format!("no usable NCCL: {e}"));
+                None
+            }
+        }
+    }
+
     /// A one-rank NCCL group: the mean over one rank is the gradient itself, bit for bit, and
     /// every bucket of the plan goes through pack → address → NCCL → unpack; compressed, it is
     /// the gradient rounded to bf16 / fp16.
     #[test]
     fn one_rank_nccl_reducer_leaves_gradients_unchanged_or_rounded() {
         type B = Autodiff<Cuda>;
-        let Some(device) = cuda_device() else { return };
-        if let Err(e) = check_nccl_available() {
-            crate::testing::skip(Needs::Gpu, &format!("no usable NCCL: {e}"));
-            return;
-        }
+        let Some(device) = nccl_device() else { return };
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let mut group = NcclProcessGroup::new(store, 0, 1, 0, Duration::from_secs(60))
             .expect("a one-rank NCCL group");
-        let net = Net::<B> {
-            a: LinearConfig::new(16, 32).init(&device),
-            b: LinearConfig::new(32, 8).init(&device),
-            c: LinearConfig::new(8, 3).init(&device),
-        };
+        let net = Net::<B>::new(&device);
         let ids = [net.a.weight.id, net.b.weight.id, net.c.weight.id];
         let read = |grads: &GradientsParams| -> Vec<Vec<f32>> {
             ids.iter()
@@ -562,21 +577,13 @@ mod tests {
         use crate::ddp::HostStaging;
         use crate::group::{TcpGroupOptions, TcpProcessGroup};
         type B = Autodiff<Cuda>;
-        let Some(device) = cuda_device() else { return };
-        if let Err(e) = check_nccl_available() {
-            crate::testing::skip(Needs::Gpu, &format!("no usable NCCL: {e}"));
-            return;
-        }
+        let Some(device) = nccl_device() else { return };
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let mut nccl = NcclProcessGroup::new(store.clone(), 0, 1, 0, Duration::from_secs(60))
             .expect("a one-rank NCCL group");
         let mut tcp = TcpProcessGroup::new(store, 0, 1, TcpGroupOptions::default())
             .expect("a one-rank TCP group");
-        let net = Net::<B> {
-            a: LinearConfig::new(16, 32).init(&device),
-            b: LinearConfig::new(32, 8).init(&device),
-            c: LinearConfig::new(8, 3).init(&device),
-        };
+        let net = Net::<B>::new(&device);
         let grads_for = |poison: f32| {
             B::seed(&device, 3);
             let x = Tensor::<B, 2>::random(

@@ -281,45 +281,7 @@ mod tests {
         assert_eq!(good.get("k", Duration::from_secs(1)).unwrap(), b"v");
     }
 
-    /// A local port that refuses connections while it lives: a socket bound to it (without
-    /// `SO_REUSEADDR`, so no other process can take the port) that never listens. A port bound
-    /// and released instead could be taken, and listened on, by anyone in between.
-    struct ClosedPort {
-        fd: libc::c_int,
-        port: u16,
-    }
-
-    impl ClosedPort {
-        fn new() -> Self {
-            // SAFETY: plain socket calls on a descriptor this function owns, with a properly
-            // sized sockaddr_in; every result is checked.
-            unsafe {
-                let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-                assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
-                let mut addr: libc::sockaddr_in = std::mem::zeroed();
-                addr.sin_family = libc::AF_INET as libc::sa_family_t;
-                addr.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
-                let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-                let rc = libc::bind(fd, (&raw const addr).cast(), len);
-                assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
-                let rc = libc::getsockname(fd, (&raw mut addr).cast(), &mut len);
-                assert_eq!(rc, 0, "getsockname: {}", std::io::Error::last_os_error());
-                Self {
-                    fd,
-                    port: u16::from_be(addr.sin_port),
-                }
-            }
-        }
-    }
-
-    impl Drop for ClosedPort {
-        fn drop(&mut self) {
-            // SAFETY: our own descriptor, closed once.
-            unsafe {
-                libc::close(self.fd);
-            }
-        }
-    }
+    use crate::testing::ClosedPort;
 
     #[test]
     fn unreachable_server_times_out_with_the_address() {
