@@ -8,9 +8,11 @@ mod common;
 mod collectives;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod doctor;
 mod faults;
 mod launch;
 mod multinode;
+mod plots;
 mod reference_models;
 mod tiers;
 mod training;

@@ -20,7 +20,7 @@ use crate::error::UsageError;
 use crate::launch::{self, Program};
 use crate::run::{self, EvalArgs, TrainArgs};
 use crate::worker_env::WORKER_VAR;
-use crate::{bench, tools};
+use crate::{bench, doctor, plot, tools};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -49,6 +49,10 @@ enum Command {
     /// Start any program as N supervised ranks, like `torchrun --no-python`:
     /// `trainer launch --nproc-per-node N -- PROGRAM [ARGS...]`.
     Launch(launch::LaunchCommand),
+    /// Write PNG charts of a run from its `metrics.jsonl`: `trainer plot runs/digits-mlp`.
+    Plot(plot::PlotArgs),
+    /// Check, without training, whether this machine and configuration can run a job.
+    Doctor(doctor::DoctorArgs),
 }
 
 /// The `trainer` binary.
@@ -87,6 +91,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Some(Command::BenchTrain(args)) => bench::bench_train(&args),
+        Some(Command::Plot(args)) => plot::plot_command(&args),
+        Some(Command::Doctor(args)) => doctor::doctor_command(&args),
         Some(Command::Launch(cmd)) => launch::launch(&cmd.launch, &Program::resolve(&cmd.program)?),
         None => {
             let Some(config) = cli.train.config.clone() else {

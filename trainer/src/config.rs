@@ -325,6 +325,11 @@ pub struct OutputConfig {
     pub device: DeviceKind,
     /// Write each rank's visited sample indices to `samples-rank<R>.txt` (for tests).
     pub log_samples: bool,
+    /// Write PNG charts of the run to `<dir>/plots/` when training ends (`trainer plot DIR`
+    /// writes them at any time).
+    pub plots: bool,
+    /// Also write TensorBoard event files to `<dir>/tensorboard/`.
+    pub tensorboard: bool,
 }
 
 impl Default for OutputConfig {
@@ -333,6 +338,8 @@ impl Default for OutputConfig {
             dir: PathBuf::from("runs/default"),
             device: DeviceKind::Cpu,
             log_samples: false,
+            plots: true,
+            tensorboard: false,
         }
     }
 }

@@ -31,6 +31,9 @@
 //! | [`data`] | the digits and synthetic classification data, batching |
 //! | [`tools`] | collective self-test and all-reduce benchmark |
 //! | [`bench`] | the engine's overhead and scaling benchmark |
+//! | [`timing`] | where each step's time goes, per rank and across ranks (pure) |
+//! | [`plot`] | PNG charts of a run from its metrics file |
+//! | [`doctor`] | `trainer doctor`: can this machine and config run a job, and what to fix |
 //! | `cli` | the `trainer` binary's command line (imported by `main` only) |
 
 pub mod alloc;
@@ -43,6 +46,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod doctor;
 pub mod error;
 pub mod eval;
 pub mod fit;
@@ -53,9 +57,11 @@ pub mod memory;
 pub mod metrics;
 pub mod parallel;
 pub mod plan;
+pub mod plot;
 pub mod preflight;
 pub mod ranklog;
 pub mod run;
 pub mod schedule;
+pub mod timing;
 pub mod tools;
 pub mod worker_env;

@@ -17,6 +17,8 @@ use burn_ddp::{CollectiveError, ProcessGroup, ReduceOp};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use crate::timing::StepTime;
+
 /// Adds `values` over all ranks (collective). Metrics are sums of per-sample quantities with
 /// their counts, so the result is the exact global value however samples fall on ranks.
 pub fn global_sum<const N: usize>(
@@ -29,10 +31,26 @@ pub fn global_sum<const N: usize>(
 }
 
 /// One line of `metrics.jsonl`. Metric values are keyed by the burn-train metric's name
-/// (`"Loss"`, `"Accuracy"`, ...), each the global mean over the samples it covers.
+/// (`"Loss"`, `"Accuracy"`, ...), each the global mean over the samples it covers (`null` when
+/// no sample was counted). Times are seconds.
+///
+/// A resumed or restarted run appends to the same file, after a `start` line of its own.
 #[derive(Debug, Serialize)]
 #[serde(tag = "kind", rename_all = "lowercase")]
 pub enum Record {
+    /// A process (or the ranks of a job) started training: fresh, or resumed from a checkpoint.
+    Start {
+        /// The optimizer step it starts after (0 for a fresh run).
+        step: usize,
+        epoch: usize,
+        world_size: usize,
+        /// `Some(step)` when it resumed from a checkpoint of that step.
+        resumed_from: Option<usize>,
+        /// The launcher's restart count (`TORCHELASTIC_RESTART_COUNT`; 0 on the first attempt).
+        restart: u64,
+        /// Seconds since the Unix epoch.
+        unix_time: f64,
+    },
     /// Training metrics over the steps since the previous record, over all ranks.
     Train {
         epoch: usize,
@@ -41,6 +59,9 @@ pub enum Record {
         samples_per_sec: f64,
         world_size: usize,
         metrics: BTreeMap<String, f64>,
+        /// Seconds per optimizer step by phase, over the ranks (min / median / max), and the
+        /// slowest rank.
+        time: StepTime,
     },
     /// Validation over every validation sample exactly once.
     Valid {
@@ -48,6 +69,14 @@ pub enum Record {
         step: usize,
         samples: usize,
         metrics: BTreeMap<String, f64>,
+    },
+    /// The end of a process's training: where the time went over all its steps.
+    Finish {
+        step: usize,
+        world_size: usize,
+        time: StepTime,
+        /// The same, in words (what the final summary prints).
+        report: String,
     },
 }
 

@@ -1,0 +1,1 @@
+//! `trainer doctor`.

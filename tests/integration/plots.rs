@@ -1,0 +1,1 @@
+//! `trainer plot`: PNG charts of a run.
