@@ -716,3 +716,62 @@ fn shuffle_false_keeps_the_data_set_order() {
         assert_ne!(order("shuffled"), want, "rank {rank} shuffles by default");
     }
 }
+
+/// The step-time breakdown finds the straggler: a rank slowed on purpose (an environment hook
+/// that sleeps in its compute) is named in every `train` line of `metrics.jsonl`, in the
+/// `finish` line and in the final summary — rank 1 when rank 1 is slowed, rank 0 when rank 0
+/// is, so the report cannot name a fixed rank by accident.
+#[test]
+fn the_step_time_report_names_the_slowed_rank() {
+    let dir = scratch("straggler");
+    let body = digits_config(SGD, 8, "max_steps = 20");
+    for slowed in [1usize, 0] {
+        let name = format!("slow{slowed}");
+        let config = write_config(&dir, &name, &body);
+        let out = train_with(
+            &config,
+            2,
+            &[],
+            &[("TRAINER_SLOW_STEP", &format!("{slowed}:25"))],
+        );
+        let summary = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with("time per step"))
+            .unwrap_or_else(|| panic!("no step-time summary:\n{}", out.all()));
+        assert!(
+            summary.contains(&format!("slowest rank {slowed} ")),
+            "rank {slowed} was slowed: {summary}"
+        );
+        let records = records(&dir.join(format!("{name}-out")));
+        let timed: Vec<_> = records
+            .iter()
+            .filter(|r| r["kind"] == "train" || r["kind"] == "finish")
+            .collect();
+        assert_eq!(timed.len(), 20 / 5 + 1, "4 train lines and a finish line");
+        for r in timed {
+            let time = &r["time"];
+            assert_eq!(time["slowest_rank"], slowed, "{r}");
+            // 25 ms more compute per step on one rank: the max over ranks shows it, the
+            // other rank waits for it in the gradient sync.
+            assert!(time["compute"]["max"].as_f64().unwrap() >= 0.025, "{r}");
+            assert!(time["sync"]["max"].as_f64().unwrap() >= 0.015, "{r}");
+            for phase in ["data", "compute", "sync", "optimizer", "checkpoint", "step"] {
+                let s = &time[phase];
+                let (min, median, max) =
+                    (s["min"].as_f64(), s["median"].as_f64(), s["max"].as_f64());
+                assert!(
+                    matches!((min, median, max), (Some(a), Some(b), Some(c)) if 0.0 <= a && a <= b && b <= c),
+                    "{phase}: {r}"
+                );
+            }
+        }
+        let start = records.first().expect("a start line");
+        assert_eq!(start["kind"], "start");
+        assert_eq!(
+            (start["step"].as_u64(), start["world_size"].as_u64()),
+            (Some(0), Some(2))
+        );
+        assert!(start["resumed_from"].is_null());
+    }
+}

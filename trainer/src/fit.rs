@@ -45,6 +45,7 @@ use crate::parallel::{CheckpointPolicy, DataParallel};
 use crate::plan::{PlanInput, StepPlan};
 use crate::preflight::preflight;
 use crate::schedule::Schedule;
+use crate::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// `--config FILE` as one rank (or the only process): train app `A`.
 pub fn run<A: LearnAnywhere>(
@@ -125,6 +126,12 @@ impl<A: App> OnBackend<A> for TrainTask<A> {
         let summary = with_optimizer(&mut job, model)?;
         if job.rank() == 0 {
             println!("{}", summary.line(job.world_size()));
+            if let Some(time) = &summary.time {
+                println!("{time}");
+            }
+            if job.config.output.plots {
+                write_plots(&job.config.output.dir);
+            }
         }
         // Rank 0 may host the store: leave together.
         job.ddp.barrier()?;
@@ -140,6 +147,8 @@ pub struct Summary {
     pub steps: usize,
     /// Optimizer steps skipped for non-finite gradients (`training.on_nonfinite = "skip"`).
     pub skipped_steps: usize,
+    /// Where the time of this process's steps went, over the ranks (`None` without steps).
+    pub time: Option<String>,
 }
 
 impl Summary {
@@ -353,6 +362,18 @@ where
     let mut last_valid: Option<Validation> = None;
     let mut lr = 0.0;
     let mut skipped = 0;
+    reporter.record(&Record::Start {
+        step: position.step,
+        epoch: position.epoch,
+        world_size: world,
+        resumed_from: restored.as_ref().map(|c| c.manifest.position.step),
+        restart: restart_count(),
+        unix_time: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+    });
+    let slow_step = slow_step_if_asked(rank);
+    let mut clock = PhaseClock::new();
 
     while plan.more_after(position) {
         let samples = sampler.samples(position.epoch as u64, position.consumed);
@@ -371,7 +392,10 @@ where
             let mut accumulator = GradientsAccumulator::<A::Model>::new();
             for (micro, weight) in plan.micro_batches(step_samples) {
                 let micro_len = micro.len();
-                let batch = batches.next_batch(&train_batcher, &job.device)?;
+                let batch = clock.time(Phase::Data, || {
+                    batches.next_batch(&train_batcher, &job.device)
+                })?;
+                let compute = Instant::now();
                 let output = model.step(batch);
                 let mut grads = output.grads;
                 if weight != 1.0 {
@@ -381,12 +405,26 @@ where
                 }
                 accumulator.accumulate(&model, grads);
                 unsynced.push((output.item, micro_len));
+                clock.add(Phase::Compute, compute.elapsed());
             }
+            let compute = Instant::now();
+            if let Some(extra) = slow_step {
+                std::thread::sleep(extra);
+            }
+            // On an asynchronous device the backward is still queued: wait for it here, so
+            // that its time counts as compute, not as gradient communication (the sync needs
+            // the gradients next anyway).
+            B::sync(&job.device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+            clock.add(Phase::Compute, compute.elapsed());
             let mut grads = accumulator.grads();
-            let check = job.ddp.average_gradients(&model, &mut grads)?;
+            let check = clock.time(Phase::Sync, || {
+                job.ddp.average_gradients(&model, &mut grads)
+            })?;
             lr = schedule.next_lr();
             if check.all_finite() {
+                let optimize = Instant::now();
                 model = model.optimize(&mut optim, lr, grads);
+                clock.add(Phase::Optimizer, optimize.elapsed());
             } else {
                 // Every rank has the same verdict: all stop, or all skip, together.
                 let failed = NonFiniteGradients {
@@ -404,6 +442,7 @@ where
             }
 
             position = plan.after_step(position, epoch_start, k);
+            clock.end_step();
             window.add(step_samples.len() * world);
             if job.config.output.log_samples {
                 log_samples(&job.config.output.dir, rank, position.epoch, step_samples)?;
@@ -420,6 +459,7 @@ where
                 }
                 let values = job.ddp.metrics(&mut train_metrics)?;
                 let rate = window.rate();
+                let (time, _) = across_ranks(&mut job.ddp, clock.take_window())?;
                 reporter.record(&Record::Train {
                     epoch: position.epoch,
                     step: position.step,
@@ -427,6 +467,7 @@ where
                     samples_per_sec: rate,
                     world_size: world,
                     metrics: metrics::as_map(&values),
+                    time,
                 });
                 reporter.progress(
                     position.step as u64,
@@ -443,7 +484,9 @@ where
                 job.ddp.check_replicas(&model, position.step)?;
             }
             if plan.checkpoint_after_step(position.step) {
+                let saving = Instant::now();
                 job.save_checkpoint(position, &model, &optim, &schedule)?;
+                clock.add(Phase::Checkpoint, saving.elapsed());
                 last_saved = Some(position.step);
             }
             crash_if_asked(rank, position.step);
@@ -456,6 +499,7 @@ where
             // The epoch is complete: validate, and checkpoint at the start of the next one.
             position.epoch += 1;
             position.consumed = 0;
+            let validating = Instant::now();
             let v = validate::<A, B>(
                 job,
                 &model,
@@ -463,6 +507,9 @@ where
                 &mut valid_metrics,
                 position.step,
             )?;
+            // Validation is not part of any step: keep it out of the step times and the rate.
+            clock.exclude(validating.elapsed());
+            window.exclude(validating.elapsed());
             if let Some(v) = &v {
                 record_validation(&mut reporter, position.epoch - 1, v);
                 reporter.say(&format!(
@@ -475,12 +522,29 @@ where
             }
             last_valid = v;
             if plan.checkpoint_after_epoch(position.epoch) && last_saved != Some(position.step) {
+                let saving = Instant::now();
                 job.save_checkpoint(position, &model, &optim, &schedule)?;
+                clock.add(Phase::Checkpoint, saving.elapsed());
                 last_saved = Some(position.step);
             }
         }
     }
     reporter.finish();
+    // The steps since the last log line count in the run's totals.
+    let _ = clock.take_window();
+    let time = if clock.run_steps() > 0 {
+        let (time, ranks) = across_ranks(&mut job.ddp, clock.run_means())?;
+        let report = time.describe(&ranks);
+        reporter.record(&Record::Finish {
+            step: position.step,
+            world_size: world,
+            time,
+            report: report.clone(),
+        });
+        Some(report)
+    } else {
+        None
+    };
     if last_saved != Some(position.step) {
         job.save_checkpoint(position, &model, &optim, &schedule)?;
     }
@@ -523,6 +587,58 @@ where
         validation,
         steps: position.step,
         skipped_steps: skipped,
+        time,
+    })
+}
+
+/// Every rank's step times, combined over the ranks (collective: one small all-gather).
+fn across_ranks(
+    ddp: &mut DataParallel,
+    ours: RankTimes,
+) -> anyhow::Result<(StepTime, Vec<RankTimes>)> {
+    let all = ddp.all_gather(&ours.to_row())?;
+    let ranks: Vec<RankTimes> = all
+        .chunks_exact(RankTimes::ROW)
+        .map(RankTimes::from_row)
+        .collect();
+    Ok((StepTime::across_ranks(&ranks), ranks))
+}
+
+/// Rank 0, at the end of a run (`output.plots`): charts must never fail a finished run.
+fn write_plots(dir: &Path) {
+    match crate::plot::write_plots(dir) {
+        Ok(files) => tracing::info!(
+            "wrote {} charts to {}",
+            files.len(),
+            dir.join("plots").display()
+        ),
+        Err(e) => tracing::warn!("could not write the charts of {}: {e:#}", dir.display()),
+    }
+}
+
+/// The launcher's restart count (0 on the first attempt, and without a launcher).
+fn restart_count() -> u64 {
+    use crate::worker_env::RESTART_COUNT_VAR;
+    std::env::var(RESTART_COUNT_VAR)
+        .or_else(|_| std::env::var("TORCHELASTIC_RESTART_COUNT"))
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Fault injection for tests: `TRAINER_SLOW_STEP=RANK:MS` gives rank RANK MS more milliseconds
+/// of compute in every optimizer step (a straggler).
+fn slow_step_if_asked(rank: usize) -> Option<Duration> {
+    use crate::worker_env::SLOW_STEP_VAR;
+    let spec = std::env::var(SLOW_STEP_VAR).ok()?;
+    let (who, millis) = spec.split_once(':')?;
+    let (who, millis) = (
+        who.trim().parse::<usize>().ok()?,
+        millis.trim().parse::<u64>().ok()?,
+    );
+    (who == rank).then(|| {
+        eprintln!("[rank {rank}] {SLOW_STEP_VAR}={spec}: {millis} ms more compute per step (fault injection)");
+        Duration::from_millis(millis)
     })
 }
 
@@ -692,6 +808,10 @@ impl Window {
     }
     fn rate(&self) -> f64 {
         self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
+    }
+    /// Leaves time that is not training (validation) out of the rate.
+    fn exclude(&mut self, elapsed: Duration) {
+        self.start += elapsed.min(self.start.elapsed());
     }
 }
 

@@ -173,6 +173,14 @@ impl DataParallel {
         Ok(global_sum(&mut self.dist.group, values)?)
     }
 
+    /// Every rank's `values`, concatenated in rank order (`world_size × values.len()`).
+    /// Collective; every rank passes the same number of values.
+    pub fn all_gather(&mut self, values: &[f64]) -> anyhow::Result<Vec<f64>> {
+        let mut all = vec![0.0; values.len() * self.world_size()];
+        self.dist.group.all_gather(values, &mut all)?;
+        Ok(all)
+    }
+
     /// Every metric's global value (summed with its counts over the ranks), then clears them.
     /// Collective, with the same metric set everywhere.
     pub fn metrics<I>(&mut self, metrics: &mut Metrics<I>) -> anyhow::Result<Vec<MetricValue>> {

@@ -287,14 +287,16 @@ impl StepTime {
             share(Phase::Data),
             share(Phase::Checkpoint),
         );
-        if ranks.len() > 1 {
+        if let (true, Some(slowest)) = (ranks.len() > 1, ranks.get(self.slowest_rank)) {
+            // The slowest rank hardly waits in the all-reduce: its sync time is the
+            // communication itself; the others' extra is waiting for it.
             let busy = Spread::of(ranks.iter().map(RankTimes::busy));
-            let slowest = ranks.get(self.slowest_rank).map_or(0.0, RankTimes::busy);
             line.push_str(&format!(
-                "; slowest rank {} (busy {} per step, median over ranks {})",
+                "; slowest rank {} (busy {} per step, median over ranks {}; its communication {:.0}% of the step, the rest of the others' is waiting for it)",
                 self.slowest_rank,
-                millis(slowest),
-                millis(busy.median)
+                millis(slowest.busy()),
+                millis(busy.median),
+                100.0 * slowest.phase(Phase::Sync) / total,
             ));
         }
         line
@@ -343,7 +345,10 @@ mod tests {
 
     #[test]
     fn a_slow_loader_makes_a_straggler_too() {
-        let ranks = [rank(0.020, 0.010, 0.001, 0.032), rank(0.0, 0.010, 0.021, 0.032)];
+        let ranks = [
+            rank(0.020, 0.010, 0.001, 0.032),
+            rank(0.0, 0.010, 0.021, 0.032),
+        ];
         assert_eq!(StepTime::across_ranks(&ranks).slowest_rank, 0);
     }
 

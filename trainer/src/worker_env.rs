@@ -87,6 +87,11 @@ pub const STALL_AFTER_STEP_VAR: &str = "TRAINER_STALL_AFTER_STEP";
 /// Fault injection: with [`STALL_AFTER_STEP_VAR`], only this rank sleeps.
 pub const STALL_RANK_VAR: &str = "TRAINER_STALL_RANK";
 
+/// Fault injection: `"RANK:MS"` makes rank RANK spend MS more milliseconds computing in every
+/// optimizer step (a sleep inside the forward/backward phase) — a straggler for the step-time
+/// report (`slowest rank`).
+pub const SLOW_STEP_VAR: &str = "TRAINER_SLOW_STEP";
+
 /// Fault injection: `"1"` seeds each rank's freshly initialised model with `training.seed +
 /// rank` instead of `training.seed`, so the replicas start different (the config, and so its
 /// fingerprint, stays the same on every rank). The start-up broadcast of rank 0's weights must
