@@ -21,6 +21,9 @@ pub enum Needs {
     Tmpfs,
     /// A GPU with its driver (CUDA, NCCL).
     Gpu,
+    /// Python with the `tensorboard` package, named by `TENSORBOARD_PYTHON` (`.ci/run`
+    /// installs it), to read the event files the trainer writes.
+    TensorBoard,
 }
 
 impl Needs {
@@ -30,6 +33,7 @@ impl Needs {
             Self::Netns => "netns",
             Self::Tmpfs => "tmpfs",
             Self::Gpu => "gpu",
+            Self::TensorBoard => "tensorboard",
         }
     }
 }

@@ -14,6 +14,7 @@ mod launch;
 mod multinode;
 mod plots;
 mod reference_models;
+mod tensorboard;
 mod tiers;
 mod training;
 mod user_crate;

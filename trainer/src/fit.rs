@@ -354,6 +354,9 @@ where
         total_steps as u64,
         position.step as u64,
     )?;
+    if job.config.output.tensorboard {
+        reporter = reporter.with_tensorboard(&job.config.output.dir.join("tensorboard"))?;
+    }
     let mut window = Window::new();
     // Each micro-batch's output with its number of samples, until the next log line.
     let mut pending: Vec<(TrainSynced<A, B>, usize)> = Vec::new();

@@ -33,6 +33,7 @@
 //! | [`bench`] | the engine's overhead and scaling benchmark |
 //! | [`timing`] | where each step's time goes, per rank and across ranks (pure) |
 //! | [`plot`] | PNG charts of a run from its metrics file |
+//! | [`tensorboard`] | the metrics records as TensorBoard event files (`output.tensorboard`) |
 //! | [`doctor`] | `trainer doctor`: can this machine and config run a job, and what to fix |
 //! | `cli` | the `trainer` binary's command line (imported by `main` only) |
 
@@ -62,6 +63,7 @@ pub mod preflight;
 pub mod ranklog;
 pub mod run;
 pub mod schedule;
+pub mod tensorboard;
 pub mod timing;
 pub mod tools;
 pub mod worker_env;

@@ -17,6 +17,7 @@ use burn_ddp::{CollectiveError, ProcessGroup, ReduceOp};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
+use crate::tensorboard::EventWriter;
 use crate::timing::StepTime;
 
 /// Adds `values` over all ranks (collective). Metrics are sums of per-sample quantities with
@@ -305,6 +306,8 @@ pub fn as_map(values: &[MetricValue]) -> BTreeMap<String, f64> {
 pub struct Reporter {
     file: Option<BufWriter<File>>,
     bar: Option<ProgressBar>,
+    /// `output.tensorboard`: the same records as TensorBoard scalars.
+    tensorboard: Option<EventWriter>,
 }
 
 impl Reporter {
@@ -315,6 +318,7 @@ impl Reporter {
             return Ok(Self {
                 file: None,
                 bar: None,
+                tensorboard: None,
             });
         }
         fs::create_dir_all(dir)
@@ -336,7 +340,24 @@ impl Reporter {
         Ok(Self {
             file: Some(BufWriter::new(file)),
             bar: Some(bar),
+            tensorboard: None,
         })
+    }
+
+    /// Also writes every record as TensorBoard scalars to a new event file in `dir` (rank 0;
+    /// inert on other ranks).
+    pub fn with_tensorboard(mut self, dir: &Path) -> anyhow::Result<Self> {
+        if self.file.is_some() {
+            let writer = EventWriter::create(dir).with_context(|| {
+                format!(
+                    "cannot create a TensorBoard event file in {}",
+                    dir.display()
+                )
+            })?;
+            tracing::info!("TensorBoard events: {}", writer.path().display());
+            self.tensorboard = Some(writer);
+        }
+        Ok(self)
     }
 
     pub fn record(&mut self, record: &Record) {
@@ -344,6 +365,15 @@ impl Reporter {
             if let Ok(line) = serde_json::to_string(record) {
                 // Metrics must never stop training: a full disk costs lines, not the job.
                 let _ = writeln!(f, "{line}").and_then(|_| f.flush());
+            }
+        }
+        if let Some(events) = &mut self.tensorboard {
+            if let Err(e) = events.record(record) {
+                tracing::warn!(
+                    "cannot write TensorBoard events to {}: {e}; no more will be written",
+                    events.path().display()
+                );
+                self.tensorboard = None;
             }
         }
     }

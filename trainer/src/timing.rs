@@ -292,10 +292,11 @@ impl StepTime {
             // communication itself; the others' extra is waiting for it.
             let busy = Spread::of(ranks.iter().map(RankTimes::busy));
             line.push_str(&format!(
-                "; slowest rank {} (busy {} per step, median over ranks {}; its communication {:.0}% of the step, the rest of the others' is waiting for it)",
+                "; slowest rank {} (busy {} per step, median over ranks {}); communication without waiting (on rank {}) {:.0}%",
                 self.slowest_rank,
                 millis(slowest.busy()),
                 millis(busy.median),
+                self.slowest_rank,
                 100.0 * slowest.phase(Phase::Sync) / total,
             ));
         }
