@@ -7,9 +7,22 @@
 //! 3. Open MPI's: `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK`,
 //!    `OMPI_COMM_WORLD_LOCAL_SIZE`.
 //!
-//! `MASTER_ADDR`/`MASTER_PORT` have no SLURM or MPI equivalent and must be set (as with
-//! PyTorch). The parsing is a pure function of a lookup so it is tested without touching the
-//! process environment.
+//! `MASTER_ADDR`/`MASTER_PORT` have no SLURM or MPI equivalent. When they are unset they are
+//! derived where the launcher tells enough (as PyTorch Lightning does), and the derivation is
+//! kept in [`DistEnv::derived`] for the log:
+//! - under Slurm, rank 0's host is the first of `SLURM_STEP_NODELIST` (or
+//!   `SLURM_JOB_NODELIST`; [`crate::hostlist`] expands the bracket syntax) and the port is
+//!   `15000 + SLURM_JOB_ID % 10000` (Lightning's rule), the same on every rank of the job;
+//! - under Open MPI with every rank on this machine, `127.0.0.1`, and a port from the job id
+//!   (`OMPI_MCA_ess_base_jobid`, or `PMIX_NAMESPACE`);
+//! - otherwise the error names the missing variable, as before.
+//!
+//! The launcher's identity of the job ([`DistEnv::launcher_job`]: Slurm's job and step id,
+//! Open MPI's job id or PMIx namespace, torchrun's run id) becomes the job token when
+//! `BURN_DDP_TOKEN` is unset, so two jobs on one port never join each other.
+//!
+//! The parsing is a pure function of a lookup so it is tested without touching the process
+//! environment.
 //!
 //! The job's transport settings are read here too, once, where the job is formed
 //! ([`crate::init::Distributed::init`]); the process groups themselves never read the
@@ -32,6 +45,12 @@ pub struct DistEnv {
     pub master_addr: String,
     /// Port of the rendezvous store.
     pub master_port: u16,
+    /// What was derived rather than read, in words (e.g. `MASTER_ADDR=node01, the first host
+    /// of SLURM_STEP_NODELIST=node[01-02]`); empty when everything was set.
+    pub derived: Vec<String>,
+    /// The launcher's identity of this job, e.g. `slurm-4242.0`; `None` when the launcher
+    /// gives none (the trainer's own launcher sets `BURN_DDP_TOKEN` instead).
+    pub launcher_job: Option<String>,
 }
 
 const RANK_VARS: [&str; 3] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"];
@@ -52,6 +71,15 @@ impl DistEnv {
     /// True when some launcher variable for the rank is set (torchrun, SLURM or Open MPI).
     pub fn is_present() -> bool {
         RANK_VARS.iter().any(|v| std::env::var_os(v).is_some())
+    }
+
+    /// This process's rank as the launcher's variables say (the first of `RANK`,
+    /// `SLURM_PROCID`, `OMPI_COMM_WORLD_RANK` that parses), for log levels and tags before
+    /// (or without) a full [`DistEnv`].
+    pub fn rank_from_env() -> Option<usize> {
+        RANK_VARS
+            .iter()
+            .find_map(|v| std::env::var(v).ok()?.trim().parse().ok())
     }
 
     /// Parses the variables returned by `lookup`; pure, for tests.
@@ -87,10 +115,20 @@ impl DistEnv {
                 "local rank {local_rank} with {local_world_var}={local_world_size} and world size {world_size}"
             )));
         }
-        let master_addr = lookup("MASTER_ADDR").ok_or(InitError::Missing {
-            name: "MASTER_ADDR",
-            hint: "the host of rank 0, e.g. 127.0.0.1 on one machine",
-        })?;
+        let launcher = Launcher::of(rank_var);
+        let mut derived = Vec::new();
+        let master_addr = match lookup("MASTER_ADDR") {
+            Some(addr) => addr,
+            None => {
+                let (addr, how) = derive_master_addr(&lookup, launcher, local_world_size, world_size)?
+                    .ok_or(InitError::Missing {
+                        name: "MASTER_ADDR",
+                        hint: "the host of rank 0, e.g. 127.0.0.1 on one machine (derived only under srun, or mpirun on one machine)",
+                    })?;
+                derived.push(format!("MASTER_ADDR={addr}, {how}"));
+                addr
+            }
+        };
         if master_addr.trim().is_empty() {
             return Err(InitError::Invalid {
                 name: "MASTER_ADDR",
@@ -98,10 +136,18 @@ impl DistEnv {
                 reason: "empty host name".into(),
             });
         }
-        let port = lookup("MASTER_PORT").ok_or(InitError::Missing {
-            name: "MASTER_PORT",
-            hint: "a free TCP port on rank 0's host, the same on every rank, e.g. 29500",
-        })?;
+        let launcher_job = launcher_job(&lookup, launcher);
+        let port = match lookup("MASTER_PORT") {
+            Some(port) => port,
+            None => {
+                let (port, how) = derive_master_port(&lookup, launcher).ok_or(InitError::Missing {
+                    name: "MASTER_PORT",
+                    hint: "a free TCP port on rank 0's host, the same on every rank, e.g. 29500 (derived only under srun or mpirun)",
+                })?;
+                derived.push(format!("MASTER_PORT={port}, {how}"));
+                port.to_string()
+            }
+        };
         let master_port = match port.trim().parse::<u16>() {
             Ok(p) if p != 0 => p,
             _ => {
@@ -119,6 +165,8 @@ impl DistEnv {
             local_world_size,
             master_addr,
             master_port,
+            derived,
+            launcher_job,
         })
     }
 
@@ -130,6 +178,108 @@ impl DistEnv {
             format!("{}:{}", self.master_addr, self.master_port)
         }
     }
+}
+
+/// The launcher whose rank variable was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Launcher {
+    /// `RANK`: torchrun, the trainer's launcher, or variables set by hand.
+    Torchrun,
+    Slurm,
+    OpenMpi,
+}
+
+impl Launcher {
+    fn of(rank_var: &str) -> Self {
+        match rank_var {
+            "SLURM_PROCID" => Self::Slurm,
+            "OMPI_COMM_WORLD_RANK" => Self::OpenMpi,
+            _ => Self::Torchrun,
+        }
+    }
+}
+
+/// Rank 0's host when the launcher tells it: `(host, how it was found)`, `None` when it does
+/// not.
+fn derive_master_addr(
+    lookup: &impl Fn(&str) -> Option<String>,
+    launcher: Launcher,
+    local_world_size: usize,
+    world_size: usize,
+) -> Result<Option<(String, String)>, InitError> {
+    match launcher {
+        Launcher::Slurm => {
+            for var in ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"] {
+                if let Some(list) = lookup(var) {
+                    let host =
+                        crate::hostlist::first_host(&list).map_err(|e| InitError::Invalid {
+                            name: var,
+                            value: list.clone(),
+                            reason: e.reason,
+                        })?;
+                    return Ok(Some((host, format!("the first host of {var}={list}"))));
+                }
+            }
+            Ok(None)
+        }
+        Launcher::OpenMpi if local_world_size == world_size => Ok(Some((
+            "127.0.0.1".into(),
+            format!("every one of the {world_size} ranks is on this machine (OMPI_COMM_WORLD_LOCAL_SIZE)"),
+        ))),
+        _ => Ok(None),
+    }
+}
+
+/// A port for the rendezvous store, the same on every rank of the job: `(port, how)`.
+fn derive_master_port(
+    lookup: &impl Fn(&str) -> Option<String>,
+    launcher: Launcher,
+) -> Option<(u16, String)> {
+    let (var, id) = match launcher {
+        Launcher::Slurm => ("SLURM_JOB_ID", lookup("SLURM_JOB_ID")?),
+        Launcher::OpenMpi => ["OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE"]
+            .into_iter()
+            .find_map(|v| Some((v, lookup(v)?)))?,
+        Launcher::Torchrun => return None,
+    };
+    let id = id.trim();
+    // Lightning's rule for numeric ids (the last four digits); a hash for other ids.
+    let offset = match id.parse::<u64>() {
+        Ok(n) => n % 10_000,
+        Err(_) => fnv1a(id) % 10_000,
+    };
+    let port = 15_000 + offset as u16;
+    Some((port, format!("15000 + {var}={id} mod 10000")))
+}
+
+/// The launcher's identity of the job, for the job token.
+fn launcher_job(lookup: &impl Fn(&str) -> Option<String>, launcher: Launcher) -> Option<String> {
+    let set = |v: &str| {
+        lookup(v)
+            .map(|x| x.trim().to_string())
+            .filter(|x| !x.is_empty())
+    };
+    match launcher {
+        Launcher::Slurm => {
+            let job = set("SLURM_JOB_ID")?;
+            let step = set("SLURM_STEP_ID").unwrap_or_else(|| "batch".into());
+            Some(format!("slurm-{job}.{step}"))
+        }
+        Launcher::OpenMpi => set("OMPI_MCA_ess_base_jobid")
+            .map(|j| format!("ompi-{j}"))
+            .or_else(|| set("PMIX_NAMESPACE").map(|n| format!("pmix-{n}"))),
+        // torchrun's run id is "none" unless --rdzv-id gives one.
+        Launcher::Torchrun => set("TORCHELASTIC_RUN_ID")
+            .filter(|id| id != "none")
+            .map(|id| format!("torchrun-{id}")),
+    }
+}
+
+/// FNV-1a: stable across runs, platforms and Rust versions (std's hasher is not).
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// Environment variable that turns shared memory between same-host ring neighbours off (`0`).
@@ -227,6 +377,86 @@ mod tests {
         v.extend(MASTER);
         let env = parse(&v).unwrap();
         assert_eq!((env.rank, env.local_rank, env.local_world_size), (1, 1, 2));
+    }
+
+    #[test]
+    fn srun_without_master_variables_derives_them_from_the_node_list_and_job_id() {
+        let env = parse(&[
+            ("SLURM_PROCID", "1"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_JOB_ID", "123456"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_JOB_NODELIST", "gpu[1-9]"),
+            ("SLURM_STEP_NODELIST", "node[07-08],big"),
+        ])
+        .unwrap();
+        assert_eq!(env.master_endpoint(), "node07:18456");
+        assert_eq!(env.launcher_job.as_deref(), Some("slurm-123456.0"));
+        assert_eq!(env.derived.len(), 2, "{:?}", env.derived);
+        assert!(env.derived[0].contains("SLURM_STEP_NODELIST=node[07-08],big"));
+        // Set variables win, and nothing is said to be derived.
+        let mut v = vec![
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_ID", "7"),
+        ];
+        v.extend(MASTER);
+        let env = parse(&v).unwrap();
+        assert_eq!(env.master_endpoint(), "127.0.0.1:29500");
+        assert!(env.derived.is_empty());
+        // A bad node list names the variable.
+        let err = parse(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_JOB_NODELIST", "n[1-"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("SLURM_JOB_NODELIST"), "{err}");
+    }
+
+    #[test]
+    fn mpirun_on_one_machine_derives_loopback_and_a_port_from_the_job_id() {
+        let one_machine = [
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("OMPI_MCA_ess_base_jobid", "2854748161"),
+        ];
+        let env = parse(&one_machine).unwrap();
+        assert_eq!(env.master_endpoint(), "127.0.0.1:23161");
+        assert_eq!(env.launcher_job.as_deref(), Some("ompi-2854748161"));
+        // Two machines: rank 0's host is unknown, so the error of before.
+        let err = parse(&[
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("MASTER_ADDR"), "{err}");
+    }
+
+    #[test]
+    fn torchrun_gives_a_job_identity_only_with_a_run_id() {
+        let mut v = vec![
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+        ];
+        v.extend(MASTER);
+        assert_eq!(parse(&v).unwrap().launcher_job, None);
+        v[2] = ("TORCHELASTIC_RUN_ID", "exp7");
+        assert_eq!(
+            parse(&v).unwrap().launcher_job.as_deref(),
+            Some("torchrun-exp7")
+        );
+        // torchrun always sets the master variables: nothing to derive, no guess.
+        let err = parse(&[("RANK", "0"), ("WORLD_SIZE", "1")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MASTER_ADDR"), "{err}");
     }
 
     #[test]

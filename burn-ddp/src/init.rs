@@ -37,7 +37,16 @@ impl Distributed {
             message,
         };
         if options.token.is_empty() {
-            options.token = std::env::var(TOKEN_VAR).unwrap_or_default();
+            // Without a token of its own, the job is known by its launcher's identity (Slurm's
+            // job and step, Open MPI's job), so another job on the same port is refused.
+            options.token = std::env::var(TOKEN_VAR)
+                .ok()
+                .filter(|t| !t.is_empty())
+                .or_else(|| env.launcher_job.clone())
+                .unwrap_or_default();
+        }
+        for how in &env.derived {
+            tracing::info!(rank = env.rank, "derived {how}");
         }
         if options.shared_memory.is_none() {
             options.shared_memory = Some(crate::env::shared_memory_from(|k| std::env::var(k).ok()));
@@ -111,6 +120,8 @@ impl Distributed {
             local_world_size: 1,
             master_addr: "127.0.0.1".into(),
             master_port: 0,
+            derived: Vec::new(),
+            launcher_job: None,
         };
         // World size 1 never touches the store or the network, so this cannot fail.
         let group = match TcpProcessGroup::new(store.clone(), 0, 1, TcpGroupOptions::default()) {

@@ -4,7 +4,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables |
+//! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables (derived under srun and single-machine mpirun), the launcher's job identity |
+//! | [`hostlist`] | Slurm's host-list syntax expanded (`node[01-04,07]`), pure |
 //! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]) and its per-group namespaces ([`store::PrefixStore`]) |
 //! | [`group`] | the [`group::ProcessGroup`] trait and its conformance suite; the rendezvous and stall reporter every group shares; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
@@ -30,6 +31,7 @@ pub mod ddp;
 pub mod env;
 pub mod error;
 pub mod group;
+pub mod hostlist;
 pub mod init;
 pub mod kernels;
 pub mod sampler;

@@ -407,8 +407,8 @@ pub fn unused_port() -> u16 {
 /// `commands(port)` gives each rank's command, rank 0 (which hosts the store on
 /// `MASTER_PORT`) first. The port is one the OS has just handed out and released; when rank 0
 /// finds it taken in between, every rank is stopped and the whole start is retried on another
-/// one. Each start gets its own job token, so a rank that reached someone else's store is
-/// refused instead of joining it. Returns the running ranks, rank 0 first, once rank 0 hosts
+/// one. Each start gets its own job token (unless the commands set `BURN_DDP_TOKEN`), so a
+/// rank that reached someone else's store is refused instead of joining it. Returns the running ranks, rank 0 first, once rank 0 hosts
 /// the store (or has ended for another reason), and the port.
 pub fn start_by_hand(commands: impl Fn(u16) -> Vec<Command>) -> (Vec<Proc>, u16) {
     for attempt in 0..20 {
@@ -416,7 +416,10 @@ pub fn start_by_hand(commands: impl Fn(u16) -> Vec<Command>) -> (Vec<Proc>, u16)
         let token = format!("by-hand-{}-{port}-{attempt}", std::process::id());
         let mut cmds = commands(port);
         for cmd in &mut cmds {
-            cmd.env("BURN_DDP_TOKEN", &token);
+            // A command that sets its own token (even an empty one) keeps it.
+            if !cmd.get_envs().any(|(k, _)| k == "BURN_DDP_TOKEN") {
+                cmd.env("BURN_DDP_TOKEN", &token);
+            }
         }
         // So that rank 0 says when it has bound the port (its default level is info).
         let level = cmds[0]

@@ -11,6 +11,7 @@ mod cuda;
 mod doctor;
 mod faults;
 mod launch;
+mod launchers;
 mod multinode;
 mod plots;
 mod reference_models;

@@ -25,6 +25,7 @@
 //! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`), like torchrun |
 //! | [`launch_plan`] | the launcher's pure decisions: ranks, each rank's environment, threads, port |
 //! | [`worker_env`] | the launcher ↔ worker contract: every environment variable and rendezvous key |
+//! | [`orphan`] | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
 //! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
 //! | [`error`] | `UsageError` (exit code 2), error reports and exit codes |
 //! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
@@ -56,6 +57,7 @@ pub mod launch_plan;
 pub mod loader;
 pub mod memory;
 pub mod metrics;
+pub mod orphan;
 pub mod parallel;
 pub mod plan;
 pub mod plot;

@@ -88,6 +88,12 @@ pub fn train_or_launch<A: LearnAnywhere>(
         crate::preflight::preflight(&app, config, ranks_here)?;
         launch::launch(&args.launch, &Program::this_process()?)
     } else {
+        // Started by another launcher (torchrun, mpirun, srun): die with it. (A parent of pid
+        // 1 cannot be told apart from a container's init that started this rank, so that
+        // case is not watched.)
+        if !is_worker && burn_ddp::DistEnv::is_present() && !crate::orphan::die_with_parent() {
+            tracing::debug!("the parent is pid 0 or 1: not watching for the launcher's death");
+        }
         fit::run(app, config, args.no_resume)
     }
 }
@@ -97,7 +103,7 @@ pub fn report(result: anyhow::Result<ExitCode>) -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            let rank = std::env::var(crate::worker_env::RANK_VAR)
+            let rank = burn_ddp::DistEnv::rank_from_env()
                 .map(|r| format!("[rank {r}] "))
                 .unwrap_or_default();
             eprintln!("{rank}error: {}", describe_error(&e));
@@ -110,9 +116,10 @@ pub fn report(result: anyhow::Result<ExitCode>) -> ExitCode {
 /// rank 0, warnings elsewhere so N ranks do not print N copies of everything).
 pub fn init_logging() {
     use tracing_subscriber::EnvFilter;
-    let rank = std::env::var(crate::worker_env::RANK_VAR).ok();
-    let default = match rank.as_deref() {
-        None | Some("0") => "info",
+    // Whichever launcher set the rank: torchrun's RANK, srun's SLURM_PROCID, mpirun's
+    // OMPI_COMM_WORLD_RANK.
+    let default = match burn_ddp::DistEnv::rank_from_env() {
+        None | Some(0) => "info",
         Some(_) => "warn",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
