@@ -1,0 +1,177 @@
+//! `trainer plot RUN_DIR`: PNG charts of a run from its `metrics.jsonl`, into `RUN_DIR/plots/`.
+//!
+//! | file | owns |
+//! |---|---|
+//! | `records.rs` | the lines of `metrics.jsonl`, read leniently (pure) |
+//! | `series.rs` | the points of every chart and the resume marks, from those lines (pure) |
+//! | `charts.rs` | which charts a run gets, their titles, axes, ranges and ticks (pure) |
+//! | `draw.rs` | a chart into a PNG (plotters, embedded DejaVu Sans font) |
+//! | `mod.rs` | the command: find the file, read it, write the charts |
+//!
+//! The charts, one concern each: `loss.png` (training and validation loss per optimizer
+//! step), `validation-<metric>.png` (each validation metric per epoch), `learning-rate.png`,
+//! `throughput.png` (global samples per second) and, for files with step times,
+//! `step-time.png` (milliseconds per step by phase, and the slowest rank's compute). A run
+//! that started again (resume, launcher restart) or changed world size is marked with a
+//! dashed vertical line on every chart.
+
+mod charts;
+mod draw;
+mod records;
+mod series;
+
+use std::fs;
+use std::io::ErrorKind;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Args;
+
+pub use charts::{Chart, Curve};
+pub use records::{Line, SpreadLine, StartLine, TimeLine, TrainLine, ValidLine};
+pub use series::{read_series, Mark, Points, RunSeries, StepTimes};
+
+use crate::error::UsageError;
+
+/// The metrics file inside a run's output directory.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+/// The charts' directory inside a run's output directory.
+pub const PLOTS_DIR: &str = "plots";
+
+#[derive(Args, Debug, Clone)]
+pub struct PlotArgs {
+    /// The run's output directory (`output.dir`), holding `metrics.jsonl`.
+    pub run_dir: PathBuf,
+}
+
+/// Why no charts could be written.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error(
+        "no metrics file {}: `trainer plot` reads the metrics.jsonl that training writes into \
+         its output directory (`[output] dir` of the config); pass that directory, e.g. \
+         `trainer plot runs/digits-mlp`, after training",
+        path.display()
+    )]
+    NoMetrics { path: PathBuf },
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("line {line} of {}: {reason}", path.display())]
+    BadLine {
+        path: PathBuf,
+        /// 1-based.
+        line: usize,
+        reason: String,
+    },
+    #[error(
+        "{} has no training records (no line of kind \"train\"): nothing to plot yet; a run \
+         writes one every `training.log_every` optimizer steps",
+        path.display()
+    )]
+    NoTrainLines { path: PathBuf },
+    #[error("cannot create {}: {source}", path.display())]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot write the chart {}: {reason}", path.display())]
+    Draw { path: PathBuf, reason: String },
+    #[error("cannot load the embedded DejaVu Sans font")]
+    Font,
+}
+
+impl PlotError {
+    /// A problem with what the user pointed at (a missing, unreadable or empty metrics
+    /// file), not with this machine.
+    pub fn is_input(&self) -> bool {
+        matches!(
+            self,
+            PlotError::NoMetrics { .. }
+                | PlotError::BadLine { .. }
+                | PlotError::NoTrainLines { .. }
+        )
+    }
+}
+
+/// `trainer plot RUN_DIR`: writes the charts and prints each file written, one per line.
+/// Exit code 0; a missing or unreadable metrics file is an error with exit code 2.
+pub fn plot_command(args: &PlotArgs) -> anyhow::Result<ExitCode> {
+    for file in write_plots(&args.run_dir)? {
+        println!("{}", file.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Writes the charts of the run whose output directory is `run_dir` (or whose metrics file
+/// is `run_dir`) into its `plots/` directory, replacing charts of the same names, and returns
+/// the files written. Reads the file once; safe while a run appends to it (a last line still
+/// being written is left out).
+///
+/// Errors: [`PlotError`]; those about the input ([`PlotError::is_input`]) as a
+/// [`UsageError`] (exit code 2).
+pub fn write_plots(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    plots(run_dir).map_err(|e| {
+        if e.is_input() {
+            UsageError(e.to_string()).into()
+        } else {
+            e.into()
+        }
+    })
+}
+
+/// [`write_plots`] with its typed error.
+pub fn plots(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
+    let (metrics, dir) = if run_dir.is_file() {
+        let dir = run_dir.parent().unwrap_or(Path::new(".")).to_path_buf();
+        (run_dir.to_path_buf(), dir)
+    } else {
+        (run_dir.join(METRICS_FILE), run_dir.to_path_buf())
+    };
+    let text = fs::read_to_string(&metrics).map_err(|source| match source.kind() {
+        ErrorKind::NotFound => PlotError::NoMetrics {
+            path: metrics.clone(),
+        },
+        _ => PlotError::Read {
+            path: metrics.clone(),
+            source,
+        },
+    })?;
+    let series = read_series(&text, &metrics)?;
+
+    let out = dir.join(PLOTS_DIR);
+    fs::create_dir_all(&out).map_err(|source| PlotError::CreateDir {
+        path: out.clone(),
+        source,
+    })?;
+    let mut written = Vec::new();
+    for chart in series.charts(&run_name(&dir)) {
+        let path = out.join(&chart.file);
+        // Drawn beside, then renamed: a viewer never sees half a chart. (The encoder goes by
+        // the extension, so the temporary name ends in .png too.)
+        let partial = out.join(format!(".partial-{}", chart.file));
+        let drawn = draw::draw(&chart, &partial).and_then(|()| {
+            fs::rename(&partial, &path).map_err(|e| PlotError::Draw {
+                path: path.clone(),
+                reason: e.to_string(),
+            })
+        });
+        if drawn.is_err() {
+            let _ = fs::remove_file(&partial);
+        }
+        drawn?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// The run's name in chart titles: its directory's name.
+fn run_name(dir: &Path) -> String {
+    let absolute = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    absolute
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| dir.display().to_string())
+}
