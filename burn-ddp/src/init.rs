@@ -6,15 +6,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::env::DistEnv;
-use crate::error::CollectiveError;
+use crate::error::{CollectiveError, StoreError};
 use crate::group::{TcpGroupOptions, TcpProcessGroup};
-use crate::store::{MemoryStore, Store, TcpStore, TcpStoreServer};
+use crate::store::{
+    C10dStore, MemoryStore, PrefixStore, Store, StoreHost, TcpStore, TcpStoreServer,
+};
 
 /// Environment variable with the job's token (the launcher generates one per job; on several
 /// machines set the same value on every node). Peers without it are refused.
 pub const TOKEN_VAR: &str = "BURN_DDP_TOKEN";
-/// Set by a launcher that hosts the store itself (torchrun's agent store), so rank 0 does not.
-pub const AGENT_STORE_VAR: &str = "BURN_DDP_USE_AGENT_STORE";
+/// Set to `1` by a launcher that hosts a store of our protocol itself, so rank 0 does not (see
+/// [`StoreHost`] for torchrun's agent store).
+pub use crate::store::host::AGENT_STORE_VAR;
+
+/// The key under which rank 0 shares the job token in torchrun's agent store.
+const SHARED_TOKEN_KEY: &str = "token";
 
 /// A formed group and the store it was formed through; rank 0 may also host the store server,
 /// which lives as long as this value.
@@ -26,16 +32,26 @@ pub struct Distributed {
 }
 
 impl Distributed {
-    /// Hosts the store on rank 0 (unless a launcher does), connects every rank to it, and forms
-    /// the TCP ring. Collective: every rank of `env` calls it. `options.token` is taken from
-    /// [`TOKEN_VAR`] when empty; `options.advertise_ip` defaults to the address this rank uses to
-    /// reach the store; `options.shared_memory`, when `None`, is on unless
-    /// [`crate::env::SHM_VAR`] is `0` (the one place the environment decides it).
+    /// Hosts the store on rank 0 (unless a launcher does, see [`StoreHost`]), connects every
+    /// rank to it, and forms the TCP ring. Collective: every rank of `env` calls it.
+    /// `options.token` is taken from [`TOKEN_VAR`] when empty; `options.advertise_ip` defaults to
+    /// the address this rank uses to reach the store; `options.shared_memory`, when `None`, is on
+    /// unless [`crate::env::SHM_VAR`] is `0` (the one place the environment decides it).
+    ///
+    /// Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) every rank is a client of the
+    /// agent's c10d `TCPStore` at `MASTER_ADDR:MASTER_PORT`, and the job's keys live under
+    /// `burn-ddp/attempt-{TORCHELASTIC_RESTART_COUNT}/`, so a restarted attempt never reads the
+    /// last one's. That store has no token: anyone who reaches the agent's port can use it, as
+    /// with torch's own workers. Without a token of its own ([`TOKEN_VAR`], or a caller's), rank 0
+    /// then draws a random one per attempt and shares it through the store, so the ring still
+    /// refuses peers of other jobs and of earlier attempts.
     pub fn init(env: DistEnv, mut options: TcpGroupOptions) -> Result<Self, CollectiveError> {
         let setup = |message: String| CollectiveError::Setup {
             rank: env.rank,
             message,
         };
+        let explicit_token =
+            !options.token.is_empty() || std::env::var(TOKEN_VAR).is_ok_and(|t| !t.is_empty());
         if options.token.is_empty() {
             // Without a token of its own, the job is known by its launcher's identity (Slurm's
             // job and step, Open MPI's job), so another job on the same port is refused.
@@ -52,8 +68,12 @@ impl Distributed {
             options.shared_memory = Some(crate::env::shared_memory_from(|k| std::env::var(k).ok()));
         }
         let endpoint = env.master_endpoint();
-        let agent_store = std::env::var_os(AGENT_STORE_VAR).is_some_and(|v| v == "1");
-        let server = if env.rank == 0 && !agent_store {
+        let host = StoreHost::from_env().map_err(|e| setup(e.to_string()))?;
+        let store_error = |source| CollectiveError::Store {
+            rank: env.rank,
+            source,
+        };
+        let server = if env.rank == 0 && host.rank0_hosts() {
             // Listen on loopback when rank 0's address is a loopback one (every rank is local):
             // nothing outside this machine can reach the store then.
             let bind_ip = if is_loopback(&endpoint) {
@@ -62,34 +82,40 @@ impl Distributed {
                 "0.0.0.0"
             };
             let bind = format!("{bind_ip}:{}", env.master_port);
-            Some(
-                TcpStoreServer::bind(&bind, &options.token).map_err(|source| {
-                    CollectiveError::Store {
-                        rank: env.rank,
-                        source,
-                    }
-                })?,
-            )
+            Some(TcpStoreServer::bind(&bind, &options.token).map_err(store_error)?)
         } else {
             None
         };
-        let store =
-            TcpStore::connect(&endpoint, &options.token, options.timeout).map_err(|source| {
-                CollectiveError::Store {
-                    rank: env.rank,
-                    source,
+        let (store, local_ip): (Arc<dyn Store>, _) = match host.namespace() {
+            Some(namespace) => {
+                let c10d = C10dStore::connect(&endpoint, options.timeout).map_err(store_error)?;
+                tracing::info!(
+                    rank = env.rank,
+                    "rendezvous through torchrun's agent store at {endpoint}, keys under {namespace}/"
+                );
+                let local_ip = c10d.local_ip();
+                let store: Arc<dyn Store> = Arc::new(PrefixStore::new(namespace, Arc::new(c10d)));
+                if !explicit_token {
+                    options.token = share_token(store.as_ref(), env.rank, options.timeout)
+                        .map_err(store_error)?;
                 }
-            })?;
+                (store, local_ip)
+            }
+            None => {
+                let store = TcpStore::connect(&endpoint, &options.token, options.timeout)
+                    .map_err(store_error)?;
+                let local_ip = store.local_ip();
+                (Arc::new(store), local_ip)
+            }
+        };
         if options.advertise_ip.is_none() {
-            options.advertise_ip = store.local_ip();
+            options.advertise_ip = local_ip;
         }
-        let store = Arc::new(store);
         if options.advertise_ip.is_none() {
             return Err(setup(format!(
                 "cannot tell which local address reaches {endpoint}"
             )));
         }
-        let store: Arc<dyn Store> = store;
         let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
         Ok(Self {
             env,
@@ -135,6 +161,35 @@ impl Distributed {
             _server: None,
         }
     }
+}
+
+/// The job token of this torchrun attempt: rank 0 draws it and publishes it in the attempt's
+/// namespace; the others read it, waiting up to `timeout` for rank 0.
+fn share_token(store: &dyn Store, rank: usize, timeout: Duration) -> Result<String, StoreError> {
+    if rank == 0 {
+        let token = random_token();
+        store.set(SHARED_TOKEN_KEY, token.as_bytes())?;
+        Ok(token)
+    } else {
+        let token = store.get(SHARED_TOKEN_KEY, timeout)?;
+        Ok(String::from_utf8_lossy(&token).into_owned())
+    }
+}
+
+/// 128 random bits as hex, from the OS; without `/dev/urandom`, the pid and the clock, which
+/// still tell concurrent jobs apart.
+fn random_token() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if read.is_err() {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        bytes = (nanos ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Whether `endpoint` resolves to loopback addresses only.

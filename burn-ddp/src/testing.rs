@@ -24,6 +24,9 @@ pub enum Needs {
     /// Python with the `tensorboard` package, named by `TENSORBOARD_PYTHON` (`.ci/run`
     /// installs it), to read the event files the trainer writes.
     TensorBoard,
+    /// PyTorch: its Python, named by `TORCH_PYTHON` (to host a real c10d `TCPStore`), and its
+    /// `torchrun`, named by `TORCHRUN`.
+    Torch,
 }
 
 impl Needs {
@@ -34,6 +37,7 @@ impl Needs {
             Self::Tmpfs => "tmpfs",
             Self::Gpu => "gpu",
             Self::TensorBoard => "tensorboard",
+            Self::Torch => "torch",
         }
     }
 }

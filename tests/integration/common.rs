@@ -349,6 +349,24 @@ pub fn wait_gone(pids: &[u32], bound: Duration) -> Vec<u32> {
     }
 }
 
+/// SIGKILLs `launcher` (a supervising process that started 2 ranks as its children) and
+/// fails unless its ranks are gone within 60 s; returns the launcher's log.
+pub fn kill_launcher_and_expect_its_ranks_gone(launcher: &mut Proc) -> String {
+    let ranks = children_of(launcher.id());
+    assert_eq!(ranks.len(), 2, "{}", launcher.log());
+    signal(launcher.id(), libc::SIGKILL);
+    let left = wait_gone(&ranks, Duration::from_secs(60));
+    for &pid in &left {
+        signal(pid, libc::SIGKILL);
+    }
+    assert!(
+        left.is_empty(),
+        "ranks {left:?} outlived their killed launcher by 60 s:\n{}",
+        launcher.log()
+    );
+    launcher.log()
+}
+
 pub fn run(cmd: &mut Command) -> Output {
     finish(spawn(cmd))
 }

@@ -276,17 +276,7 @@ fn ranks_die_with_a_killed_launcher() {
         r#"echo "rank $RANK up"; exec sleep 600"#,
     ]));
     launcher.wait_for_lines(" up", 2);
-    let ranks = children_of(launcher.id());
-    assert_eq!(ranks.len(), 2, "{}", launcher.log());
-    signal(launcher.id(), libc::SIGKILL);
-    let left = wait_gone(&ranks, Duration::from_secs(60));
-    for &pid in &left {
-        signal(pid, libc::SIGKILL);
-    }
-    assert!(
-        left.is_empty(),
-        "ranks {left:?} outlived their killed launcher by 60 s"
-    );
+    kill_launcher_and_expect_its_ranks_gone(&mut launcher);
     let out = launcher.finish();
     assert_eq!(out.signal, Some(libc::SIGKILL), "{}", out.all());
 }

@@ -3,7 +3,6 @@
 //! process that may die.
 
 use std::process::Command;
-use std::time::Duration;
 
 use crate::common::*;
 
@@ -143,16 +142,5 @@ fn ranks_started_by_another_launcher_die_with_it() {
             .env_remove("TRAINER_WORKER"),
     );
     launcher.wait_for_lines("sleeping (fault injection)", 2);
-    let ranks = children_of(launcher.id());
-    assert_eq!(ranks.len(), 2, "{}", launcher.log());
-    signal(launcher.id(), libc::SIGKILL);
-    let left = wait_gone(&ranks, Duration::from_secs(60));
-    for &pid in &left {
-        signal(pid, libc::SIGKILL);
-    }
-    assert!(
-        left.is_empty(),
-        "ranks {left:?} outlived their killed launcher by 60 s:\n{}",
-        launcher.log()
-    );
+    kill_launcher_and_expect_its_ranks_gone(&mut launcher);
 }

@@ -17,6 +17,7 @@ mod plots;
 mod reference_models;
 mod tensorboard;
 mod tiers;
+mod torchrun;
 mod training;
 mod user_crate;
 #[cfg(feature = "wgpu")]

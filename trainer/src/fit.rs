@@ -693,7 +693,6 @@ fn scale_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
 fn crash_if_asked(rank: usize, step: usize) {
     use crate::worker_env::{
         CRASH_AFTER_STEP_VAR as CRASH_AFTER_STEP, CRASH_RANK_VAR as CRASH_RANK,
-        RESTART_COUNT_VAR as RESTART_COUNT,
     };
     let at = std::env::var(CRASH_AFTER_STEP)
         .ok()
@@ -701,8 +700,9 @@ fn crash_if_asked(rank: usize, step: usize) {
     let who = std::env::var(CRASH_RANK)
         .ok()
         .and_then(|v| v.parse::<usize>().ok());
-    // Only in the first attempt: a restarted job must be able to get past the same step.
-    let restarted = std::env::var(RESTART_COUNT).is_ok_and(|c| c != "0");
+    // Only in the first attempt (ours or torchrun's restart count): a restarted job must be
+    // able to get past the same step.
+    let restarted = restart_count() > 0;
     if at == Some(step) && who.is_none_or(|r| r == rank) && !restarted {
         eprintln!(
             "[rank {rank}] {CRASH_AFTER_STEP}={step}: killing this process (fault injection)"

@@ -7,13 +7,17 @@
 //! - [`server`]: [`TcpStoreServer`], a [`MemoryStore`] served over TCP (hosted by rank 0 or by the
 //!   launcher).
 //! - [`client`]: [`TcpStore`], the client every rank uses.
+//! - [`c10d`]: [`C10dStore`], a client of PyTorch's c10d `TCPStore` (torchrun's agent store).
+//! - [`host`]: [`StoreHost`], who hosts the job's store, from the launcher's variables.
 //! - [`prefix`]: [`PrefixStore`], one namespace of a store (a group's keys), so several groups and
 //!   job attempts can share one store.
 //! - `backoff`: the capped back-off of every retry loop in the crate.
 
 pub(crate) mod backoff;
+pub mod c10d;
 pub mod client;
 mod connection;
+pub mod host;
 pub mod memory;
 pub mod prefix;
 pub mod server;
@@ -21,7 +25,9 @@ pub mod wire;
 
 use std::time::Duration;
 
+pub use c10d::C10dStore;
 pub use client::TcpStore;
+pub use host::StoreHost;
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
 pub use server::TcpStoreServer;
