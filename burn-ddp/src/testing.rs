@@ -21,6 +21,11 @@ pub enum Needs {
     Tmpfs,
     /// A GPU with its driver (CUDA, NCCL).
     Gpu,
+    /// Open MPI's `mpirun` (Debian's `openmpi-bin`; `.ci/run` installs it).
+    Mpi,
+    /// Slurm's daemons and `srun` (Debian's `slurm-wlm` and `munge`, started as root by the
+    /// test; `.ci/run` installs them).
+    Slurm,
     /// Python with the `tensorboard` package, named by `TENSORBOARD_PYTHON` (`.ci/run`
     /// installs it), to read the event files the trainer writes.
     TensorBoard,
@@ -37,6 +42,8 @@ impl Needs {
             Self::Tmpfs => "tmpfs",
             Self::Gpu => "gpu",
             Self::TensorBoard => "tensorboard",
+            Self::Mpi => "mpi",
+            Self::Slurm => "slurm",
             Self::Torch => "torch",
         }
     }

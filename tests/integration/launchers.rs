@@ -144,3 +144,122 @@ fn ranks_started_by_another_launcher_die_with_it() {
     launcher.wait_for_lines("sleeping (fault injection)", 2);
     kill_launcher_and_expect_its_ranks_gone(&mut launcher);
 }
+
+/// `mpirun` (Open MPI) when it is installed; otherwise a recorded skip.
+fn mpirun() -> Option<Command> {
+    let found = Command::new("mpirun")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        burn_ddp::testing::skip(
+            burn_ddp::testing::Needs::Mpi,
+            "mpirun not found (apt-get install openmpi-bin)",
+        );
+        return None;
+    }
+    let mut cmd = Command::new("mpirun");
+    // --tag-output: each line says which rank printed it, `[1,R]<stderr>:`.
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "--tag-output",
+        "-np",
+        "2",
+    ]);
+    for var in [
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "BURN_DDP_TOKEN",
+        "TRAINER_WORKER",
+    ] {
+        cmd.env_remove(var);
+    }
+    Some(cmd)
+}
+
+/// The real `mpirun` with no MASTER_* variables: rank 0's address and the port are derived
+/// (every rank is on this machine), the ranks train, and only rank 0 logs at INFO.
+#[test]
+fn mpirun_trains_without_master_variables() {
+    let Some(mut mpirun) = mpirun() else { return };
+    let dir = scratch("mpirun");
+    let config = write_config(&dir, "run", &digits_config(SGD, 8, "max_steps = 10"));
+    let out = run(mpirun
+        .arg(env!("CARGO_BIN_EXE_trainer"))
+        .arg("--config")
+        .arg(&config));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_says(
+        &out.all(),
+        &[
+            "derived MASTER_ADDR=127.0.0.1, every one of the 2 ranks is on this machine",
+            "final validation",
+        ],
+        &out,
+    );
+    assert!(
+        !out.all()
+            .lines()
+            .any(|l| l.starts_with("[1,1]") && l.contains("INFO")),
+        "rank 1 must log warnings only by default:\n{}",
+        out.all()
+    );
+}
+
+/// Two real `mpirun` jobs given the same MASTER_PORT: the second cannot join the first (its
+/// ranks carry another job token, from Open MPI's job id), and the first finishes untouched.
+/// Then SIGKILL of a third `mpirun` takes its ranks down (they watch their parent).
+#[test]
+fn a_second_mpirun_job_on_the_same_port_leaves_the_first_untouched() {
+    let Some(mut first) = mpirun() else { return };
+    let dir = scratch("mpirun-two-jobs");
+    let config = write_config(&dir, "first", &digits_config(SGD, 8, "max_steps = 6"));
+    let port = unused_port().to_string();
+    let third_config = write_config(&dir, "third", &digits_config(SGD, 8, "max_steps = 100"));
+    let job = |cmd: &mut Command, config: &std::path::Path, stall: &str| {
+        cmd.args([
+            "-x",
+            "MASTER_ADDR",
+            "-x",
+            "MASTER_PORT",
+            "-x",
+            "TRAINER_STALL_AFTER_STEP",
+        ])
+        .arg(env!("CARGO_BIN_EXE_trainer"))
+        .arg("--config")
+        .arg(&config)
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", &port)
+        .env("TRAINER_STALL_AFTER_STEP", stall);
+    };
+    job(&mut first, &config, "2:10");
+    let mut first = spawn(&mut first);
+    first.wait_for_lines("sleeping (fault injection)", 2);
+    let Some(mut second) = mpirun() else { return };
+    job(&mut second, &config, "2:10");
+    let second = run(&mut second);
+    assert_ne!(
+        second.code,
+        Some(0),
+        "the second job joined the first:\n{}",
+        second.all()
+    );
+    let first = first.finish();
+    assert_eq!(
+        first.code,
+        Some(0),
+        "the first job was disturbed:\n{}",
+        first.all()
+    );
+    assert_says(&first.stdout, &["final validation"], &first);
+    assert!(!first.all().contains("joined twice"), "{}", first.all());
+
+    let Some(mut third) = mpirun() else { return };
+    job(&mut third, &third_config, "1:600");
+    let mut third = spawn(&mut third);
+    third.wait_for_lines("sleeping (fault injection)", 2);
+    kill_launcher_and_expect_its_ranks_gone(&mut third);
+}

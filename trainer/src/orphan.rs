@@ -11,6 +11,7 @@
 //! that ends long before it does; only the launcher's own child setup can arm it safely. The
 //! watch reads `getppid()` every [`POLL`], so an orphan lives at most that long.
 
+use std::io::Write;
 use std::time::Duration;
 
 /// How often the parent is checked.
@@ -32,7 +33,10 @@ pub fn die_with_parent() -> bool {
             // SAFETY: as above.
             let now = unsafe { libc::getppid() };
             if now != parent {
-                eprintln!(
+                // Not eprintln!: stderr is often a pipe to the dead launcher, and a failed
+                // write must not panic this thread instead of stopping the process.
+                let _ = writeln!(
+                    std::io::stderr(),
                     "error: the launcher that started this rank (pid {parent}) is gone: stopping, as its other ranks do"
                 );
                 // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
