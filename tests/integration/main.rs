@@ -15,6 +15,7 @@ mod launchers;
 mod multinode;
 mod plots;
 mod reference_models;
+mod slurm;
 mod tensorboard;
 mod tiers;
 mod torchrun;
