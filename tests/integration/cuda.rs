@@ -61,3 +61,51 @@ fn cuda_trains_on_a_gpu_or_says_clearly_why_not() {
         );
     }
 }
+
+/// Whether this machine has a CUDA driver library, found the way the driver is loaded
+/// (`dlopen`), independently of the code under test.
+fn cuda_driver_loads() -> bool {
+    ["libcuda.so.1", "libcuda.so"].iter().any(|name| {
+        let name = std::ffi::CString::new(*name).expect("no NUL");
+        // SAFETY: a valid NUL-terminated name; the handle is left open (unloading a driver
+        // library is a known source of crashes).
+        let handle = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        !handle.is_null()
+    })
+}
+
+#[test]
+fn doctor_says_when_there_is_no_cuda_driver() {
+    let out = run(trainer().args(["doctor", "--skip-allreduce"]));
+    assert!(!out.all().contains("panicked"), "{}", out.all());
+    let driver = crate::doctor::check_line(&out, "cuda driver");
+    if cuda_driver_loads() {
+        assert!(
+            !driver.line.contains("no CUDA driver was found"),
+            "a driver is installed here:\n{}",
+            out.all()
+        );
+        if burn_ddp::cuda::check_cuda_available(0).is_ok() {
+            assert_eq!(driver.status, "ok", "{}", out.all());
+            assert_eq!(crate::doctor::check_line(&out, "gpus").status, "ok");
+        }
+        return;
+    }
+    assert_eq!(out.code, Some(1), "{}", out.all());
+    assert_eq!(driver.status, "FAIL", "{}", out.all());
+    assert!(
+        driver.line.contains("no CUDA driver was found"),
+        "{}",
+        driver.line
+    );
+    let advice = driver.advice.unwrap_or_default();
+    assert!(
+        advice.contains("nvidia-smi") && advice.contains("output.device = \"cpu\""),
+        "{}",
+        out.all()
+    );
+    burn_ddp::testing::skip(
+        Needs::Gpu,
+        "no CUDA driver: checked the doctor's report of a missing driver only",
+    );
+}

@@ -230,7 +230,7 @@ fn a_second_mpirun_job_on_the_same_port_leaves_the_first_untouched() {
         ])
         .arg(env!("CARGO_BIN_EXE_trainer"))
         .arg("--config")
-        .arg(&config)
+        .arg(config)
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", &port)
         .env("TRAINER_STALL_AFTER_STEP", stall);

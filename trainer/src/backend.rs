@@ -1,6 +1,7 @@
 //! Every backend and cargo feature of the engine, in one place: which Burn backend each
 //! `output.device` runs, whether this build and machine can run it, and how gradients are
-//! averaged on it (through the host, or NCCL on CUDA). The training loop has no `cfg`.
+//! averaged on it (through the host, or NCCL on CUDA), and `trainer doctor`'s device checks
+//! ([`device_findings`]). The training loop has no `cfg`.
 
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use burn_ddp::{DdpError, Distributed, TcpProcessGroup};
 
 use crate::app::Learn;
 use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode};
+use crate::doctor::finding::Finding;
 use crate::error::UsageError;
 
 /// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
@@ -134,17 +136,26 @@ pub fn with_backend<A: LearnAnywhere, T: OnBackend<A, Output = anyhow::Result<R>
     }
 }
 
+/// Whether this build has the backend of `device` (cargo features `wgpu`, `cuda`).
+pub fn built_in(device: DeviceKind) -> bool {
+    match device {
+        DeviceKind::Cpu => true,
+        DeviceKind::Wgpu => cfg!(feature = "wgpu"),
+        DeviceKind::Cuda => cfg!(feature = "cuda"),
+    }
+}
+
+/// `output.device`'s spelling of `device`.
+fn device_name(device: DeviceKind) -> String {
+    format!("{device:?}").to_lowercase()
+}
+
 /// Whether this build can train on `device`, and (for CUDA) whether this machine can: a missing
 /// driver or GPU is a clear usage error before any rank starts, never a panic inside CUDA.
 pub fn device_available(device: DeviceKind, local_rank: usize) -> anyhow::Result<()> {
     let _ = local_rank;
-    let built_in = match device {
-        DeviceKind::Cpu => true,
-        DeviceKind::Wgpu => cfg!(feature = "wgpu"),
-        DeviceKind::Cuda => cfg!(feature = "cuda"),
-    };
-    let name = format!("{device:?}").to_lowercase();
-    if !built_in {
+    let name = device_name(device);
+    if !built_in(device) {
         return Err(UsageError(format!(
             "output.device = \"{name}\" is not available in this build. Rebuild with `--features {name}` (e.g. `cargo build --release -p trainer --features {name}`), or set output.device = \"cpu\""
         ))
@@ -259,4 +270,210 @@ pub fn tcp_options(d: &DistributedConfig) -> burn_ddp::TcpGroupOptions {
         stall_warning: Duration::from_secs(d.stall_warning_secs),
         ..Default::default()
     }
+}
+
+/// What `trainer doctor`'s device checks need to know of the job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceJob {
+    /// The config's `output.device`; `None` without a config, when every device this build has
+    /// counts as wanted (a CUDA build is made to run on GPUs).
+    pub device: Option<DeviceKind>,
+    /// Ranks on this machine (one GPU each).
+    pub local_ranks: usize,
+    pub world_size: usize,
+    pub gradient_sync: GradientSyncMode,
+}
+
+/// `trainer doctor`'s device checks: the devices of this build and, in builds that have them,
+/// the CUDA driver, GPUs and NCCL (feature `cuda`) and the wgpu adapter (feature `wgpu`). A
+/// problem fails the check for the device the job uses, and is a warning for another. Never
+/// panics: CUDA is probed through [`burn_ddp::cuda`]'s checks, which `dlopen` the libraries
+/// themselves, and the wgpu adapter search runs on a thread of its own.
+pub fn device_findings(job: &DeviceJob) -> Vec<Finding> {
+    let all = [DeviceKind::Cpu, DeviceKind::Wgpu, DeviceKind::Cuda];
+    let here: Vec<String> = all
+        .into_iter()
+        .filter(|&d| built_in(d))
+        .map(|d| format!("\"{}\"", device_name(d)))
+        .collect();
+    let text = format!("this build trains on {}", here.join(", "));
+    let build = match job.device {
+        Some(d) if !built_in(d) => {
+            let name = device_name(d);
+            Finding::fail(
+                "build",
+                format!("output.device = \"{name}\", but {text}"),
+                format!("rebuild with `--features {name}` (`cargo build --release -p trainer --features {name}`), or set output.device = \"cpu\""),
+            )
+        }
+        Some(d) => Finding::ok(
+            "build",
+            format!("{text}; the config uses \"{}\"", device_name(d)),
+        ),
+        None => Finding::ok("build", text),
+    };
+    #[allow(unused_mut)]
+    let mut findings = vec![build];
+    #[cfg(feature = "cuda")]
+    findings.extend(cuda_findings(job));
+    #[cfg(feature = "wgpu")]
+    findings.extend(wgpu_findings(job));
+    findings
+}
+
+/// How a device problem counts: a failure for the device the job uses, else a warning.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn severity(wanted: bool) -> crate::doctor::finding::Status {
+    use crate::doctor::finding::Status;
+    if wanted {
+        Status::Fail
+    } else {
+        Status::Warn
+    }
+}
+
+/// The CUDA driver, the GPUs the local ranks would use, and NCCL.
+#[cfg(feature = "cuda")]
+fn cuda_findings(job: &DeviceJob) -> Vec<Finding> {
+    use burn_ddp::cuda::{self, CudaUnavailable};
+    const CPU: &str = "or train on the CPU: output.device = \"cpu\"";
+    let wanted = job.device.is_none_or(|d| d == DeviceKind::Cuda);
+    let status = severity(wanted);
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into());
+    let mut findings = Vec::new();
+    match cuda::check_cuda_available(0) {
+        Ok(info) => {
+            findings.push(Finding::ok(
+                "cuda driver",
+                format!(
+                    "driver for CUDA {}.{} at {}",
+                    info.driver_version.0, info.driver_version.1, info.library
+                ),
+            ));
+            // Each local rank's device, as the engine picks it (`with_backend`).
+            let needed = (0..job.local_ranks.max(1))
+                .map(cuda::local_device)
+                .max()
+                .map_or(1, |d| d + 1);
+            let detail = format!(
+                "{} visible (CUDA_VISIBLE_DEVICES={visible}), device 0 is {}; {} local rank(s) use device(s) 0..{needed}",
+                info.device_count, info.name, job.local_ranks
+            );
+            findings.push(if info.device_count >= needed {
+                Finding::ok("gpus", detail)
+            } else {
+                Finding::new(
+                    "gpus",
+                    status,
+                    format!("{detail}, but only {} exist", info.device_count),
+                    Some(format!(
+                        "run at most {0} ranks per machine (--nproc-per-node {0}), or expose more GPUs",
+                        info.device_count
+                    )),
+                )
+            });
+        }
+        Err(CudaUnavailable::DriverNotFound { tried, reason }) => findings.push(Finding::new(
+            "cuda driver",
+            status,
+            format!("no CUDA driver was found (tried {tried}: {reason})"),
+            Some(format!("install the NVIDIA driver and check that `nvidia-smi` works; in a container, start it with the GPUs exposed (`docker run --gpus all`); if the driver is in a non-standard folder, add it to LD_LIBRARY_PATH; {CPU}")),
+        )),
+        Err(e) => findings.push(Finding::new(
+            "cuda driver",
+            status,
+            e.to_string(),
+            Some(format!("do what the message says, {CPU}")),
+        )),
+    }
+    if !wanted {
+        findings.push(Finding::skip(
+            "nccl",
+            "not used: the config trains on another device",
+        ));
+        return findings;
+    }
+    let nccl_needed =
+        job.gradient_sync.resolve(DeviceKind::Cuda, job.world_size) == GradientSyncMode::Nccl;
+    findings.push(match cuda::check_nccl_available() {
+        Ok(version) => Finding::ok("nccl", format!("NCCL {version} at {}", version.library)),
+        Err(e) if nccl_needed => Finding::fail(
+            "nccl",
+            e.to_string(),
+            "install NCCL as the message says, or set distributed.gradient_sync = \"host\" (gradients averaged through the host)",
+        ),
+        Err(e) => Finding::warn(
+            "nccl",
+            format!("{e} (this job averages gradients through the host, so it runs without)"),
+            "install NCCL as the message says to average gradients on the GPU of a multi-rank CUDA job",
+        ),
+    });
+    findings
+}
+
+/// The adapter Burn's wgpu backend would pick.
+#[cfg(feature = "wgpu")]
+fn wgpu_findings(job: &DeviceJob) -> Vec<Finding> {
+    use burn::backend::wgpu::{graphics::AutoGraphicsApi, init_setup, RuntimeOptions, WgpuDevice};
+    const CHECK: &str = "wgpu adapter";
+    const DEADLINE: Duration = Duration::from_secs(60);
+    let wanted = job.device == Some(DeviceKind::Wgpu);
+    // CubeCL panics when it finds no adapter: search on a thread, with the panic caught and
+    // its message kept out of the report.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    std::thread::spawn(move || {
+        let found = std::panic::catch_unwind(|| {
+            let setup = init_setup::<AutoGraphicsApi>(
+                &WgpuDevice::DefaultDevice,
+                RuntimeOptions::default(),
+            );
+            let info = setup.adapter.get_info();
+            let kind = format!("{:?}", info.device_type);
+            let driver = [info.driver.as_str(), info.driver_info.as_str()]
+                .iter()
+                .filter(|s| !s.is_empty())
+                .copied()
+                .collect::<Vec<_>>()
+                .join(" ");
+            (
+                format!(
+                    "{} ({:?}, {kind}, driver {driver})",
+                    info.name, info.backend
+                ),
+                kind == "Cpu",
+            )
+        });
+        let _ = tx.send(found.map_err(|panic| {
+            panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the adapter search panicked".into())
+        }));
+    });
+    let found = rx.recv_timeout(DEADLINE);
+    std::panic::set_hook(hook);
+    let finding = match found {
+        Ok(Ok((adapter, software))) if software && wanted => Finding::warn(
+            CHECK,
+            format!("{adapter}: a software adapter, which runs on the CPU"),
+            "it works; for speed install the GPU's Vulkan driver, or compare with output.device = \"cpu\"",
+        ),
+        Ok(Ok((adapter, _))) => Finding::ok(CHECK, adapter),
+        Ok(Err(why)) => Finding::new(
+            CHECK,
+            severity(wanted),
+            format!("no adapter found: {why}"),
+            Some("install a Vulkan driver (Mesa's lavapipe runs on any CPU: `apt-get install mesa-vulkan-drivers`), or set output.device = \"cpu\"".into()),
+        ),
+        Err(_) => Finding::new(
+            CHECK,
+            severity(wanted),
+            format!("no adapter within {} s", DEADLINE.as_secs()),
+            Some("check the GPU driver (`vulkaninfo --summary`), or set output.device = \"cpu\"".into()),
+        ),
+    };
+    vec![finding]
 }

@@ -279,7 +279,7 @@ fn run_table(
 }
 
 /// Bytes per second of a large `copy_from_slice` (one core).
-fn memcpy_bandwidth() -> f64 {
+pub(crate) fn memcpy_bandwidth() -> f64 {
     let n = 64 << 20;
     let src = vec![1u8; n];
     let mut dst = vec![0u8; n];

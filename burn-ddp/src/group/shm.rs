@@ -52,6 +52,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Bytes of ring buffer per link: four of the TCP group's default 1 MiB pieces.
 pub const CAPACITY: usize = 4 << 20;
 const DATA_OFFSET: usize = 4096;
+/// `/dev/shm` space each rank of a group of several ranks reserves while the group lives: its
+/// ring file, counters and data (made before the rank knows whether a neighbour shares its
+/// host, so every rank of a multi-rank job on this machine takes this much).
+pub const FILE_BYTES: usize = DATA_OFFSET + CAPACITY;
 const HEAD_OFFSET: usize = 0;
 const TAIL_OFFSET: usize = 64;
 const RING_FILE: &str = "ring";
