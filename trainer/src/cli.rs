@@ -46,6 +46,8 @@ enum Command {
     BenchAllreduce(tools::BenchArgs),
     /// Measure the engine against a plain Burn loop, and scaling from 1 to 2 processes.
     BenchTrain(bench::BenchTrainArgs),
+    /// Train between network namespaces on a shaped link; samples/s against the link's bounds.
+    BenchLink(crate::bench_link::BenchLinkArgs),
     /// Start any program as N supervised ranks, like `torchrun --no-python`:
     /// `trainer launch --nproc-per-node N -- PROGRAM [ARGS...]`.
     Launch(launch::LaunchCommand),
@@ -91,6 +93,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Some(Command::BenchTrain(args)) => bench::bench_train(&args),
+        Some(Command::BenchLink(args)) => crate::bench_link::bench_link(&args),
         Some(Command::Plot(args)) => plot::plot_command(&args),
         Some(Command::Doctor(args)) => doctor::doctor_command(&args),
         Some(Command::Launch(cmd)) => launch::launch(&cmd.launch, &Program::resolve(&cmd.program)?),

@@ -32,6 +32,7 @@
 //! | [`data`] | the digits and synthetic classification data, batching |
 //! | [`tools`] | collective self-test and all-reduce benchmark |
 //! | [`bench`] | the engine's overhead and scaling benchmark |
+//! | [`bench_link`] | training between network namespaces on a shaped link, against the link's bounds |
 //! | [`timing`] | where each step's time goes, per rank and across ranks (pure) |
 //! | [`plot`] | PNG charts of a run from its metrics file |
 //! | [`tensorboard`] | the metrics records as TensorBoard event files (`output.tensorboard`) |
@@ -42,6 +43,7 @@ pub mod alloc;
 pub mod app;
 pub mod backend;
 pub mod bench;
+pub mod bench_link;
 pub mod builtin;
 pub mod checkpoint;
 #[doc(hidden)]

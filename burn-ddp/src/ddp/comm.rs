@@ -10,12 +10,12 @@
 //! buffer per bucket (half the bytes when compressed), not one per gradient.
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use super::finite::FiniteScan;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
-use crate::kernels::{BucketOps, HalfFormat};
+use crate::kernels::{host16, BucketOps, BucketOpsError, HalfFormat};
 
 /// Sums packed gradient buckets across the ranks of a group.
 ///
@@ -43,6 +43,20 @@ pub trait BucketComm<B: BucketOps> {
         scan: &mut FiniteScan,
     ) -> Result<FloatTensor<B>, DdpError>;
 
+    /// Sums a 1-D `f32` bucket like [`all_reduce_f32`](Self::all_reduce_f32) and multiplies
+    /// each sum by `scale` (one `f32` multiply: the `1 / world` of the mean). The default
+    /// multiplies on the device after the sum; [`HostStaging`] on its host copy, in the pass
+    /// that writes the bucket back. Same bits either way.
+    fn all_reduce_f32_scaled(
+        &mut self,
+        bucket: FloatTensor<B>,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
+        let sum = self.all_reduce_f32(bucket, scan)?;
+        Ok(B::float_mul_scalar(sum, scale.into()))
+    }
+
     /// Sums a compressed bucket: `len` values of `format` packed two per `u32` word (the layout
     /// of [`wire16`](crate::kernels::wire16)), reduced as 16-bit floats. `scan` as above.
     fn all_reduce_half(
@@ -53,9 +67,45 @@ pub trait BucketComm<B: BucketOps> {
         scan: &mut FiniteScan,
     ) -> Result<IntTensor<B>, DdpError>;
 
+    /// Sums a 1-D `f32` bucket in `format` and returns the sum widened to a new 1-D `f32`
+    /// tensor: each value multiplied by `scale` and rounded
+    /// ([`BucketOps::compress_bucket`]), the 16-bit values summed
+    /// ([`all_reduce_half`](Self::all_reduce_half)), the sums widened
+    /// ([`BucketOps::decompress_bucket`]). `scan` sees this rank's 16-bit values.
+    ///
+    /// The default runs exactly those three steps; an implementation may fuse them (the host
+    /// path on a host backend, [`HostStaging`]) but must give the same bits.
+    fn all_reduce_compressed(
+        &mut self,
+        bucket: FloatTensor<B>,
+        format: HalfFormat,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
+        compressed_in_steps(self, bucket, format, scale, scan)
+    }
+
     /// Tells every rank which ranks found non-finite gradients: one byte per rank gathered
     /// over the group, once per synchronisation. Collective.
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError>;
+}
+
+/// [`BucketComm::all_reduce_compressed`] as three steps on the device and the communicator.
+fn compressed_in_steps<B: BucketOps, C: BucketComm<B> + ?Sized>(
+    comm: &mut C,
+    bucket: FloatTensor<B>,
+    format: HalfFormat,
+    scale: f32,
+    scan: &mut FiniteScan,
+) -> Result<FloatTensor<B>, DdpError> {
+    let len = bucket.shape().num_elements();
+    let words = B::compress_bucket(bucket, format, scale).map_err(device_error)?;
+    let words = comm.all_reduce_half(words, len, format, scan)?;
+    B::decompress_bucket(words, len, format).map_err(device_error)
+}
+
+fn device_error(e: BucketOpsError) -> DdpError {
+    DdpError::Device(e.to_string())
 }
 
 /// Stages buckets through host memory and sums them with a host [`ProcessGroup`] (the TCP
@@ -82,6 +132,25 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         // The copy just read is still in cache: the scan costs one pass at memory speed.
         scan.host_f32(values);
         self.0.all_reduce(values, ReduceOp::Sum)?;
+        Ok(B::float_from_data(data, &device))
+    }
+
+    fn all_reduce_f32_scaled(
+        &mut self,
+        bucket: FloatTensor<B>,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
+        let device = B::float_device(&bucket);
+        let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
+            .try_into_data()
+            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
+        let values = host_slice::<f32>(&mut data)?;
+        scan.host_f32(values);
+        self.0.all_reduce(values, ReduceOp::Sum)?;
+        for x in values.iter_mut() {
+            *x *= scale;
+        }
         Ok(B::float_from_data(data, &device))
     }
 
@@ -118,6 +187,44 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
             )?,
         }
         Ok(B::int_from_data(data, &device))
+    }
+
+    /// On a backend in host memory ([`BucketOps::HOST_MEMORY`]: Burn's CPU backend) the three
+    /// steps run on one host copy of the bucket: read it once, round it
+    /// ([`host16::round_scaled`], the rounding of `compress_bucket`), sum the 16-bit values
+    /// with the group, widen them back in place ([`host16::widen`]), write it once — instead of
+    /// a read and a write around each step. Same bits. Other backends round on the device
+    /// (half the bytes to read) in the three steps of the default.
+    fn all_reduce_compressed(
+        &mut self,
+        bucket: FloatTensor<B>,
+        format: HalfFormat,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
+        if !B::HOST_MEMORY {
+            return compressed_in_steps::<B, Self>(self, bucket, format, scale, scan);
+        }
+        let device = B::float_device(&bucket);
+        let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
+            .try_into_data()
+            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
+        let values = host_slice::<f32>(&mut data)?;
+        let mut halves = vec![0u16; values.len()];
+        host16::round_scaled(format, values, scale, &mut halves);
+        scan.host_half(&halves, format);
+        match format {
+            HalfFormat::Bf16 => self.0.all_reduce(
+                bytemuck::cast_slice_mut::<u16, half::bf16>(&mut halves),
+                ReduceOp::Sum,
+            )?,
+            HalfFormat::F16 => self.0.all_reduce(
+                bytemuck::cast_slice_mut::<u16, half::f16>(&mut halves),
+                ReduceOp::Sum,
+            )?,
+        }
+        host16::widen(format, &halves, values);
+        Ok(B::float_from_data(data, &device))
     }
 
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
@@ -212,5 +319,103 @@ mod tests {
             assert_eq!(sum, mean.iter().map(|x| 2.0 * x).collect::<Vec<_>>());
             assert_eq!(halves, vec![mean.clone(), mean]);
         }
+    }
+
+    /// The fused host paths give the bits of the steps they fuse: `all_reduce_compressed`
+    /// (round, sum, widen) and `all_reduce_f32_scaled` (sum, multiply).
+    #[test]
+    fn fused_compressed_all_reduce_equals_the_three_steps() {
+        use crate::kernels::fallback::conformance::{special_values, SplitMix64};
+        fn bits(t: FloatTensor<Flex>) -> Vec<u32> {
+            Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(t))
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        }
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
+                    let mut comm = HostStaging(&mut group);
+                    let device = Default::default();
+                    let mut rng = SplitMix64::new(0x5eed_0020 + rank as u64);
+                    let mut results = Vec::new();
+                    for len in [1usize, 7, 4099, 70_001] {
+                        let mut values: Vec<f32> =
+                            (0..len).map(|_| rng.next_f32() * 1e-2).collect();
+                        if len == 4099 {
+                            // Finite specials only: a NaN would stop nothing here but differ in
+                            // payload between two NaN sums.
+                            let specials = special_values();
+                            let finite = specials.iter().filter(|x| x.is_finite());
+                            for (v, s) in values.iter_mut().zip(finite) {
+                                *v = *s;
+                            }
+                        }
+                        for format in [HalfFormat::Bf16, HalfFormat::F16] {
+                            let tensor = || {
+                                Flex::float_from_data(
+                                    TensorData::new(values.clone(), [len]),
+                                    &device,
+                                )
+                            };
+                            let mut scan = FiniteScan::new(true);
+                            let fused = BucketComm::<Flex>::all_reduce_compressed(
+                                &mut comm,
+                                tensor(),
+                                format,
+                                0.5,
+                                &mut scan,
+                            )
+                            .unwrap();
+                            let steps = compressed_in_steps::<Flex, _>(
+                                &mut comm,
+                                tensor(),
+                                format,
+                                0.5,
+                                &mut scan,
+                            )
+                            .unwrap();
+                            let (fused, steps) = (bits(fused), bits(steps));
+                            assert_eq!(fused, steps, "{} len {len}", format.name());
+                            results.push(fused);
+                        }
+                        // f32: the scaled sum is the sum, then one multiply per element.
+                        let tensor = || {
+                            Flex::float_from_data(TensorData::new(values.clone(), [len]), &device)
+                        };
+                        let mut scan = FiniteScan::new(true);
+                        let scaled = BucketComm::<Flex>::all_reduce_f32_scaled(
+                            &mut comm,
+                            tensor(),
+                            1.0 / 3.0,
+                            &mut scan,
+                        )
+                        .unwrap();
+                        let sum =
+                            BucketComm::<Flex>::all_reduce_f32(&mut comm, tensor(), &mut scan)
+                                .unwrap();
+                        let want: Vec<u32> =
+                            Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(sum))
+                                .into_data()
+                                .to_vec::<f32>()
+                                .unwrap()
+                                .iter()
+                                .map(|x| (x * (1.0 / 3.0)).to_bits())
+                                .collect();
+                        assert_eq!(bits(scaled), want, "f32 len {len}");
+                    }
+                    results
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(results[0], results[1], "every rank gets the same sums");
     }
 }

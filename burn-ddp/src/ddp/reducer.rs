@@ -9,6 +9,9 @@
 //!     sum         BucketComm: the TCP ring through the host, or NCCL on the GPU
 //!     [widen]     BucketOps::decompress_bucket
 //!     unpack      BucketOps::unpack_bucket(scale 1/world, or 1 when compressed)
+//!   (on a backend in host memory, BucketOps::HOST_MEMORY, the host communicator does the
+//!   compress / widen and the 1/world multiply on its one copy of the bucket:
+//!   BucketComm::all_reduce_compressed and all_reduce_f32_scaled; same bits)
 //!   ─▶ register the averaged gradients back ─▶ optimizer.step()
 //! ```
 //! The reduction is a **mean**: with a loss that is a mean over the per-rank batch and equal
@@ -36,7 +39,7 @@ use super::bucket::plan_buckets;
 use super::comm::BucketComm;
 use super::finite::{probe, FiniteScan, GradientCheck};
 use crate::error::DdpError;
-use crate::kernels::{BucketOps, BucketOpsError, HalfFormat, MAX_BUCKET_LEN};
+use crate::kernels::{BucketOps, HalfFormat, MAX_BUCKET_LEN};
 
 /// Counters a test or a metrics line can read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -170,16 +173,18 @@ impl Reducer {
             let device = B::InnerBackend::float_device(&inputs[0]);
             let packed = B::InnerBackend::pack_bucket(inputs, &device);
             let outputs = match self.compression {
+                // In host memory the 1/world multiply rides on the pass that writes the sum
+                // back; on a device it is fused into the unpack kernel.
+                None if B::InnerBackend::HOST_MEMORY => {
+                    let mean = comm.all_reduce_f32_scaled(packed, scale, &mut scan)?;
+                    B::InnerBackend::unpack_bucket(mean, &shapes, 1.0)
+                }
                 None => {
                     let sum = comm.all_reduce_f32(packed, &mut scan)?;
                     B::InnerBackend::unpack_bucket(sum, &shapes, scale)
                 }
                 Some(format) => {
-                    let words = B::InnerBackend::compress_bucket(packed, format, scale)
-                        .map_err(device_error)?;
-                    let words = comm.all_reduce_half(words, bucket.numel, format, &mut scan)?;
-                    let mean = B::InnerBackend::decompress_bucket(words, bucket.numel, format)
-                        .map_err(device_error)?;
+                    let mean = comm.all_reduce_compressed(packed, format, scale, &mut scan)?;
                     B::InnerBackend::unpack_bucket(mean, &shapes, 1.0)
                 }
             };
@@ -209,10 +214,6 @@ impl Reducer {
             nonfinite_ranks: (0..flags.len()).filter(|&r| flags[r]).collect(),
         })
     }
-}
-
-fn device_error(e: BucketOpsError) -> DdpError {
-    DdpError::Device(e.to_string())
 }
 
 /// A gradient taken out of `GradientsParams`, still on its device.

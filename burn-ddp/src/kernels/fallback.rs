@@ -42,7 +42,9 @@ pub fn unpack_bucket<B: Backend>(
 ) -> Vec<FloatTensor<B>> {
     let total = check_bucket("unpack_bucket", &bucket, shapes);
     let device = B::float_device(&bucket);
-    let scaled = if total == 0 {
+    // A scale of 1 is no multiply: the values are already what `x * 1` gives (a signalling
+    // NaN, which the multiply would quiet, is the one bit pattern that passes unchanged).
+    let scaled = if total == 0 || scale == 1.0 {
         bucket
     } else {
         B::float_mul_scalar(bucket, scale.into())
@@ -158,8 +160,10 @@ pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
 /// `impl BucketOps for $backend` with the generic ops of this module, for backends without
 /// kernels of ours: `fallback_bucket_ops!(impl[generics] for Type);` (with `BucketOps` in scope).
 macro_rules! fallback_bucket_ops {
-    (impl[$($generics:tt)*] for $backend:ty) => {
+    (impl[$($generics:tt)*] for $backend:ty $(, host_memory: $host:expr)?) => {
         impl<$($generics)*> BucketOps for $backend {
+            $(const HOST_MEMORY: bool = $host;)?
+
             fn pack_bucket(
                 tensors: Vec<burn::tensor::ops::FloatTensor<Self>>,
                 device: &Self::Device,
@@ -197,7 +201,7 @@ macro_rules! fallback_bucket_ops {
 pub(crate) use fallback_bucket_ops;
 
 // Burn's CPU backend: the generic ops above are already what it would do.
-fallback_bucket_ops!(impl[] for burn::backend::Flex);
+fallback_bucket_ops!(impl[] for burn::backend::Flex, host_memory: true);
 
 /// The conformance suite every [`BucketOps`] implementation runs (see the `tests` modules here and
 /// in `cube.rs`): random data from a seeded generator, against plain-Rust references, bit for bit.

@@ -11,6 +11,7 @@
 //! |---|---|
 //! | `mod.rs` | the [`BucketOps`] trait and its contracts, [`BucketOpsError`] |
 //! | [`wire16`] | the 16-bit wire formats ([`HalfFormat`]): rounding on the host, packing two per `u32` (pure) |
+//! | [`host16`] | 16-bit rounding, widening and sums over host slices, vectorised, bit for bit the `half` crate's (pure) |
 //! | [`fallback`] | a generic implementation with Burn tensor ops; [`BucketOps`] for [`Flex`] |
 //! | `cube` (features `wgpu` / `cuda`) | the `#[cube]` kernels; [`BucketOps`] for `CubeBackend` and `Fusion` |
 //! | [`bench`] | [`bench::measure_pack_unpack`]: pack + unpack throughput on a device |
@@ -37,6 +38,7 @@ pub mod bench;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 pub mod fallback;
+pub mod host16;
 pub mod wire16;
 
 pub use wire16::HalfFormat;
@@ -57,6 +59,12 @@ use burn::tensor::Shape;
 /// kernels index with 32 bits; a bucket is megabytes, so going past that is a bug of the caller
 /// and panics.
 pub trait BucketOps: Backend {
+    /// Whether this backend's tensors live in host memory (Burn's CPU backend): reading one to
+    /// the host is a copy, not a transfer, so a host communicator may as well do the 16-bit
+    /// rounding itself on the way ([`crate::ddp::BucketComm::all_reduce_compressed`]), which
+    /// saves the copies in and out of the device between the steps. `false` by default.
+    const HOST_MEMORY: bool = false;
+
     /// Concatenates the flattened `tensors`, in order, into one new 1-D `f32` tensor whose length
     /// is the sum of their element counts.
     ///
@@ -81,7 +89,8 @@ pub trait BucketOps: Backend {
     /// `scale` (fused: the `1 / world_size` of an average; pass `1.0` for a plain split).
     ///
     /// The multiply is one IEEE `f32` multiply per element, so results are bit-identical to
-    /// `x * scale` on the host, except that devices which flush subnormals to zero do so here.
+    /// `x * scale` on the host, except that devices which flush subnormals to zero do so here,
+    /// and that the [`fallback`] skips a multiply by 1 (a signalling NaN then stays signalling).
     ///
     /// # Panics
     /// If `bucket` is not 1-D `f32`, or its length differs from the sum of the element counts of
