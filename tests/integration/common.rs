@@ -11,24 +11,37 @@ use std::time::{Duration, Instant};
 /// Generous: these tests run on a loaded 2-core machine.
 pub const WATCHDOG: Duration = Duration::from_secs(300);
 
+/// A launcher's identity, which a command of the tests never inherits from the environment
+/// running them (every launcher under test sets its own).
+pub const LAUNCHER_IDENTITY: [&str; 14] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TRAINER_WORKER",
+    "TRAINER_RESTART_COUNT",
+    "BURN_DDP_TOKEN",
+    "BURN_DDP_USE_AGENT_STORE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_PROCID",
+    "OMPI_COMM_WORLD_RANK",
+];
+
+/// `cmd` without any of [`LAUNCHER_IDENTITY`].
+pub fn without_launcher_identity(cmd: &mut Command) -> &mut Command {
+    for var in LAUNCHER_IDENTITY {
+        cmd.env_remove(var);
+    }
+    cmd
+}
+
 pub fn trainer() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_trainer"));
     cmd.current_dir(env!("CARGO_MANIFEST_DIR").to_string() + "/..");
-    // Never inherit a launcher's identity from the environment running the tests.
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TRAINER_WORKER",
-        "BURN_DDP_TOKEN",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-    ] {
-        cmd.env_remove(var);
-    }
+    without_launcher_identity(&mut cmd);
     cmd
 }
 
@@ -353,9 +366,15 @@ pub fn wait_gone(pids: &[u32], bound: Duration) -> Vec<u32> {
 /// fails unless its ranks are gone within 60 s; returns the launcher's log.
 pub fn kill_launcher_and_expect_its_ranks_gone(launcher: &mut Proc) -> String {
     let ranks = children_of(launcher.id());
+    kill_launcher_and_expect_gone(launcher, &ranks)
+}
+
+/// SIGKILLs `launcher` and fails unless the 2 processes `ranks` are gone within 60 s; returns
+/// the launcher's log.
+pub fn kill_launcher_and_expect_gone(launcher: &mut Proc, ranks: &[u32]) -> String {
     assert_eq!(ranks.len(), 2, "{}", launcher.log());
     signal(launcher.id(), libc::SIGKILL);
-    let left = wait_gone(&ranks, Duration::from_secs(60));
+    let left = wait_gone(ranks, Duration::from_secs(60));
     for &pid in &left {
         signal(pid, libc::SIGKILL);
     }
@@ -365,6 +384,18 @@ pub fn kill_launcher_and_expect_its_ranks_gone(launcher: &mut Proc) -> String {
         launcher.log()
     );
     launcher.log()
+}
+
+/// Fails if a line of `out` tagged as rank 1's (it starts with `rank1_tag`, the launcher's
+/// tag) logs at INFO: by default only rank 0 does.
+pub fn assert_rank1_logs_no_info(out: &Output, rank1_tag: &str) {
+    assert!(
+        !out.all()
+            .lines()
+            .any(|l| l.starts_with(rank1_tag) && l.contains("INFO")),
+        "rank 1 must log warnings only by default:\n{}",
+        out.all()
+    );
 }
 
 pub fn run(cmd: &mut Command) -> Output {

@@ -167,16 +167,7 @@ fn mpirun() -> Option<Command> {
         "-np",
         "2",
     ]);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "BURN_DDP_TOKEN",
-        "TRAINER_WORKER",
-    ] {
-        cmd.env_remove(var);
-    }
+    without_launcher_identity(&mut cmd);
     Some(cmd)
 }
 
@@ -200,13 +191,7 @@ fn mpirun_trains_without_master_variables() {
         ],
         &out,
     );
-    assert!(
-        !out.all()
-            .lines()
-            .any(|l| l.starts_with("[1,1]") && l.contains("INFO")),
-        "rank 1 must log warnings only by default:\n{}",
-        out.all()
-    );
+    assert_rank1_logs_no_info(&out, "[1,1]");
 }
 
 /// Two real `mpirun` jobs given the same MASTER_PORT: the second cannot join the first (its

@@ -181,16 +181,7 @@ fn srun_trains_without_master_variables() {
         .arg(env!("CARGO_BIN_EXE_trainer"))
         .arg("--config")
         .arg(&config);
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "BURN_DDP_TOKEN",
-        "TRAINER_WORKER",
-    ] {
-        srun.env_remove(var);
-    }
+    without_launcher_identity(&mut srun);
     let out = run(&mut srun);
     assert_eq!(out.code, Some(0), "{}", out.all());
     assert_says(
@@ -203,12 +194,6 @@ fn srun_trains_without_master_variables() {
         ],
         &out,
     );
-    assert!(
-        !out.all()
-            .lines()
-            .any(|l| l.starts_with("1:") && l.contains("INFO")),
-        "rank 1 must log warnings only by default:\n{}",
-        out.all()
-    );
+    assert_rank1_logs_no_info(&out, "1:");
     drop(slurm);
 }

@@ -35,24 +35,7 @@ fn torchrun(torchrun: &str, torchrun_args: &[&str], config: &Path) -> Command {
         .arg("--config")
         .arg(config)
         .env("PYTHONWARNINGS", "ignore");
-    for var in [
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TRAINER_WORKER",
-        "TRAINER_RESTART_COUNT",
-        "BURN_DDP_TOKEN",
-        "BURN_DDP_USE_AGENT_STORE",
-        "TORCHELASTIC_USE_AGENT_STORE",
-        "TORCHELASTIC_RESTART_COUNT",
-        "SLURM_PROCID",
-        "OMPI_COMM_WORLD_RANK",
-    ] {
-        cmd.env_remove(var);
-    }
+    without_launcher_identity(&mut cmd);
     cmd
 }
 
@@ -158,17 +141,7 @@ fn ranks_die_with_a_killed_torchrun() {
         .into_iter()
         .filter(|&pid| rank_of(pid).is_some())
         .collect();
-    assert_eq!(ranks.len(), 2, "{}", launcher.log());
-    signal(launcher.id(), libc::SIGKILL);
-    let left = wait_gone(&ranks, Duration::from_secs(60));
-    for &pid in &left {
-        signal(pid, libc::SIGKILL);
-    }
-    assert!(
-        left.is_empty(),
-        "ranks {left:?} outlived their killed torchrun by 60 s:\n{}",
-        launcher.log()
-    );
+    kill_launcher_and_expect_gone(&mut launcher, &ranks);
     let out = launcher.finish();
     assert_eq!(out.signal, Some(libc::SIGKILL), "{}", out.all());
     assert_says(&out.stderr, &["is gone: stopping"], &out);

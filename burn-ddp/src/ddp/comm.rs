@@ -124,15 +124,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         bucket: FloatTensor<B>,
         scan: &mut FiniteScan,
     ) -> Result<FloatTensor<B>, DdpError> {
-        let device = B::float_device(&bucket);
-        let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
-            .try_into_data()
-            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
-        let values = host_slice::<f32>(&mut data)?;
-        // The copy just read is still in cache: the scan costs one pass at memory speed.
-        scan.host_f32(values);
-        self.0.all_reduce(values, ReduceOp::Sum)?;
-        Ok(B::float_from_data(data, &device))
+        self.sum_f32_on_host::<B>(bucket, None, scan)
     }
 
     fn all_reduce_f32_scaled(
@@ -141,17 +133,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         scale: f32,
         scan: &mut FiniteScan,
     ) -> Result<FloatTensor<B>, DdpError> {
-        let device = B::float_device(&bucket);
-        let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
-            .try_into_data()
-            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
-        let values = host_slice::<f32>(&mut data)?;
-        scan.host_f32(values);
-        self.0.all_reduce(values, ReduceOp::Sum)?;
-        for x in values.iter_mut() {
-            *x *= scale;
-        }
-        Ok(B::float_from_data(data, &device))
+        self.sum_f32_on_host::<B>(bucket, Some(scale), scan)
     }
 
     fn all_reduce_half(
@@ -164,7 +146,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         let device = B::int_device(&words);
         let mut data = Tensor::<B, 1, Int>::from_primitive(words)
             .try_into_data()
-            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
+            .map_err(read_error)?;
         let words = host_slice::<u32>(&mut data)?;
         // The words are `len` 16-bit floats in memory order (then one 0 of padding when `len`
         // is odd, which is left alone).
@@ -176,16 +158,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
             )));
         };
         scan.host_half(values, format);
-        match format {
-            HalfFormat::Bf16 => self.0.all_reduce(
-                bytemuck::cast_slice_mut::<u16, half::bf16>(values),
-                ReduceOp::Sum,
-            )?,
-            HalfFormat::F16 => self.0.all_reduce(
-                bytemuck::cast_slice_mut::<u16, half::f16>(values),
-                ReduceOp::Sum,
-            )?,
-        }
+        sum_halves(self.0, values, format)?;
         Ok(B::int_from_data(data, &device))
     }
 
@@ -205,24 +178,12 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         if !B::HOST_MEMORY {
             return compressed_in_steps::<B, Self>(self, bucket, format, scale, scan);
         }
-        let device = B::float_device(&bucket);
-        let mut data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
-            .try_into_data()
-            .map_err(|e| DdpError::Device(format!("reading a gradient bucket failed: {e:?}")))?;
+        let (device, mut data) = read_float::<B>(bucket)?;
         let values = host_slice::<f32>(&mut data)?;
         let mut halves = vec![0u16; values.len()];
         host16::round_scaled(format, values, scale, &mut halves);
         scan.host_half(&halves, format);
-        match format {
-            HalfFormat::Bf16 => self.0.all_reduce(
-                bytemuck::cast_slice_mut::<u16, half::bf16>(&mut halves),
-                ReduceOp::Sum,
-            )?,
-            HalfFormat::F16 => self.0.all_reduce(
-                bytemuck::cast_slice_mut::<u16, half::f16>(&mut halves),
-                ReduceOp::Sum,
-            )?,
-        }
+        sum_halves(self.0, &mut halves, format)?;
         host16::widen(format, &halves, values);
         Ok(B::float_from_data(data, &device))
     }
@@ -230,6 +191,63 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
         gather_flags(self.0, local)
     }
+}
+
+impl<G: ProcessGroup> HostStaging<'_, G> {
+    /// Reads an `f32` bucket to the host, sums it with the group, multiplies it by `scale`
+    /// (when given) on the same copy, and writes it back.
+    fn sum_f32_on_host<B: BucketOps>(
+        &mut self,
+        bucket: FloatTensor<B>,
+        scale: Option<f32>,
+        scan: &mut FiniteScan,
+    ) -> Result<FloatTensor<B>, DdpError> {
+        let (device, mut data) = read_float::<B>(bucket)?;
+        let values = host_slice::<f32>(&mut data)?;
+        // The copy just read is still in cache: the scan costs one pass at memory speed.
+        scan.host_f32(values);
+        self.0.all_reduce(values, ReduceOp::Sum)?;
+        if let Some(scale) = scale {
+            for x in values.iter_mut() {
+                *x *= scale;
+            }
+        }
+        Ok(B::float_from_data(data, &device))
+    }
+}
+
+/// A 1-D float bucket read into host memory (one device-to-host copy), and its device.
+fn read_float<B: BucketOps>(
+    bucket: FloatTensor<B>,
+) -> Result<(burn::tensor::Device<B>, TensorData), DdpError> {
+    let device = B::float_device(&bucket);
+    let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
+        .try_into_data()
+        .map_err(read_error)?;
+    Ok((device, data))
+}
+
+fn read_error(e: impl std::fmt::Debug) -> DdpError {
+    DdpError::Device(format!("reading a gradient bucket failed: {e:?}"))
+}
+
+/// Sums 16-bit floats of `format` (their bits) over the group, in place. Collective.
+fn sum_halves<G: ProcessGroup>(
+    group: &mut G,
+    halves: &mut [u16],
+    format: HalfFormat,
+) -> Result<(), DdpError> {
+    match format {
+        HalfFormat::Bf16 => group.all_reduce(
+            bytemuck::cast_slice_mut::<u16, half::bf16>(halves),
+            ReduceOp::Sum,
+        )?,
+        HalfFormat::F16 => group.all_reduce(
+            bytemuck::cast_slice_mut::<u16, half::f16>(halves),
+            ReduceOp::Sum,
+        )?,
+    }
+    Ok(())
 }
 
 /// [`BucketComm::gather_flags`] over any process group.
