@@ -249,4 +249,7 @@ pub enum DdpError {
     /// address could not be had, or device work before the collective failed.
     #[error("DDP on the device: {0}")]
     Device(String),
+    /// Optimizer state could not be serialised or read back (ZeRO's consolidation).
+    #[error("optimizer state: {0}")]
+    State(String),
 }

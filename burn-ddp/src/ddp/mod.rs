@@ -9,6 +9,9 @@
 //!   process group (the TCP ring), or `NcclBuckets` on the GPU.
 //! - [`finite`]: each rank's gradients checked for NaN / ±Inf on the way to the wire, and
 //!   [`GradientCheck`], which ranks had them.
+//! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stage 1 (pure).
+//! - [`zero`]: [`ShardedSync`], ZeRO stage 1: gradients reduced to their owner, parameters
+//!   gathered back from it; the optimizer-state helpers for checkpoints.
 //! - `device` (feature `cuda`): `NcclBuckets` and the device addresses NCCL needs.
 
 pub mod bucket;
@@ -18,6 +21,8 @@ pub mod device;
 pub mod finite;
 pub mod module;
 pub mod reducer;
+pub mod shard_plan;
+pub mod zero;
 
 pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
@@ -25,3 +30,5 @@ pub use device::{CudaBuffers, NcclBackend, NcclBuckets};
 pub use finite::GradientCheck;
 pub use module::{param_checksum, prepare_module};
 pub use reducer::{Reducer, ReducerStats};
+pub use shard_plan::ShardPlan;
+pub use zero::ShardedSync;

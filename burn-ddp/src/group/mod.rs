@@ -170,9 +170,20 @@ element!(half::f16, F16, sum: |a, b| a + b, div: |x, n| half::f16::from_f32(x.to
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CollectiveKind {
     AllReduce(ReduceOp),
-    Broadcast { root: usize },
+    Broadcast {
+        root: usize,
+    },
     AllGather,
     ReduceScatter(ReduceOp),
+    /// Blocks of different sizes; `layout` is a fingerprint of the block sizes, which must
+    /// agree across ranks like the length does.
+    ReduceScatterV {
+        op: ReduceOp,
+        layout: u32,
+    },
+    AllGatherV {
+        layout: u32,
+    },
     Barrier,
 }
 
@@ -195,6 +206,12 @@ impl fmt::Display for CollectiveDesc {
             CollectiveKind::Broadcast { root } => write!(f, "broadcast(root {root}, ")?,
             CollectiveKind::AllGather => write!(f, "all_gather(")?,
             CollectiveKind::ReduceScatter(op) => write!(f, "reduce_scatter({op:?}, ")?,
+            CollectiveKind::ReduceScatterV { op, layout } => {
+                write!(f, "reduce_scatter_v({op:?}, blocks {layout:08x}, ")?
+            }
+            CollectiveKind::AllGatherV { layout } => {
+                write!(f, "all_gather_v(blocks {layout:08x}, ")?
+            }
             CollectiveKind::Barrier => return write!(f, "barrier #{}", self.seq),
         }
         write!(f, "{dtype}, {} elements) #{}", self.len, self.seq)
@@ -216,6 +233,18 @@ pub(crate) mod check {
                 world * input
             )
         })
+    }
+
+    pub fn blocks(world: usize, counts: &[usize], len: usize) -> Option<String> {
+        if counts.len() != world {
+            return Some(format!(
+                "{} block sizes given, expected one per rank (world size {world})",
+                counts.len()
+            ));
+        }
+        let total: usize = counts.iter().sum();
+        (total != len)
+            .then(|| format!("the buffer has {len} elements but the block sizes add up to {total}"))
     }
 
     pub fn reduce_scatter(world: usize, input: usize, output: usize) -> Option<String> {
@@ -313,6 +342,17 @@ pub enum Collective<'a, T> {
         output: &'a mut [T],
         op: ReduceOp,
     },
+    /// See [`ProcessGroup::reduce_scatter_v`].
+    ReduceScatterV {
+        buffer: &'a mut [T],
+        counts: &'a [usize],
+        op: ReduceOp,
+    },
+    /// See [`ProcessGroup::all_gather_v`].
+    AllGatherV {
+        buffer: &'a mut [T],
+        counts: &'a [usize],
+    },
     /// See [`ProcessGroup::barrier`]. Carries no buffer: its `T` is unused.
     Barrier,
 }
@@ -325,15 +365,26 @@ impl<'a, T> Collective<'a, T> {
             Self::Broadcast { root, .. } => CollectiveKind::Broadcast { root: *root },
             Self::AllGather { .. } => CollectiveKind::AllGather,
             Self::ReduceScatter { op, .. } => CollectiveKind::ReduceScatter(*op),
+            Self::ReduceScatterV { op, counts, .. } => CollectiveKind::ReduceScatterV {
+                op: *op,
+                layout: layout_fingerprint(counts),
+            },
+            Self::AllGatherV { counts, .. } => CollectiveKind::AllGatherV {
+                layout: layout_fingerprint(counts),
+            },
             Self::Barrier => CollectiveKind::Barrier,
         }
     }
 
     /// Elements per rank, as carried in [`CollectiveDesc::len`]: the buffer's length, the
-    /// input's for all-gather, the output's for reduce-scatter, 1 for the barrier.
+    /// input's for all-gather, the output's for reduce-scatter, the whole buffer's for the
+    /// uneven ones, 1 for the barrier.
     pub fn elements_per_rank(&self) -> usize {
         match self {
-            Self::AllReduce { buffer, .. } | Self::Broadcast { buffer, .. } => buffer.len(),
+            Self::AllReduce { buffer, .. }
+            | Self::Broadcast { buffer, .. }
+            | Self::ReduceScatterV { buffer, .. }
+            | Self::AllGatherV { buffer, .. } => buffer.len(),
             Self::AllGather { input, .. } => input.len(),
             Self::ReduceScatter { output, .. } => output.len(),
             Self::Barrier => 1,
@@ -349,6 +400,9 @@ impl<'a, T> Collective<'a, T> {
             }
             Self::ReduceScatter { input, output, .. } => {
                 check::reduce_scatter(world_size, input.len(), output.len())
+            }
+            Self::ReduceScatterV { buffer, counts, .. } | Self::AllGatherV { buffer, counts } => {
+                check::blocks(world_size, counts, buffer.len())
             }
             Self::AllReduce { .. } | Self::Barrier => None,
         };
@@ -455,10 +509,47 @@ pub trait ProcessGroup {
         checked(self, Collective::ReduceScatter { input, output, op })
     }
 
+    /// Reduce-scatter over blocks of different sizes, in place (MPI's `Reduce_scatter` with
+    /// counts): `buffer` is `world_size` consecutive blocks, `counts[r]` elements for rank `r`;
+    /// afterwards block `rank` holds the reduced values and the other blocks hold partial
+    /// results, which callers must not use. `counts` must be equal on every rank. Each rank
+    /// sends the buffer less its own block: with an all-gather-v after it, the bytes of an
+    /// all-reduce (ZeRO's reduce-to-owner, then parameters back from their owners).
+    fn reduce_scatter_v<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        checked(self, Collective::ReduceScatterV { buffer, counts, op })
+    }
+
+    /// All-gather over blocks of different sizes, in place (MPI's `Allgatherv`): block `rank`
+    /// of `buffer` (laid out as in [`reduce_scatter_v`](Self::reduce_scatter_v)) holds this
+    /// rank's input; afterwards every block holds its owner's on every rank.
+    fn all_gather_v<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        counts: &[usize],
+    ) -> Result<(), CollectiveError> {
+        checked(self, Collective::AllGatherV { buffer, counts })
+    }
+
     /// Returns once every rank has called it.
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         checked(self, Collective::<u8>::Barrier)
     }
+}
+
+/// A 32-bit FNV-1a fingerprint of uneven block sizes, carried in the call's header so that
+/// ranks with different layouts fail with a mismatch instead of exchanging wrong ranges.
+pub fn layout_fingerprint(counts: &[usize]) -> u32 {
+    counts
+        .iter()
+        .flat_map(|&n| (n as u64).to_le_bytes())
+        .fold(0x811c_9dc5u32, |h, b| {
+            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+        })
 }
 
 /// Runs `call` on `group` with its argument checks.

@@ -623,6 +623,13 @@ impl NcclProcessGroup {
         ptr: u64,
     ) -> Result<(), Fault> {
         let (count, dtype) = (desc.len as usize, nccl_dtype(desc.dtype));
+        if matches!(
+            desc.kind,
+            CollectiveKind::ReduceScatterV { .. } | CollectiveKind::AllGatherV { .. }
+        ) {
+            // `collective` refuses them before any launch; see there.
+            return Err(Fault::Failed(UNEVEN_ON_NCCL.to_string()));
+        }
         let (src, dst) = (ptr as *const c_void, ptr as *mut c_void);
         // This rank's block of an all-gather's output or a reduce-scatter's input.
         let own = ptr + (self.member.rank * count * desc.dtype.size()) as u64;
@@ -632,6 +639,8 @@ impl NcclProcessGroup {
             CollectiveKind::AllGather => "all_gather",
             CollectiveKind::ReduceScatter(_) => "reduce_scatter",
             CollectiveKind::Barrier => "barrier",
+            CollectiveKind::ReduceScatterV { .. } => "reduce_scatter_v",
+            CollectiveKind::AllGatherV { .. } => "all_gather_v",
         };
         self.launch(clock, desc, what, |comm, stream| {
             // SAFETY: the caller guarantees the buffer at `ptr` and the root (above).
@@ -651,8 +660,11 @@ impl NcclProcessGroup {
                         nccl::reduce_scatter(src, own, count, dtype, nccl_op(op), comm, stream)
                     }
                     // Completes on a rank only once every rank has contributed, i.e. entered
-                    // the barrier; the value does not matter.
-                    CollectiveKind::Barrier => {
+                    // the barrier; the value does not matter. (The uneven kinds were refused
+                    // above and never get here.)
+                    CollectiveKind::Barrier
+                    | CollectiveKind::ReduceScatterV { .. }
+                    | CollectiveKind::AllGatherV { .. } => {
                         let sum = nccl_op(ReduceOp::Sum);
                         nccl::all_reduce(src, dst, count, dtype, sum, comm, stream)
                     }
@@ -844,6 +856,10 @@ impl NcclProcessGroup {
     }
 }
 
+/// Why the uneven collectives fail on NCCL (which has no variable-count reduce-scatter): ZeRO
+/// stage 1 runs them over the host ring, the TCP group every job has.
+const UNEVEN_ON_NCCL: &str = "reduce_scatter_v and all_gather_v are not implemented on the NCCL group; run them on the TCP group";
+
 impl ProcessGroup for NcclProcessGroup {
     fn membership(&self) -> Membership {
         self.member
@@ -852,9 +868,15 @@ impl ProcessGroup for NcclProcessGroup {
     /// Host buffers are staged through the group's device buffer: copied in, the NCCL
     /// collective run in place on it, copied out.
     fn collective<T: Element>(&mut self, call: Checked<'_, T>) -> Result<(), CollectiveError> {
-        let Checked { call, precheck } = call;
+        let Checked { call, mut precheck } = call;
         let rank = self.member.rank;
         let (kind, len) = (call.kind(), call.elements_per_rank());
+        if matches!(
+            call,
+            Collective::ReduceScatterV { .. } | Collective::AllGatherV { .. }
+        ) {
+            precheck = precheck.or_else(|| Some(UNEVEN_ON_NCCL.to_string()));
+        }
         let dtype = match call {
             Collective::Barrier => DataType::I32,
             _ => T::DTYPE,
@@ -878,7 +900,9 @@ impl ProcessGroup for NcclProcessGroup {
                 Collective::ReduceScatter { input, .. } => {
                     (std::mem::size_of_val(*input), Some((0, *input)))
                 }
-                Collective::Barrier => (std::mem::size_of::<i32>(), None),
+                Collective::Barrier
+                | Collective::ReduceScatterV { .. }
+                | Collective::AllGatherV { .. } => (std::mem::size_of::<i32>(), None),
             };
             let dev = g.scratch_for(bytes)?;
             if let Some((at, input)) = input {
@@ -894,7 +918,9 @@ impl ProcessGroup for NcclProcessGroup {
                 Collective::Broadcast { buffer, root } => (rank != root).then_some((0, buffer)),
                 Collective::AllGather { output, .. } => Some((0, output)),
                 Collective::ReduceScatter { output, .. } => Some((own, output)),
-                Collective::Barrier => None,
+                Collective::Barrier
+                | Collective::ReduceScatterV { .. }
+                | Collective::AllGatherV { .. } => None,
             };
             match output {
                 Some((at, output)) => g.copy_out(output, dev + at),

@@ -158,22 +158,55 @@ pub fn reduce_scatter_plan(
     block: usize,
     piece_elems: usize,
 ) -> RingPlan {
-    if world <= 1 || block == 0 {
-        return RingPlan::default();
-    }
-    // Offset -1 makes the chunk a rank finishes its own block (see the module diagram).
-    let steps = reduce_scatter_steps(world, rank, -1);
-    plan_steps(&steps, |c| c * block..(c + 1) * block, block, piece_elems)
+    reduce_scatter_v_plan(rank, &vec![block; world], piece_elems)
 }
 
 /// All-gather into a buffer of `world` blocks of `block` elements, where block `rank` already
 /// holds this rank's input.
 pub fn all_gather_plan(world: usize, rank: usize, block: usize, piece_elems: usize) -> RingPlan {
-    if world <= 1 || block == 0 {
+    all_gather_v_plan(rank, &vec![block; world], piece_elems)
+}
+
+/// The element ranges of consecutive blocks of `counts[i]` elements.
+pub fn block_ranges(counts: &[usize]) -> Vec<Range<usize>> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|&n| {
+            let range = start..start + n;
+            start += n;
+            range
+        })
+        .collect()
+}
+
+/// Reduce-scatter over consecutive blocks of different sizes (`counts[r]` elements for rank
+/// `r`, MPI's `Reduce_scatter` with counts); afterwards block `rank` holds the reduced values.
+/// Every piece of a block is cut the same way on every rank, so uneven blocks only change how
+/// long each ring step takes: each rank still sends every block but one exactly once.
+pub fn reduce_scatter_v_plan(rank: usize, counts: &[usize], piece_elems: usize) -> RingPlan {
+    let world = counts.len();
+    let largest = counts.iter().copied().max().unwrap_or(0);
+    if world <= 1 || largest == 0 {
+        return RingPlan::default();
+    }
+    // Offset -1 makes the chunk a rank finishes its own block (see the module diagram).
+    let steps = reduce_scatter_steps(world, rank, -1);
+    let blocks = block_ranges(counts);
+    plan_steps(&steps, |c| blocks[c].clone(), largest, piece_elems)
+}
+
+/// All-gather over consecutive blocks of different sizes (MPI's `Allgatherv`, in place): block
+/// `rank` already holds this rank's input; afterwards every block holds its owner's.
+pub fn all_gather_v_plan(rank: usize, counts: &[usize], piece_elems: usize) -> RingPlan {
+    let world = counts.len();
+    let largest = counts.iter().copied().max().unwrap_or(0);
+    if world <= 1 || largest == 0 {
         return RingPlan::default();
     }
     let steps = all_gather_steps(world, rank);
-    plan_steps(&steps, |c| c * block..(c + 1) * block, block, piece_elems)
+    let blocks = block_ranges(counts);
+    plan_steps(&steps, |c| blocks[c].clone(), largest, piece_elems)
 }
 
 /// Broadcast of `len` elements from `root` along the chain root → root+1 → … → root-1.
@@ -336,6 +369,56 @@ mod tests {
             let expected: Vec<i64> = (0..world).flat_map(|r| input(r, block)).collect();
             for b in &bufs {
                 assert_eq!(b, &expected);
+            }
+        }
+    }
+
+    #[test]
+    fn uneven_blocks_reduce_to_their_owner_and_gather_back() {
+        for counts in [
+            vec![5, 0, 2],
+            vec![0, 0, 4],
+            vec![1, 9],
+            vec![3, 3, 0, 7],
+            vec![4],
+        ] {
+            let world = counts.len();
+            let len: usize = counts.iter().sum();
+            let blocks = block_ranges(&counts);
+            let plans: Vec<_> = (0..world)
+                .map(|r| reduce_scatter_v_plan(r, &counts, 2))
+                .collect();
+            let mut bufs: Vec<_> = (0..world).map(|r| input(r, len)).collect();
+            simulate(&plans, &mut bufs);
+            for (r, b) in bufs.iter().enumerate() {
+                let expected: Vec<i64> = blocks[r]
+                    .clone()
+                    .map(|i| (0..world).map(|q| input(q, len)[i]).sum())
+                    .collect();
+                assert_eq!(&b[blocks[r].clone()], &expected[..], "{counts:?} rank {r}");
+            }
+            // Bytes: every block but its own, once (the least a reduce-scatter can send).
+            for (r, plan) in plans.iter().enumerate() {
+                let sent: usize = plan.sends.iter().map(|s| s.range.len()).sum();
+                if world > 1 && len > 0 {
+                    assert_eq!(sent, len - counts[r], "{counts:?}");
+                }
+            }
+
+            let plans: Vec<_> = (0..world)
+                .map(|r| all_gather_v_plan(r, &counts, 2))
+                .collect();
+            let expected = input(7, len);
+            let mut bufs: Vec<Vec<i64>> = (0..world)
+                .map(|r| {
+                    let mut b = vec![-1; len];
+                    b[blocks[r].clone()].copy_from_slice(&expected[blocks[r].clone()]);
+                    b
+                })
+                .collect();
+            simulate(&plans, &mut bufs);
+            for b in &bufs {
+                assert_eq!(b, &expected, "{counts:?}");
             }
         }
     }

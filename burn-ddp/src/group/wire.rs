@@ -118,6 +118,9 @@ pub fn encode_header(d: &CollectiveDesc) -> [u8; HEADER_LEN] {
         CollectiveKind::AllGather => (2, 0, 0),
         CollectiveKind::ReduceScatter(op) => (3, op_code(op), 0),
         CollectiveKind::Barrier => (4, 0, 0),
+        // The block layout's fingerprint travels in the root field, which these do not use.
+        CollectiveKind::ReduceScatterV { op, layout } => (5, op_code(op), layout),
+        CollectiveKind::AllGatherV { layout } => (6, 0, layout),
     };
     let mut b = [0u8; HEADER_LEN];
     b[0..4].copy_from_slice(&HEADER_MAGIC.to_le_bytes());
@@ -149,6 +152,13 @@ pub fn decode_header(b: &[u8; HEADER_LEN]) -> Result<CollectiveDesc, WireError> 
         2 => CollectiveKind::AllGather,
         3 => CollectiveKind::ReduceScatter(op_from(b[13])?),
         4 => CollectiveKind::Barrier,
+        5 => CollectiveKind::ReduceScatterV {
+            op: op_from(b[13])?,
+            layout: root as u32,
+        },
+        6 => CollectiveKind::AllGatherV {
+            layout: root as u32,
+        },
         code => {
             return Err(WireError::UnknownCode {
                 what: "collective",
@@ -185,6 +195,11 @@ mod tests {
             CollectiveKind::AllGather,
             CollectiveKind::ReduceScatter(ReduceOp::Max),
             CollectiveKind::Barrier,
+            CollectiveKind::ReduceScatterV {
+                op: ReduceOp::Avg,
+                layout: 0xdead_beef,
+            },
+            CollectiveKind::AllGatherV { layout: 7 },
         ] {
             let d = CollectiveDesc {
                 seq: 42,

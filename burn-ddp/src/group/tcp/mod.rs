@@ -367,6 +367,16 @@ impl ProcessGroup for TcpProcessGroup {
                 output.copy_from_slice(&work[rank * len..(rank + 1) * len]);
                 divide_if_average(output, op, world);
             }
+            Collective::ReduceScatterV { buffer, counts, op } => {
+                let plan = |piece| ring::reduce_scatter_v_plan(rank, counts, piece);
+                self.run(kind, len, buffer, plan, op, precheck)?;
+                let own = ring::block_ranges(counts)[rank].clone();
+                divide_if_average(&mut buffer[own], op, world);
+            }
+            Collective::AllGatherV { buffer, counts } => {
+                let plan = |piece| ring::all_gather_v_plan(rank, counts, piece);
+                self.run(kind, len, buffer, plan, ReduceOp::Sum, precheck)?;
+            }
             Collective::Barrier => {
                 let mut token = [1i64];
                 let plan = |piece| ring::all_reduce_plan(world, rank, 1, piece);
@@ -442,6 +452,42 @@ mod tests {
             assert_eq!(gathered, vec![0, 0, 1, -1, 2, -2]);
             let r = rank as i64;
             assert_eq!(out, [3 * (2 * r + 1), 3 * (2 * r + 2)]);
+        }
+    }
+
+    /// Uneven blocks (ZeRO's owner layout): each rank gets the mean of its own block, then
+    /// every rank gets every owner's block back; block sizes that differ across ranks fail as a
+    /// mismatch on every rank instead of exchanging wrong ranges.
+    #[test]
+    fn uneven_blocks_on_threads() {
+        let options = TcpGroupOptions {
+            piece_bytes: 8,
+            ..Default::default()
+        };
+        const COUNTS: [usize; 3] = [5, 0, 9];
+        let results = with_group(3, options, |g| {
+            let r = g.rank();
+            let mut grads: Vec<f32> = (0..14).map(|i| (i * 3 + r) as f32).collect();
+            g.reduce_scatter_v(&mut grads, &COUNTS, ReduceOp::Avg)
+                .unwrap();
+            let own = ring::block_ranges(&COUNTS)[r].clone();
+            let mean = grads[own.clone()].to_vec();
+            let mut params = vec![-1.0f32; 14];
+            params[own.clone()]
+                .iter_mut()
+                .for_each(|p| *p = 100.0 + r as f32);
+            g.all_gather_v(&mut params, &COUNTS).unwrap();
+            let wrong = if r == 2 { [5, 1, 8] } else { COUNTS };
+            let mismatch = g.all_gather_v(&mut params.clone(), &wrong).unwrap_err();
+            (own, mean, params, mismatch.to_string())
+        });
+        for (r, (own, mean, params, mismatch)) in results.into_iter().enumerate() {
+            let expected: Vec<f32> = own.map(|i| (i * 3 + 1) as f32).collect();
+            assert_eq!(mean, expected, "rank {r}");
+            let mut gathered = vec![100.0; 5];
+            gathered.extend([102.0; 9]);
+            assert_eq!(params, gathered, "rank {r}");
+            assert!(mismatch.contains("all_gather_v"), "rank {r}: {mismatch}");
         }
     }
 

@@ -1,0 +1,551 @@
+//! ZeRO stage 1 (sharded optimizer state): each parameter's optimizer state lives on exactly
+//! one rank, its owner ([`ShardPlan`]).
+//!
+//! ```text
+//!  backward ─▶ GradientsParams (every parameter, this rank's micro-batches)
+//!     reduce_to_owners   flat buffer in owner order ─▶ reduce_scatter_v(mean)
+//!                        ─▶ GradientsParams holding only this rank's parameters
+//!  optimizer.step        updates only those (Burn's optimizers create state only for
+//!                        parameters that received a gradient)
+//!     gather_parameters  owned values ─▶ all_gather_v ─▶ every parameter on every rank
+//! ```
+//! Bytes: the reduce-scatter sends the buffer less the own block, the all-gather the same: the
+//! bytes of one all-reduce, as PyTorch's `ZeroRedundancyOptimizer` over DDP does not achieve
+//! (it all-reduces, then broadcasts). With compression the gradients travel as bf16 / fp16
+//! (scaled by `1 / world` before rounding, as the all-reduce path does); parameters always as
+//! f32, so replicas stay bit-identical.
+//!
+//! Both collectives run through the host on any [`ProcessGroup`] (the TCP ring with shared
+//! memory between ranks of one machine); on a GPU backend the tensors are staged through host
+//! memory.
+//!
+//! Optimizer state for checkpoints: [`gather_state`] merges every rank's records on rank 0
+//! (keyed by parameter id, so the result is the state a stage-0 run holds: checkpoints stay
+//! independent of the world size and stage), and [`keep_owned_state`] drops what another rank
+//! owns after a restore.
+
+use std::collections::HashMap;
+
+// Burn keys optimizer state by parameter in a `hashbrown` map.
+use hashbrown::HashMap as StateMap;
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::prelude::*;
+use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorData;
+
+use super::finite::{all_finite_f32, GradientCheck};
+use super::reducer::ReducerStats;
+use super::shard_plan::ShardPlan;
+use crate::error::DdpError;
+use crate::group::{ProcessGroup, ReduceOp};
+use crate::kernels::{host16, HalfFormat};
+
+/// The stage-1 gradient and parameter exchange of one rank. Every method is collective.
+#[derive(Debug, Clone)]
+pub struct ShardedSync {
+    compression: Option<HalfFormat>,
+    check_finite: bool,
+    plan: Option<ShardPlan>,
+    stats: ReducerStats,
+}
+
+impl ShardedSync {
+    /// `compression` as for [`super::Reducer::new`]; must be the same on every rank.
+    pub fn new(compression: Option<HalfFormat>) -> Self {
+        Self {
+            compression,
+            check_finite: true,
+            plan: None,
+            stats: ReducerStats::default(),
+        }
+    }
+
+    /// Whether [`reduce_to_owners`](Self::reduce_to_owners) looks for NaN and ±Inf (on by
+    /// default). Must be the same on every rank.
+    pub fn with_finite_check(mut self, check: bool) -> Self {
+        self.check_finite = check;
+        self
+    }
+
+    /// Synchronisations so far; `bucket_all_reduces` counts the reduce-scatters and
+    /// all-gathers, `bytes_reduced` their buffers (gradients at 4 or 2 bytes an element,
+    /// parameters at 4).
+    pub fn stats(&self) -> ReducerStats {
+        self.stats
+    }
+
+    /// The plan for `model` on `world` ranks (made on first use; the model's parameters must
+    /// not change afterwards).
+    pub fn plan<B: Backend, M: Module<B>>(&mut self, model: &M, world: usize) -> &ShardPlan {
+        let plan = self.plan.take().filter(|p| p.world_size() == world);
+        self.plan
+            .insert(plan.unwrap_or_else(|| plan_for(model, world)))
+    }
+
+    /// Replaces `grads` by the mean over the ranks of this rank's own parameters' gradients
+    /// (the others are removed). Collective; which parameters have gradients must be the same
+    /// on every rank. Returns which ranks' own gradients were not finite, as the all-reduce
+    /// path does; every rank gets the same verdict.
+    pub fn reduce_to_owners<B, M, G>(
+        &mut self,
+        group: &mut G,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<GradientCheck, DdpError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        G: ProcessGroup,
+    {
+        let (rank, world) = (group.rank(), group.world_size());
+        let plan = self.plan(model, world).clone();
+        let mut flat = vec![0.0f32; plan.len()];
+        let mut take = TakeInto {
+            plan: &plan,
+            grads,
+            flat: &mut flat,
+            present: HashMap::new(),
+        };
+        model.visit(&mut take);
+        let present = take.present;
+        let nonfinite = self.check_finite && !all_finite_f32(&flat);
+
+        let counts = plan.counts();
+        let own = crate::group::ring::block_ranges(counts)[rank].clone();
+        let element_bytes = match self.compression {
+            None => {
+                group.reduce_scatter_v(&mut flat, counts, ReduceOp::Avg)?;
+                4
+            }
+            Some(format) => {
+                // Scale before rounding, as the all-reduce path does: the sum of means cannot
+                // overflow where the sum of gradients would.
+                let mut bits = vec![0u16; flat.len()];
+                host16::round_scaled(format, &flat, 1.0 / world as f32, &mut bits);
+                match format {
+                    HalfFormat::Bf16 => group.reduce_scatter_v(
+                        bytemuck::cast_slice_mut::<u16, half::bf16>(&mut bits),
+                        counts,
+                        ReduceOp::Sum,
+                    )?,
+                    HalfFormat::F16 => group.reduce_scatter_v(
+                        bytemuck::cast_slice_mut::<u16, half::f16>(&mut bits),
+                        counts,
+                        ReduceOp::Sum,
+                    )?,
+                }
+                host16::widen(format, &bits[own.clone()], &mut flat[own.clone()]);
+                2
+            }
+        };
+        let mut put = PutOwned {
+            plan: &plan,
+            rank,
+            grads,
+            flat: &flat,
+            present: &present,
+        };
+        model.visit(&mut put);
+        self.stats.syncs += 1;
+        self.stats.bucket_all_reduces += 1;
+        self.stats.bytes_reduced += (plan.len() * element_bytes) as u64;
+
+        if !self.check_finite {
+            return Ok(GradientCheck::default());
+        }
+        let mut flags = vec![0u8; world];
+        group.all_gather(&[u8::from(nonfinite)], &mut flags)?;
+        Ok(GradientCheck {
+            nonfinite_ranks: (0..world).filter(|&r| flags[r] != 0).collect(),
+        })
+    }
+
+    /// Sends this rank's (just stepped) parameters to every rank and takes every other rank's:
+    /// afterwards the replicas are equal again, bit for bit. Collective.
+    pub fn gather_parameters<B, M, G>(&mut self, group: &mut G, model: M) -> Result<M, DdpError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        G: ProcessGroup,
+    {
+        let (rank, world) = (group.rank(), group.world_size());
+        if world == 1 {
+            return Ok(model);
+        }
+        let plan = self.plan(&model, world).clone();
+        let mut flat = vec![0.0f32; plan.len()];
+        let mut read = ReadOwned {
+            plan: &plan,
+            rank,
+            flat: &mut flat,
+        };
+        model.visit(&mut read);
+        group.all_gather_v(&mut flat, plan.counts())?;
+        self.stats.bucket_all_reduces += 1;
+        self.stats.bytes_reduced += (plan.len() * 4) as u64;
+        Ok(model.map(&mut WriteOthers {
+            plan: &plan,
+            rank,
+            flat: &flat,
+        }))
+    }
+}
+
+/// The plan of `model`'s float parameters (visit order) over `world` ranks.
+pub fn plan_for<B: Backend, M: Module<B>>(model: &M, world: usize) -> ShardPlan {
+    struct Sizes(Vec<(ParamId, usize)>);
+    impl<B: Backend> ModuleVisitor<B> for Sizes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0.push((param.id, param.val().shape().num_elements()));
+        }
+    }
+    let mut sizes = Sizes(Vec::new());
+    model.visit(&mut sizes);
+    ShardPlan::new(&sizes.0, world)
+}
+
+/// `optim` with only the state of the parameters `rank` owns (after loading a full,
+/// consolidated state). Local.
+pub fn keep_owned_state<M, B, O, R>(optim: O, plan: &ShardPlan, rank: usize) -> O
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+{
+    let mut state = optim.to_record();
+    state.retain(|id, _| plan.owner(*id) == Some(rank));
+    optim.load_record(state)
+}
+
+/// Every rank's optimizer state merged on `root` (an optimizer holding the state of every
+/// parameter, as a stage-0 run has it; `None` on the other ranks). Collective. Every rank's
+/// records travel through the group once (an all-gather of the serialised state: each rank
+/// briefly holds all of it as bytes).
+pub fn gather_state<M, B, O, R, G>(
+    optim: &O,
+    group: &mut G,
+    root: usize,
+    device: &B::Device,
+) -> Result<Option<O>, DdpError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+    R: Record<B>,
+    G: ProcessGroup,
+{
+    let (rank, world) = (group.rank(), group.world_size());
+    let recorder = BinBytesRecorder::<FullPrecisionSettings>::default();
+    let ours = Recorder::<B>::record(&recorder, optim.to_record(), ())
+        .map_err(|e| DdpError::State(format!("cannot serialise rank {rank}'s state: {e}")))?;
+    let mut lengths = vec![0i64; world];
+    group.all_gather(&[ours.len() as i64], &mut lengths)?;
+    let counts: Vec<usize> = lengths.iter().map(|&n| n.max(0) as usize).collect();
+    let blocks = crate::group::ring::block_ranges(&counts);
+    let mut all = vec![0u8; counts.iter().sum()];
+    all[blocks[rank].clone()].copy_from_slice(&ours);
+    drop(ours);
+    group.all_gather_v(&mut all, &counts)?;
+    if rank != root {
+        return Ok(None);
+    }
+    let mut merged: StateMap<ParamId, R> = StateMap::new();
+    for (r, block) in blocks.into_iter().enumerate() {
+        let part: StateMap<ParamId, R> =
+            Recorder::<B>::load(&recorder, all[block].to_vec(), device).map_err(|e| {
+                DdpError::State(format!("cannot read rank {r}'s optimizer state: {e}"))
+            })?;
+        merged.extend(part);
+    }
+    Ok(Some(optim.clone().load_record(merged)))
+}
+
+/// Removes every float gradient into its slot of the flat buffer (zeros where a parameter has
+/// none), and records which parameters had one.
+struct TakeInto<'a> {
+    plan: &'a ShardPlan,
+    grads: &'a mut GradientsParams,
+    flat: &'a mut [f32],
+    present: HashMap<ParamId, burn::tensor::DType>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeInto<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let (Some(slot), Some(grad)) = (
+            self.plan.slot(param.id),
+            self.grads.remove::<B::InnerBackend, D>(param.id),
+        ) else {
+            return;
+        };
+        self.present.insert(param.id, grad.dtype());
+        let data = grad.into_data().convert::<f32>();
+        // `convert::<f32>` makes the element type f32, so the slice view cannot fail.
+        if let Ok(values) = data.as_slice::<f32>() {
+            self.flat[slot.range.clone()].copy_from_slice(values);
+        }
+    }
+}
+
+/// Registers this rank's own parameters' reduced gradients (those that had one).
+struct PutOwned<'a> {
+    plan: &'a ShardPlan,
+    rank: usize,
+    grads: &'a mut GradientsParams,
+    flat: &'a [f32],
+    present: &'a HashMap<ParamId, burn::tensor::DType>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for PutOwned<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(slot) = self.plan.slot(param.id).filter(|s| s.owner == self.rank) else {
+            return;
+        };
+        let Some(&dtype) = self.present.get(&param.id) else {
+            return;
+        };
+        let value = param.val();
+        let data = TensorData::new(self.flat[slot.range.clone()].to_vec(), value.shape())
+            .convert_dtype(dtype);
+        let grad = Tensor::<B::InnerBackend, D>::from_data(data, &value.device());
+        self.grads.register(param.id, grad);
+    }
+}
+
+/// Copies this rank's own parameters' values into their slots.
+struct ReadOwned<'a> {
+    plan: &'a ShardPlan,
+    rank: usize,
+    flat: &'a mut [f32],
+}
+
+impl<B: Backend> ModuleVisitor<B> for ReadOwned<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let Some(slot) = self.plan.slot(param.id).filter(|s| s.owner == self.rank) else {
+            return;
+        };
+        let data = param.val().into_data().convert::<f32>();
+        if let Ok(values) = data.as_slice::<f32>() {
+            self.flat[slot.range.clone()].copy_from_slice(values);
+        }
+    }
+}
+
+/// Replaces every parameter another rank owns with its owner's values.
+struct WriteOthers<'a> {
+    plan: &'a ShardPlan,
+    rank: usize,
+    flat: &'a [f32],
+}
+
+impl<B: Backend> ModuleMapper<B> for WriteOthers<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let Some(slot) = self.plan.slot(param.id).filter(|s| s.owner != self.rank) else {
+            return param;
+        };
+        let range = slot.range.clone();
+        let (id, tensor, mapper) = param.consume();
+        let require_grad = tensor.is_require_grad();
+        let data = TensorData::new(self.flat[range].to_vec(), tensor.shape())
+            .convert_dtype(tensor.dtype());
+        let fresh =
+            Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Three ranks as threads over real loopback sockets, each with its own input, stepping
+    //! Adam for a few steps: stage 1 must end where stage 0 (all-reduce, every rank steps
+    //! everything) ends, with each rank holding only its own parameters' state.
+    use std::collections::BTreeSet;
+    use std::sync::Arc;
+
+    use burn::backend::{Autodiff, Flex};
+    use burn::nn::{Linear, LinearConfig};
+    use burn::optim::AdamConfig;
+
+    use super::*;
+    use crate::ddp::comm::HostStaging;
+    use crate::ddp::{prepare_module, Reducer};
+    use crate::group::{TcpGroupOptions, TcpProcessGroup};
+    use crate::store::{MemoryStore, Store};
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Net<B: Backend> {
+        a: Linear<B>,
+        b: Linear<B>,
+        c: Linear<B>,
+    }
+
+    /// The same weights in every run, whatever thread asks (values from a formula, not from
+    /// the backend's generator).
+    fn net() -> Net<B> {
+        struct Fill(usize);
+        impl<B: Backend> ModuleMapper<B> for Fill {
+            fn map_float<const D: usize>(&mut self, p: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+                let (id, t, mapper) = p.consume();
+                let n = t.shape().num_elements();
+                let values: Vec<f32> = (self.0..self.0 + n)
+                    .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 0.6)
+                    .collect();
+                self.0 += n;
+                let t = Tensor::from_data(TensorData::new(values, t.shape()), &t.device())
+                    .require_grad();
+                Param::from_mapped_value(id, t, mapper)
+            }
+        }
+        let device = Default::default();
+        Net {
+            a: LinearConfig::new(5, 32).init(&device),
+            b: LinearConfig::new(32, 16).init(&device),
+            c: LinearConfig::new(16, 2).init(&device),
+        }
+        .map(&mut Fill(0))
+    }
+
+    fn loss_grads(net: &Net<B>, rank: usize, step: usize) -> GradientsParams {
+        let x: Vec<f32> = (0..15)
+            .map(|i| ((i * 7 + rank * 3 + step) % 11) as f32 / 5.0 - 1.0)
+            .collect();
+        let x = Tensor::<B, 2>::from_data(TensorData::new(x, [3, 5]), &Default::default());
+        let y = net.c.forward(net.b.forward(net.a.forward(x)).tanh());
+        GradientsParams::from_grads(y.powi_scalar(2).mean().backward(), net)
+    }
+
+    fn flat(net: &Net<B>) -> Vec<f32> {
+        struct All(Vec<f32>);
+        impl<B: Backend> ModuleVisitor<B> for All {
+            fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<B, D>>) {
+                self.0.extend(
+                    p.val()
+                        .into_data()
+                        .convert::<f32>()
+                        .to_vec::<f32>()
+                        .unwrap(),
+                );
+            }
+        }
+        let mut all = All(Vec::new());
+        net.visit(&mut all);
+        all.0
+    }
+
+    struct Outcome {
+        params: Vec<f32>,
+        state_ids: BTreeSet<ParamId>,
+        consolidated: Option<usize>,
+        restored_owned: usize,
+    }
+
+    fn train(world: usize, zero: bool, compression: Option<HalfFormat>) -> Vec<Outcome> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, world, TcpGroupOptions::default())
+                            .unwrap();
+                    let mut model = prepare_module(net(), &mut group, 0).unwrap();
+                    let mut optim = AdamConfig::new().init::<B, Net<B>>();
+                    let mut sharded = ShardedSync::new(compression);
+                    let mut reducer = Reducer::new(25.0, compression);
+                    for step in 0..6 {
+                        let mut grads = loss_grads(&model, rank, step);
+                        if zero {
+                            let check = sharded
+                                .reduce_to_owners::<B, _, _>(&mut group, &model, &mut grads)
+                                .unwrap();
+                            assert!(check.all_finite());
+                            model = optim.step(1e-2, model, grads);
+                            model = sharded
+                                .gather_parameters::<B, _, _>(&mut group, model)
+                                .unwrap();
+                        } else {
+                            reducer
+                                .sync::<B, _, _>(&mut HostStaging(&mut group), &model, &mut grads)
+                                .unwrap();
+                            model = optim.step(1e-2, model, grads);
+                        }
+                    }
+                    let state_ids = optim.to_record().keys().copied().collect();
+                    let full = gather_state::<Net<B>, B, _, _, _>(
+                        &optim,
+                        &mut group,
+                        0,
+                        &Default::default(),
+                    )
+                    .unwrap();
+                    let consolidated = full.as_ref().map(|o| o.to_record().len());
+                    // A restore at this world size: the full state, less what others own.
+                    let plan = plan_for(&model, world);
+                    let restored_owned = full
+                        .map(|o| keep_owned_state(o, &plan, rank).to_record().len())
+                        .unwrap_or(0);
+                    Outcome {
+                        params: flat(&model),
+                        state_ids,
+                        consolidated,
+                        restored_owned,
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn stage_1_matches_stage_0_and_splits_the_state() {
+        let stage0 = train(3, false, None);
+        let stage1 = train(3, true, None);
+        let params = 6; // three weights, three biases
+        for (r, (a, b)) in stage0.iter().zip(&stage1).enumerate() {
+            let worst = a
+                .params
+                .iter()
+                .zip(&b.params)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst < 1e-6,
+                "rank {r}: stage 1 differs from stage 0 by {worst}"
+            );
+            assert_eq!(b.params, stage1[0].params, "rank {r}'s replica differs");
+            assert_eq!(a.state_ids.len(), params);
+        }
+        // Each parameter's state on exactly one rank.
+        let mut union = BTreeSet::new();
+        for (r, o) in stage1.iter().enumerate() {
+            assert!(!o.state_ids.is_empty(), "rank {r} owns nothing");
+            for id in &o.state_ids {
+                assert!(union.insert(*id), "{id} held by two ranks");
+            }
+        }
+        assert_eq!(union, stage0[0].state_ids);
+        // Rank 0 consolidates every record; filtering keeps rank 0's own.
+        assert_eq!(stage1[0].consolidated, Some(params));
+        assert!(stage1[1..].iter().all(|o| o.consolidated.is_none()));
+        assert_eq!(stage1[0].restored_owned, stage1[0].state_ids.len());
+    }
+
+    #[test]
+    fn compressed_stage_1_keeps_replicas_equal() {
+        let stage1 = train(2, true, Some(HalfFormat::Bf16));
+        let stage0 = train(2, false, Some(HalfFormat::Bf16));
+        assert_eq!(stage1[0].params, stage1[1].params);
+        let worst = stage0[0]
+            .params
+            .iter()
+            .zip(&stage1[0].params)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        // Both round the same scaled gradients to bf16 once per ring step.
+        assert!(worst < 1e-3, "bf16 stage 1 vs stage 0: {worst}");
+    }
+}
