@@ -23,3 +23,4 @@ mod training;
 mod user_crate;
 #[cfg(feature = "wgpu")]
 mod wgpu;
+mod zero;

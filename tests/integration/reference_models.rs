@@ -44,7 +44,7 @@ log_samples = true
 }
 
 /// A transformer text-classification run (token ids, padding masks, Noam schedule).
-fn text_config(optimizer: &str, batch: usize, extra_training: &str) -> String {
+pub(crate) fn text_config(optimizer: &str, batch: usize, extra_training: &str) -> String {
     format!(
         r#"
 [model]
@@ -85,9 +85,9 @@ log_samples = true
     )
 }
 
-const NOAM_SGD: &str =
+pub(crate) const NOAM_SGD: &str =
     "name = \"sgd\"\nlearning_rate = 2.0\nschedule = \"noam\"\nwarmup_steps = 8\nmodel_size = 16";
-const NOAM_ADAM: &str =
+pub(crate) const NOAM_ADAM: &str =
     "name = \"adam\"\nlearning_rate = 0.5\nschedule = \"noam\"\nwarmup_steps = 8\nmodel_size = 16";
 
 /// 2 ranks with per-rank batch b end where 1 rank with batch 2b ends, for `config(opt, b, _)`.

@@ -192,6 +192,16 @@ impl GradientSync {
         let reducer = Reducer::new(d.bucket_cap_mb, d.gradient_compression.format());
         let mut use_nccl =
             d.gradient_sync.resolve(device, dist.env.world_size) == GradientSyncMode::Nccl;
+        if use_nccl && d.zero_stage == 1 {
+            // Stage 1 needs a reduce-scatter and an all-gather over blocks of different sizes
+            // (one per owner), which NCCL lacks: it runs over the TCP group.
+            if d.gradient_sync == GradientSyncMode::Nccl {
+                anyhow::bail!(UsageError(
+                    "distributed.zero_stage = 1 runs over the host (TCP ring) in this version; set distributed.gradient_sync = \"auto\" or \"host\", or zero_stage = 0 for NCCL".into()
+                ));
+            }
+            use_nccl = false;
+        }
         if use_nccl && !B::NCCL {
             if d.gradient_sync == GradientSyncMode::Nccl {
                 anyhow::bail!(UsageError(

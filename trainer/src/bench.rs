@@ -6,11 +6,14 @@
 //!   `TrainStep::step`, the optimizer; no sampler, no reducer, no metrics, no prefetching) — the
 //!   baseline a Burn user would write;
 //! - **engine, world 1**: `trainer --config` on the same model and data;
-//! - **engine, world 2**: `trainer --config --nproc-per-node 2`.
+//! - **engine, world 2**: `trainer --config --nproc-per-node 2`, with ZeRO stage 0 (plain DDP)
+//!   and stage 1 (sharded optimizer state).
 //!
 //! Every process computes on one thread (`RAYON_NUM_THREADS=1`). It prints the overhead of the
-//! trainer at world 1 over the plain loop, and the throughput and scaling efficiency at world 2
-//! (throughput at 2 / twice the throughput at 1).
+//! trainer at world 1 over the plain loop, the throughput and scaling efficiency at world 2
+//! (throughput at 2 / twice the throughput at 1), stage 1's throughput against stage 0's, each
+//! run's peak resident memory per rank, the parameter count and the bytes each rank sends per
+//! optimizer step.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -29,6 +32,7 @@ use crate::backend::{CpuBackend, LearnAnywhere};
 use crate::builtin::{self, WithApp};
 use crate::config::AppConfig;
 use crate::config::OptimizerName;
+use burn_ddp::ddp::zero;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {
@@ -59,32 +63,40 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
     let config = AppConfig::<A>::load(&args.config)?;
     if args.plain_only {
         println!("plain samples/s: {:.1}", plain_loop(&app, &config)?);
+        if let Some(peak) = crate::memory::peak_resident_bytes() {
+            println!("plain peak RSS bytes: {peak}");
+        }
         return Ok(ExitCode::SUCCESS);
     }
     let exe = std::env::current_exe()?;
     let scratch = std::env::temp_dir().join(format!("trainer-bench-{}", std::process::id()));
-    let (mut plain, mut one, mut two) = (Vec::new(), Vec::new(), Vec::new());
+    // (label, world size, ZeRO stage); the plain loop is run first in every round.
+    let engine_runs = [
+        ("engine, world 1", 1, 0u8),
+        ("engine, world 2, ZeRO 0", 2, 0),
+        ("engine, world 2, ZeRO 1", 2, 1),
+    ];
+    let mut plain = Vec::new();
+    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); engine_runs.len()];
     for round in 0..args.rounds {
         plain.push(run_plain(&exe, &args.config)?);
-        one.push(run_trainer(
-            &exe,
-            &args.config,
-            &scratch.join(format!("w1-{round}")),
-            1,
-        )?);
-        two.push(run_trainer(
-            &exe,
-            &args.config,
-            &scratch.join(format!("w2-{round}")),
-            2,
-        )?);
-        eprintln!(
-            "round {round}: plain {:.0}, world 1 {:.0}, world 2 {:.0} samples/s",
-            plain[round], one[round], two[round]
-        );
+        let mut line = format!("round {round}: plain {:.0}", plain[round].rate);
+        for (k, &(label, nproc, stage)) in engine_runs.iter().enumerate() {
+            let dir = scratch.join(format!("w{nproc}-z{stage}-{round}"));
+            let m = run_trainer(&exe, &args.config, &dir, nproc, stage)?;
+            line += &format!(", {label} {:.0}", m.rate);
+            runs[k].push(m);
+        }
+        eprintln!("{line} samples/s");
     }
     let _ = std::fs::remove_dir_all(&scratch);
-    let (plain, one, two) = (median(plain), median(one), median(two));
+    let plain = Measured::median(plain);
+    let runs: Vec<Measured> = runs.into_iter().map(Measured::median).collect();
+
+    let device = Default::default();
+    let model = app.model(&config.model, &config.data, &device)?;
+    let params = model.num_params();
+    let stage1_own = zero::plan_for(&model, 2).counts().to_vec();
     println!(
         "workload: {} {}, {:?}, per-rank batch {} (one compute thread per process)",
         app.name(&config.model),
@@ -92,32 +104,98 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
         config.optimizer.name,
         config.training.batch_size
     );
-    println!("{:<28} {:>12} {:>14}", "", "samples/s", "step time (ms)");
+    println!(
+        "{:<28} {:>12} {:>14} {:>26}",
+        "", "samples/s", "step time (ms)", "peak RSS per rank (MiB)"
+    );
     let per_step = config.training.batch_size as f64;
-    for (name, rate, batch) in [
-        ("plain Burn loop", plain, per_step),
-        ("engine, world 1", one, per_step),
-        ("engine, world 2", two, 2.0 * per_step),
-    ] {
-        println!("{name:<28} {rate:>12.0} {:>14.2}", 1e3 * batch / rate);
+    let mut rows = vec![("plain Burn loop", 1, &plain)];
+    rows.extend(
+        engine_runs
+            .iter()
+            .zip(&runs)
+            .map(|(&(l, n, _), m)| (l, n, m)),
+    );
+    for (name, nproc, m) in rows {
+        let rss: Vec<String> = m
+            .peak_rss
+            .iter()
+            .map(|&b| format!("{:.0}", mib(b)))
+            .collect();
+        println!(
+            "{name:<28} {:>12.0} {:>14.2} {:>26}",
+            m.rate,
+            1e3 * per_step * nproc as f64 / m.rate,
+            rss.join(" / ")
+        );
     }
+    let (one, two, two_sharded) = (&runs[0], &runs[1], &runs[2]);
     println!(
         "DDP layer overhead at world 1 (step time vs plain loop): {:+.1}%",
-        100.0 * (plain / one - 1.0)
+        100.0 * (plain.rate / one.rate - 1.0)
     );
     println!(
         "scaling efficiency at world 2 (throughput / 2 x world 1): {:.1}%",
-        100.0 * two / (2.0 * one)
+        100.0 * two.rate / (2.0 * one.rate)
+    );
+    println!(
+        "ZeRO stage 1 at world 2: {:.1}% of stage 0's throughput; peak RSS per rank {:+.0} MiB (rank 0), {:+.0} MiB (rank 1)",
+        100.0 * two_sharded.rate / two.rate,
+        mib(two_sharded.peak_rss[0]) - mib(two.peak_rss[0]),
+        mib(two_sharded.peak_rss.get(1).copied().unwrap_or(0)) - mib(two.peak_rss.get(1).copied().unwrap_or(0)),
+    );
+    let state_copies = match config.optimizer.name {
+        OptimizerName::Sgd if config.optimizer.momentum > 0.0 => 1,
+        OptimizerName::Sgd => 0,
+        OptimizerName::Adam | OptimizerName::AdamW => 2,
+    };
+    println!(
+        "parameters: {params}; optimizer state per rank: stage 0 {:.1} MiB, stage 1 {} MiB",
+        mib(params as u64 * 4 * state_copies),
+        stage1_own
+            .iter()
+            .map(|&n| format!("{:.1}", mib(n as u64 * 4 * state_copies)))
+            .collect::<Vec<_>>()
+            .join(" / ")
+    );
+    // What each rank puts on the wire per optimizer step at world 2 (f32): the ring all-reduce
+    // sends 2 (N-1)/N of the gradients; stage 1's reduce-scatter sends every block but the
+    // rank's own, its all-gather every block but its successor's.
+    let all_reduce = 2 * params.div_ceil(2) * 4;
+    let sharded: Vec<String> = (0..2)
+        .map(|r| {
+            let sent = (params - stage1_own[r]) + (params - stage1_own[(r + 1) % 2]);
+            format!("{:.1}", mib((sent * 4) as u64))
+        })
+        .collect();
+    println!(
+        "bytes sent per rank per step at world 2: stage 0 {:.1} MiB (all-reduce), stage 1 {} MiB (reduce-scatter + all-gather)",
+        mib(all_reduce as u64),
+        sharded.join(" / ")
     );
     Ok(ExitCode::SUCCESS)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+/// One run's throughput and each rank's peak resident memory.
+#[derive(Debug, Clone)]
+struct Measured {
+    rate: f64,
+    peak_rss: Vec<u64>,
 }
 
-fn run_plain(exe: &Path, config: &Path) -> anyhow::Result<f64> {
+impl Measured {
+    /// The run of median throughput.
+    fn median(mut v: Vec<Measured>) -> Measured {
+        v.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+        v.swap_remove(v.len() / 2)
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+fn run_plain(exe: &Path, config: &Path) -> anyhow::Result<Measured> {
     let out = Command::new(exe)
         .args(["bench-train", "--plain-only", "--config"])
         .arg(config)
@@ -125,19 +203,33 @@ fn run_plain(exe: &Path, config: &Path) -> anyhow::Result<f64> {
         .output()
         .context("cannot run the plain loop")?;
     let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| l.strip_prefix("plain samples/s: "))
-        .and_then(|v| v.trim().parse().ok())
-        .with_context(|| {
-            format!(
-                "plain loop failed: {}",
-                String::from_utf8_lossy(&out.stderr)
-            )
-        })
+    let value = |prefix: &str| -> Option<f64> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let rate = value("plain samples/s: ").with_context(|| {
+        format!(
+            "plain loop failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    let peak = value("plain peak RSS bytes: ").unwrap_or(0.0) as u64;
+    Ok(Measured {
+        rate,
+        peak_rss: vec![peak],
+    })
 }
 
-/// Runs the trainer and returns the mean samples/s of its metrics after the first window.
-fn run_trainer(exe: &Path, config: &Path, out_dir: &Path, nproc: usize) -> anyhow::Result<f64> {
+/// Runs the trainer and returns the mean samples/s of its metrics after the first window, and
+/// each rank's peak resident memory.
+fn run_trainer(
+    exe: &Path,
+    config: &Path,
+    out_dir: &Path,
+    nproc: usize,
+    zero_stage: u8,
+) -> anyhow::Result<Measured> {
     let text = std::fs::read_to_string(config)?;
     std::fs::create_dir_all(out_dir)?;
     // The same config with its own output directory and no checkpoints.
@@ -149,6 +241,12 @@ fn run_trainer(exe: &Path, config: &Path, out_dir: &Path, nproc: usize) -> anyho
         toml::Value::String(out_dir.display().to_string()),
     );
     table.insert("output".into(), toml::Value::Table(output));
+    let distributed = table
+        .entry("distributed")
+        .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    if let toml::Value::Table(d) = distributed {
+        d.insert("zero_stage".into(), toml::Value::Integer(zero_stage.into()));
+    }
     let patched = out_dir.join("bench.toml");
     std::fs::write(&patched, toml::to_string(&table)?)?;
     let status = Command::new(exe)
@@ -162,9 +260,20 @@ fn run_trainer(exe: &Path, config: &Path, out_dir: &Path, nproc: usize) -> anyho
         bail!("trainer with {nproc} rank(s) failed ({status})");
     }
     let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl"))?;
-    let rates: Vec<f64> = metrics
+    let records: Vec<serde_json::Value> = metrics
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .collect();
+    let peak_rss = records
+        .iter()
+        .rfind(|v| v["kind"] == "finish")
+        .and_then(|v| v["peak_rss_bytes"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|b| b.as_u64())
+        .collect();
+    let rates: Vec<f64> = records
+        .iter()
         .filter(|v| v["kind"] == "train")
         .filter_map(|v| v["samples_per_sec"].as_f64())
         .skip(1) // warm-up window
@@ -172,7 +281,10 @@ fn run_trainer(exe: &Path, config: &Path, out_dir: &Path, nproc: usize) -> anyho
     if rates.is_empty() {
         bail!("no throughput records: raise training.max_steps above 2 x training.log_every");
     }
-    Ok(rates.iter().sum::<f64>() / rates.len() as f64)
+    Ok(Measured {
+        rate: rates.iter().sum::<f64>() / rates.len() as f64,
+        peak_rss,
+    })
 }
 
 /// The baseline: a straightforward Burn loop over the same app's data, batcher and model

@@ -237,6 +237,10 @@ pub struct DistributedConfig {
     /// How gradient buckets travel: `"none"` (f32), `"bf16"` or `"fp16"` (see
     /// [`GradientCompression`]).
     pub gradient_compression: GradientCompression,
+    /// ZeRO stage: 0 = every rank holds the whole optimizer state (plain DDP); 1 = each
+    /// parameter's optimizer state lives on one rank, which steps it and sends the new values
+    /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`).
+    pub zero_stage: u8,
 }
 
 impl Default for DistributedConfig {
@@ -247,6 +251,7 @@ impl Default for DistributedConfig {
             stall_warning_secs: 60,
             gradient_sync: GradientSyncMode::default(),
             gradient_compression: GradientCompression::default(),
+            zero_stage: 0,
         }
     }
 }
@@ -441,6 +446,15 @@ impl<M, D> Config<M, D> {
                 format!(
                     "= \"nccl\" needs output.device = \"cuda\" (got \"{}\"); use \"auto\" or \"host\"",
                     format!("{:?}", self.output.device).to_lowercase()
+                ),
+            );
+        }
+        if self.distributed.zero_stage > 1 {
+            return invalid(
+                "distributed.zero_stage",
+                format!(
+                    "must be 0 (plain DDP) or 1 (sharded optimizer state), got {}; stages 2 and 3 (sharded gradients, parameters) are not implemented",
+                    self.distributed.zero_stage
                 ),
             );
         }

@@ -22,15 +22,17 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use burn::data::dataloader::Progress;
 use burn::data::dataset::Dataset;
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
     AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig,
 };
 use burn::prelude::*;
+use burn::record::Record as BurnRecord;
 use burn::tensor::backend::AutodiffBackend;
 use burn::train::{InferenceStep, ItemLazy, TrainStep};
+use burn_ddp::ddp::zero::StateMap;
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::Distributed;
 
@@ -217,7 +219,7 @@ impl<A: App, B: AutodiffBackend> Job<A, B> {
     }
 
     /// Rank 0 writes; the others wait for it. Collective.
-    fn save_checkpoint<M, O>(
+    fn save_checkpoint<M, O, R>(
         &mut self,
         position: TrainPosition,
         model: &M,
@@ -226,12 +228,18 @@ impl<A: App, B: AutodiffBackend> Job<A, B> {
     ) -> anyhow::Result<()>
     where
         M: AutodiffModule<B>,
-        O: Optimizer<M, B>,
+        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+        R: BurnRecord<B>,
     {
         let Some(policy) = &self.checkpoints else {
             return Ok(());
         };
         let scheduler = schedule.to_bytes::<B>().map_err(anyhow::Error::msg)?;
+        // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged.
+        let full = self
+            .ddp
+            .gather_optimizer_state::<B, M, O, R>(optim, &self.device)?;
+        let optim = full.as_ref().unwrap_or(optim);
         self.ddp
             .save_checkpoint::<B, M, O>(policy, position, model, optim, &scheduler)
     }
@@ -272,11 +280,12 @@ fn with_optimizer<A: Learn<B>, B: TrainBackend>(
 }
 
 /// The loop itself (module docs, steps 3 and 4).
-fn fit<A, B, O>(job: &mut Job<A, B>, model: A::Model, optim: O) -> anyhow::Result<Summary>
+fn fit<A, B, O, R>(job: &mut Job<A, B>, model: A::Model, optim: O) -> anyhow::Result<Summary>
 where
     A: Learn<B>,
     B: TrainBackend,
-    O: Optimizer<A::Model, B>,
+    O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
+    R: BurnRecord<B>,
 {
     let t = job.config.training.clone();
     let (rank, world) = (job.rank(), job.world_size());
@@ -293,6 +302,8 @@ where
     let mut model = job.ddp.prepare(model)?;
     if let Some(ckpt) = &restored {
         optim = checkpoint::load_optimizer::<B, A::Model, O>(ckpt, optim, &job.device)?;
+        // A checkpoint holds every parameter's state; under ZeRO stage 1 keep this rank's.
+        optim = job.ddp.keep_owned_state(&model, optim);
         tracing::info!(
             "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {world})",
             ckpt.dir.display(),
@@ -420,14 +431,14 @@ where
             B::sync(&job.device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
             clock.add(Phase::Compute, compute.elapsed());
             let mut grads = accumulator.grads();
-            let check = clock.time(Phase::Sync, || {
-                job.ddp.average_gradients(&model, &mut grads)
-            })?;
+            let check = clock.time(Phase::Sync, || job.ddp.sync_gradients(&model, &mut grads))?;
             lr = schedule.next_lr();
             if check.all_finite() {
                 let optimize = Instant::now();
                 model = model.optimize(&mut optim, lr, grads);
                 clock.add(Phase::Optimizer, optimize.elapsed());
+                // ZeRO stage 1: each rank stepped its own parameters; exchange them.
+                model = clock.time(Phase::Sync, || job.ddp.finish_step(model))?;
             } else {
                 // Every rank has the same verdict: all stop, or all skip, together.
                 let failed = NonFiniteGradients {
@@ -538,11 +549,18 @@ where
     let time = if clock.run_steps() > 0 {
         let (time, ranks) = across_ranks(&mut job.ddp, clock.run_means())?;
         let report = time.describe(&ranks);
+        let ours = [
+            crate::memory::peak_resident_bytes().unwrap_or(0) as f64,
+            optim.to_record().len() as f64,
+        ];
+        let all = job.ddp.all_gather(&ours)?;
         reporter.record(&Record::Finish {
             step: position.step,
             world_size: world,
             time,
             report: report.clone(),
+            peak_rss_bytes: all.iter().step_by(2).map(|&b| b as u64).collect(),
+            optimizer_state_params: all.iter().skip(1).step_by(2).map(|&n| n as u64).collect(),
         });
         Some(report)
     } else {

@@ -7,6 +7,15 @@
 use crate::config::{OptimizerConfig, OptimizerName};
 use crate::error::UsageError;
 
+/// This process's peak resident memory so far (`VmHWM` in `/proc/self/status`), where the
+/// system reports it (Linux); `None` elsewhere.
+pub fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// What one rank holds per parameter, at least.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryEstimate {

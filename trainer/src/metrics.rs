@@ -78,6 +78,11 @@ pub enum Record {
         time: StepTime,
         /// The same, in words (what the final summary prints).
         report: String,
+        /// Each rank's peak resident memory in bytes (0 where the system does not say).
+        peak_rss_bytes: Vec<u64>,
+        /// How many parameters each rank holds optimizer state for: all of them under ZeRO
+        /// stage 0, its own under stage 1.
+        optimizer_state_params: Vec<u64>,
     },
 }
 

@@ -26,10 +26,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use burn::module::AutodiffModule;
+use burn::module::{AutodiffModule, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
+use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
-use burn_ddp::ddp::{param_checksum, prepare_module, GradientCheck, ReducerStats};
+use burn_ddp::ddp::zero::{self, StateMap};
+use burn_ddp::ddp::{param_checksum, prepare_module, GradientCheck, ReducerStats, ShardedSync};
 use burn_ddp::sampler::DistributedSampler;
 use burn_ddp::{Distributed, ProcessGroup};
 
@@ -61,6 +63,8 @@ pub struct CheckpointPolicy {
 pub struct DataParallel {
     dist: Distributed,
     sync: GradientSync,
+    /// `Some` under ZeRO stage 1 (`distributed.zero_stage = 1`).
+    sharded: Option<ShardedSync>,
     timeout: Duration,
 }
 
@@ -84,9 +88,12 @@ impl DataParallel {
         device: DeviceKind,
     ) -> anyhow::Result<Self> {
         let sync = GradientSync::new::<B>(options, device, &dist)?;
+        let sharded = (options.zero_stage == 1)
+            .then(|| ShardedSync::new(options.gradient_compression.format()));
         Ok(Self {
             dist,
             sync,
+            sharded,
             timeout: Duration::from_secs(options.timeout_secs),
         })
     }
@@ -154,9 +161,89 @@ impl DataParallel {
         Ok(self.sync.sync::<B, M>(&mut self.dist.group, model, grads)?)
     }
 
-    /// What gradient averaging did so far (synchronisations, buckets, bytes).
+    /// The ZeRO stage this handle runs: 0 (every rank steps every parameter) or 1 (each
+    /// rank steps, and keeps optimizer state for, the parameters it owns).
+    pub fn zero_stage(&self) -> u8 {
+        u8::from(self.sharded.is_some())
+    }
+
+    /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:
+    /// [`average_gradients`](Self::average_gradients). Stage 1: `grads` keeps only the
+    /// gradients of the parameters this rank owns, each the mean over the ranks; step the
+    /// optimizer with them, then call [`finish_step`](Self::finish_step). Collective, once per
+    /// optimizer step; the verdict on non-finite gradients is the same as stage 0's.
+    pub fn sync_gradients<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> anyhow::Result<GradientCheck> {
+        match &mut self.sharded {
+            Some(sharded) => {
+                Ok(sharded.reduce_to_owners::<B, M, _>(&mut self.dist.group, model, grads)?)
+            }
+            None => self.average_gradients::<B, M>(model, grads),
+        }
+    }
+
+    /// After the optimizer step. Stage 1: every rank sends the parameters it stepped and
+    /// receives the others' (the replicas are bit-identical again). Stage 0: nothing.
+    /// Collective under stage 1; call it only after a step that was taken.
+    pub fn finish_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+    ) -> anyhow::Result<M> {
+        match &mut self.sharded {
+            Some(sharded) => Ok(sharded.gather_parameters::<B, M, _>(&mut self.dist.group, model)?),
+            None => Ok(model),
+        }
+    }
+
+    /// Under stage 1, drops the optimizer state of the parameters another rank owns (after
+    /// loading a checkpoint's full state); under stage 0 returns `optim` as it is. Local.
+    pub fn keep_owned_state<B, M, O, R>(&mut self, model: &M, optim: O) -> O
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+    {
+        let (rank, world) = (self.rank(), self.world_size());
+        match &mut self.sharded {
+            Some(sharded) => zero::keep_owned_state(optim, sharded.plan(model, world), rank),
+            None => optim,
+        }
+    }
+
+    /// Under stage 1, every rank's optimizer state merged on rank 0 (`Some` there, `None`
+    /// elsewhere), as a stage-0 run would hold it: what a checkpoint saves, so that it loads
+    /// at any world size and stage. Under stage 0, `None`. Collective under stage 1.
+    pub fn gather_optimizer_state<B, M, O, R>(
+        &mut self,
+        optim: &O,
+        device: &B::Device,
+    ) -> anyhow::Result<Option<O>>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+        R: Record<B>,
+    {
+        if self.sharded.is_none() {
+            return Ok(None);
+        }
+        Ok(zero::gather_state::<M, B, O, R, _>(
+            optim,
+            &mut self.dist.group,
+            0,
+            device,
+        )?)
+    }
+
+    /// What gradient synchronisation did so far (synchronisations, collectives, bytes).
     pub fn gradient_stats(&self) -> ReducerStats {
-        self.sync.stats()
+        match &self.sharded {
+            Some(sharded) => sharded.stats(),
+            None => self.sync.stats(),
+        }
     }
 
     /// This rank's data-set indices for `epoch`: its share of one global permutation seeded by

@@ -26,8 +26,8 @@
 
 use std::collections::HashMap;
 
-// Burn keys optimizer state by parameter in a `hashbrown` map.
-use hashbrown::HashMap as StateMap;
+/// The map Burn's optimizers keep their state in, one record per parameter (`hashbrown`'s).
+pub use hashbrown::HashMap as StateMap;
 
 use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
