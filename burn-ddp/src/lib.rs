@@ -11,7 +11,7 @@
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
-//! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL) |
+//! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
 //! | [`error`] | typed errors per layer |
 //! | [`testing`] | test support: skipped tests recorded and counted, never silent |
