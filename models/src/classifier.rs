@@ -280,6 +280,7 @@ mod tests {
             channels: [8, 16],
             hidden: 32,
             dropout: 0.0,
+            batch_norm: true,
         }
         .init::<TestAutodiffBackend>(&input, &device);
         let (before, after) = fit(cnn, 40);

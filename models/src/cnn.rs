@@ -2,7 +2,9 @@
 
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
+use burn::nn::{
+    BatchNorm, BatchNormConfig, Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu,
+};
 use burn::prelude::*;
 use burn::tensor::backend::AutodiffBackend;
 use serde::Deserialize;
@@ -17,6 +19,7 @@ use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, Mod
 /// channels = [16, 32]   # output channels of the two 3x3 convolutions
 /// hidden = 64           # width of the fully connected hidden layer
 /// dropout = 0.1         # before each fully connected layer, training only
+/// batch_norm = true     # BatchNorm after each convolution (running statistics: buffers)
 /// ```
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -28,6 +31,10 @@ pub struct CnnOptions {
     /// Dropout probability before each fully connected layer, `0 <= p < 1`;
     /// `0` (the default) adds no dropout layer.
     pub dropout: f64,
+    /// A `BatchNorm` after each convolution, before its ReLU. Default `false`. Its running
+    /// mean and variance are buffers: kept equal across ranks as
+    /// `distributed.sync_buffers` says.
+    pub batch_norm: bool,
 }
 
 impl Default for CnnOptions {
@@ -36,6 +43,7 @@ impl Default for CnnOptions {
             channels: [16, 32],
             hidden: 64,
             dropout: 0.0,
+            batch_norm: false,
         }
     }
 }
@@ -64,10 +72,16 @@ impl CnnOptions {
         };
         let flat = c2 * (height / POOL) * (width / POOL);
         let dropout = (self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init());
+        let norm = |channels| {
+            self.batch_norm
+                .then(|| BatchNormConfig::new(channels).init(device))
+        };
         Cnn {
             image: [height, width],
             conv1: conv(1, c1),
             conv2: conv(c1, c2),
+            norm1: norm(c1),
+            norm2: norm(c2),
             pool: MaxPool2dConfig::new([POOL, POOL]).init(),
             fc1: LinearConfig::new(flat, self.hidden).init(device),
             fc2: LinearConfig::new(self.hidden, input.classes).init(device),
@@ -119,8 +133,9 @@ impl ModelOptions for CnnOptions {
 
 /// Small CNN for single-channel images given as flat row-major features:
 ///
-/// `[batch, h*w] -> [batch, 1, h, w] -> Conv2d(3x3, same) -> ReLU -> Conv2d(3x3, same) -> ReLU
-///  -> MaxPool2d(2x2) -> flatten [-> Dropout] -> Linear -> ReLU [-> Dropout] -> Linear`.
+/// `[batch, h*w] -> [batch, 1, h, w] -> Conv2d(3x3, same) [-> BatchNorm] -> ReLU
+///  -> Conv2d(3x3, same) [-> BatchNorm] -> ReLU -> MaxPool2d(2x2) -> flatten [-> Dropout]
+///  -> Linear -> ReLU [-> Dropout] -> Linear`.
 ///
 /// On the 8x8 digits the pooled map is `channels[1] x 4 x 4`. Built by
 /// [`CnnOptions::init`]. Output logits `[batch, classes]`.
@@ -130,6 +145,9 @@ pub struct Cnn<B: Backend> {
     image: [usize; 2],
     conv1: Conv2d<B>,
     conv2: Conv2d<B>,
+    /// Present with `batch_norm = true`.
+    norm1: Option<BatchNorm<B>>,
+    norm2: Option<BatchNorm<B>>,
     pool: MaxPool2d,
     fc1: Linear<B>,
     fc2: Linear<B>,
@@ -145,6 +163,13 @@ impl<B: Backend> Cnn<B> {
             None => x,
         }
     }
+
+    fn norm(norm: &Option<BatchNorm<B>>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        match norm {
+            Some(norm) => norm.forward(x),
+            None => x,
+        }
+    }
 }
 
 impl<B: Backend> Classifier<B> for Cnn<B> {
@@ -152,8 +177,10 @@ impl<B: Backend> Classifier<B> for Cnn<B> {
         let [batch, _features] = inputs.dims();
         let [height, width] = self.image;
         let x = inputs.reshape([batch, 1, height, width]);
-        let x = self.activation.forward(self.conv1.forward(x));
-        let x = self.activation.forward(self.conv2.forward(x));
+        let x = self.conv1.forward(x);
+        let x = self.activation.forward(Self::norm(&self.norm1, x));
+        let x = self.conv2.forward(x);
+        let x = self.activation.forward(Self::norm(&self.norm2, x));
         let x: Tensor<B, 2> = self.pool.forward(x).flatten(1, 3);
         let x = self.activation.forward(self.fc1.forward(self.dropout(x)));
         self.fc2.forward(self.dropout(x))
@@ -180,6 +207,7 @@ mod tests {
             channels: [4, 6],
             hidden: 8,
             dropout: 0.25,
+            batch_norm: true,
         };
         let input = InputShape::image(5, 7, 3);
         options.check(&input).expect("valid");

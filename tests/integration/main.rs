@@ -5,6 +5,7 @@
 
 mod common;
 
+mod buffers;
 mod collectives;
 #[cfg(feature = "cuda")]
 mod cuda;

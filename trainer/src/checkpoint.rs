@@ -131,6 +131,9 @@ where
         // mount) then surface as the operating system's error, and the checksum needs no
         // read-back.
         let mut store = SafetensorsStore::from_bytes(None);
+        // A `RunningState` (BatchNorm statistics) shows visitors its committed value, one
+        // update behind; `valid()` commits the pending one, so the snapshot has the latest.
+        let _ = model.valid();
         model
             .save_into(&mut store)
             .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;

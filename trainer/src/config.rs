@@ -241,6 +241,25 @@ pub struct DistributedConfig {
     /// parameter's optimizer state lives on one rank, which steps it and sends the new values
     /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`).
     pub zero_stage: u8,
+    /// How buffers (BatchNorm running statistics, any `RunningState`, frozen parameters) are
+    /// kept equal across ranks: `"broadcast"`, `"average"` or `"off"` (see [`SyncBuffers`]).
+    pub sync_buffers: SyncBuffers,
+}
+
+/// `distributed.sync_buffers`: after every optimizer step, the ranks' buffers are made equal,
+/// so that replicas are identical at every step boundary (replica checks, checkpoints,
+/// validation).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum SyncBuffers {
+    /// Rank 0's buffers to every rank: PyTorch DDP's default (`broadcast_buffers=True`).
+    #[default]
+    Broadcast,
+    /// The mean over the ranks: a running mean becomes what one process with the global batch
+    /// computes; a running variance the mean of the ranks' batch variances.
+    Average,
+    /// Each rank keeps its own (they drift apart; checkpoints hold rank 0's).
+    Off,
 }
 
 impl Default for DistributedConfig {
@@ -252,6 +271,7 @@ impl Default for DistributedConfig {
             gradient_sync: GradientSyncMode::default(),
             gradient_compression: GradientCompression::default(),
             zero_stage: 0,
+            sync_buffers: SyncBuffers::default(),
         }
     }
 }

@@ -455,6 +455,9 @@ where
                 }
             }
 
+            // Every rank's forward passes updated its own BatchNorm statistics: make them equal.
+            model = clock.time(Phase::Sync, || job.ddp.sync_buffers(model))?;
+
             position = plan.after_step(position, epoch_start, k);
             clock.end_step();
             window.add(step_samples.len() * world);

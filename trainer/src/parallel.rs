@@ -30,6 +30,7 @@ use burn::module::{AutodiffModule, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::record::Record;
 use burn::tensor::backend::AutodiffBackend;
+use burn_ddp::ddp::buffers::{self, BufferSync};
 use burn_ddp::ddp::zero::{self, StateMap};
 use burn_ddp::ddp::{param_checksum, prepare_module, GradientCheck, ReducerStats, ShardedSync};
 use burn_ddp::sampler::DistributedSampler;
@@ -37,7 +38,7 @@ use burn_ddp::{Distributed, ProcessGroup};
 
 use crate::backend::{self, GradientSync, TrainBackend};
 use crate::checkpoint::{self, Checkpoint, Manifest, TrainPosition, FORMAT_VERSION};
-use crate::config::{DeviceKind, DistributedConfig};
+use crate::config::{DeviceKind, DistributedConfig, SyncBuffers};
 use crate::error::UsageError;
 use crate::metrics::{global_sum, MetricValue, Metrics};
 use crate::worker_env;
@@ -65,6 +66,10 @@ pub struct DataParallel {
     sync: GradientSync,
     /// `Some` under ZeRO stage 1 (`distributed.zero_stage = 1`).
     sharded: Option<ShardedSync>,
+    /// `None` with `distributed.sync_buffers = "off"`.
+    buffer_rule: Option<BufferSync>,
+    /// Whether the model has buffers at all (learnt at the first sync; the same on every rank).
+    has_buffers: Option<bool>,
     timeout: Duration,
 }
 
@@ -90,10 +95,17 @@ impl DataParallel {
         let sync = GradientSync::new::<B>(options, device, &dist)?;
         let sharded = (options.zero_stage == 1)
             .then(|| ShardedSync::new(options.gradient_compression.format()));
+        let buffer_rule = match options.sync_buffers {
+            SyncBuffers::Broadcast => Some(BufferSync::Broadcast { root: 0 }),
+            SyncBuffers::Average => Some(BufferSync::Average),
+            SyncBuffers::Off => None,
+        };
         Ok(Self {
             dist,
             sync,
             sharded,
+            buffer_rule,
+            has_buffers: None,
             timeout: Duration::from_secs(options.timeout_secs),
         })
     }
@@ -196,6 +208,34 @@ impl DataParallel {
             Some(sharded) => Ok(sharded.gather_parameters::<B, M, _>(&mut self.dist.group, model)?),
             None => Ok(model),
         }
+    }
+
+    /// Makes the model's buffers (BatchNorm running statistics, any `RunningState`, frozen
+    /// parameters) equal across ranks, as `distributed.sync_buffers` says: rank 0's, or the
+    /// mean. Collective (nothing is sent for a model without buffers, or with `"off"`); call
+    /// it once per optimizer step, after the step, so replicas are identical at every step
+    /// boundary.
+    pub fn sync_buffers<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+    ) -> anyhow::Result<M> {
+        let Some(rule) = self.buffer_rule else {
+            return Ok(model);
+        };
+        if self.world_size() == 1 {
+            return Ok(model);
+        }
+        let has = *self
+            .has_buffers
+            .get_or_insert_with(|| buffers::buffer_elements::<B, M>(&model) > 0);
+        if !has {
+            return Ok(model);
+        }
+        Ok(buffers::sync_buffers::<B, M, _>(
+            model,
+            &mut self.dist.group,
+            rule,
+        )?)
     }
 
     /// Under stage 1, drops the optimizer state of the parameters another rank owns (after

@@ -3,6 +3,8 @@
 //! - [`module`]: [`prepare_module`] gives parameters deterministic ids and broadcasts rank 0's
 //!   values, so every replica starts equal (and optimizer state is keyed the same everywhere).
 //! - [`bucket`]: the pure bucket plan.
+//! - [`buffers`]: [`sync_buffers`], BatchNorm running statistics and other buffers made equal
+//!   across ranks (rank 0's, or the mean).
 //! - [`reducer`]: [`Reducer`], which averages `GradientsParams` across ranks, bucket by bucket
 //!   (packed, optionally compressed to bf16 / fp16, on the device).
 //! - [`comm`]: [`BucketComm`], how a bucket is summed: [`HostStaging`] through any host
@@ -15,6 +17,7 @@
 //! - `device` (feature `cuda`): `NcclBuckets` and the device addresses NCCL needs.
 
 pub mod bucket;
+pub mod buffers;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
@@ -24,6 +27,7 @@ pub mod reducer;
 pub mod shard_plan;
 pub mod zero;
 
+pub use buffers::{sync_buffers, BufferSync};
 pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
 pub use device::{CudaBuffers, NcclBackend, NcclBuckets};

@@ -194,12 +194,17 @@ impl ShardedSync {
     }
 }
 
-/// The plan of `model`'s float parameters (visit order) over `world` ranks.
+/// The plan of `model`'s trained float parameters (visit order) over `world` ranks.
 pub fn plan_for<B: Backend, M: Module<B>>(model: &M, world: usize) -> ShardPlan {
     struct Sizes(Vec<(ParamId, usize)>);
     impl<B: Backend> ModuleVisitor<B> for Sizes {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0.push((param.id, param.val().shape().num_elements()));
+            // Buffers (no gradient: BatchNorm statistics, frozen parameters) have no
+            // optimizer state to own; `buffers::sync_buffers` keeps them equal.
+            let value = param.val();
+            if value.is_require_grad() {
+                self.0.push((param.id, value.shape().num_elements()));
+            }
         }
     }
     let mut sizes = Sizes(Vec::new());

@@ -1,0 +1,210 @@
+//! Buffers kept equal across ranks: the float tensors of a model that the optimizer does not
+//! train — BatchNorm's running mean and variance, any `RunningState`, frozen parameters.
+//!
+//! Each rank's forward passes update its own running statistics from its own shard of the
+//! batch, so without a sync the replicas drift apart in exactly these tensors (and a checkpoint,
+//! written by rank 0, holds rank 0's alone). Two rules, as [`BufferSync`] says:
+//! - **broadcast** (PyTorch DDP's default, `broadcast_buffers=True`): rank 0's buffers to
+//!   every rank;
+//! - **average**: the mean over the ranks. For a running mean (an exponential moving average,
+//!   linear in the batch means) the mean of the ranks' values is what one process with the
+//!   global batch computes, when the ranks' batches are of equal size; for a running variance
+//!   it is the mean of the per-rank batch variances, which leaves out the spread between the
+//!   ranks' batch means.
+//!
+//! A buffer is recognised by what Burn tells apart: a float tensor of the (autodiff) model that
+//! does not require a gradient.
+
+use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::TensorData;
+
+use crate::error::DdpError;
+use crate::group::{ProcessGroup, ReduceOp};
+
+/// How buffers are made equal across ranks (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufferSync {
+    /// Rank `root`'s values to every rank.
+    Broadcast { root: usize },
+    /// The element-wise mean over the ranks.
+    Average,
+}
+
+/// Makes every buffer of `module` equal across ranks, as `rule` says. Collective (one
+/// broadcast or all-reduce of all buffers together, none when the model has no buffers); the
+/// model must have the same architecture on every rank. Parameters are left as they are.
+pub fn sync_buffers<B, M, G>(module: M, group: &mut G, rule: BufferSync) -> Result<M, DdpError>
+where
+    B: AutodiffBackend,
+    M: AutodiffModule<B>,
+    G: ProcessGroup,
+{
+    if group.world_size() == 1 {
+        return Ok(module);
+    }
+    // A `RunningState` keeps its last update pending per thread and shows the committed value
+    // to visitors; `valid()` commits it (and nothing else), so that what is read here is the
+    // latest and what is written is not overwritten by a stale pending update afterwards.
+    let _ = module.valid();
+    let mut read = ReadBuffers::default();
+    module.visit(&mut read);
+    if read.values.is_empty() {
+        return Ok(module);
+    }
+    let mut values = read.values;
+    match rule {
+        BufferSync::Broadcast { root } => group.broadcast(&mut values, root)?,
+        BufferSync::Average => group.all_reduce(&mut values, ReduceOp::Avg)?,
+    }
+    Ok(module.map(&mut WriteBuffers {
+        values: &values,
+        offset: 0,
+    }))
+}
+
+/// How many buffer elements `module` has (0: nothing to sync). Local.
+pub fn buffer_elements<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> usize {
+    let mut read = ReadBuffers::default();
+    module.visit(&mut read);
+    read.values.len()
+}
+
+fn is_buffer<B: Backend, const D: usize>(param: &Param<Tensor<B, D>>) -> bool {
+    !param.val().is_require_grad()
+}
+
+/// Every buffer's values as f32, in visit order.
+#[derive(Default)]
+struct ReadBuffers {
+    values: Vec<f32>,
+}
+
+impl<B: Backend> ModuleVisitor<B> for ReadBuffers {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if !is_buffer(param) {
+            return;
+        }
+        let data = param.val().into_data().convert::<f32>();
+        // `convert::<f32>` makes the element type f32, so the slice view cannot fail.
+        if let Ok(values) = data.as_slice::<f32>() {
+            self.values.extend_from_slice(values);
+        }
+    }
+}
+
+/// Replaces every buffer's values with the next slice of `values`.
+struct WriteBuffers<'a> {
+    values: &'a [f32],
+    offset: usize,
+}
+
+impl<B: Backend> ModuleMapper<B> for WriteBuffers<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        if !is_buffer(&param) {
+            return param;
+        }
+        let (id, tensor, mapper) = param.consume();
+        let shape = tensor.shape();
+        let n = shape.num_elements();
+        let data = TensorData::new(self.values[self.offset..self.offset + n].to_vec(), shape)
+            .convert_dtype(tensor.dtype());
+        self.offset += n;
+        let fresh = Tensor::<B, D>::from_data(data, &tensor.device());
+        Param::from_mapped_value(id, fresh, mapper)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Two ranks as threads over real loopback sockets, each running a BatchNorm network on
+    //! its own input: the running statistics differ until synced, then follow the rule.
+    use std::sync::Arc;
+
+    use burn::backend::{Autodiff, Flex};
+    use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+
+    use super::*;
+    use crate::ddp::{param_checksum, prepare_module};
+    use crate::group::{TcpGroupOptions, TcpProcessGroup};
+    use crate::store::{MemoryStore, Store};
+
+    type B = Autodiff<Flex>;
+
+    #[derive(Module, Debug)]
+    struct Net<B: Backend> {
+        fc: Linear<B>,
+        norm: BatchNorm<B>,
+    }
+
+    fn running_mean(net: &Net<B>) -> Vec<f32> {
+        net.norm
+            .running_mean
+            .value_sync()
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+    }
+
+    /// Each rank's (running mean before the sync, after it, weights checksum after it).
+    fn run(rule: Option<BufferSync>) -> Vec<(Vec<f32>, Vec<f32>, u64, u64)> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
+                    let device = Default::default();
+                    let net = Net::<B> {
+                        fc: LinearConfig::new(3, 4).init(&device),
+                        norm: BatchNormConfig::new(4).init(&device),
+                    };
+                    let net = prepare_module(net, &mut group, 0).unwrap();
+                    let weights = param_checksum::<B, _>(&net.fc);
+                    let x: Vec<f32> = (0..12).map(|i| (i * (rank + 1)) as f32 * 0.3).collect();
+                    let x = Tensor::<B, 2>::from_data(TensorData::new(x, [4, 3]), &device);
+                    let _ = net.norm.forward(net.fc.forward(x));
+                    let before = running_mean(&net);
+                    let net = match rule {
+                        Some(rule) => sync_buffers(net, &mut group, rule).unwrap(),
+                        None => net,
+                    };
+                    let after_weights = param_checksum::<B, _>(&net.fc);
+                    assert_eq!(buffer_elements::<B, _>(&net), 8);
+                    (before, running_mean(&net), weights, after_weights)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn broadcast_gives_rank_0s_and_average_the_mean() {
+        let unsynced = run(None);
+        assert_ne!(
+            unsynced[0].1, unsynced[1].1,
+            "the ranks' statistics must differ"
+        );
+
+        let broadcast = run(Some(BufferSync::Broadcast { root: 0 }));
+        assert_eq!(broadcast[1].1, broadcast[0].0);
+        assert_eq!(broadcast[0].1, broadcast[0].0);
+
+        let average = run(Some(BufferSync::Average));
+        let mean: Vec<f32> = average[0]
+            .0
+            .iter()
+            .zip(&average[1].0)
+            .map(|(a, b)| (a + b) / 2.0)
+            .collect();
+        for (r, (_, after, weights, after_weights)) in average.iter().enumerate() {
+            for (x, m) in after.iter().zip(&mean) {
+                assert!((x - m).abs() < 1e-6, "rank {r}: {after:?} vs {mean:?}");
+            }
+            assert_eq!(weights, after_weights, "parameters are not buffers");
+        }
+        assert_eq!(average[0].1, average[1].1);
+    }
+}
