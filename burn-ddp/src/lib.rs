@@ -12,6 +12,7 @@
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
 //! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
+//! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
 //! | [`error`] | typed errors per layer |
 //! | [`testing`] | test support: skipped tests recorded and counted, never silent |
@@ -34,6 +35,8 @@ pub mod group;
 pub mod hostlist;
 pub mod init;
 pub mod kernels;
+#[cfg(feature = "burn-train")]
+pub mod learner;
 pub mod sampler;
 pub mod store;
 pub mod testing;

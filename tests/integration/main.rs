@@ -6,6 +6,7 @@
 mod common;
 
 mod buffers;
+mod burn_train;
 mod collectives;
 #[cfg(feature = "cuda")]
 mod cuda;

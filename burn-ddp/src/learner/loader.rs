@@ -1,0 +1,264 @@
+//! [`DistributedDataLoaderBuilder`]: burn's `DataLoaderBuilder` with PyTorch's
+//! `DistributedSampler` contract — each rank gets its shard of one global per-epoch order.
+//!
+//! ```text
+//!  epoch e:  order = permutation(len, seed + e)   (or 0..len without shuffle), on every rank
+//!            rank r of W takes positions r, r+W, r+2W, …  (the tail padded with the first
+//!            positions, so every rank takes as many batches)
+//! ```
+//! The loader counts its own epochs: the `k`-th call to `iter()` iterates epoch `k` (what
+//! burn-train's loop does, once per epoch), so no `set_epoch` can be forgotten.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
+use burn::data::dataset::Dataset;
+use burn::prelude::*;
+
+use crate::env::DistEnv;
+use crate::sampler::DistributedSampler;
+
+/// Builds a data loader that reads only this rank's shard (module docs). Same calls as burn's
+/// `DataLoaderBuilder`; the rank and world size come from the launcher's environment
+/// (`RANK`, `WORLD_SIZE`: this project's launcher, torchrun, Slurm, Open MPI), or 0 of 1 when
+/// there is none.
+pub struct DistributedDataLoaderBuilder<B: Backend, I, O> {
+    batcher: Arc<dyn Batcher<B, I, O>>,
+    batch_size: usize,
+    shuffle: Option<u64>,
+    drop_last: bool,
+    device: Option<B::Device>,
+    rank: Option<(usize, usize)>,
+}
+
+impl<B, I, O> DistributedDataLoaderBuilder<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + Clone + 'static,
+    O: Send + 'static,
+{
+    pub fn new<Bt: Batcher<B, I, O> + 'static>(batcher: Bt) -> Self {
+        Self {
+            batcher: Arc::new(batcher),
+            batch_size: 1,
+            shuffle: None,
+            drop_last: false,
+            device: None,
+            rank: None,
+        }
+    }
+
+    /// Items per batch on this rank (the global batch is `world_size` times it).
+    pub fn batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size.max(1);
+        self
+    }
+
+    /// A new global order every epoch, seeded by `seed + epoch` (the same on every rank).
+    pub fn shuffle(mut self, seed: u64) -> Self {
+        self.shuffle = Some(seed);
+        self
+    }
+
+    /// Accepted for compatibility with burn's builder; items are read on the training thread.
+    pub fn num_workers(self, _num_workers: usize) -> Self {
+        self
+    }
+
+    pub fn set_device(mut self, device: B::Device) -> Self {
+        self.device = Some(device);
+        self
+    }
+
+    /// Drops the tail that does not fill a position on every rank, instead of padding it.
+    pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.drop_last = drop_last;
+        self
+    }
+
+    /// This rank and the world size, instead of the environment's (tests, own launchers).
+    pub fn rank(mut self, rank: usize, world_size: usize) -> Self {
+        self.rank = Some((rank, world_size));
+        self
+    }
+
+    pub fn build<D: Dataset<I> + 'static>(self, dataset: D) -> Arc<dyn DataLoader<B, O>> {
+        let (rank, world) = self.rank.unwrap_or_else(rank_from_env);
+        let world = world.max(1);
+        let sampler = DistributedSampler::new(dataset.len(), world, rank.min(world - 1))
+            .with_shuffle(self.shuffle.is_some())
+            .with_seed(self.shuffle.unwrap_or(0))
+            .with_drop_last(self.drop_last);
+        let loader: Arc<dyn DataLoader<B, O>> = Arc::new(ShardedDataLoader {
+            dataset: Arc::new(dataset),
+            batcher: self.batcher,
+            batch_size: self.batch_size,
+            sampler,
+            device: self.device.unwrap_or_default(),
+            epoch: Arc::new(AtomicU64::new(0)),
+            window: None,
+        });
+        // So that `DdpStrategy` knows not to slice it again.
+        if let Ok(mut sharded) = super::strategy::sharded_loaders().lock() {
+            sharded.insert(Arc::as_ptr(&loader) as *const () as usize);
+        }
+        loader
+    }
+}
+
+/// (rank, world size) of the launcher's environment; 0 of 1 without one (or when it is
+/// malformed: forming the process group then reports that, with the variable's name).
+fn rank_from_env() -> (usize, usize) {
+    DistEnv::from_env()
+        .map(|env| (env.rank, env.world_size))
+        .unwrap_or((0, 1))
+}
+
+/// This rank's shard of the data set, batched. See [`DistributedDataLoaderBuilder`].
+pub struct ShardedDataLoader<B: Backend, I, O> {
+    dataset: Arc<dyn Dataset<I>>,
+    batcher: Arc<dyn Batcher<B, I, O>>,
+    batch_size: usize,
+    sampler: DistributedSampler,
+    device: B::Device,
+    /// Shared by the loaders `to_device` and `slice` derive, so they count epochs together.
+    epoch: Arc<AtomicU64>,
+    /// Positions of this rank's shard to keep (`slice`); `None`: all.
+    window: Option<(usize, usize)>,
+}
+
+impl<B: Backend, I, O> ShardedDataLoader<B, I, O> {
+    fn derive(&self, device: B::Device, window: Option<(usize, usize)>) -> Self {
+        Self {
+            dataset: self.dataset.clone(),
+            batcher: self.batcher.clone(),
+            batch_size: self.batch_size,
+            sampler: self.sampler.clone(),
+            device,
+            epoch: self.epoch.clone(),
+            window,
+        }
+    }
+
+    fn shard_len(&self) -> usize {
+        let all = self.sampler.indices(0, 0).len();
+        match self.window {
+            Some((start, end)) => end.min(all).saturating_sub(start),
+            None => all,
+        }
+    }
+}
+
+impl<B, I, O> DataLoader<B, O> for ShardedDataLoader<B, I, O>
+where
+    B: Backend,
+    I: Send + Sync + Clone + 'static,
+    O: Send + 'static,
+{
+    fn iter<'a>(&'a self) -> Box<dyn DataLoaderIterator<O> + 'a> {
+        let epoch = self.epoch.fetch_add(1, Ordering::SeqCst);
+        let mut indices = self.sampler.indices(epoch, 0);
+        if let Some((start, end)) = self.window {
+            let end = end.min(indices.len());
+            indices = indices[start.min(end)..end].to_vec();
+        }
+        Box::new(ShardIter {
+            loader: self,
+            indices,
+            next: 0,
+        })
+    }
+
+    fn num_items(&self) -> usize {
+        self.shard_len()
+    }
+
+    fn to_device(&self, device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+        Arc::new(self.derive(device.clone(), self.window))
+    }
+
+    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
+        let base = self.window.map_or(0, |(s, _)| s);
+        Arc::new(self.derive(self.device.clone(), Some((base + start, base + end))))
+    }
+}
+
+struct ShardIter<'a, B: Backend, I, O> {
+    loader: &'a ShardedDataLoader<B, I, O>,
+    indices: Vec<usize>,
+    next: usize,
+}
+
+impl<B: Backend, I, O> Iterator for ShardIter<'_, B, I, O> {
+    type Item = O;
+
+    fn next(&mut self) -> Option<O> {
+        let end = (self.next + self.loader.batch_size).min(self.indices.len());
+        let items: Vec<I> = self.indices[self.next..end]
+            .iter()
+            .filter_map(|&i| self.loader.dataset.get(i))
+            .collect();
+        self.next = end;
+        if items.is_empty() {
+            return None;
+        }
+        Some(self.loader.batcher.batch(items, &self.loader.device))
+    }
+}
+
+impl<B: Backend, I, O> DataLoaderIterator<O> for ShardIter<'_, B, I, O> {
+    fn progress(&self) -> Progress {
+        Progress::new(self.next, self.indices.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use burn::backend::Flex;
+    use burn::data::dataset::InMemDataset;
+
+    use super::*;
+
+    /// Batches of data-set items, as they are.
+    #[derive(Clone)]
+    struct Items;
+    impl Batcher<Flex, usize, Vec<usize>> for Items {
+        fn batch(&self, items: Vec<usize>, _: &burn::tensor::Device<Flex>) -> Vec<usize> {
+            items
+        }
+    }
+
+    fn epoch_of(rank: usize, world: usize, loader_epochs: usize) -> Vec<Vec<usize>> {
+        let loader = DistributedDataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+            .batch_size(4)
+            .shuffle(9)
+            .rank(rank, world)
+            .build(InMemDataset::new((0..23).collect::<Vec<usize>>()));
+        (0..loader_epochs)
+            .map(|_| loader.iter().flatten().collect())
+            .collect()
+    }
+
+    #[test]
+    fn ranks_share_one_permutation_per_epoch_and_take_as_many_batches() {
+        let world = 3;
+        let ranks: Vec<_> = (0..world).map(|r| epoch_of(r, world, 2)).collect();
+        for epoch in 0..2 {
+            let seen: BTreeSet<usize> = ranks.iter().flat_map(|r| r[epoch].clone()).collect();
+            assert_eq!(seen, (0..23).collect(), "epoch {epoch} covers the data set");
+            assert!(ranks.iter().all(|r| r[epoch].len() == 8), "23 padded to 24");
+        }
+        assert_ne!(ranks[0][0], ranks[0][1], "a new order every epoch");
+        // One rank alone sees the same global order, in position order.
+        let alone = epoch_of(0, 1, 1).remove(0);
+        let interleaved: Vec<usize> = (0..8)
+            .flat_map(|k| ranks.iter().map(move |r| r[0][k]))
+            .take(23)
+            .collect();
+        assert_eq!(alone, interleaved);
+    }
+}

@@ -1,0 +1,118 @@
+//! burn-train users (`burn_ddp::learner`): `trainer/examples/burn_train_user.rs`, a
+//! `SupervisedTraining` program written like Burn's guide, changed in its loader-builder and
+//! strategy lines, under `trainer launch`.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use crate::common::*;
+
+/// The example, built by `cargo test` (examples are compiled with the tests).
+fn user_program() -> PathBuf {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/release/examples/burn_train_user");
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo build --release -p trainer --example burn_train_user`",
+        path.display()
+    );
+    path
+}
+
+fn launch(nproc: usize, dir: &Path, args: &[&str]) -> Output {
+    let out = run(trainer()
+        .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
+        .arg(user_program())
+        .arg("--dir")
+        .arg(dir)
+        .args(args));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    out
+}
+
+/// Every file under `dir`, relative to it.
+fn files(dir: &Path) -> BTreeSet<String> {
+    fn walk(root: &Path, dir: &Path, into: &mut BTreeSet<String>) {
+        for entry in std::fs::read_dir(dir).unwrap().filter_map(Result::ok) {
+            let path = entry.path();
+            if path.is_dir() {
+                walk(root, &path, into);
+            } else {
+                into.insert(path.strip_prefix(root).unwrap().display().to_string());
+            }
+        }
+    }
+    let mut all = BTreeSet::new();
+    walk(dir, dir, &mut all);
+    all
+}
+
+/// burn-train's metric log: (value, count) per line.
+fn metric_log(path: &Path) -> Vec<(f64, usize)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .lines()
+        .map(|l| {
+            let (v, n) = l.split_once(',').unwrap();
+            (v.parse().unwrap(), n.parse().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn two_processes_end_where_the_unchanged_program_ends_with_the_doubled_batch() {
+    let dir = scratch("burn-train-user");
+    let (plain, ddp) = (dir.join("plain"), dir.join("ddp"));
+    let out = run(std::process::Command::new(user_program())
+        .args(["--plain", "--batch", "32", "--dir"])
+        .arg(&plain));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let out = launch(2, &ddp, &["--batch", "16"]);
+    assert!(out.stdout.contains("as rank 1"), "{}", out.all());
+    assert_rank1_logs_no_info(&out, "[rank 1]");
+
+    let diff = max_abs_diff(
+        &read_weights(&plain.join("model.safetensors")),
+        &read_weights(&ddp.join("model.safetensors")),
+    );
+    assert!(diff < 1e-5, "max |w2 - w1| = {diff:e}");
+
+    // burn-train's directories: the same files as the one-process run (rank 0 wrote them, and
+    // only it: a second writer would double the metric lines), and metrics of the global batch
+    // with its counts.
+    assert_eq!(files(&ddp), files(&plain));
+    for log in [
+        "train/epoch-2/Loss.log",
+        "valid/epoch-2/Accuracy.log",
+        "valid/epoch-1/Loss.log",
+    ] {
+        let (a, b) = (metric_log(&plain.join(log)), metric_log(&ddp.join(log)));
+        assert_eq!(a.len(), b.len(), "{log}");
+        for ((x, n), (y, m)) in a.iter().zip(&b) {
+            assert_eq!(n, m, "{log}: counts");
+            assert!((x - y).abs() < 1e-4, "{log}: {x} vs {y}");
+        }
+    }
+}
+
+#[test]
+fn shuffled_runs_share_one_global_order_at_any_world_size() {
+    let dir = scratch("burn-train-shuffle");
+    launch(2, &dir.join("w2"), &["--batch", "16", "--shuffle", "7"]);
+    launch(1, &dir.join("w1"), &["--batch", "32", "--shuffle", "7"]);
+    let diff = max_abs_diff(
+        &read_weights(&dir.join("w1/model.safetensors")),
+        &read_weights(&dir.join("w2/model.safetensors")),
+    );
+    assert!(diff < 1e-5, "max |w2 - w1| = {diff:e}");
+}
+
+#[test]
+fn a_plain_loader_falls_back_to_contiguous_slices() {
+    let dir = scratch("burn-train-fallback");
+    launch(2, &dir, &["--batch", "16", "--burn-loader"]);
+    // 512 samples, 256 a rank, 16 iterations of 2 x 16 per epoch.
+    let lines = metric_log(&dir.join("train/epoch-1/Accuracy.log"));
+    assert_eq!(lines.len(), 16);
+    assert!(lines.iter().all(|&(_, n)| n == 32), "{lines:?}");
+}

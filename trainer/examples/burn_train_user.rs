@@ -1,0 +1,264 @@
+//! A Burn user's `SupervisedTraining` program, written as Burn's guide writes one (model with
+//! `TrainStep` / `InferenceStep`, a batcher, `DataLoaderBuilder`, `LossMetric` /
+//! `AccuracyMetric`, a file checkpointer), made data-parallel across processes by changing two
+//! lines: the loader builder and the training strategy (marked `burn-ddp:` below).
+//!
+//! ```text
+//! cargo build --release -p trainer --example burn_train_user
+//! trainer launch --nproc-per-node 2 -- target/release/examples/burn_train_user --dir runs/user --batch 16
+//! target/release/examples/burn_train_user --plain --dir runs/user-1 --batch 32   # the original program
+//! ```
+//! `--plain` runs the unchanged program (burn's `DataLoaderBuilder`, burn-train's default
+//! single-device strategy): with SGD, no shuffle and no dropout, 2 ranks of batch 16 end with
+//! the weights of `--plain` with batch 32. `--shuffle SEED` shuffles (a global order per epoch
+//! across the ranks). `--burn-loader` keeps burn's `DataLoaderBuilder` under the data-parallel
+//! strategy (each rank then trains on a contiguous slice).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use burn::backend::{Autodiff, Flex};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::SgdConfig;
+use burn::prelude::*;
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::train::metric::{AccuracyMetric, LossMetric};
+use burn::train::{
+    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+    TrainingStrategy,
+};
+use burn_ddp::learner::{DdpStrategy, DistributedDataLoaderBuilder};
+use burn_store::{ModuleSnapshot, SafetensorsStore};
+
+const FEATURES: usize = 16;
+const CLASSES: usize = 4;
+
+#[derive(Module, Debug)]
+pub struct Model<B: Backend> {
+    fc1: Linear<B>,
+    fc2: Linear<B>,
+    activation: Relu,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn new(device: &B::Device) -> Self {
+        Self {
+            fc1: LinearConfig::new(FEATURES, 32).init(device),
+            fc2: LinearConfig::new(32, CLASSES).init(device),
+            activation: Relu::new(),
+        }
+    }
+
+    pub fn forward_classification(
+        &self,
+        inputs: Tensor<B, 2>,
+        targets: Tensor<B, 1, Int>,
+    ) -> ClassificationOutput<B> {
+        let output = self
+            .fc2
+            .forward(self.activation.forward(self.fc1.forward(inputs)));
+        let loss = CrossEntropyLossConfig::new()
+            .init(&output.device())
+            .forward(output.clone(), targets.clone());
+        ClassificationOutput::new(loss, output, targets)
+    }
+}
+
+impl<B: AutodiffBackend> TrainStep for Model<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+        let item = self.forward_classification(batch.inputs, batch.targets);
+        TrainOutput::new(self, item.loss.backward(), item)
+    }
+}
+
+impl<B: Backend> InferenceStep for Model<B> {
+    type Input = Batch<B>;
+    type Output = ClassificationOutput<B>;
+
+    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+        self.forward_classification(batch.inputs, batch.targets)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Item {
+    features: [f32; FEATURES],
+    label: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct Batch<B: Backend> {
+    inputs: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+}
+
+#[derive(Clone, Default)]
+pub struct ItemBatcher;
+
+impl<B: Backend> Batcher<B, Item, Batch<B>> for ItemBatcher {
+    fn batch(&self, items: Vec<Item>, device: &B::Device) -> Batch<B> {
+        let n = items.len();
+        let features: Vec<f32> = items.iter().flat_map(|i| i.features).collect();
+        let labels: Vec<i64> = items.iter().map(|i| i.label as i64).collect();
+        Batch {
+            inputs: Tensor::from_data(TensorData::new(features, [n, FEATURES]), device),
+            targets: Tensor::from_data(TensorData::new(labels, [n]), device),
+        }
+    }
+}
+
+/// A deterministic data set: the label is the index of the largest of four feature sums.
+fn dataset(len: usize, offset: usize) -> InMemDataset<Item> {
+    let items = (offset..offset + len)
+        .map(|i| {
+            let mut features = [0f32; FEATURES];
+            for (k, f) in features.iter_mut().enumerate() {
+                *f = (((i * 7919 + k * 104_729) % 1000) as f32 / 500.0) - 1.0;
+            }
+            let sums: Vec<f32> = features
+                .chunks(FEATURES / CLASSES)
+                .map(|c| c.iter().sum())
+                .collect();
+            let label = (0..CLASSES)
+                .max_by(|&a, &b| sums[a].total_cmp(&sums[b]))
+                .unwrap_or(0);
+            Item { features, label }
+        })
+        .collect();
+    InMemDataset::new(items)
+}
+
+struct Args {
+    dir: PathBuf,
+    batch: usize,
+    epochs: usize,
+    plain: bool,
+    burn_loader: bool,
+    shuffle: Option<u64>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        dir: PathBuf::from("runs/burn-train-user"),
+        batch: 16,
+        epochs: 2,
+        plain: false,
+        burn_loader: false,
+        shuffle: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--dir" => args.dir = PathBuf::from(value()?),
+            "--batch" => args.batch = value()?.parse().map_err(|e| format!("--batch: {e}"))?,
+            "--epochs" => args.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
+            "--shuffle" => {
+                args.shuffle = Some(value()?.parse().map_err(|e| format!("--shuffle: {e}"))?)
+            }
+            "--plain" => args.plain = true,
+            "--burn-loader" => args.burn_loader = true,
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(args)
+}
+
+type B = Autodiff<Flex>;
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("burn_train_user: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let device = Default::default();
+    B::seed(&device, 42);
+    let dir = args.dir.display().to_string();
+
+    let (training, rank) = if args.plain {
+        // The original program.
+        let mut train = DataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
+        if let Some(seed) = args.shuffle {
+            train = train.shuffle(seed);
+        }
+        let train = train.build(dataset(512, 0));
+        let valid = DataLoaderBuilder::new(ItemBatcher)
+            .batch_size(args.batch)
+            .build(dataset(130, 10_000));
+        (SupervisedTraining::new(&dir, train, valid), 0)
+    } else if args.burn_loader {
+        // The strategy changed, the loaders not: each rank trains on a contiguous slice.
+        let train = DataLoaderBuilder::new(ItemBatcher)
+            .batch_size(args.batch)
+            .build(dataset(512, 0));
+        let valid = DataLoaderBuilder::new(ItemBatcher)
+            .batch_size(args.batch)
+            .build(dataset(130, 10_000));
+        let ddp = match DdpStrategy::from_env() {
+            Ok(ddp) => Arc::new(ddp),
+            Err(e) => {
+                eprintln!("burn_train_user: cannot join the job: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let rank = ddp.rank();
+        let training = SupervisedTraining::new(&dir, train, valid)
+            .with_training_strategy(TrainingStrategy::Custom(ddp));
+        (training, rank)
+    } else {
+        // burn-ddp: the loader builder (each rank its shard of one global order per epoch) …
+        let mut train = DistributedDataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
+        if let Some(seed) = args.shuffle {
+            train = train.shuffle(seed);
+        }
+        let train = train.build(dataset(512, 0));
+        let valid = DistributedDataLoaderBuilder::new(ItemBatcher)
+            .batch_size(args.batch)
+            .build(dataset(130, 10_000));
+        // … and the strategy (joins the job the launcher started).
+        let ddp = match DdpStrategy::from_env() {
+            Ok(ddp) => Arc::new(ddp),
+            Err(e) => {
+                eprintln!("burn_train_user: cannot join the job: {e}");
+                return ExitCode::from(1);
+            }
+        };
+        let rank = ddp.rank();
+        let training = SupervisedTraining::new(&dir, train, valid)
+            .with_training_strategy(TrainingStrategy::Custom(ddp));
+        (training, rank)
+    };
+
+    let result = training
+        .metrics((AccuracyMetric::new(), LossMetric::new()))
+        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+        .num_epochs(args.epochs)
+        .launch(Learner::new(
+            Model::<B>::new(&device),
+            SgdConfig::new().init(),
+            0.05,
+        ));
+
+    // As with `torch.save` under DDP: one rank writes the final model.
+    if rank == 0 {
+        let mut store = SafetensorsStore::from_file(args.dir.join("model.safetensors"));
+        if let Err(e) = result.model.save_into(&mut store) {
+            eprintln!("burn_train_user: cannot save the model: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    println!("trained {} epoch(s) as rank {rank}", args.epochs);
+    ExitCode::SUCCESS
+}
