@@ -187,47 +187,30 @@ fn main() -> ExitCode {
     B::seed(&device, 42);
     let dir = args.dir.display().to_string();
 
-    let (training, rank) = if args.plain {
-        // The original program.
+    let valid_data = dataset(130, 10_000);
+    let (train, valid) = if args.plain || args.burn_loader {
+        // The original program's loaders.
         let mut train = DataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
         if let Some(seed) = args.shuffle {
             train = train.shuffle(seed);
         }
-        let train = train.build(dataset(512, 0));
-        let valid = DataLoaderBuilder::new(ItemBatcher)
-            .batch_size(args.batch)
-            .build(dataset(130, 10_000));
-        (SupervisedTraining::new(&dir, train, valid), 0)
-    } else if args.burn_loader {
-        // The strategy changed, the loaders not: each rank trains on a contiguous slice.
-        let train = DataLoaderBuilder::new(ItemBatcher)
-            .batch_size(args.batch)
-            .build(dataset(512, 0));
-        let valid = DataLoaderBuilder::new(ItemBatcher)
-            .batch_size(args.batch)
-            .build(dataset(130, 10_000));
-        let ddp = match DdpStrategy::from_env() {
-            Ok(ddp) => Arc::new(ddp),
-            Err(e) => {
-                eprintln!("burn_train_user: cannot join the job: {e}");
-                return ExitCode::from(1);
-            }
-        };
-        let rank = ddp.rank();
-        let training = SupervisedTraining::new(&dir, train, valid)
-            .with_training_strategy(TrainingStrategy::Custom(ddp));
-        (training, rank)
+        let valid = DataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
+        (train.build(dataset(512, 0)), valid.build(valid_data))
     } else {
-        // burn-ddp: the loader builder (each rank its shard of one global order per epoch) …
+        // burn-ddp, line 1: the loader builder (each rank its shard of one global order per
+        // epoch).
         let mut train = DistributedDataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
         if let Some(seed) = args.shuffle {
             train = train.shuffle(seed);
         }
-        let train = train.build(dataset(512, 0));
-        let valid = DistributedDataLoaderBuilder::new(ItemBatcher)
-            .batch_size(args.batch)
-            .build(dataset(130, 10_000));
-        // … and the strategy (joins the job the launcher started).
+        let valid = DistributedDataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
+        (train.build(dataset(512, 0)), valid.build(valid_data))
+    };
+    let training = SupervisedTraining::new(&dir, train, valid);
+    let (training, rank) = if args.plain {
+        (training, 0)
+    } else {
+        // burn-ddp, line 2: the strategy (joins the job the launcher started).
         let ddp = match DdpStrategy::from_env() {
             Ok(ddp) => Arc::new(ddp),
             Err(e) => {
@@ -236,9 +219,10 @@ fn main() -> ExitCode {
             }
         };
         let rank = ddp.rank();
-        let training = SupervisedTraining::new(&dir, train, valid)
-            .with_training_strategy(TrainingStrategy::Custom(ddp));
-        (training, rank)
+        (
+            training.with_training_strategy(TrainingStrategy::Custom(ddp)),
+            rank,
+        )
     };
 
     let result = training

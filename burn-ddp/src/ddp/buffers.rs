@@ -15,11 +15,10 @@
 //! A buffer is recognised by what Burn tells apart: a float tensor of the (autodiff) model that
 //! does not require a gradient.
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param};
-use burn::prelude::*;
+use burn::module::AutodiffModule;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::TensorData;
 
+use super::module::{read_floats, write_floats, FloatSlot};
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 
@@ -48,71 +47,35 @@ where
     // to visitors; `valid()` commits it (and nothing else), so that what is read here is the
     // latest and what is written is not overwritten by a stale pending update afterwards.
     let _ = module.valid();
-    let mut read = ReadBuffers::default();
-    module.visit(&mut read);
-    if read.values.is_empty() {
+    let mut values = Vec::new();
+    read_floats(&module, &mut values, buffers_in_order());
+    if values.is_empty() {
         return Ok(module);
     }
-    let mut values = read.values;
     match rule {
         BufferSync::Broadcast { root } => group.broadcast(&mut values, root)?,
         BufferSync::Average => group.all_reduce(&mut values, ReduceOp::Avg)?,
     }
-    Ok(module.map(&mut WriteBuffers {
-        values: &values,
-        offset: 0,
-    }))
+    Ok(write_floats(module, &values, buffers_in_order()))
 }
 
 /// How many buffer elements `module` has (0: nothing to sync). Local.
 pub fn buffer_elements<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> usize {
-    let mut read = ReadBuffers::default();
-    module.visit(&mut read);
-    read.values.len()
+    let mut values = Vec::new();
+    read_floats(module, &mut values, buffers_in_order());
+    values.len()
 }
 
-fn is_buffer<B: Backend, const D: usize>(param: &Param<Tensor<B, D>>) -> bool {
-    !param.val().is_require_grad()
-}
-
-/// Every buffer's values as f32, in visit order.
-#[derive(Default)]
-struct ReadBuffers {
-    values: Vec<f32>,
-}
-
-impl<B: Backend> ModuleVisitor<B> for ReadBuffers {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if !is_buffer(param) {
-            return;
+/// Every buffer (a float tensor that requires no gradient) in visit order, one after the other.
+fn buffers_in_order() -> impl FloatSlot {
+    let mut next = 0;
+    move |_, trained, n| {
+        if trained {
+            return None;
         }
-        let data = param.val().into_data().convert::<f32>();
-        // `convert::<f32>` makes the element type f32, so the slice view cannot fail.
-        if let Ok(values) = data.as_slice::<f32>() {
-            self.values.extend_from_slice(values);
-        }
-    }
-}
-
-/// Replaces every buffer's values with the next slice of `values`.
-struct WriteBuffers<'a> {
-    values: &'a [f32],
-    offset: usize,
-}
-
-impl<B: Backend> ModuleMapper<B> for WriteBuffers<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        if !is_buffer(&param) {
-            return param;
-        }
-        let (id, tensor, mapper) = param.consume();
-        let shape = tensor.shape();
-        let n = shape.num_elements();
-        let data = TensorData::new(self.values[self.offset..self.offset + n].to_vec(), shape)
-            .convert_dtype(tensor.dtype());
-        self.offset += n;
-        let fresh = Tensor::<B, D>::from_data(data, &tensor.device());
-        Param::from_mapped_value(id, fresh, mapper)
+        let range = next..next + n;
+        next += n;
+        Some(range)
     }
 }
 
@@ -124,6 +87,8 @@ mod tests {
 
     use burn::backend::{Autodiff, Flex};
     use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
+    use burn::prelude::*;
+    use burn::tensor::TensorData;
 
     use super::*;
     use crate::ddp::{param_checksum, prepare_module};

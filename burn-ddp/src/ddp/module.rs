@@ -1,6 +1,8 @@
 //! Making replicas equal before training: deterministic parameter ids and a broadcast of the
 //! initial values from rank 0 (what PyTorch's `DistributedDataParallel` constructor does).
 
+use std::ops::Range;
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::{Bool, Int, TensorData};
@@ -27,30 +29,21 @@ pub fn prepare_module<B: Backend, M: Module<B>, G: ProcessGroup>(
     if group.world_size() == 1 {
         return Ok(module);
     }
-    let mut collector = FloatCollector::default();
-    module.visit(&mut collector);
-    let mut flat = collector.values;
+    let mut flat = Vec::new();
+    read_floats(&module, &mut flat, in_order());
     group.broadcast(&mut flat, root)?;
-    let mut writer = FloatWriter {
-        values: &flat,
-        offset: 0,
-    };
-    let module = module.map(&mut writer);
-    Ok(module)
+    Ok(write_floats(module, &flat, in_order()))
 }
 
 /// A checksum of every float parameter's bits, in visit order. Equal replicas have equal
 /// checksums; compare them across ranks to detect drift.
 pub fn param_checksum<B: Backend, M: Module<B>>(module: &M) -> u64 {
-    let mut collector = FloatCollector::default();
-    module.visit(&mut collector);
+    let mut values = Vec::new();
+    read_floats(module, &mut values, in_order());
     // FNV-1a over the f32 bit patterns: cheap, order-sensitive, and exact (no float tolerance).
-    collector
-        .values
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-            (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
-        })
+    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+        (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 struct AssignIds {
@@ -86,38 +79,80 @@ impl<B: Backend> ModuleMapper<B> for AssignIds {
     }
 }
 
-/// Every float parameter's values as f32, concatenated in visit order.
-#[derive(Default)]
-struct FloatCollector {
-    values: Vec<f32>,
+/// Where a float parameter's values go in a flat `f32` buffer: given its id, whether it is
+/// trained (requires a gradient; buffers such as BatchNorm statistics do not) and its element
+/// count, the range it takes, or `None` to leave it out.
+pub(crate) trait FloatSlot: FnMut(ParamId, bool, usize) -> Option<Range<usize>> {}
+impl<F: FnMut(ParamId, bool, usize) -> Option<Range<usize>>> FloatSlot for F {}
+
+/// Every float parameter in visit order, one after the other.
+pub(crate) fn in_order() -> impl FloatSlot {
+    let mut next = 0;
+    move |_, _, n| {
+        let range = next..next + n;
+        next += n;
+        Some(range)
+    }
 }
 
-impl<B: Backend> ModuleVisitor<B> for FloatCollector {
+/// Copies the values of the float parameters `slot` places into `flat` (as f32; `flat` grows
+/// to fit). Local.
+pub(crate) fn read_floats<B: Backend, M: Module<B>>(
+    module: &M,
+    flat: &mut Vec<f32>,
+    slot: impl FloatSlot,
+) {
+    module.visit(&mut ReadFloats { flat, slot });
+}
+
+/// Replaces the values of the float parameters `slot` places with their range of `flat`,
+/// keeping each one's id, dtype and whether it requires a gradient. Local.
+pub(crate) fn write_floats<B: Backend, M: Module<B>>(
+    module: M,
+    flat: &[f32],
+    slot: impl FloatSlot,
+) -> M {
+    module.map(&mut WriteFloats { flat, slot })
+}
+
+struct ReadFloats<'a, F> {
+    flat: &'a mut Vec<f32>,
+    slot: F,
+}
+
+impl<B: Backend, F: FloatSlot> ModuleVisitor<B> for ReadFloats<'_, F> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let data = param.val().into_data().convert::<f32>();
+        let value = param.val();
+        let n = value.shape().num_elements();
+        let Some(range) = (self.slot)(param.id, value.is_require_grad(), n) else {
+            return;
+        };
+        if self.flat.len() < range.end {
+            self.flat.resize(range.end, 0.0);
+        }
+        let data = value.into_data().convert::<f32>();
         // `convert::<f32>` makes the element type f32, so the slice view cannot fail.
         if let Ok(values) = data.as_slice::<f32>() {
-            self.values.extend_from_slice(values);
+            self.flat[range].copy_from_slice(values);
         }
     }
 }
 
-/// Replaces every float parameter's values with the next slice of `values`.
-struct FloatWriter<'a> {
-    values: &'a [f32],
-    offset: usize,
+struct WriteFloats<'a, F> {
+    flat: &'a [f32],
+    slot: F,
 }
 
-impl<B: Backend> ModuleMapper<B> for FloatWriter<'_> {
+impl<B: Backend, F: FloatSlot> ModuleMapper<B> for WriteFloats<'_, F> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
-        let n = shape.num_elements();
         let require_grad = tensor.is_require_grad();
-        let dtype = tensor.dtype();
-        let data = TensorData::new(self.values[self.offset..self.offset + n].to_vec(), shape)
-            .convert_dtype(dtype);
-        self.offset += n;
+        let range = (self.slot)(id, require_grad, shape.num_elements());
+        let Some(values) = range.and_then(|r| self.flat.get(r)) else {
+            return Param::from_mapped_value(id, tensor, mapper);
+        };
+        let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
         let fresh =
             Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
         Param::from_mapped_value(id, fresh, mapper)

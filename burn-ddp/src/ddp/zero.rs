@@ -29,7 +29,7 @@ use std::collections::HashMap;
 /// The map Burn's optimizers keep their state in, one record per parameter (`hashbrown`'s).
 pub use hashbrown::HashMap as StateMap;
 
-use burn::module::{AutodiffModule, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, Optimizer};
 use burn::prelude::*;
 use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
@@ -37,6 +37,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorData;
 
 use super::finite::{all_finite_f32, GradientCheck};
+use super::module::{read_floats, write_floats, FloatSlot};
 use super::reducer::ReducerStats;
 use super::shard_plan::ShardPlan;
 use crate::error::DdpError;
@@ -177,20 +178,24 @@ impl ShardedSync {
         }
         let plan = self.plan(&model, world).clone();
         let mut flat = vec![0.0f32; plan.len()];
-        let mut read = ReadOwned {
-            plan: &plan,
-            rank,
-            flat: &mut flat,
-        };
-        model.visit(&mut read);
+        read_floats(&model, &mut flat, owned_by(&plan, |owner| owner == rank));
         group.all_gather_v(&mut flat, plan.counts())?;
         self.stats.bucket_all_reduces += 1;
         self.stats.bytes_reduced += (plan.len() * 4) as u64;
-        Ok(model.map(&mut WriteOthers {
-            plan: &plan,
-            rank,
-            flat: &flat,
-        }))
+        Ok(write_floats(
+            model,
+            &flat,
+            owned_by(&plan, |owner| owner != rank),
+        ))
+    }
+}
+
+/// The slots of the parameters whose owner passes `keep`.
+fn owned_by<'a>(plan: &'a ShardPlan, keep: impl Fn(usize) -> bool + 'a) -> impl FloatSlot + 'a {
+    move |id, _, _| {
+        plan.slot(id)
+            .filter(|s| keep(s.owner))
+            .map(|s| s.range.clone())
     }
 }
 
@@ -319,48 +324,6 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for PutOwned<'_> {
     }
 }
 
-/// Copies this rank's own parameters' values into their slots.
-struct ReadOwned<'a> {
-    plan: &'a ShardPlan,
-    rank: usize,
-    flat: &'a mut [f32],
-}
-
-impl<B: Backend> ModuleVisitor<B> for ReadOwned<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let Some(slot) = self.plan.slot(param.id).filter(|s| s.owner == self.rank) else {
-            return;
-        };
-        let data = param.val().into_data().convert::<f32>();
-        if let Ok(values) = data.as_slice::<f32>() {
-            self.flat[slot.range.clone()].copy_from_slice(values);
-        }
-    }
-}
-
-/// Replaces every parameter another rank owns with its owner's values.
-struct WriteOthers<'a> {
-    plan: &'a ShardPlan,
-    rank: usize,
-    flat: &'a [f32],
-}
-
-impl<B: Backend> ModuleMapper<B> for WriteOthers<'_> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        let Some(slot) = self.plan.slot(param.id).filter(|s| s.owner != self.rank) else {
-            return param;
-        };
-        let range = slot.range.clone();
-        let (id, tensor, mapper) = param.consume();
-        let require_grad = tensor.is_require_grad();
-        let data = TensorData::new(self.flat[range].to_vec(), tensor.shape())
-            .convert_dtype(tensor.dtype());
-        let fresh =
-            Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
-        Param::from_mapped_value(id, fresh, mapper)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     //! Three ranks as threads over real loopback sockets, each with its own input, stepping
@@ -370,6 +333,7 @@ mod tests {
     use std::sync::Arc;
 
     use burn::backend::{Autodiff, Flex};
+    use burn::module::ModuleMapper;
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::AdamConfig;
 

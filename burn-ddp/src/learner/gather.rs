@@ -100,37 +100,54 @@ fn weighted_loss<B: Backend, G: ProcessGroup>(
     ))
 }
 
+/// A gathered output's parts: the loss over every rank's rows, and the outputs and targets
+/// (as 2-D float rows) concatenated, on `root` when any rank had rows.
+type Parts<B> = (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 2>);
+
+/// Gathers one output given as its parts (`None`: this rank has no rows). Collective.
+fn gather_parts<B: Backend, G: ProcessGroup>(
+    ours: Option<(Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 2>)>,
+    group: &mut G,
+    root: usize,
+) -> Result<Option<Parts<B>>, DdpError> {
+    let (loss, output, targets) = match ours {
+        Some((loss, output, targets)) => {
+            let rows = output.dims()[0];
+            (Some((loss, rows)), Some(output), Some(targets))
+        }
+        None => (None, None, None),
+    };
+    let device = output.as_ref().map(|t| t.device()).unwrap_or_default();
+    let loss = weighted_loss(loss, group, &device)?;
+    let output = gather_rows(output, group, root)?;
+    let targets = gather_rows(targets, group, root)?;
+    Ok(match (output, targets) {
+        (Some(output), Some(targets)) => Some((loss.to_device(&output.device()), output, targets)),
+        _ => None,
+    })
+}
+
 impl<B: Backend> GatherOutput for ClassificationOutput<B> {
     fn gather<G: ProcessGroup>(
         ours: Option<Self>,
         group: &mut G,
         root: usize,
     ) -> Result<Option<Self>, DdpError> {
-        let (loss, output, targets) = match ours {
-            Some(o) => {
-                let rows = o.output.dims()[0];
-                // Class indices travel as f32: exact below 2^24 classes.
-                let targets = o.targets.float().reshape([rows, 1]);
-                (Some((o.loss, rows)), Some(o.output), Some(targets))
-            }
-            None => (None, None, None),
-        };
-        let device = output.as_ref().map(|t| t.device()).unwrap_or_default();
-        let loss = weighted_loss(loss, group, &device)?;
-        let output = gather_rows(output, group, root)?;
-        let targets = gather_rows(targets, group, root)?;
-        Ok(match (output, targets) {
-            (Some(output), Some(targets)) => {
+        let parts = ours.map(|o| {
+            let rows = o.output.dims()[0];
+            // Class indices travel as f32: exact below 2^24 classes.
+            (o.loss, o.output, o.targets.float().reshape([rows, 1]))
+        });
+        Ok(
+            gather_parts(parts, group, root)?.map(|(loss, output, targets)| {
                 let rows = targets.dims()[0];
-                let loss = loss.to_device(&output.device());
-                Some(ClassificationOutput {
+                ClassificationOutput {
                     loss,
-                    targets: targets.reshape([rows]).round().int(),
                     output,
-                })
-            }
-            _ => None,
-        })
+                    targets: targets.reshape([rows]).round().int(),
+                }
+            }),
+        )
     }
 }
 
@@ -140,24 +157,13 @@ impl<B: Backend> GatherOutput for RegressionOutput<B> {
         group: &mut G,
         root: usize,
     ) -> Result<Option<Self>, DdpError> {
-        let (loss, output, targets) = match ours {
-            Some(o) => {
-                let rows = o.output.dims()[0];
-                (Some((o.loss, rows)), Some(o.output), Some(o.targets))
-            }
-            None => (None, None, None),
-        };
-        let device = output.as_ref().map(|t| t.device()).unwrap_or_default();
-        let loss = weighted_loss(loss, group, &device)?;
-        let output = gather_rows(output, group, root)?;
-        let targets = gather_rows(targets, group, root)?;
-        Ok(match (output, targets) {
-            (Some(output), Some(targets)) => Some(RegressionOutput {
-                loss: loss.to_device(&output.device()),
+        let parts = ours.map(|o| (o.loss, o.output, o.targets));
+        Ok(
+            gather_parts(parts, group, root)?.map(|(loss, output, targets)| RegressionOutput {
+                loss,
                 output,
                 targets,
             }),
-            _ => None,
-        })
+        )
     }
 }
