@@ -145,3 +145,23 @@ fn ranks_die_with_a_killed_torchrun() {
     assert_eq!(out.signal, Some(libc::SIGKILL), "{}", out.all());
     assert_says(&out.stderr, &["is gone: stopping"], &out);
 }
+
+/// A rank that fails writes torchrun's error file (`TORCHELASTIC_ERROR_FILE`, the layout of
+/// PyTorch's `@record`): torchrun's failure summary names the root cause with our message.
+#[test]
+fn torchrun_reports_a_failed_ranks_own_message() {
+    let Some(tr) = torchrun_path() else { return };
+    let dir = scratch("torchrun-error-file");
+    let body = digits_config(SGD, 8, "max_steps = 5")
+        .replace("path = \"{data}\"", "path = \"no-such-file.csv.gz\"");
+    let config = write_config(&dir, "missing", &body);
+    let out = run(&mut torchrun(&tr, &[], &config));
+    assert_ne!(out.code, Some(0), "{}", out.all());
+    // torchrun prints the root cause from the error file; without one it says `<N/A>`.
+    assert_says(
+        &out.stderr,
+        &["Root Cause", "cannot open data file", "no-such-file.csv.gz"],
+        &out,
+    );
+    assert!(!out.stderr.contains("error_file: <N/A>"), "{}", out.all());
+}

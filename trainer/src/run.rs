@@ -106,7 +106,9 @@ pub fn report(result: anyhow::Result<ExitCode>) -> ExitCode {
             let rank = burn_ddp::DistEnv::rank_from_env()
                 .map(|r| format!("[rank {r}] "))
                 .unwrap_or_default();
-            eprintln!("{rank}error: {}", describe_error(&e));
+            let message = describe_error(&e);
+            eprintln!("{rank}error: {message}");
+            crate::torchelastic::record_failure(&message);
             ExitCode::from(exit_code(&e))
         }
     }
