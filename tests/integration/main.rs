@@ -10,6 +10,7 @@ mod burn_train;
 mod collectives;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod data_sources;
 mod doctor;
 mod faults;
 mod launch;

@@ -18,7 +18,7 @@
 //! rank-0 checkpoints. See `examples/custom-model/` for a compiled example.
 
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
@@ -49,6 +49,30 @@ pub struct Datasets<I> {
     pub train: Arc<dyn Dataset<I>>,
     /// `None`: the run has no validation set (validation is skipped and said so).
     pub valid: Option<Arc<dyn Dataset<I>>>,
+}
+
+/// Why a `Dataset::get` of this process returned `None`, as its data set reported it.
+static ITEM_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+/// For a data set whose `get` can fail for a reason it can name (a corrupt image, a file changed
+/// since it was opened): report the reason here, then return `None`. The engine then stops the
+/// run with that reason as a usage error (exit code 2) instead of its generic "returned no
+/// item". (`Dataset::get` has no error channel; this is one, per process.) The first reason not
+/// yet taken is kept.
+pub fn report_item_error(reason: impl Into<String>) {
+    let mut slot = ITEM_ERROR.lock().unwrap_or_else(PoisonError::into_inner);
+    if slot.is_none() {
+        *slot = Some(reason.into());
+    }
+}
+
+/// The reason given to [`report_item_error`] since the last call, if any. The engine calls it
+/// when a `get` returned `None`.
+pub fn take_item_error() -> Option<String> {
+    ITEM_ERROR
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
 }
 
 /// The backend-independent half of an app (module docs).

@@ -46,10 +46,15 @@ where
             .iter()
             .map(|&i| {
                 items.get(i).ok_or_else(|| {
-                    AppError(format!(
-                        "the validation set returned no item for index {i} (its len() is {})",
-                        items.len()
-                    ))
+                    AppError(match crate::app::take_item_error() {
+                        Some(reason) => {
+                            format!("cannot read item {i} of the validation set: {reason}")
+                        }
+                        None => format!(
+                            "the validation set returned no item for index {i} (its len() is {})",
+                            items.len()
+                        ),
+                    })
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;

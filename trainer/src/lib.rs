@@ -30,6 +30,7 @@
 //! | [`error`] | `UsageError` (exit code 2), error reports and exit codes |
 //! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
 //! | [`data`] | the digits and synthetic classification data, batching |
+//! | [`sources`] | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard |
 //! | [`tools`] | collective self-test and all-reduce benchmark |
 //! | [`bench`] | the engine's overhead and scaling benchmark |
 //! | [`bench_link`] | training between network namespaces on a shaped link, against the link's bounds |
@@ -67,7 +68,9 @@ pub mod preflight;
 pub mod ranklog;
 pub mod run;
 pub mod schedule;
+pub mod sources;
 pub mod tensorboard;
 pub mod timing;
 pub mod tools;
+pub mod torchelastic;
 pub mod worker_env;

@@ -36,16 +36,18 @@ enum Source<I> {
     Workers(Vec<Receiver<Result<Vec<I>, String>>>),
 }
 
-/// The items at `indices`; the error names the index the data set did not have.
+/// The items at `indices`; the error gives the reason the data set reported
+/// ([`crate::app::report_item_error`]), else names the index it did not have.
 fn read<I>(dataset: &dyn Dataset<I>, indices: &[usize]) -> Result<Vec<I>, String> {
     indices
         .iter()
         .map(|&i| {
-            dataset.get(i).ok_or_else(|| {
-                format!(
+            dataset.get(i).ok_or_else(|| match crate::app::take_item_error() {
+                Some(reason) => format!("cannot read item {i} of the training set: {reason}"),
+                None => format!(
                     "the data set returned no item for index {i} (its len() is {}): `get` must return Some for every index below `len`",
                     dataset.len()
-                )
+                ),
             })
         })
         .collect()

@@ -3,8 +3,8 @@
 //!
 //! | `[model] name` | app | data | metrics |
 //! |---|---|---|---|
-//! | `mlp`, `cnn` | [`classifier::ClassifierApp`] | digits (vendored) or synthetic | loss, accuracy |
-//! | `regression` | [`regression::RegressionApp`] | synthetic (lazy) | loss |
+//! | `mlp`, `cnn` | [`classifier::ClassifierApp`] | digits (vendored), synthetic, csv, sqlite, image-folder ([`crate::sources`]) | loss, accuracy |
+//! | `regression` | [`regression::RegressionApp`] | synthetic (lazy), csv, sqlite | loss |
 //! | `text_transformer` | [`text::TextApp`] | synthetic token sequences (lazy) | loss, accuracy |
 
 pub mod classifier;

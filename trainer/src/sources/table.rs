@@ -1,0 +1,85 @@
+//! A table file (CSV, SQLite) as a Burn [`Dataset`]: row `i` is read and decoded on
+//! `get(i)`, and nothing else.
+
+use std::marker::PhantomData;
+use std::path::Path;
+
+use burn::data::dataset::Dataset;
+
+use super::error::{Place, SourceError};
+use super::schema::{Cell, Decode};
+
+/// The rows of an opened table file, read one at a time.
+pub trait Rows: Send + Sync + 'static {
+    /// The file.
+    fn path(&self) -> &Path;
+    /// Rows in the table.
+    fn len(&self) -> usize;
+    /// True when the table has no rows.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The cells of row `index` (`< len`), in the order of the columns the table was opened
+    /// with, and where the row is (for messages).
+    fn cells(&self, index: usize) -> Result<(Vec<Cell>, Place), SourceError>;
+}
+
+/// Rows `R` decoded into items `I` by `D`. Every row was checked when the table was opened, so
+/// `get` fails only if the file changed since; it then reports why
+/// ([`crate::app::report_item_error`]) and returns `None`.
+pub struct TableDataset<R, D, I> {
+    rows: R,
+    decoder: D,
+    item: PhantomData<fn() -> I>,
+}
+
+impl<R: Rows, D: Decode<I>, I> TableDataset<R, D, I> {
+    /// `rows` (already checked with `decoder`) as items.
+    pub(super) fn new(rows: R, decoder: D) -> Self {
+        Self {
+            rows,
+            decoder,
+            item: PhantomData,
+        }
+    }
+
+    /// Item `index` (`< len`), or why it cannot be read.
+    pub fn read(&self, index: usize) -> Result<I, SourceError> {
+        let (cells, place) = self.rows.cells(index)?;
+        self.decoder.decode(&cells).map_err(|e| SourceError::Cell {
+            path: self.rows.path().to_owned(),
+            place,
+            column: e.column,
+            message: e.message,
+        })
+    }
+
+    /// The rows.
+    pub fn rows(&self) -> &R {
+        &self.rows
+    }
+}
+
+impl<R: Rows, D, I> std::fmt::Debug for TableDataset<R, D, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TableDataset")
+            .field("path", &self.rows.path())
+            .field("len", &self.rows.len())
+            .finish()
+    }
+}
+
+impl<R: Rows, D: Decode<I>, I: Send + Sync> Dataset<I> for TableDataset<R, D, I> {
+    fn get(&self, index: usize) -> Option<I> {
+        if index >= self.rows.len() {
+            return None;
+        }
+        self.read(index)
+            .map_err(|e| crate::app::report_item_error(e.to_string()))
+            .ok()
+    }
+
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
