@@ -94,7 +94,7 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
     let runs: Vec<Measured> = runs.into_iter().map(Measured::median).collect();
 
     let device = Default::default();
-    let model = app.model(&config.model, &config.data, &device)?;
+    let model = Learn::<CpuBackend>::model(&app, &config.model, &config.data, &device)?;
     let params = model.num_params();
     let stage1_own = zero::plan_for(&model, 2).counts().to_vec();
     println!(
