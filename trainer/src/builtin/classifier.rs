@@ -285,14 +285,8 @@ impl DataConfig {
             let target: Vec<String> = self.target.iter().cloned().collect();
             schema::check_columns(&self.features, &target)?;
         }
-        if source == DataSource::Sqlite && !sqlite::is_table_name(self.table()) {
-            return Err(AppError::key(
-                "data.table",
-                format!(
-                    "\"{}\" is not a table name (letters, digits and _, not starting with a digit)",
-                    self.table()
-                ),
-            ));
+        if source == DataSource::Sqlite {
+            sqlite::check_table_name(self.table())?;
         }
         Ok(())
     }

@@ -147,14 +147,8 @@ impl RegressionData {
             .map(Targets::columns)
             .unwrap_or_default();
         schema::check_columns(&self.features, &targets)?;
-        if self.source == RegressionSource::Sqlite && !sqlite::is_table_name(self.table()) {
-            return Err(AppError::key(
-                "data.table",
-                format!(
-                    "\"{}\" is not a table name (letters, digits and _, not starting with a digit)",
-                    self.table()
-                ),
-            ));
+        if self.source == RegressionSource::Sqlite {
+            sqlite::check_table_name(self.table())?;
         }
         Ok(())
     }

@@ -129,12 +129,9 @@ pub fn open<I, D: Decode<I>>(
         let (byte, line) = record.position().map_or((0, 0), |p| (p.byte(), p.line()));
         let place = Place::Line(line);
         let cells = rows.cells_of(&record, &place)?;
-        decoder.decode(&cells).map_err(|e| SourceError::Cell {
-            path: path.to_owned(),
-            place,
-            column: e.column,
-            message: e.message,
-        })?;
+        decoder
+            .decode(&cells)
+            .map_err(|e| SourceError::cell(path, place, e))?;
         bounds.push(byte);
     }
     if bounds.is_empty() {

@@ -103,6 +103,18 @@ fn io_message(error: &io::Error) -> String {
     }
 }
 
+impl SourceError {
+    /// A cell of `path` at `place` that does not decode.
+    pub fn cell(path: &std::path::Path, place: Place, e: super::schema::CellError) -> Self {
+        Self::Cell {
+            path: path.to_owned(),
+            place,
+            column: e.column,
+            message: e.message,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

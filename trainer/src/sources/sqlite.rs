@@ -38,6 +38,19 @@ pub fn is_table_name(table: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
+/// `data.table` checked as [`is_table_name`] says, as a usage error naming the key.
+pub fn check_table_name(table: &str) -> Result<(), crate::app::AppError> {
+    if is_table_name(table) {
+        return Ok(());
+    }
+    Err(crate::app::AppError::key(
+        "data.table",
+        format!(
+            "\"{table}\" is not a table name (letters, digits and _, not starting with a digit)"
+        ),
+    ))
+}
+
 /// One row as `SqliteDataset` deserialises it: every column by name.
 type RowMap = HashMap<String, Cell>;
 
@@ -202,12 +215,9 @@ fn check_rows<I, D: Decode<I>>(
             .map(|k| row.get_ref(k).map(cell))
             .collect::<Result<Vec<Cell>, _>>()
             .map_err(sql)?;
-        decoder.decode(&cells).map_err(|e| SourceError::Cell {
-            path: path.to_owned(),
-            place,
-            column: e.column,
-            message: e.message,
-        })?;
+        decoder
+            .decode(&cells)
+            .map_err(|e| SourceError::cell(path, place, e))?;
         len += 1;
     }
     if len == 0 {

@@ -46,12 +46,9 @@ impl<R: Rows, D: Decode<I>, I> TableDataset<R, D, I> {
     /// Item `index` (`< len`), or why it cannot be read.
     pub fn read(&self, index: usize) -> Result<I, SourceError> {
         let (cells, place) = self.rows.cells(index)?;
-        self.decoder.decode(&cells).map_err(|e| SourceError::Cell {
-            path: self.rows.path().to_owned(),
-            place,
-            column: e.column,
-            message: e.message,
-        })
+        self.decoder
+            .decode(&cells)
+            .map_err(|e| SourceError::cell(self.rows.path(), place, e))
     }
 
     /// The rows.
