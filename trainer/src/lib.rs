@@ -11,7 +11,7 @@
 //! |---|---|
 //! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn<B>` (model, batchers, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
-//! | [`parallel`] | tier 2: `DataParallel`, the handle for your own loop (join, prepare, average, shard, sum, checkpoint) |
+//! | [`parallel`] | tier 2: `DataParallel`, the handle for your own loop (join, prepare, average, shard, sum, checkpoint; ZeRO stage 1, buffer sync) |
 //! | [`fit`] | the training loop, for any app |
 //! | [`eval`] | validation over every sample once, and the `eval` command |
 //! | [`preflight`] | the check before any rank starts: config, app tables, device; never the data |
@@ -32,7 +32,8 @@
 //! | [`data`] | the digits and synthetic classification data, batching |
 //! | [`sources`] | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard |
 //! | [`tools`] | collective self-test and all-reduce benchmark |
-//! | [`bench`] | the engine's overhead and scaling benchmark |
+//! | [`torchelastic`] | torchrun's error file, written by a failing rank |
+//! | [`bench`] | the engine's overhead and scaling benchmark, ZeRO stages and peak memory |
 //! | [`bench_link`] | training between network namespaces on a shaped link, against the link's bounds |
 //! | [`timing`] | where each step's time goes, per rank and across ranks (pure) |
 //! | [`plot`] | PNG charts of a run from its metrics file |
