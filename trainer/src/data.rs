@@ -97,7 +97,7 @@ fn column_suffix(column: Option<usize>) -> String {
 
 /// An I/O error's message without the " (os error N)" suffix that `Display`
 /// adds, so that messages read "No such file or directory".
-fn io_message(error: &io::Error) -> String {
+pub(crate) fn io_message(error: &io::Error) -> String {
     let message = error.to_string();
     match error.raw_os_error() {
         Some(code) => message

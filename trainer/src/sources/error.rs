@@ -5,6 +5,8 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
+use crate::data::io_message;
+
 /// Where in a file a problem is: what the message puts after the path.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Place {
@@ -89,17 +91,6 @@ fn listed(names: &[String]) -> String {
         "none".into()
     } else {
         names.join(", ")
-    }
-}
-
-/// An I/O error's message without the " (os error N)" suffix, as in `crate::data`.
-fn io_message(error: &io::Error) -> String {
-    let message = error.to_string();
-    match error.raw_os_error() {
-        Some(code) => message
-            .strip_suffix(&format!(" (os error {code})"))
-            .map_or_else(|| message.clone(), str::to_owned),
-        None => message,
     }
 }
 
