@@ -56,9 +56,59 @@ pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
     buckets
 }
 
+/// The parts of the parameters laid out at `ranges` (consecutive, as in [`Bucket::ranges`])
+/// that fall in `piece` of the bucket: `(position in ranges, range in that parameter, range in
+/// the piece)`, in bucket order.
+pub fn segments<'a>(
+    ranges: &'a [Range<usize>],
+    piece: Range<usize>,
+) -> impl Iterator<Item = (usize, Range<usize>, Range<usize>)> + 'a {
+    let first = ranges.partition_point(|r| r.end <= piece.start);
+    ranges[first..]
+        .iter()
+        .enumerate()
+        .take_while(move |(_, r)| r.start < piece.end)
+        .map(move |(i, r)| {
+            let (start, end) = (r.start.max(piece.start), r.end.min(piece.end));
+            (
+                first + i,
+                start - r.start..end - r.start,
+                start - piece.start..end - piece.start,
+            )
+        })
+        .filter(|(_, within, _)| !within.is_empty())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn segments_cut_a_piece_at_parameter_boundaries() {
+        let ranges = [0..3, 3..3, 3..10, 10..11];
+        let all: Vec<_> = segments(&ranges, 2..11).collect();
+        assert_eq!(all, vec![(0, 2..3, 0..1), (2, 0..7, 1..8), (3, 0..1, 8..9)]);
+        assert_eq!(
+            segments(&ranges, 4..6).collect::<Vec<_>>(),
+            vec![(2, 1..3, 0..2)]
+        );
+        assert_eq!(segments(&ranges, 5..5).count(), 0);
+        // Every element of the bucket, over any cut into pieces, exactly once.
+        for cut in 1..12 {
+            let mut seen = vec![0; 11];
+            for start in (0..11).step_by(cut) {
+                let piece = start..(start + cut).min(11);
+                for (p, within, at) in segments(&ranges, piece.clone()) {
+                    assert_eq!(within.len(), at.len());
+                    for (w, a) in within.zip(at) {
+                        assert_eq!(ranges[p].start + w, piece.start + a);
+                        seen[piece.start + a] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "cut {cut}: {seen:?}");
+        }
+    }
 
     #[test]
     fn buckets_respect_the_cap_and_cover_every_parameter_once() {

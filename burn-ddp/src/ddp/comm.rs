@@ -10,9 +10,10 @@
 //! buffer per bucket (half the bytes when compressed), not one per gradient.
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{Int, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
 
 use super::finite::FiniteScan;
+use super::host_pieces::{F32Pieces, HalfPieces, HostBucket};
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::kernels::{host16, BucketOps, BucketOpsError, HalfFormat};
@@ -88,6 +89,59 @@ pub trait BucketComm<B: BucketOps> {
     /// Tells every rank which ranks found non-finite gradients: one byte per rank gathered
     /// over the group, once per synchronisation. Collective.
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError>;
+
+    /// Averages one bucket of gradients over the ranks: the reducer's unit of work. `grads`
+    /// (non-empty, on one device) come back as tensors of `shapes`, in order, each value the
+    /// mean over the ranks: summed in `f32` and multiplied by `scale` (`1 / world`), or, with
+    /// `compression`, multiplied by `scale`, rounded to 16 bits, summed in 16 bits and widened.
+    /// Collective, like the methods it is made of.
+    ///
+    /// The default packs on the device ([`BucketOps::pack_bucket`]), sums with the methods
+    /// above and unpacks ([`BucketOps::unpack_bucket`]). [`HostStaging`] on a backend in host
+    /// memory does the same operations piece by piece inside the ring instead, while other
+    /// pieces are on the wire (`host_pieces.rs`); same bits.
+    fn mean_of_bucket(
+        &mut self,
+        grads: Vec<FloatTensor<B>>,
+        shapes: &[Shape],
+        compression: Option<HalfFormat>,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<Vec<FloatTensor<B>>, DdpError> {
+        mean_by_packing(self, grads, shapes, compression, scale, scan)
+    }
+}
+
+/// [`BucketComm::mean_of_bucket`] as device steps: pack, sum (compressed or not), unpack.
+fn mean_by_packing<B: BucketOps, C: BucketComm<B> + ?Sized>(
+    comm: &mut C,
+    grads: Vec<FloatTensor<B>>,
+    shapes: &[Shape],
+    compression: Option<HalfFormat>,
+    scale: f32,
+    scan: &mut FiniteScan,
+) -> Result<Vec<FloatTensor<B>>, DdpError> {
+    let Some(first) = grads.first() else {
+        return Ok(Vec::new());
+    };
+    let device = B::float_device(first);
+    let packed = B::pack_bucket(grads, &device);
+    Ok(match compression {
+        // In host memory the 1/world multiply rides on the pass that writes the sum back; on a
+        // device it is fused into the unpack kernel.
+        None if B::HOST_MEMORY => {
+            let mean = comm.all_reduce_f32_scaled(packed, scale, scan)?;
+            B::unpack_bucket(mean, shapes, 1.0)
+        }
+        None => {
+            let sum = comm.all_reduce_f32(packed, scan)?;
+            B::unpack_bucket(sum, shapes, scale)
+        }
+        Some(format) => {
+            let mean = comm.all_reduce_compressed(packed, format, scale, scan)?;
+            B::unpack_bucket(mean, shapes, 1.0)
+        }
+    })
 }
 
 /// [`BucketComm::all_reduce_compressed`] as three steps on the device and the communicator.
@@ -190,6 +244,64 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
 
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
         gather_flags(self.0, local)
+    }
+
+    /// On a backend in host memory ([`BucketOps::HOST_MEMORY`]) with `f32` gradients: no
+    /// packed copy on the device. Each gradient is read as it is (Burn's CPU backend hands over
+    /// its buffer), the ring's pieces are filled from them and drained back into them
+    /// ([`ProcessGroup::all_reduce_staged`]), so the copies, roundings, checks and multiplies
+    /// run while other pieces are on the wire. Same bits as the packed path, which every other
+    /// case takes.
+    fn mean_of_bucket(
+        &mut self,
+        grads: Vec<FloatTensor<B>>,
+        shapes: &[Shape],
+        compression: Option<HalfFormat>,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<Vec<FloatTensor<B>>, DdpError> {
+        let all_f32 = grads.iter().all(|g| g.dtype() == DType::F32);
+        let Some(first) = grads.first().filter(|_| B::HOST_MEMORY && all_f32) else {
+            return mean_by_packing::<B, Self>(self, grads, shapes, compression, scale, scan);
+        };
+        let device = B::float_device(first);
+        let mut datas = grads
+            .into_iter()
+            .map(|g| read_float::<B>(g).map(|(_, data)| data))
+            .collect::<Result<Vec<_>, _>>()?;
+        let slices = datas
+            .iter_mut()
+            .map(host_slice::<f32>)
+            .collect::<Result<Vec<_>, _>>()?;
+        let bucket = HostBucket::new(slices, scale, scan);
+        let len = bucket.len();
+        match compression {
+            None => {
+                let mut staging = F32Pieces(bucket);
+                let mut ring = vec![0f32; len];
+                self.0
+                    .all_reduce_staged(&mut ring, ReduceOp::Sum, &mut staging)?;
+            }
+            Some(format) => {
+                let mut staging = HalfPieces { bucket, format };
+                match format {
+                    HalfFormat::Bf16 => {
+                        let mut ring = vec![half::bf16::ZERO; len];
+                        self.0
+                            .all_reduce_staged(&mut ring, ReduceOp::Sum, &mut staging)?;
+                    }
+                    HalfFormat::F16 => {
+                        let mut ring = vec![half::f16::ZERO; len];
+                        self.0
+                            .all_reduce_staged(&mut ring, ReduceOp::Sum, &mut staging)?;
+                    }
+                }
+            }
+        }
+        Ok(datas
+            .into_iter()
+            .map(|data| B::float_from_data(data, &device))
+            .collect())
     }
 }
 
@@ -337,6 +449,110 @@ mod tests {
             assert_eq!(sum, mean.iter().map(|x| 2.0 * x).collect::<Vec<_>>());
             assert_eq!(halves, vec![mean.clone(), mean]);
         }
+    }
+
+    /// The staged bucket (gradients filled into the ring piece by piece and drained back, the
+    /// path of a host-memory backend) gives the bits of the packed one, for f32, bf16 and fp16,
+    /// with pieces that cut through gradients; its NaN check sees this rank's values.
+    #[test]
+    fn staged_bucket_means_equal_the_packed_ones() {
+        use crate::kernels::fallback::conformance::{special_values, SplitMix64};
+        let shapes: Vec<Shape> = vec![
+            Shape::new([3, 5]),
+            Shape::new([7]),
+            Shape::new([1000, 3]),
+            Shape::new([1]),
+            Shape::new([257]),
+        ];
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let ranks: Vec<_> = (0..3)
+            .map(|rank| {
+                let (store, shapes) = (store.clone(), shapes.clone());
+                std::thread::spawn(move || {
+                    let options = TcpGroupOptions {
+                        piece_bytes: 1000, // 250 f32 / 500 16-bit values: pieces cut gradients
+                        ..Default::default()
+                    };
+                    let mut group = TcpProcessGroup::new(store, rank, 3, options).unwrap();
+                    let mut comm = HostStaging(&mut group);
+                    let device = Default::default();
+                    let mut rng = SplitMix64::new(0x5eed_0040 + rank as u64);
+                    let values: Vec<Vec<f32>> = shapes
+                        .iter()
+                        .map(|s| (0..s.num_elements()).map(|_| rng.next_f32()).collect())
+                        .collect();
+                    let mut values = values;
+                    let finite = special_values().into_iter().filter(|x| x.is_finite());
+                    for (v, s) in values[2].iter_mut().zip(finite) {
+                        *v = s;
+                    }
+                    if rank == 1 {
+                        values[4][100] = f32::NAN;
+                    }
+                    let tensors = || -> Vec<FloatTensor<Flex>> {
+                        values
+                            .iter()
+                            .zip(&shapes)
+                            .map(|(v, s)| {
+                                Flex::float_from_data(
+                                    TensorData::new(v.clone(), s.clone()),
+                                    &device,
+                                )
+                            })
+                            .collect()
+                    };
+                    let mut results = Vec::new();
+                    for format in [None, Some(HalfFormat::Bf16), Some(HalfFormat::F16)] {
+                        let mut scan = FiniteScan::new(true);
+                        let staged = BucketComm::<Flex>::mean_of_bucket(
+                            &mut comm,
+                            tensors(),
+                            &shapes,
+                            format,
+                            1.0 / 3.0,
+                            &mut scan,
+                        )
+                        .unwrap();
+                        let staged_verdict = scan.found_nonfinite();
+                        let mut scan = FiniteScan::new(true);
+                        let packed = mean_by_packing::<Flex, _>(
+                            &mut comm,
+                            tensors(),
+                            &shapes,
+                            format,
+                            1.0 / 3.0,
+                            &mut scan,
+                        )
+                        .unwrap();
+                        // (fp16 also finds the specials past its range, on every rank.)
+                        assert_eq!(staged_verdict, scan.found_nonfinite(), "{format:?}");
+                        if format.is_none() {
+                            assert_eq!(staged_verdict, rank == 1);
+                        }
+                        for ((a, b), shape) in staged.into_iter().zip(packed).zip(&shapes) {
+                            assert_eq!(a.shape(), *shape);
+                            let (a, b) = (bits_of(a), bits_of(b));
+                            assert_eq!(a, b, "{format:?} {shape:?} rank {rank}");
+                            results.push(a);
+                        }
+                    }
+                    results
+                })
+            })
+            .collect();
+        let results: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+        assert_eq!(results[0], results[1], "every rank gets the same means");
+        assert_eq!(results[0], results[2]);
+    }
+
+    fn bits_of(t: FloatTensor<Flex>) -> Vec<u32> {
+        Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(t))
+            .into_data()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
     }
 
     /// The fused host paths give the bits of the steps they fuse: `all_reduce_compressed`

@@ -9,6 +9,8 @@
 //!   (packed, optionally compressed to bf16 / fp16, on the device).
 //! - [`comm`]: [`BucketComm`], how a bucket is summed: [`HostStaging`] through any host
 //!   process group (the TCP ring), or `NcclBuckets` on the GPU.
+//! - `host_pieces`: a bucket already in host memory (Burn's CPU backend), staged into the
+//!   ring piece by piece so its copies and conversions overlap the wire.
 //! - [`finite`]: each rank's gradients checked for NaN / ±Inf on the way to the wire, and
 //!   [`GradientCheck`], which ranks had them.
 //! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stage 1 (pure).
@@ -22,6 +24,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod finite;
+mod host_pieces;
 pub mod module;
 pub mod reducer;
 pub mod shard_plan;

@@ -170,24 +170,8 @@ impl Reducer {
                 inputs.push(tensor);
                 shapes.push(taken[p].shape.clone());
             }
-            let device = B::InnerBackend::float_device(&inputs[0]);
-            let packed = B::InnerBackend::pack_bucket(inputs, &device);
-            let outputs = match self.compression {
-                // In host memory the 1/world multiply rides on the pass that writes the sum
-                // back; on a device it is fused into the unpack kernel.
-                None if B::InnerBackend::HOST_MEMORY => {
-                    let mean = comm.all_reduce_f32_scaled(packed, scale, &mut scan)?;
-                    B::InnerBackend::unpack_bucket(mean, &shapes, 1.0)
-                }
-                None => {
-                    let sum = comm.all_reduce_f32(packed, &mut scan)?;
-                    B::InnerBackend::unpack_bucket(sum, &shapes, scale)
-                }
-                Some(format) => {
-                    let mean = comm.all_reduce_compressed(packed, format, scale, &mut scan)?;
-                    B::InnerBackend::unpack_bucket(mean, &shapes, 1.0)
-                }
-            };
+            let outputs =
+                comm.mean_of_bucket(inputs, &shapes, self.compression, scale, &mut scan)?;
             for (&p, out) in bucket.params.iter().zip(outputs) {
                 let out = if taken[p].dtype == DType::F32 {
                     out

@@ -4,7 +4,7 @@
 //!
 //! Ranks are threads of this process, each with its own client of a real [`TcpStoreServer`] on
 //! `127.0.0.1` port 0. Each group is formed once per (implementation, world size) and runs the
-//! whole table of cases — every collective × every [`Element`] type × lengths 0, 1, 7 (odd, not a
+//! whole table of cases — every collective (and the staged all-reduce) × every [`Element`] type × lengths 0, 1, 7 (odd, not a
 //! multiple of 2, 3 or 4) and 2^20 + 3 (large, pipelined, not a multiple either) — so the suite
 //! forms a handful of groups, not thousands. Every result is checked against a closed form
 //! computed here in `i64`/`f64` from the inputs' formula, never with the group's own reduction
@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::{Element, ProcessGroup, ReduceOp};
+use super::{Element, PieceStaging, ProcessGroup, ReduceOp};
 use crate::error::CollectiveError;
 use crate::store::{Store, TcpStore, TcpStoreServer};
 
@@ -197,6 +197,54 @@ fn first_difference<T: Sample>(
     })
 }
 
+/// A [`PieceStaging`] that fills from `input`, drains into `output`, and records whether each
+/// element was filled once and drained once, after its fill.
+struct Recorder<T> {
+    input: Vec<T>,
+    output: Vec<T>,
+    fills: Vec<u8>,
+    drains: Vec<u8>,
+    drained_unfilled: bool,
+}
+
+impl<T: Sample> Recorder<T> {
+    fn new(input: Vec<T>) -> Self {
+        let len = input.len();
+        Self {
+            input,
+            output: vec![T::from_i64(77); len],
+            fills: vec![0; len],
+            drains: vec![0; len],
+            drained_unfilled: false,
+        }
+    }
+
+    /// What the group did wrong with the staging, if anything.
+    fn misuse(&self) -> Option<String> {
+        if self.drained_unfilled {
+            return Some("a piece was drained before it was filled".into());
+        }
+        let once = |counts: &[u8]| counts.iter().position(|&c| c != 1);
+        if let Some(i) = once(&self.fills) {
+            return Some(format!("element {i} filled {} times", self.fills[i]));
+        }
+        once(&self.drains).map(|i| format!("element {i} drained {} times", self.drains[i]))
+    }
+}
+
+impl<T: Sample> PieceStaging<T> for Recorder<T> {
+    fn fill(&mut self, range: std::ops::Range<usize>, piece: &mut [T]) {
+        piece.copy_from_slice(&self.input[range.clone()]);
+        self.fills[range].iter_mut().for_each(|c| *c += 1);
+    }
+
+    fn drain(&mut self, range: std::ops::Range<usize>, piece: &[T]) {
+        self.output[range.clone()].copy_from_slice(piece);
+        self.drained_unfilled |= self.fills[range.clone()].iter().any(|&c| c == 0);
+        self.drains[range].iter_mut().for_each(|c| *c += 1);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The table of cases
 
@@ -242,6 +290,17 @@ fn cases<T: Sample, G: ProcessGroup>(
             g.all_reduce(&mut buf, op)?;
             let found = first_difference(&buf, op == ReduceOp::Avg, |i| reduced::<T>(op, world, i));
             check(format!("all_reduce({op:?}) of {len}"), found);
+        }
+        for op in OPS {
+            let mut staging = Recorder::new(input::<T>(rank, len));
+            let mut ring = vec![T::from_i64(99); len];
+            g.all_reduce_staged(&mut ring, op, &mut staging)?;
+            let found = staging.misuse().or_else(|| {
+                first_difference(&staging.output, op == ReduceOp::Avg, |i| {
+                    reduced::<T>(op, world, i)
+                })
+            });
+            check(format!("all_reduce_staged({op:?}) of {len}"), found);
         }
         for root in 0..world {
             let mut buf = input::<T>(rank, len);

@@ -13,6 +13,8 @@
 //!   that every survivor names, instead of the neighbour whose closed link reached it).
 //! - `stall`: the stall reporter (who has not arrived), shared by the TCP and NCCL groups.
 //! - [`shm`]: the shared-memory byte channel of same-host ring links.
+//! - [`staging`]: the work around an all-reduce (pack, round, check, scale, unpack) cut into the
+//!   ring's pieces, so that a group can do it while its pieces are on the wire.
 //! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets (or shared memory between
 //!   neighbours on one host), for CPUs and for any device whose tensors are staged through the
 //!   host.
@@ -30,12 +32,14 @@ pub(crate) mod postmortem;
 pub(crate) mod rendezvous;
 pub mod ring;
 pub mod shm;
+pub mod staging;
 pub(crate) mod stall;
 pub mod tcp;
 pub mod wire;
 
 use std::fmt;
 
+pub use staging::PieceStaging;
 pub use tcp::{TcpGroupOptions, TcpProcessGroup};
 
 use crate::error::CollectiveError;
@@ -477,6 +481,22 @@ pub trait ProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         checked(self, Collective::AllReduce { buffer, op })
+    }
+
+    /// [`all_reduce`](Self::all_reduce) with the work around it cut into pieces: `staging`
+    /// [fills](PieceStaging::fill) each piece of `buffer` with this rank's input before the
+    /// collective uses it, and [drains](PieceStaging::drain) it once it holds the result. The
+    /// contract and the results are those of `all_reduce` over the filled buffer. A group may
+    /// do the fills and drains while its pieces are on the wire (the TCP ring does, see
+    /// [`staging`]); the default fills all, reduces, drains all. On error, pieces may be left
+    /// undrained.
+    fn all_reduce_staged<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+        staging: &mut dyn PieceStaging<T>,
+    ) -> Result<(), CollectiveError> {
+        staging::staged_whole(buffer, staging, |b| self.all_reduce(b, op))
     }
 
     /// Copies `root`'s `buffer` into every other rank's `buffer`. Lengths must be equal.

@@ -9,6 +9,10 @@
 //! 4. from the predecessor: its header, checked, then the pieces of the plan, each copied in
 //!    place or reduced into the buffer once complete.
 //!
+//! With a staged all-reduce ([`StagedBuffer`]) a piece is filled before its first send or
+//! receive and reported once received, and a turn in which no byte moved does one piece of
+//! the staging's work instead of sleeping.
+//!
 //! Headers always travel on the sockets; pieces travel on each link's [`DataSender`] /
 //! [`DataReceiver`](super::transport::DataReceiver), whichever transport it is.
 
@@ -18,6 +22,7 @@ use super::setup::{Link, Ring};
 use super::transport::{pollfd, socket_read, socket_write, Wakeup};
 use crate::error::CollectiveError;
 use crate::group::ring::{RecvAction, RingPlan, SendItem};
+use crate::group::staging::StagedBuffer;
 use crate::group::stall::StallReporter;
 use crate::group::wire::{self, HEADER_LEN};
 use crate::group::{CollectiveDesc, Element, ReduceOp};
@@ -39,6 +44,7 @@ pub(super) fn exchange<T: Element>(
     buffer: &mut [T],
     scratch: &mut [u8],
     mut stall: StallReporter<'_>,
+    mut staged: Option<&mut StagedBuffer<'_, T>>,
 ) -> Result<(), CollectiveError> {
     let mut st = Progress::new(call);
     let start = Instant::now();
@@ -47,12 +53,16 @@ pub(super) fn exchange<T: Element>(
     // path (see `poll_set`): if nothing moves after that either, the neighbour is gone.
     let mut closed: Option<bool> = None;
     loop {
-        let mut moved = st.send(ring, buffer)?;
+        let mut moved = st.send(ring, buffer, staged.as_deref_mut())?;
         moved |= st.send_back_header(ring)?;
         moved |= st.recv_next_header(ring)?;
-        moved |= st.recv(ring, buffer, scratch)?;
+        moved |= st.recv(ring, buffer, scratch, staged.as_deref_mut())?;
         if st.done() {
             return Ok(());
+        }
+        // The sockets have nothing for us: a piece of the staging's work instead of a sleep.
+        if !moved && staged.as_deref_mut().is_some_and(|s| s.idle(buffer)) {
+            moved = true;
         }
         if moved {
             closed = None;
@@ -152,14 +162,25 @@ impl<'a> Progress<'a> {
             .filter(|item| self.recv >= item.after_recvs)
     }
 
-    /// Step 1: our header, then every send the plan allows, to the successor.
-    fn send<T: Element>(&mut self, ring: &mut Ring, buffer: &[T]) -> Result<bool, CollectiveError> {
+    /// Step 1: our header, then every send the plan allows, to the successor (each piece
+    /// filled by the staging first).
+    fn send<T: Element>(
+        &mut self,
+        ring: &mut Ring,
+        buffer: &mut [T],
+        mut staged: Option<&mut StagedBuffer<'_, T>>,
+    ) -> Result<bool, CollectiveError> {
         let (desc, rank) = (self.call.desc, self.call.rank);
         let mut moved = false;
         loop {
             let sent = if self.fwd_header < HEADER_LEN {
                 socket_write(&mut ring.next.stream, &self.header[self.fwd_header..])
             } else if let Some(item) = self.sendable() {
+                if self.send_off == 0 {
+                    if let Some(staged) = staged.as_deref_mut() {
+                        staged.before_send(self.send, buffer);
+                    }
+                }
                 let bytes: &[u8] = bytemuck::cast_slice(&buffer[item.range.clone()]);
                 if self.send_off == bytes.len() {
                     // Complete (or empty): on to the next piece.
@@ -213,12 +234,14 @@ impl<'a> Progress<'a> {
         Ok(true)
     }
 
-    /// Step 4: the predecessor's header, then the pieces of the plan.
+    /// Step 4: the predecessor's header, then the pieces of the plan (each filled by the
+    /// staging before it is written, and reported to it once written).
     fn recv<T: Element>(
         &mut self,
         ring: &mut Ring,
         buffer: &mut [T],
         scratch: &mut [u8],
+        mut staged: Option<&mut StagedBuffer<'_, T>>,
     ) -> Result<bool, CollectiveError> {
         let (desc, rank) = (self.call.desc, self.call.rank);
         let elem = std::mem::size_of::<T>();
@@ -248,9 +271,19 @@ impl<'a> Progress<'a> {
                     let incoming: &[T] = bytemuck::cast_slice(&scratch[..total]);
                     T::reduce_into(&mut buffer[item.range.clone()], incoming, self.call.op);
                 }
+                if let Some(staged) = staged.as_deref_mut() {
+                    staged.after_recv(self.recv);
+                }
                 self.recv += 1;
                 self.recv_off = 0;
                 continue;
+            }
+            if self.recv_off == 0 {
+                // Before the first byte lands: a copy lands in place, and a reduce needs the
+                // local values.
+                if let Some(staged) = staged.as_deref_mut() {
+                    staged.before_recv(self.recv, buffer);
+                }
             }
             let dst: &mut [u8] = match item.action {
                 // Copies land in place: no second pass over the bytes.

@@ -59,6 +59,7 @@ use self::setup::Ring;
 use super::postmortem::{post_mortem, Report, Verdict};
 use super::rendezvous::{check_member, Rendezvous};
 use super::ring::{self, RingPlan};
+use super::staging::{self, PieceSchedule, PieceStaging, StagedBuffer};
 use super::stall::StallReporter;
 use super::{
     CallLog, Checked, Collective, CollectiveDesc, CollectiveKind, Element, Membership,
@@ -273,17 +274,37 @@ impl TcpProcessGroup {
         op: ReduceOp,
         precheck: Option<String>,
     ) -> Result<(), CollectiveError> {
+        let piece_elems = self.piece_elems::<T>();
+        let plan = (self.member.world_size > 1).then(|| plan(piece_elems));
+        self.run_plan(kind, len, buffer, plan.as_ref(), op, precheck, None)
+    }
+
+    fn piece_elems<T>(&self) -> usize {
+        (self.options.piece_bytes / std::mem::size_of::<T>()).max(1)
+    }
+
+    /// [`run`](Self::run) with the plan made (`None` for a group of one) and, for a staged
+    /// all-reduce, the staging driven along it.
+    #[allow(clippy::too_many_arguments)]
+    fn run_plan<T: Element>(
+        &mut self,
+        kind: CollectiveKind,
+        len: usize,
+        buffer: &mut [T],
+        plan: Option<&RingPlan>,
+        op: ReduceOp,
+        precheck: Option<String>,
+        staged: Option<&mut StagedBuffer<'_, T>>,
+    ) -> Result<(), CollectiveError> {
         let deadline = Instant::now() + self.options.timeout;
         let desc = match self.calls.begin(kind, T::DTYPE, len, precheck) {
             Ok(desc) => desc,
             Err(err) => return Err(self.fail(err, deadline)),
         };
-        if self.member.world_size == 1 {
+        let Some(plan) = plan else {
             return Ok(());
-        }
-        let piece_elems = (self.options.piece_bytes / std::mem::size_of::<T>()).max(1);
-        let plan = plan(piece_elems);
-        self.exchange(&desc, buffer, &plan, op)
+        };
+        self.exchange(&desc, buffer, plan, op, staged)
             .map_err(|e| self.fail(e, deadline))
     }
 
@@ -293,6 +314,7 @@ impl TcpProcessGroup {
         buffer: &mut [T],
         plan: &RingPlan,
         op: ReduceOp,
+        staged: Option<&mut StagedBuffer<'_, T>>,
     ) -> Result<(), CollectiveError> {
         let largest = plan
             .recvs
@@ -324,13 +346,43 @@ impl TcpProcessGroup {
             Instant::now(),
         );
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
-        exchange::exchange(ring, &call, buffer, scratch, stall)
+        exchange::exchange(ring, &call, buffer, scratch, stall, staged)
     }
 }
 
 impl ProcessGroup for TcpProcessGroup {
     fn membership(&self) -> Membership {
         self.member
+    }
+
+    /// The ring all-reduce with the staging done inside its event loop ([`super::staging`]):
+    /// each piece filled just before the ring first needs it, drained after its last receive,
+    /// and the rest whenever the sockets leave the thread nothing to do. `Avg` (its division
+    /// touches the buffer after the ring) and a group of one stage the whole buffer around the
+    /// plain all-reduce.
+    fn all_reduce_staged<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+        staging: &mut dyn PieceStaging<T>,
+    ) -> Result<(), CollectiveError> {
+        let Membership {
+            rank,
+            world_size: world,
+        } = self.member;
+        let len = buffer.len();
+        let plan = ring::all_reduce_plan(world, rank, len, self.piece_elems::<T>());
+        let schedule = (world > 1 && op != ReduceOp::Avg)
+            .then(|| PieceSchedule::new(&plan, len))
+            .flatten();
+        let Some(schedule) = schedule else {
+            return staging::staged_whole(buffer, staging, |b| self.all_reduce(b, op));
+        };
+        let mut staged = StagedBuffer::new(schedule, staging);
+        let kind = CollectiveKind::AllReduce(op);
+        self.run_plan(kind, len, buffer, Some(&plan), op, None, Some(&mut staged))?;
+        staged.finish(buffer);
+        Ok(())
     }
 
     /// One pass of the collective's ring plan over a host buffer (module docs).
