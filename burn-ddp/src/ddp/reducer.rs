@@ -9,9 +9,10 @@
 //!     sum         BucketComm: the TCP ring through the host, or NCCL on the GPU
 //!     [widen]     BucketOps::decompress_bucket
 //!     unpack      BucketOps::unpack_bucket(scale 1/world, or 1 when compressed)
-//!   (on a backend in host memory, BucketOps::HOST_MEMORY, the host communicator does the
-//!   compress / widen and the 1/world multiply on its one copy of the bucket:
-//!   BucketComm::all_reduce_compressed and all_reduce_f32_scaled; same bits)
+//!   (BucketComm::mean_of_bucket runs these steps for one bucket. On a backend in host
+//!   memory, BucketOps::HOST_MEMORY, the host communicator packs, compresses, checks, sums,
+//!   widens, scales and unpacks piece by piece inside the ring instead, each piece while
+//!   others are on the wire: ProcessGroup::all_reduce_staged; same bits)
 //!   ─▶ register the averaged gradients back ─▶ optimizer.step()
 //! ```
 //! The reduction is a **mean**: with a loss that is a mean over the per-rank batch and equal

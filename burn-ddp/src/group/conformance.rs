@@ -240,7 +240,7 @@ impl<T: Sample> PieceStaging<T> for Recorder<T> {
 
     fn drain(&mut self, range: std::ops::Range<usize>, piece: &[T]) {
         self.output[range.clone()].copy_from_slice(piece);
-        self.drained_unfilled |= self.fills[range.clone()].iter().any(|&c| c == 0);
+        self.drained_unfilled |= self.fills[range.clone()].contains(&0);
         self.drains[range].iter_mut().for_each(|c| *c += 1);
     }
 }
