@@ -141,12 +141,14 @@ fn config(dir: &Path, name: &str) -> std::path::PathBuf {
     write_config(dir, name, &digits_config(SGD, 8, "max_steps = 12"))
 }
 
-#[test]
-fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
-    let Some(hosts) = Hosts::create("t", 1) else {
-        return;
-    };
-    let dir = scratch("multinode");
+/// Trains 2 nodes x 2 ranks between the namespaces `hosts` and 4 local ranks with `config`
+/// (the same ring order) and requires the same final weights, bit for bit.
+fn nodes_train_exactly_like_local_ranks(
+    hosts: &Hosts,
+    scratch_name: &str,
+    config: impl Fn(&Path, &str) -> std::path::PathBuf,
+) {
+    let dir = scratch(scratch_name);
     let nodes = config(&dir, "nodes");
     let local = config(&dir, "local");
     let port = STORE_PORT;
@@ -166,6 +168,28 @@ fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
         0.0,
         "same ring order, same reductions: bit-identical"
     );
+}
+
+#[test]
+fn two_nodes_of_two_ranks_train_exactly_like_four_local_ranks() {
+    let Some(hosts) = Hosts::create("t", 1) else {
+        return;
+    };
+    nodes_train_exactly_like_local_ranks(&hosts, "multinode", config);
+}
+
+/// The staged ring with bf16 pieces (rounded, summed, widened piece by piece while others
+/// cross the link between the namespaces) gives the bits of the same job on one host.
+#[test]
+fn bf16_gradients_between_nodes_train_exactly_like_four_local_ranks() {
+    let Some(hosts) = Hosts::create("h", 3) else {
+        return;
+    };
+    nodes_train_exactly_like_local_ranks(&hosts, "multinode-bf16", |dir, name| {
+        let toml = digits_config(SGD, 8, "max_steps = 12")
+            + "\n[distributed]\ngradient_compression = \"bf16\"\n";
+        write_config(dir, name, &toml)
+    });
 }
 
 #[test]

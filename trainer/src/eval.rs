@@ -76,7 +76,7 @@ pub fn evaluate<A: LearnAnywhere>(
     config_path: &Path,
     checkpoint_path: &Path,
 ) -> anyhow::Result<ExitCode> {
-    let config = preflight(&app, config_path, 1)?;
+    let config = preflight(&app, config_path, 1, 1)?;
     let ckpt = if checkpoint_path.join("manifest.json").exists() {
         checkpoint::open(checkpoint_path)?
     } else {

@@ -55,7 +55,9 @@ pub fn run<A: LearnAnywhere>(
     config_path: &Path,
     no_resume: bool,
 ) -> anyhow::Result<ExitCode> {
-    let config = preflight(&app, config_path, 1)?;
+    // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
+    let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
+    let config = preflight(&app, config_path, 1, world_size)?;
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
         bail!(AppError(

@@ -33,7 +33,7 @@ use clap::Args;
 
 use crate::error::UsageError;
 pub use crate::launch_plan::LaunchArgs;
-use crate::launch_plan::{LaunchEnv, LaunchPlan};
+use crate::launch_plan::{LaunchEnv, LaunchPlan, USAGE_EXIT_CODE};
 use crate::ranklog::RankLog;
 use crate::worker_env::{THREADS_VAR, TOKEN_VAR};
 
@@ -292,9 +292,8 @@ enum Outcome {
 
 /// Waits for every rank; on the first failure stops the rest and reports it.
 ///
-/// The likely cause is reported first: a rank killed by a signal (its peers then fail with
-/// "connection lost"), else the lowest failed rank. After an error exit, other ranks get up to
-/// [`SETTLE`] to show such a crash before they are stopped.
+/// The likely cause is reported first ([`likely_cause_first`]). After an error exit, other
+/// ranks get up to [`SETTLE`] to show such a crash before they are stopped.
 fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
@@ -318,7 +317,7 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
             std::thread::sleep(Duration::from_millis(20));
             reap(&mut children, &mut done, &mut failed);
         }
-        failed.sort_by_key(|(rank, status)| (status.signal().is_none(), *rank));
+        failed.sort_by_key(likely_cause_first);
         if let Some(&(rank, status)) = failed.first() {
             stop_all(&mut children, &done);
             for &(other, other_status) in &failed[1..] {
@@ -357,6 +356,15 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The sort key that puts the likely cause of a failure first: a rank killed by a signal (its
+/// peers then fail with "connection lost"), then a rank that refused bad input (exit code 2:
+/// its peers fail only because it left, and the job must end with 2 and not be restarted),
+/// then the lowest rank.
+fn likely_cause_first(&(rank, status): &(usize, ExitStatus)) -> (bool, bool, usize) {
+    let bad_input = status.code() == Some(i32::from(USAGE_EXIT_CODE));
+    (status.signal().is_none(), !bad_input, rank)
 }
 
 /// Waits until every rank's forwarded output has reached our stderr (their pipes close when
@@ -503,5 +511,26 @@ mod tests {
         assert!(program.exe.ends_with("sh"), "{}", program.exe.display());
         assert_eq!(program.args, os(&["-c", "echo $RANK"]));
         assert!(Program::resolve(&[]).is_err());
+    }
+
+    #[test]
+    fn a_crash_then_bad_input_then_the_lowest_rank_is_named_as_the_cause() {
+        // Wait statuses as waitpid(2) gives them: exit code in the second byte, signal in the
+        // first.
+        let exited = |code: i32| ExitStatus::from_raw(code << 8);
+        let killed = |signal: i32| ExitStatus::from_raw(signal);
+        let first = |mut failed: Vec<(usize, ExitStatus)>| {
+            failed.sort_by_key(likely_cause_first);
+            failed[0].0
+        };
+        // Rank 0 lost its peer (exit 1) because rank 1 refused its data file (exit 2): the
+        // job ends with 2, unretried.
+        assert_eq!(first(vec![(0, exited(1)), (1, exited(2))]), 1);
+        assert_eq!(
+            first(vec![(0, exited(1)), (2, exited(2)), (1, killed(9))]),
+            1
+        );
+        assert_eq!(first(vec![(3, exited(1)), (1, exited(1))]), 1);
+        assert_eq!(first(vec![(3, exited(2)), (1, exited(2))]), 1);
     }
 }

@@ -23,6 +23,8 @@ pub struct MemoryEstimate {
     /// Per-parameter `f32` tensors of optimizer state: 0 for plain SGD, 1 with momentum, 2
     /// for Adam / AdamW (first and second moments).
     pub optimizer_states: u64,
+    /// Ranks the optimizer state is divided among: 1, or the world size under ZeRO stage 1.
+    pub state_shards: u64,
 }
 
 impl MemoryEstimate {
@@ -35,20 +37,32 @@ impl MemoryEstimate {
         Self {
             parameters,
             optimizer_states,
+            state_shards: 1,
         }
     }
 
-    /// Weights, gradients, the gradient bucket being averaged, and the optimizer state: the
-    /// `f32` copies of the parameters one rank holds during a step.
-    pub fn copies(&self) -> u64 {
-        3 + self.optimizer_states
+    /// With `distributed.zero_stage = 1` on `world` ranks each rank keeps the optimizer state
+    /// of its own parameters only: counted as `1 / world` of it, the average share — the rank
+    /// with the most holds at least that, so the estimate stays a lower bound.
+    pub fn with_zero_stage(mut self, stage: u8, world: usize) -> Self {
+        self.state_shards = if stage >= 1 { world.max(1) as u64 } else { 1 };
+        self
     }
 
-    /// Bytes one rank needs at least.
+    /// Bytes of optimizer state one rank holds, at least.
+    fn state_bytes(&self) -> u64 {
+        self.parameters
+            .saturating_mul(self.optimizer_states)
+            .div_ceil(self.state_shards.max(1))
+            .saturating_mul(4)
+    }
+
+    /// Bytes one rank needs at least: weights, gradients and the gradient bucket being
+    /// averaged (three `f32` copies of the parameters), and its optimizer state.
     pub fn per_rank_bytes(&self) -> u64 {
         self.parameters
-            .saturating_mul(4)
-            .saturating_mul(self.copies())
+            .saturating_mul(4 * 3)
+            .saturating_add(self.state_bytes())
     }
 
     /// Refuses when `ranks` ranks on this machine need more than `available` bytes (what
@@ -65,16 +79,23 @@ impl MemoryEstimate {
             String::new()
         };
         Err(UsageError(format!(
-            "the model does not fit in memory: {} parameters need at least {} per rank ({} bytes: parameters x 4 bytes x {} copies: weights, gradients, the gradient bucket{}){ranks_part}, but {} is available ({source}); make the model smaller in [model], or run fewer ranks per machine (--nproc-per-node)",
+            "the model does not fit in memory: {} parameters need at least {} per rank ({} bytes: parameters x 4 bytes x 3 copies: weights, gradients, the gradient bucket{}){ranks_part}, but {} is available ({source}); make the model smaller in [model], or run fewer ranks per machine (--nproc-per-node){}",
             group_digits(self.parameters),
             gib(per_rank),
             group_digits(per_rank),
-            self.copies(),
-            match self.optimizer_states {
-                0 => String::new(),
-                n => format!(", {n} of optimizer state"),
+            match (self.optimizer_states, self.state_shards) {
+                (0, _) => String::new(),
+                (n, 1) => format!(", + {n} of optimizer state"),
+                (n, shards) => format!(
+                    ", + {n} of optimizer state divided among {shards} ranks (ZeRO stage 1)"
+                ),
             },
             gib(available),
+            if self.optimizer_states > 0 && self.state_shards == 1 {
+                ", or divide the optimizer state among the ranks ([distributed] zero_stage = 1)"
+            } else {
+                ""
+            },
         )))
     }
 }
@@ -156,6 +177,35 @@ mod tests {
         assert_eq!(
             MemoryEstimate::new(p, &optimizer("adamw", 0.0)).per_rank_bytes(),
             20_000
+        );
+    }
+
+    #[test]
+    fn zero_stage_1_divides_the_optimizer_state_among_the_ranks() {
+        let adam = MemoryEstimate::new(1_000, &optimizer("adam", 0.0));
+        assert_eq!(adam.with_zero_stage(1, 4).per_rank_bytes(), 12_000 + 2_000);
+        assert_eq!(adam.with_zero_stage(0, 4).per_rank_bytes(), 20_000);
+        assert_eq!(adam.with_zero_stage(1, 1).per_rank_bytes(), 20_000);
+        // 2,002 values of state on 3 ranks: at least 668 on the rank with the most.
+        let odd = MemoryEstimate::new(1_001, &optimizer("adam", 0.0)).with_zero_stage(1, 3);
+        assert_eq!(odd.per_rank_bytes(), 12_012 + 668 * 4);
+        let err = MemoryEstimate::new(1_000_000_000, &optimizer("adam", 0.0))
+            .check(1, 1 << 30, "test")
+            .unwrap_err()
+            .0;
+        assert!(err.contains("2 of optimizer state"), "{err}");
+        assert!(
+            err.contains("zero_stage = 1"),
+            "names ZeRO as a way out: {err}"
+        );
+        let err = MemoryEstimate::new(1_000_000_000, &optimizer("adam", 0.0))
+            .with_zero_stage(1, 2)
+            .check(1, 1 << 30, "test")
+            .unwrap_err()
+            .0;
+        assert!(
+            err.contains("divided among 2 ranks (ZeRO stage 1)"),
+            "{err}"
         );
     }
 

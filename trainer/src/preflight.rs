@@ -13,12 +13,14 @@ use crate::memory::{available_memory, MemoryEstimate};
 
 /// Checks what can be checked before any rank starts: the config file (the engine's sections
 /// and the app's tables), the app's own checks, the output directories, the device, and
-/// whether `ranks_here` ranks of this model fit in this machine's memory (on the CPU, for apps
-/// that give [`App::parameter_count`]). Reads no data and allocates no model.
+/// whether `ranks_here` ranks (of a job of `world_size`) of this model fit in this machine's
+/// memory (on the CPU, for apps that give [`App::parameter_count`]; ZeRO stage 1 divides the
+/// optimizer state by the world size). Reads no data and allocates no model.
 pub fn preflight<A: App>(
     app: &A,
     config_path: &Path,
     ranks_here: usize,
+    world_size: usize,
 ) -> anyhow::Result<AppConfig<A>> {
     let config = AppConfig::<A>::load(config_path)?;
     app.check(&config.model, &config.data)?;
@@ -26,6 +28,7 @@ pub fn preflight<A: App>(
         let parameters = app.parameter_count(&config.model, &config.data);
         if let (Some(parameters), Some((available, source))) = (parameters, available_memory()) {
             MemoryEstimate::new(parameters, &config.optimizer)
+                .with_zero_stage(config.distributed.zero_stage, world_size)
                 .check(ranks_here, available, source)?;
         }
     }

@@ -85,7 +85,8 @@ pub fn train_or_launch<A: LearnAnywhere>(
 ) -> anyhow::Result<ExitCode> {
     let is_worker = std::env::var_os(WORKER_VAR).is_some();
     if let (Some(ranks_here), false) = (args.launch.nproc_per_node, is_worker) {
-        crate::preflight::preflight(&app, config, ranks_here)?;
+        let world_size = ranks_here.saturating_mul(args.launch.nnodes);
+        crate::preflight::preflight(&app, config, ranks_here, world_size)?;
         launch::launch(&args.launch, &Program::this_process()?)
     } else {
         // Started by another launcher (torchrun, mpirun, srun): die with it. (A parent of pid

@@ -114,11 +114,11 @@ pub fn doctor_command(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         threads_from: job.threads_from,
         loader_threads: settings.training.num_workers,
     }));
-    show(checks::memory(
-        &settings.estimate,
-        job.nproc,
-        available_memory(),
-    ));
+    let estimate = settings
+        .estimate
+        .clone()
+        .map(|e| e.with_zero_stage(settings.distributed.zero_stage, job.world_size));
+    show(checks::memory(&estimate, job.nproc, available_memory()));
     show(checks::dev_shm(&ShmFacts {
         enabled: burn_ddp::env::shared_memory_from(env),
         local_ranks: job.nproc,
