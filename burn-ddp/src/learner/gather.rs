@@ -2,13 +2,15 @@
 //! metrics see the global batch — counts and all, as one process with that batch sees it.
 //!
 //! A rank without a batch this iteration (its validation shard ran out first) takes part with
-//! no rows. Implemented for burn-train's `ClassificationOutput` and `RegressionOutput`; a model
-//! with its own output type implements it the same way (gather each tensor by rows, the loss as
-//! a mean weighted by rows).
+//! no rows. Implemented for burn-train's `ClassificationOutput`,
+//! `MultiLabelClassificationOutput` and `RegressionOutput`; a model with its own output type
+//! implements it the same way (gather each tensor by rows, the loss as a mean weighted by
+//! rows). burn-train's `SequenceOutput` is not: batches on different ranks may have different
+//! sequence lengths, and padding them would change what its metrics count.
 
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use burn::train::{ClassificationOutput, RegressionOutput};
+use burn::train::{ClassificationOutput, MultiLabelClassificationOutput, RegressionOutput};
 
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
@@ -151,6 +153,26 @@ impl<B: Backend> GatherOutput for ClassificationOutput<B> {
     }
 }
 
+impl<B: Backend> GatherOutput for MultiLabelClassificationOutput<B> {
+    fn gather<G: ProcessGroup>(
+        ours: Option<Self>,
+        group: &mut G,
+        root: usize,
+    ) -> Result<Option<Self>, DdpError> {
+        // The 0/1 labels travel as f32 rows, exactly.
+        let parts = ours.map(|o| (o.loss, o.output, o.targets.float()));
+        Ok(
+            gather_parts(parts, group, root)?.map(|(loss, output, targets)| {
+                MultiLabelClassificationOutput {
+                    loss,
+                    output,
+                    targets: targets.round().int(),
+                }
+            }),
+        )
+    }
+}
+
 impl<B: Backend> GatherOutput for RegressionOutput<B> {
     fn gather<G: ProcessGroup>(
         ours: Option<Self>,
@@ -165,5 +187,116 @@ impl<B: Backend> GatherOutput for RegressionOutput<B> {
                 targets,
             }),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Three ranks as threads over real loopback sockets, with 2, 0 and 3 rows.
+    use std::sync::Arc;
+
+    use burn::backend::Flex;
+
+    use super::*;
+    use crate::group::{TcpGroupOptions, TcpProcessGroup};
+    use crate::store::{MemoryStore, Store};
+
+    type B = Flex;
+    const ROWS: [usize; 3] = [2, 0, 3];
+
+    fn on_three_ranks<R: Send + 'static>(
+        body: impl Fn(usize, &mut TcpProcessGroup) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let body = Arc::new(body);
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let (store, body) = (store.clone(), body.clone());
+                std::thread::spawn(move || {
+                    let mut group =
+                        TcpProcessGroup::new(store, rank, 3, TcpGroupOptions::default()).unwrap();
+                    body(rank, &mut group)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// Rank `rank`'s rows: output `[rank, row]`, labels `row % 2`, `(row + rank) % 2`; loss
+    /// `rank + 1`.
+    fn multi_label(rank: usize) -> Option<MultiLabelClassificationOutput<B>> {
+        let rows = ROWS[rank];
+        if rows == 0 {
+            return None;
+        }
+        let device = Default::default();
+        let output: Vec<f32> = (0..rows).flat_map(|r| [rank as f32, r as f32]).collect();
+        let targets: Vec<i64> = (0..rows)
+            .flat_map(|r| [(r % 2) as i64, ((r + rank) % 2) as i64])
+            .collect();
+        Some(MultiLabelClassificationOutput {
+            loss: Tensor::from_data(TensorData::new(vec![rank as f32 + 1.0], [1]), &device),
+            output: Tensor::from_data(TensorData::new(output, [rows, 2]), &device),
+            targets: Tensor::from_data(TensorData::new(targets, [rows, 2]), &device),
+        })
+    }
+
+    #[test]
+    fn multi_label_outputs_arrive_on_rank_0_in_rank_order_with_the_row_weighted_loss() {
+        let results = on_three_ranks(|rank, group| {
+            MultiLabelClassificationOutput::gather(multi_label(rank), group, 0)
+                .unwrap()
+                .map(|o| {
+                    (
+                        o.loss.into_data().to_vec::<f32>().unwrap(),
+                        o.output.dims(),
+                        o.output.into_data().to_vec::<f32>().unwrap(),
+                        o.targets
+                            .into_data()
+                            .convert::<i64>()
+                            .to_vec::<i64>()
+                            .unwrap(),
+                    )
+                })
+        });
+        assert!(
+            results[1].is_none() && results[2].is_none(),
+            "only the root"
+        );
+        let (loss, dims, output, targets) = results[0].clone().expect("rank 0 gets every row");
+        // (2 rows x loss 1 + 3 rows x loss 3) / 5 rows.
+        assert!((loss[0] - 11.0 / 5.0).abs() < 1e-6, "{loss:?}");
+        assert_eq!(dims, [5, 2]);
+        assert_eq!(output, vec![0., 0., 0., 1., 2., 0., 2., 1., 2., 2.]);
+        assert_eq!(targets, vec![0, 0, 1, 1, 0, 0, 1, 1, 0, 0]);
+    }
+
+    #[test]
+    fn classification_outputs_keep_their_class_indices() {
+        let results = on_three_ranks(|rank, group| {
+            let rows = ROWS[rank];
+            let device = Default::default();
+            let ours = (rows > 0).then(|| ClassificationOutput::<B> {
+                loss: Tensor::from_data(TensorData::new(vec![1.0f32], [1]), &device),
+                output: Tensor::zeros([rows, 4], &device),
+                targets: Tensor::from_data(
+                    TensorData::new(
+                        (0..rows as i64).map(|r| r + 10 * rank as i64).collect(),
+                        [rows],
+                    ),
+                    &device,
+                ),
+            });
+            ClassificationOutput::gather(ours, group, 0)
+                .unwrap()
+                .map(|o| {
+                    o.targets
+                        .into_data()
+                        .convert::<i64>()
+                        .to_vec::<i64>()
+                        .unwrap()
+                })
+        });
+        assert_eq!(results[0], Some(vec![0, 1, 20, 21, 22]));
     }
 }
