@@ -56,7 +56,8 @@ pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
     buckets
 }
 
-/// The parts of the parameters laid out at `ranges` (consecutive, as in [`Bucket::ranges`])
+/// The parts of the parameters laid out at `ranges` (sorted and disjoint, as
+/// [`Bucket::ranges`] are)
 /// that fall in `piece` of the bucket: `(position in ranges, range in that parameter, range in
 /// the piece)`, in bucket order.
 pub fn segments<'a>(

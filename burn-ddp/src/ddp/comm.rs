@@ -372,7 +372,8 @@ pub(crate) fn gather_flags<G: ProcessGroup>(
     Ok(all.into_iter().map(|f| f != 0).collect())
 }
 
-fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
+/// `data`'s values as a mutable slice of `T`, or an error naming both types.
+pub(crate) fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
     data: &mut TensorData,
 ) -> Result<&mut [T], DdpError> {
     let dtype = data.dtype;

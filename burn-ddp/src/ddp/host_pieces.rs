@@ -1,5 +1,7 @@
 //! A bucket of gradients that already lives in host memory (Burn's CPU backend), staged into
 //! the ring piece by piece ([`PieceStaging`]) instead of packed before and unpacked after it.
+//! ZeRO stage 1 stages its owner-ordered flat buffer the same way (drained for its own block
+//! only).
 //!
 //! ```text
 //!   gradients (host)  ──fill: copy, or × 1/world and round to 16 bits; NaN check──▶ ring piece
@@ -21,7 +23,8 @@ use crate::kernels::{host16, HalfFormat};
 pub(crate) struct HostBucket<'g> {
     /// Each gradient's values; the drains write the means back into them.
     pub grads: Vec<&'g mut [f32]>,
-    /// Each gradient's range in the bucket, consecutive from 0.
+    /// Each gradient's range in the bucket: sorted and disjoint (consecutive from 0 in a
+    /// bucket, with gaps in ZeRO's layout where a parameter has no gradient).
     pub ranges: Vec<Range<usize>>,
     /// The `1 / world` of the mean.
     pub scale: f32,
@@ -38,6 +41,22 @@ impl<'g> HostBucket<'g> {
                 start - g.len()..start
             })
             .collect();
+        Self {
+            grads,
+            ranges,
+            scale,
+            scan,
+        }
+    }
+
+    /// Gradients at the given `ranges` of a layout (sorted, disjoint; gaps are left as the
+    /// collective's buffer holds them): ZeRO's owner-ordered flat buffer.
+    pub fn at(
+        grads: Vec<&'g mut [f32]>,
+        ranges: Vec<Range<usize>>,
+        scale: f32,
+        scan: &'g mut FiniteScan,
+    ) -> Self {
         Self {
             grads,
             ranges,

@@ -3,17 +3,20 @@
 //!
 //! ```text
 //!  backward ─▶ GradientsParams (every parameter, this rank's micro-batches)
-//!     reduce_to_owners   flat buffer in owner order ─▶ reduce_scatter_v(mean)
-//!                        ─▶ GradientsParams holding only this rank's parameters
+//!     reduce_to_owners   flat buffer in owner order ─▶ reduce_scatter_v_staged(sum), each
+//!                        piece filled from the gradients (NaN check, 16-bit rounding) and
+//!                        the own block drained (× 1/world, widening) while others are on
+//!                        the wire ─▶ GradientsParams holding only this rank's parameters
 //!  optimizer.step        updates only those (Burn's optimizers create state only for
 //!                        parameters that received a gradient)
 //!     gather_parameters  owned values ─▶ all_gather_v ─▶ every parameter on every rank
 //! ```
 //! Bytes: the reduce-scatter sends the buffer less the own block, the all-gather the same: the
 //! bytes of one all-reduce, as PyTorch's `ZeroRedundancyOptimizer` over DDP does not achieve
-//! (it all-reduces, then broadcasts). With compression the gradients travel as bf16 / fp16
-//! (scaled by `1 / world` before rounding, as the all-reduce path does); parameters always as
-//! f32, so replicas stay bit-identical.
+//! (it all-reduces, then broadcasts). The mean is the all-reduce path's, operation for
+//! operation: the `f32` sum multiplied by `1 / world`, or with compression each gradient
+//! multiplied by `1 / world` and rounded to bf16 / fp16 before the sum, the NaN check on the
+//! values sent. Parameters always travel as f32, so replicas stay bit-identical.
 //!
 //! Both collectives run through the host on any [`ProcessGroup`] (the TCP ring with shared
 //! memory between ranks of one machine); on a GPU backend the tensors are staged through host
@@ -36,13 +39,15 @@ use burn::record::{BinBytesRecorder, FullPrecisionSettings, Record, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::TensorData;
 
-use super::finite::{all_finite_f32, GradientCheck};
+use super::comm::host_slice;
+use super::finite::{FiniteScan, GradientCheck};
+use super::host_pieces::{F32Pieces, HalfPieces, HostBucket};
 use super::module::{read_floats, write_floats, FloatSlot};
 use super::reducer::ReducerStats;
 use super::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
-use crate::kernels::{host16, HalfFormat};
+use crate::kernels::HalfFormat;
 
 /// The stage-1 gradient and parameter exchange of one rank. Every method is collective.
 #[derive(Debug, Clone)]
@@ -103,53 +108,67 @@ impl ShardedSync {
     {
         let (rank, world) = (group.rank(), group.world_size());
         let plan = self.plan(model, world).clone();
-        let mut flat = vec![0.0f32; plan.len()];
-        let mut take = TakeInto {
+        let mut take = TakeHost {
             plan: &plan,
             grads,
-            flat: &mut flat,
-            present: HashMap::new(),
+            taken: Vec::new(),
         };
         model.visit(&mut take);
-        let present = take.present;
-        let nonfinite = self.check_finite && !all_finite_f32(&flat);
+        let mut taken = take.taken;
+        // The fills walk the flat layout (owner order), not the visit order.
+        taken.sort_by_key(|t| t.range.start);
+        let ranges = taken.iter().map(|t| t.range.clone()).collect();
+        let slices = taken
+            .iter_mut()
+            .map(|t| host_slice::<f32>(&mut t.data))
+            .collect::<Result<Vec<_>, _>>()?;
 
+        // The flat buffer is filled piece by piece from the gradients (zeros where a parameter
+        // has none) and this rank's block drained back into its own gradients, as the
+        // all-reduce path stages its buckets (`host_pieces.rs`): the same mean (`× 1/world`,
+        // or scaled before rounding to 16 bits) and the same NaN check as stage 0.
+        let mut scan = FiniteScan::new(self.check_finite);
+        let bucket = HostBucket::at(slices, ranges, 1.0 / world as f32, &mut scan);
         let counts = plan.counts();
-        let own = crate::group::ring::block_ranges(counts)[rank].clone();
         let element_bytes = match self.compression {
             None => {
-                group.reduce_scatter_v(&mut flat, counts, ReduceOp::Avg)?;
+                let mut flat = vec![0.0f32; plan.len()];
+                let mut staging = F32Pieces(bucket);
+                group.reduce_scatter_v_staged(&mut flat, counts, ReduceOp::Sum, &mut staging)?;
                 4
             }
             Some(format) => {
-                // Scale before rounding, as the all-reduce path does: the sum of means cannot
-                // overflow where the sum of gradients would.
-                let mut bits = vec![0u16; flat.len()];
-                host16::round_scaled(format, &flat, 1.0 / world as f32, &mut bits);
+                let mut staging = HalfPieces { bucket, format };
                 match format {
-                    HalfFormat::Bf16 => group.reduce_scatter_v(
-                        bytemuck::cast_slice_mut::<u16, half::bf16>(&mut bits),
-                        counts,
-                        ReduceOp::Sum,
-                    )?,
-                    HalfFormat::F16 => group.reduce_scatter_v(
-                        bytemuck::cast_slice_mut::<u16, half::f16>(&mut bits),
-                        counts,
-                        ReduceOp::Sum,
-                    )?,
+                    HalfFormat::Bf16 => {
+                        let mut flat = vec![half::bf16::ZERO; plan.len()];
+                        group.reduce_scatter_v_staged(
+                            &mut flat,
+                            counts,
+                            ReduceOp::Sum,
+                            &mut staging,
+                        )?;
+                    }
+                    HalfFormat::F16 => {
+                        let mut flat = vec![half::f16::ZERO; plan.len()];
+                        group.reduce_scatter_v_staged(
+                            &mut flat,
+                            counts,
+                            ReduceOp::Sum,
+                            &mut staging,
+                        )?;
+                    }
                 }
-                host16::widen(format, &bits[own.clone()], &mut flat[own.clone()]);
                 2
             }
         };
-        let mut put = PutOwned {
-            plan: &plan,
-            rank,
-            grads,
-            flat: &flat,
-            present: &present,
-        };
-        model.visit(&mut put);
+        let nonfinite = scan.found_nonfinite();
+        let owned = taken
+            .into_iter()
+            .filter(|t| plan.owner(t.id) == Some(rank))
+            .map(|t| (t.id, (t.data, t.dtype)))
+            .collect();
+        model.visit(&mut PutOwned { grads, owned });
         self.stats.syncs += 1;
         self.stats.bucket_all_reduces += 1;
         self.stats.bytes_reduced += (plan.len() * element_bytes) as u64;
@@ -273,16 +292,23 @@ where
     Ok(Some(optim.clone().load_record(merged)))
 }
 
-/// Removes every float gradient into its slot of the flat buffer (zeros where a parameter has
-/// none), and records which parameters had one.
-struct TakeInto<'a> {
-    plan: &'a ShardPlan,
-    grads: &'a mut GradientsParams,
-    flat: &'a mut [f32],
-    present: HashMap<ParamId, burn::tensor::DType>,
+/// A gradient taken out of `GradientsParams` into host memory, as `f32`, with its range in
+/// the flat layout.
+struct TakenGrad {
+    id: ParamId,
+    range: std::ops::Range<usize>,
+    data: TensorData,
+    dtype: burn::tensor::DType,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for TakeInto<'_> {
+/// Removes every planned float gradient into host memory.
+struct TakeHost<'a> {
+    plan: &'a ShardPlan,
+    grads: &'a mut GradientsParams,
+    taken: Vec<TakenGrad>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeHost<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         let (Some(slot), Some(grad)) = (
             self.plan.slot(param.id),
@@ -290,36 +316,30 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeInto<'_> {
         ) else {
             return;
         };
-        self.present.insert(param.id, grad.dtype());
-        let data = grad.into_data().convert::<f32>();
-        // `convert::<f32>` makes the element type f32, so the slice view cannot fail.
-        if let Ok(values) = data.as_slice::<f32>() {
-            self.flat[slot.range.clone()].copy_from_slice(values);
-        }
+        let dtype = grad.dtype();
+        self.taken.push(TakenGrad {
+            id: param.id,
+            range: slot.range.clone(),
+            // Burn's CPU backend hands its buffer over; other devices copy it to the host.
+            data: grad.into_data().convert::<f32>(),
+            dtype,
+        });
     }
 }
 
 /// Registers this rank's own parameters' reduced gradients (those that had one).
 struct PutOwned<'a> {
-    plan: &'a ShardPlan,
-    rank: usize,
     grads: &'a mut GradientsParams,
-    flat: &'a [f32],
-    present: &'a HashMap<ParamId, burn::tensor::DType>,
+    owned: HashMap<ParamId, (TensorData, burn::tensor::DType)>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for PutOwned<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let Some(slot) = self.plan.slot(param.id).filter(|s| s.owner == self.rank) else {
+        let Some((data, dtype)) = self.owned.remove(&param.id) else {
             return;
         };
-        let Some(&dtype) = self.present.get(&param.id) else {
-            return;
-        };
-        let value = param.val();
-        let data = TensorData::new(self.flat[slot.range.clone()].to_vec(), value.shape())
-            .convert_dtype(dtype);
-        let grad = Tensor::<B::InnerBackend, D>::from_data(data, &value.device());
+        let device = param.val().device();
+        let grad = Tensor::<B::InnerBackend, D>::from_data(data.convert_dtype(dtype), &device);
         self.grads.register(param.id, grad);
     }
 }

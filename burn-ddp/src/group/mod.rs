@@ -496,7 +496,8 @@ pub trait ProcessGroup {
         op: ReduceOp,
         staging: &mut dyn PieceStaging<T>,
     ) -> Result<(), CollectiveError> {
-        staging::staged_whole(buffer, staging, |b| self.all_reduce(b, op))
+        let all = 0..buffer.len();
+        staging::staged_whole(buffer, staging, all, |b| self.all_reduce(b, op))
     }
 
     /// Copies `root`'s `buffer` into every other rank's `buffer`. Lengths must be equal.
@@ -542,6 +543,27 @@ pub trait ProcessGroup {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         checked(self, Collective::ReduceScatterV { buffer, counts, op })
+    }
+
+    /// [`reduce_scatter_v`](Self::reduce_scatter_v) with the work around it cut into pieces,
+    /// as [`all_reduce_staged`](Self::all_reduce_staged): `staging` fills every piece of
+    /// `buffer` before the collective uses it, and drains the pieces of block `rank` (only
+    /// those: the others end with partial sums) once they hold the result. The default fills
+    /// all, reduce-scatters, drains the own block; the TCP ring interleaves them.
+    fn reduce_scatter_v_staged<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+        staging: &mut dyn PieceStaging<T>,
+    ) -> Result<(), CollectiveError> {
+        let own = ring::block_ranges(counts)
+            .get(self.rank())
+            .cloned()
+            .unwrap_or(0..0);
+        staging::staged_whole(buffer, staging, own, |b| {
+            self.reduce_scatter_v(b, counts, op)
+        })
     }
 
     /// All-gather over blocks of different sizes, in place (MPI's `Allgatherv`): block `rank`

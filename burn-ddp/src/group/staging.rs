@@ -1,5 +1,5 @@
-//! Staged all-reduce: the work before and after a collective, done piece by piece while the
-//! collective's own pieces are on the wire.
+//! Staged all-reduce and reduce-scatter: the work before and after a collective, done piece
+//! by piece while the collective's own pieces are on the wire.
 //!
 //! A data-parallel step does more than the ring: it packs gradients into the buffer (and rounds
 //! them to 16 bits), checks them for NaN, and afterwards scales, widens and unpacks the sums.
@@ -19,11 +19,13 @@ use std::ops::Range;
 
 use super::ring::RingPlan;
 
-/// The work around an all-reduce, done one piece of the buffer at a time
-/// ([`ProcessGroup::all_reduce_staged`](super::ProcessGroup::all_reduce_staged)).
+/// The work around an all-reduce or a reduce-scatter, done one piece of the buffer at a time
+/// ([`ProcessGroup::all_reduce_staged`](super::ProcessGroup::all_reduce_staged),
+/// [`ProcessGroup::reduce_scatter_v_staged`](super::ProcessGroup::reduce_scatter_v_staged)).
 ///
-/// Every element of the buffer is filled exactly once and drained exactly once, fills before
-/// drains of the same element; ranges never overlap and come in no set order.
+/// Every element of the buffer is filled exactly once, and every element of the result (the
+/// whole buffer, or a reduce-scatter's own block) drained exactly once, after its fill; ranges
+/// never overlap and come in no set order.
 pub trait PieceStaging<T> {
     /// Writes this rank's input for `range` of the buffer into `piece` (`buffer[range]`).
     fn fill(&mut self, range: Range<usize>, piece: &mut [T]);
@@ -139,6 +141,17 @@ impl<'s, T> StagedBuffer<'s, T> {
         }
     }
 
+    /// Drains only the pieces inside `range` (a reduce-scatter's own block: the others end
+    /// with partial sums).
+    pub fn draining_only(mut self, range: Range<usize>) -> Self {
+        for (p, piece) in self.schedule.pieces.iter().enumerate() {
+            if piece.start < range.start || piece.end > range.end {
+                self.drained[p] = true;
+            }
+        }
+        self
+    }
+
     /// Before the plan's send `index` reads the buffer.
     pub fn before_send(&mut self, index: usize, buffer: &mut [T]) {
         if let Some(Some(p)) = self.schedule.send_piece.get(index) {
@@ -206,23 +219,27 @@ impl<'s, T> StagedBuffer<'s, T> {
     }
 }
 
-/// Fills all of `buffer`, runs `collective` on it, drains all of it: staging without overlap,
-/// for groups (and calls) that do not interleave it.
+/// Fills all of `buffer`, runs `collective` on it, drains `result` of it (all of it for an
+/// all-reduce, the own block for a reduce-scatter): staging without overlap, for groups (and
+/// calls) that do not interleave it.
 pub fn staged_whole<T, E>(
     buffer: &mut [T],
     staging: &mut dyn PieceStaging<T>,
+    result: Range<usize>,
     collective: impl FnOnce(&mut [T]) -> Result<(), E>,
 ) -> Result<(), E> {
     staging.fill(0..buffer.len(), buffer);
     collective(buffer)?;
-    staging.drain(0..buffer.len(), buffer);
+    if let Some(piece) = buffer.get(result.clone()) {
+        staging.drain(result, piece);
+    }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::group::ring::all_reduce_plan;
+    use crate::group::ring::{all_reduce_plan, block_ranges, reduce_scatter_v_plan};
 
     /// Records the calls, and checks each one against what the ring has done so far.
     #[derive(Default)]
@@ -327,6 +344,30 @@ mod tests {
                 assert!(covered_once(&log.fills, len));
                 assert!(covered_once(&log.drains, len));
             }
+        }
+    }
+
+    /// A reduce-scatter drains its own block only, each piece once, after its last write.
+    #[test]
+    fn a_reduce_scatter_drains_only_the_own_block() {
+        let counts = [30, 0, 50];
+        for rank in 0..3 {
+            let plan = reduce_scatter_v_plan(rank, &counts, 8);
+            let schedule = PieceSchedule::new(&plan, 80).expect("a partition");
+            let own = block_ranges(&counts)[rank].clone();
+            let mut log = Log::default();
+            let mut buffer = vec![0u32; 80];
+            let mut staged = StagedBuffer::new(schedule, &mut log).draining_only(own.clone());
+            for r in 0..plan.recvs.len() {
+                staged.before_recv(r, &mut buffer);
+                staged.after_recv(r);
+                staged.idle(&mut buffer);
+            }
+            staged.finish(&mut buffer);
+            assert!(covered_once(&log.fills, 80));
+            let mut drained: Vec<usize> = log.drains.iter().flat_map(|r| r.clone()).collect();
+            drained.sort_unstable();
+            assert_eq!(drained, own.collect::<Vec<_>>(), "rank {rank}");
         }
     }
 

@@ -376,10 +376,49 @@ impl ProcessGroup for TcpProcessGroup {
             .then(|| PieceSchedule::new(&plan, len))
             .flatten();
         let Some(schedule) = schedule else {
-            return staging::staged_whole(buffer, staging, |b| self.all_reduce(b, op));
+            return staging::staged_whole(buffer, staging, 0..len, |b| self.all_reduce(b, op));
         };
         let mut staged = StagedBuffer::new(schedule, staging);
         let kind = CollectiveKind::AllReduce(op);
+        self.run_plan(kind, len, buffer, Some(&plan), op, None, Some(&mut staged))?;
+        staged.finish(buffer);
+        Ok(())
+    }
+
+    /// The ring reduce-scatter-v with the staging inside its event loop, as
+    /// [`all_reduce_staged`](Self::all_reduce_staged); only the own block is drained. `Avg`,
+    /// a group of one and arguments that fail the checks go the plain way (which reports them).
+    fn reduce_scatter_v_staged<T: Element>(
+        &mut self,
+        buffer: &mut [T],
+        counts: &[usize],
+        op: ReduceOp,
+        staging: &mut dyn PieceStaging<T>,
+    ) -> Result<(), CollectiveError> {
+        let Membership {
+            rank,
+            world_size: world,
+        } = self.member;
+        let len = buffer.len();
+        let valid = super::check::blocks(world, counts, len).is_none();
+        let own = ring::block_ranges(counts)
+            .get(rank)
+            .cloned()
+            .unwrap_or(0..0);
+        let plan = ring::reduce_scatter_v_plan(rank, counts, self.piece_elems::<T>());
+        let schedule = (valid && world > 1 && op != ReduceOp::Avg)
+            .then(|| PieceSchedule::new(&plan, len))
+            .flatten();
+        let Some(schedule) = schedule else {
+            return staging::staged_whole(buffer, staging, own, |b| {
+                self.reduce_scatter_v(b, counts, op)
+            });
+        };
+        let mut staged = StagedBuffer::new(schedule, staging).draining_only(own);
+        let kind = CollectiveKind::ReduceScatterV {
+            op,
+            layout: super::layout_fingerprint(counts),
+        };
         self.run_plan(kind, len, buffer, Some(&plan), op, None, Some(&mut staged))?;
         staged.finish(buffer);
         Ok(())
@@ -540,6 +579,58 @@ mod tests {
             gathered.extend([102.0; 9]);
             assert_eq!(params, gathered, "rank {r}");
             assert!(mismatch.contains("all_gather_v"), "rank {r}: {mismatch}");
+        }
+    }
+
+    /// The staged reduce-scatter-v (ZeRO's gradients): every element filled once, only the
+    /// own block drained, each element once, with the bits of the plain reduce-scatter's sum.
+    #[test]
+    fn staged_uneven_reduce_scatter_drains_the_own_block() {
+        struct Staging {
+            input: Vec<f32>,
+            fills: Vec<u8>,
+            drained: Vec<(usize, f32)>,
+        }
+        impl PieceStaging<f32> for Staging {
+            fn fill(&mut self, range: std::ops::Range<usize>, piece: &mut [f32]) {
+                piece.copy_from_slice(&self.input[range.clone()]);
+                self.fills[range].iter_mut().for_each(|c| *c += 1);
+            }
+            fn drain(&mut self, range: std::ops::Range<usize>, piece: &[f32]) {
+                self.drained.extend(range.zip(piece.iter().copied()));
+            }
+        }
+        const COUNTS: [usize; 4] = [37, 0, 90, 3];
+        for piece_bytes in [8, 44, 1 << 20] {
+            let options = TcpGroupOptions {
+                piece_bytes,
+                ..Default::default()
+            };
+            let results = with_group(4, options, |g| {
+                let r = g.rank();
+                let input: Vec<f32> = (0..130).map(|i| (i * 7 + r) as f32 * 0.1).collect();
+                let mut plain = input.clone();
+                g.reduce_scatter_v(&mut plain, &COUNTS, ReduceOp::Sum)
+                    .unwrap();
+                let mut staging = Staging {
+                    input,
+                    fills: vec![0; 130],
+                    drained: Vec::new(),
+                };
+                let mut ring = vec![0.0f32; 130];
+                g.reduce_scatter_v_staged(&mut ring, &COUNTS, ReduceOp::Sum, &mut staging)
+                    .unwrap();
+                (plain, staging.fills, staging.drained)
+            });
+            for (r, (plain, fills, mut drained)) in results.into_iter().enumerate() {
+                assert!(fills.iter().all(|&c| c == 1), "rank {r}: {fills:?}");
+                drained.sort_by_key(|(i, _)| *i);
+                let own = ring::block_ranges(&COUNTS)[r].clone();
+                let want: Vec<(usize, u32)> = own.map(|i| (i, plain[i].to_bits())).collect();
+                let got: Vec<(usize, u32)> =
+                    drained.iter().map(|(i, x)| (*i, x.to_bits())).collect();
+                assert_eq!(got, want, "rank {r}, pieces of {piece_bytes} bytes");
+            }
         }
     }
 
