@@ -9,7 +9,7 @@
 //! 4. from the predecessor: its header, checked, then the pieces of the plan, each copied in
 //!    place or reduced into the buffer once complete.
 //!
-//! With a staged all-reduce ([`StagedBuffer`]) a piece is filled before its first send or
+//! With a staged collective ([`StagedBuffer`]) a piece is filled before its first send or
 //! receive and reported once received, and a turn in which no byte moved does one piece of
 //! the staging's work instead of sleeping.
 //!
