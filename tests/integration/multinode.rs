@@ -211,9 +211,10 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
     ];
     let mut a = spawn(&mut hosts.node(&hosts.a, 0, &args, port));
     let b = spawn(&mut hosts.node(&hosts.b, 1, &args, port));
-    // Once rank 0 (on node a) has its ring, every rank of both nodes is in it: pull the cable
-    // on node b's side.
-    a.wait_for_line("ring connected");
+    // Once rank 0 (on node a) has passed the set-up barrier, every link of the ring works and
+    // every rank is past its set-up (its "ring connected" comes before the barrier, when a
+    // rank across the link may still be connecting): pull the cable on node b's side.
+    a.wait_for_line("process group ready");
     let cut = Command::new("ip")
         .args([
             "-n",

@@ -185,6 +185,8 @@ impl TcpProcessGroup {
             ring.data_out.go_live();
             ring.data_in.go_live();
         }
+        // After the barrier: every link of the ring has carried data (tests wait for this).
+        tracing::info!(rank, world, "process group ready");
         Ok(())
     }
 
