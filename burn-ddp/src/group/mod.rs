@@ -13,8 +13,9 @@
 //!   that every survivor names, instead of the neighbour whose closed link reached it).
 //! - `stall`: the stall reporter (who has not arrived), shared by the TCP and NCCL groups.
 //! - [`shm`]: the shared-memory byte channel of same-host ring links.
-//! - [`staging`]: the work around an all-reduce (pack, round, check, scale, unpack) cut into the
-//!   ring's pieces, so that a group can do it while its pieces are on the wire.
+//! - [`staging`]: the work around an all-reduce or reduce-scatter (pack, round, check, scale,
+//!   unpack) cut into the ring's pieces, so that a group can do it while its pieces are on the
+//!   wire.
 //! - [`tcp`]: [`TcpProcessGroup`], the ring over TCP sockets (or shared memory between
 //!   neighbours on one host), for CPUs and for any device whose tensors are staged through the
 //!   host.
@@ -557,10 +558,7 @@ pub trait ProcessGroup {
         op: ReduceOp,
         staging: &mut dyn PieceStaging<T>,
     ) -> Result<(), CollectiveError> {
-        let own = ring::block_ranges(counts)
-            .get(self.rank())
-            .cloned()
-            .unwrap_or(0..0);
+        let own = ring::block_range(counts, self.rank());
         staging::staged_whole(buffer, staging, own, |b| {
             self.reduce_scatter_v(b, counts, op)
         })

@@ -180,6 +180,13 @@ pub fn block_ranges(counts: &[usize]) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// Block `rank`'s element range among consecutive blocks of `counts[i]` elements (empty when
+/// there is no such block).
+pub fn block_range(counts: &[usize], rank: usize) -> Range<usize> {
+    let start: usize = counts.iter().take(rank).sum();
+    counts.get(rank).map_or(start..start, |&n| start..start + n)
+}
+
 /// Reduce-scatter over consecutive blocks of different sizes (`counts[r]` elements for rank
 /// `r`, MPI's `Reduce_scatter` with counts); afterwards block `rank` holds the reduced values.
 /// Every piece of a block is cut the same way on every rank, so uneven blocks only change how
@@ -385,6 +392,10 @@ mod tests {
             let world = counts.len();
             let len: usize = counts.iter().sum();
             let blocks = block_ranges(&counts);
+            for (r, block) in blocks.iter().enumerate() {
+                assert_eq!(block_range(&counts, r), *block);
+            }
+            assert_eq!(block_range(&counts, world), len..len, "no such block: empty");
             let plans: Vec<_> = (0..world)
                 .map(|r| reduce_scatter_v_plan(r, &counts, 2))
                 .collect();

@@ -281,6 +281,39 @@ impl TcpProcessGroup {
         self.run_plan(kind, len, buffer, plan.as_ref(), op, precheck, None)
     }
 
+    /// Runs a staged collective: the staging driven along `call.plan` inside the event loop
+    /// when `call.interleave` holds and the plan cuts the buffer into pieces; otherwise the
+    /// whole buffer filled, `plain` run, `call.result` drained.
+    fn run_staged<T: Element>(
+        &mut self,
+        call: StagedCall<'_>,
+        buffer: &mut [T],
+        staging: &mut dyn PieceStaging<T>,
+        plain: impl FnOnce(&mut Self, &mut [T]) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        let len = buffer.len();
+        let schedule = call
+            .interleave
+            .then(|| PieceSchedule::new(call.plan, len))
+            .flatten();
+        let Some(schedule) = schedule else {
+            return staging::staged_whole(buffer, staging, call.result, |b| plain(self, b));
+        };
+        let mut staged = StagedBuffer::new(schedule, staging).draining_only(call.result);
+        let plan = Some(call.plan);
+        self.run_plan(
+            call.kind,
+            len,
+            buffer,
+            plan,
+            call.op,
+            None,
+            Some(&mut staged),
+        )?;
+        staged.finish(buffer);
+        Ok(())
+    }
+
     fn piece_elems<T>(&self) -> usize {
         (self.options.piece_bytes / std::mem::size_of::<T>()).max(1)
     }
@@ -352,6 +385,17 @@ impl TcpProcessGroup {
     }
 }
 
+/// A staged collective's plan and what it stages (see [`TcpProcessGroup::run_staged`]).
+struct StagedCall<'p> {
+    kind: CollectiveKind,
+    plan: &'p RingPlan,
+    op: ReduceOp,
+    /// The part of the buffer that holds the result and is drained.
+    result: std::ops::Range<usize>,
+    /// Whether the staging may be interleaved with the plan (else: around the plain call).
+    interleave: bool,
+}
+
 impl ProcessGroup for TcpProcessGroup {
     fn membership(&self) -> Membership {
         self.member
@@ -368,23 +412,17 @@ impl ProcessGroup for TcpProcessGroup {
         op: ReduceOp,
         staging: &mut dyn PieceStaging<T>,
     ) -> Result<(), CollectiveError> {
-        let Membership {
-            rank,
-            world_size: world,
-        } = self.member;
+        let Membership { rank, world_size } = self.member;
         let len = buffer.len();
-        let plan = ring::all_reduce_plan(world, rank, len, self.piece_elems::<T>());
-        let schedule = (world > 1 && op != ReduceOp::Avg)
-            .then(|| PieceSchedule::new(&plan, len))
-            .flatten();
-        let Some(schedule) = schedule else {
-            return staging::staged_whole(buffer, staging, 0..len, |b| self.all_reduce(b, op));
+        let plan = ring::all_reduce_plan(world_size, rank, len, self.piece_elems::<T>());
+        let call = StagedCall {
+            kind: CollectiveKind::AllReduce(op),
+            plan: &plan,
+            op,
+            result: 0..len,
+            interleave: world_size > 1 && op != ReduceOp::Avg,
         };
-        let mut staged = StagedBuffer::new(schedule, staging);
-        let kind = CollectiveKind::AllReduce(op);
-        self.run_plan(kind, len, buffer, Some(&plan), op, None, Some(&mut staged))?;
-        staged.finish(buffer);
-        Ok(())
+        self.run_staged(call, buffer, staging, |g, b| g.all_reduce(b, op))
     }
 
     /// The ring reduce-scatter-v with the staging inside its event loop, as
@@ -397,33 +435,22 @@ impl ProcessGroup for TcpProcessGroup {
         op: ReduceOp,
         staging: &mut dyn PieceStaging<T>,
     ) -> Result<(), CollectiveError> {
-        let Membership {
-            rank,
-            world_size: world,
-        } = self.member;
-        let len = buffer.len();
-        let valid = super::check::blocks(world, counts, len).is_none();
-        let own = ring::block_ranges(counts)
-            .get(rank)
-            .cloned()
-            .unwrap_or(0..0);
+        let Membership { rank, world_size } = self.member;
+        let valid = super::check::blocks(world_size, counts, buffer.len()).is_none();
         let plan = ring::reduce_scatter_v_plan(rank, counts, self.piece_elems::<T>());
-        let schedule = (valid && world > 1 && op != ReduceOp::Avg)
-            .then(|| PieceSchedule::new(&plan, len))
-            .flatten();
-        let Some(schedule) = schedule else {
-            return staging::staged_whole(buffer, staging, own, |b| {
-                self.reduce_scatter_v(b, counts, op)
-            });
-        };
-        let mut staged = StagedBuffer::new(schedule, staging).draining_only(own);
-        let kind = CollectiveKind::ReduceScatterV {
+        let call = StagedCall {
+            kind: CollectiveKind::ReduceScatterV {
+                op,
+                layout: super::layout_fingerprint(counts),
+            },
+            plan: &plan,
             op,
-            layout: super::layout_fingerprint(counts),
+            result: ring::block_range(counts, rank),
+            interleave: valid && world_size > 1 && op != ReduceOp::Avg,
         };
-        self.run_plan(kind, len, buffer, Some(&plan), op, None, Some(&mut staged))?;
-        staged.finish(buffer);
-        Ok(())
+        self.run_staged(call, buffer, staging, |g, b| {
+            g.reduce_scatter_v(b, counts, op)
+        })
     }
 
     /// One pass of the collective's ring plan over a host buffer (module docs).
