@@ -395,7 +395,11 @@ mod tests {
             for (r, block) in blocks.iter().enumerate() {
                 assert_eq!(block_range(&counts, r), *block);
             }
-            assert_eq!(block_range(&counts, world), len..len, "no such block: empty");
+            assert_eq!(
+                block_range(&counts, world),
+                len..len,
+                "no such block: empty"
+            );
             let plans: Vec<_> = (0..world)
                 .map(|r| reduce_scatter_v_plan(r, &counts, 2))
                 .collect();
