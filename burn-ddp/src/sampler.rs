@@ -12,9 +12,14 @@
 //!   model as one with the same global batch.
 //! - So that every rank takes the same number of steps, the order is padded by repeating its
 //!   first positions up to a multiple of `W` (or truncated, with `drop_last`) — as in PyTorch.
+//!   The sample at global position `p` is `order[p % len]` whatever the resume history.
 //! - **Resume**: `consumed` global positions of the epoch can be skipped; the rest is re-sharded
 //!   over the current world size, which may differ from the one that consumed the first part.
-//!   The trainer advances the epoch itself: there is no `set_epoch` to forget.
+//!   At the **same** world size the resumed shard is exactly the rest of the uninterrupted
+//!   run's shard, padding included (same samples, same ranks, same order), so a resumed run
+//!   trains bit for bit like the uninterrupted one. At **another** world size every remaining
+//!   sample is seen once, and the padding (fewer than `W` positions) repeats the epoch's first
+//!   samples. The trainer advances the epoch itself: there is no `set_epoch` to forget.
 //!
 //! # Evaluation semantics
 //! [`DistributedSampler::eval_indices`] gives every sample to exactly one rank with no padding
@@ -180,8 +185,17 @@ impl DistributedSampler {
     }
 }
 
-/// Rank `rank`'s part of `order[consumed..]` (module docs): strided, padded or truncated to a
-/// multiple of `world_size`.
+/// Rank `rank`'s part of the epoch from global position `consumed` on (module docs): positions
+/// `consumed + rank`, `consumed + rank + world_size`, …, padded or truncated to a multiple of
+/// `world_size`.
+///
+/// The sample at a position depends on the position alone — `order[position % len]`, so padding
+/// repeats the *epoch's* first positions, as PyTorch's `DistributedSampler` pads. That is what
+/// makes a resume at the same world size invisible: the uninterrupted run consumes whole global
+/// batches, so `consumed` is where one of its steps began, and the resumed shard is its shard's
+/// rest to the last padded sample. (Padding taken from the rest of the epoch instead would give
+/// the resumed run other duplicates than the uninterrupted one whenever the world size does not
+/// divide the data set.)
 fn shard(
     order: &[usize],
     consumed: usize,
@@ -189,18 +203,22 @@ fn shard(
     rank: usize,
     drop_last: bool,
 ) -> Vec<Sample> {
-    let rest = &order[consumed.min(order.len())..];
+    let len = order.len();
+    let rest = len.saturating_sub(consumed);
     let total = if drop_last {
-        rest.len() / world_size * world_size
+        rest / world_size * world_size
     } else {
-        rest.len().div_ceil(world_size) * world_size
+        rest.div_ceil(world_size) * world_size
     };
     (rank..total)
         .step_by(world_size)
-        .map(|i| Sample {
-            index: rest[i % rest.len()],
-            position: consumed + i,
-            is_padding: i >= rest.len(),
+        .map(|i| {
+            let position = consumed + i;
+            Sample {
+                index: order[position % len],
+                position,
+                is_padding: position >= len,
+            }
         })
         .collect()
 }
@@ -400,6 +418,88 @@ mod tests {
             }
             assert_eq!(count.len(), len);
             assert!(count.values().all(|&c| c == 1), "world {new_world}");
+        }
+    }
+
+    /// The uninterrupted run's samples from `consumed` on, and the samples of a run resumed at
+    /// `consumed`, are the same list (padding included) at the same world size.
+    fn assert_resume_is_the_suffix(
+        sampler: &dyn Fn(usize, usize, usize) -> Vec<Sample>,
+        len: usize,
+        world: usize,
+        what: &str,
+    ) {
+        for b in [1, 3, 7, 8] {
+            let steps = sampler(world, 0, 0).len().div_ceil(b);
+            for step in 0..=steps {
+                let consumed = DistributedSampler::new(len, world, 0).advance(0, step, b);
+                for rank in 0..world {
+                    let straight = sampler(world, rank, 0);
+                    let resumed = sampler(world, rank, consumed);
+                    let from = (step * b).min(straight.len());
+                    assert_eq!(
+                        resumed,
+                        straight[from..],
+                        "{what}: len {len} world {world} rank {rank} batch {b}, resumed after step {step}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_resume_at_the_same_world_size_continues_the_uninterrupted_shard() {
+        for len in [0, 1, 2, 5, 10, 97, 100, 1438] {
+            for world in 1..8 {
+                for (shuffle, drop_last) in [(true, false), (false, false), (true, true)] {
+                    let sampler = |world: usize, rank: usize, consumed: usize| {
+                        DistributedSampler::new(len, world, rank)
+                            .with_seed(11)
+                            .with_shuffle(shuffle)
+                            .with_drop_last(drop_last)
+                            .samples(4, consumed)
+                    };
+                    let what = format!("shuffle {shuffle} drop_last {drop_last}");
+                    assert_resume_is_the_suffix(&sampler, len, world, &what);
+                }
+                if len > 0 {
+                    let weights: Vec<f64> = (0..len).map(|i| (i % 3) as f64 + 0.5).collect();
+                    let weighted = |world: usize, rank: usize, consumed: usize| {
+                        WeightedDistributedSampler::new(&weights, len, world, rank, 5)
+                            .unwrap()
+                            .samples(2, consumed)
+                    };
+                    assert_resume_is_the_suffix(&weighted, len, world, "weighted");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn padding_repeats_the_epochs_first_positions_also_after_a_resume() {
+        // 10 samples on 3 ranks: positions 10 and 11 pad with the order's positions 0 and 1,
+        // whether the epoch started at 0 or was resumed at 6 (or at 5, by another world size).
+        let order = DistributedSampler::new(10, 3, 0)
+            .with_seed(2)
+            .epoch_order(1);
+        for consumed in [0, 6, 5] {
+            let padding: Vec<(usize, usize)> = (0..3)
+                .flat_map(|r| {
+                    DistributedSampler::new(10, 3, r)
+                        .with_seed(2)
+                        .samples(1, consumed)
+                })
+                .filter(|s| s.is_padding)
+                .map(|s| (s.position, s.index))
+                .collect();
+            let expected: Vec<(usize, usize)> = if consumed == 5 {
+                vec![(10, order[0])]
+            } else {
+                vec![(10, order[0]), (11, order[1])]
+            };
+            let mut padding = padding;
+            padding.sort_unstable();
+            assert_eq!(padding, expected, "resumed at {consumed}");
         }
     }
 
