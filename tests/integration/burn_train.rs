@@ -107,6 +107,33 @@ fn shuffled_runs_share_one_global_order_at_any_world_size() {
     assert!(diff < 1e-5, "max |w2 - w1| = {diff:e}");
 }
 
+/// burn-train's own resume (`.checkpoint(epoch)`) at the same world size continues with the
+/// resumed epoch's order: 3 ranks (512 samples, so one padded position) with shuffling, resumed
+/// after epoch 1, end with the weights of the run never stopped, bit for bit.
+#[test]
+fn a_resumed_epoch_gets_its_own_order_and_the_uninterrupted_weights() {
+    let dir = scratch("burn-train-resume");
+    let args = ["--batch", "16", "--shuffle", "7"];
+    launch(
+        3,
+        &dir.join("straight"),
+        &[&args[..], &["--epochs", "3"]].concat(),
+    );
+    let resumed = dir.join("resumed");
+    launch(3, &resumed, &[&args[..], &["--epochs", "1"]].concat());
+    let out = launch(
+        3,
+        &resumed,
+        &[&args[..], &["--epochs", "3", "--resume", "1"]].concat(),
+    );
+    assert!(out.stdout.contains("trained 3 epoch(s)"), "{}", out.all());
+    let diff = max_abs_diff(
+        &read_weights(&dir.join("straight/model.safetensors")),
+        &read_weights(&resumed.join("model.safetensors")),
+    );
+    assert_eq!(diff, 0.0, "max |w_resumed - w_straight|");
+}
+
 #[test]
 fn a_plain_loader_falls_back_to_contiguous_slices() {
     let dir = scratch("burn-train-fallback");

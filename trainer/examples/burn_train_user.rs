@@ -144,6 +144,8 @@ struct Args {
     plain: bool,
     burn_loader: bool,
     shuffle: Option<u64>,
+    /// burn-train's resume: load the checkpoint of this epoch and go on with the next.
+    resume: Option<usize>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -154,6 +156,7 @@ fn parse_args() -> Result<Args, String> {
         plain: false,
         burn_loader: false,
         shuffle: None,
+        resume: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -164,6 +167,9 @@ fn parse_args() -> Result<Args, String> {
             "--epochs" => args.epochs = value()?.parse().map_err(|e| format!("--epochs: {e}"))?,
             "--shuffle" => {
                 args.shuffle = Some(value()?.parse().map_err(|e| format!("--shuffle: {e}"))?)
+            }
+            "--resume" => {
+                args.resume = Some(value()?.parse().map_err(|e| format!("--resume: {e}"))?)
             }
             "--plain" => args.plain = true,
             "--burn-loader" => args.burn_loader = true,
@@ -225,6 +231,10 @@ fn main() -> ExitCode {
         )
     };
 
+    let training = match args.resume {
+        Some(epoch) => training.checkpoint(epoch),
+        None => training,
+    };
     let result = training
         .metrics((AccuracyMetric::new(), LossMetric::new()))
         .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
@@ -237,7 +247,9 @@ fn main() -> ExitCode {
 
     // As with `torch.save` under DDP: one rank writes the final model.
     if rank == 0 {
-        let mut store = SafetensorsStore::from_file(args.dir.join("model.safetensors"));
+        // A resumed run replaces the model an earlier run of the same directory wrote.
+        let mut store =
+            SafetensorsStore::from_file(args.dir.join("model.safetensors")).overwrite(true);
         if let Err(e) = result.model.save_into(&mut store) {
             eprintln!("burn_train_user: cannot save the model: {e}");
             return ExitCode::from(1);

@@ -7,10 +7,13 @@
 //!            positions, so every rank takes as many batches)
 //! ```
 //! The loader counts its own epochs: the `k`-th call to `iter()` iterates epoch `k` (what
-//! burn-train's loop does, once per epoch), so no `set_epoch` can be forgotten.
+//! burn-train's loop does, once per epoch), so no `set_epoch` can be forgotten. A run that
+//! burn-train resumes after epoch `e` starts counting at `e` ([`start_at_epoch`], called by
+//! `DdpStrategy`), so its epochs see the orders the uninterrupted run's epochs saw.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
@@ -91,20 +94,57 @@ where
             .with_shuffle(self.shuffle.is_some())
             .with_seed(self.shuffle.unwrap_or(0))
             .with_drop_last(self.drop_last);
+        let epoch = Arc::new(AtomicU64::new(0));
         let loader: Arc<dyn DataLoader<B, O>> = Arc::new(ShardedDataLoader {
             dataset: Arc::new(dataset),
             batcher: self.batcher,
             batch_size: self.batch_size,
             sampler,
             device: self.device.unwrap_or_default(),
-            epoch: Arc::new(AtomicU64::new(0)),
+            epoch: epoch.clone(),
             window: None,
         });
-        // So that `DdpStrategy` knows not to slice it again.
-        if let Ok(mut sharded) = super::strategy::sharded_loaders().lock() {
-            sharded.insert(Arc::as_ptr(&loader) as *const () as usize);
+        // So that `DdpStrategy` knows not to slice it again, and can set its epoch on resume.
+        if let Ok(mut built) = built_loaders().lock() {
+            built.insert(address(&loader), epoch);
         }
         loader
+    }
+}
+
+/// The epoch counters of the loaders [`DistributedDataLoaderBuilder`] built, by the loader's
+/// address: burn-train hands the strategy `Arc<dyn DataLoader>`s, which cannot be downcast.
+fn built_loaders() -> &'static Mutex<HashMap<usize, Arc<AtomicU64>>> {
+    static BUILT: OnceLock<Mutex<HashMap<usize, Arc<AtomicU64>>>> = OnceLock::new();
+    BUILT.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn address<T: ?Sized>(loader: &Arc<T>) -> usize {
+    Arc::as_ptr(loader) as *const () as usize
+}
+
+/// Whether [`DistributedDataLoaderBuilder`] built `loader` (it is then already sharded).
+pub(super) fn is_distributed<T: ?Sized>(loader: &Arc<T>) -> bool {
+    built_loaders()
+        .lock()
+        .map(|built| built.contains_key(&address(loader)))
+        .unwrap_or(false)
+}
+
+/// Makes the next `iter()` of `loader` (and of the loaders derived from it) iterate `epoch`
+/// (0-based), as it would after `epoch` earlier calls. Returns whether `loader` is one of
+/// [`DistributedDataLoaderBuilder`]'s; other loaders are left as they are. Not collective.
+pub(super) fn start_at_epoch<T: ?Sized>(loader: &Arc<T>, epoch: u64) -> bool {
+    let counter = built_loaders()
+        .lock()
+        .ok()
+        .and_then(|built| built.get(&address(loader)).cloned());
+    match counter {
+        Some(counter) => {
+            counter.store(epoch, Ordering::SeqCst);
+            true
+        }
+        None => false,
     }
 }
 
@@ -260,5 +300,36 @@ mod tests {
             .take(23)
             .collect();
         assert_eq!(alone, interleaved);
+    }
+
+    #[test]
+    fn a_loader_started_at_an_epoch_iterates_what_the_uninterrupted_one_did_then() {
+        let build = || {
+            DistributedDataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+                .batch_size(4)
+                .shuffle(9)
+                .rank(1, 3)
+                .build(InMemDataset::new((0..23).collect::<Vec<usize>>()))
+        };
+        let straight = epoch_of(1, 3, 4);
+        let resumed = build();
+        assert!(start_at_epoch(&resumed, 2), "a distributed loader");
+        // Loaders derived from it (burn-train moves loaders to devices) share the counter.
+        let on_device = resumed.to_device(&Default::default());
+        let epochs: Vec<Vec<usize>> = (0..2)
+            .map(|_| on_device.iter().flatten().collect())
+            .collect();
+        assert_eq!(epochs, straight[2..]);
+        assert_ne!(
+            straight[2], straight[0],
+            "epochs differ, so the test can fail"
+        );
+
+        let plain =
+            burn::data::dataloader::DataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+                .batch_size(4)
+                .build(InMemDataset::new(vec![1, 2]));
+        assert!(!start_at_epoch(&plain, 2), "other loaders are left alone");
+        assert!(is_distributed(&resumed) && !is_distributed(&plain));
     }
 }

@@ -25,15 +25,15 @@
 //! 0's checkpoint of that epoch (a directory all ranks can read) and continue with the next
 //! epoch. Unlike the `trainer` engine it is per epoch, not per step, and does not re-shard a
 //! partly consumed epoch; the world size may change between runs (the state is the same on
-//! every rank).
+//! every rank). A distributed loader resumed after epoch `e` iterates epoch `e + 1`'s order, so
+//! a run resumed at the same world size trains as the uninterrupted one did.
 //!
 //! **Failure.** The strategy trait cannot return errors: a collective that fails or times out
 //! (a rank died, a rank's loader ran out early) ends this process with exit code 1 after
 //! printing the error, as an exception would end a PyTorch DDP rank; the launcher reports it
 //! and stops the others.
 
-use std::collections::HashSet;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
@@ -46,6 +46,7 @@ use burn::train::{
 };
 
 use super::gather::GatherOutput;
+use super::loader;
 use crate::ddp::buffers::{self, BufferSync};
 use crate::ddp::{prepare_module, HostStaging, Reducer};
 use crate::error::DdpError;
@@ -53,21 +54,6 @@ use crate::group::ProcessGroup;
 use crate::init::Distributed;
 use crate::kernels::BucketOps;
 use crate::TcpGroupOptions;
-
-/// Loaders built by [`super::DistributedDataLoaderBuilder`] (their addresses), which are
-/// already sharded: the strategy must not slice them again.
-pub(super) fn sharded_loaders() -> &'static Mutex<HashSet<usize>> {
-    static SHARDED: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    SHARDED.get_or_init(|| Mutex::new(HashSet::new()))
-}
-
-fn is_sharded<T: ?Sized>(loader: &std::sync::Arc<T>) -> bool {
-    let address = std::sync::Arc::as_ptr(loader) as *const () as usize;
-    sharded_loaders()
-        .lock()
-        .map(|set| set.contains(&address))
-        .unwrap_or(false)
-}
 
 /// One rank of a data-parallel `SupervisedTraining` (module docs).
 pub struct DdpStrategy {
@@ -203,6 +189,11 @@ where
             }
             None => 1,
         };
+        // burn-train's epochs count from 1; a distributed loader's from 0. Its order in a
+        // resumed epoch is then the uninterrupted run's (other loaders keep their own state).
+        let loader_epoch = starting_epoch as u64 - 1;
+        loader::start_at_epoch(&dataloader_train, loader_epoch);
+        loader::start_at_epoch(&dataloader_valid, loader_epoch);
         let summary = components.summary.take();
         if self.rank == 0 {
             components
@@ -403,7 +394,7 @@ fn shard<B, O>(
 where
     B: burn::tensor::backend::Backend,
 {
-    if world == 1 || is_sharded(&loader) {
+    if world == 1 || loader::is_distributed(&loader) {
         return loader;
     }
     let each = loader.num_items() / world;
