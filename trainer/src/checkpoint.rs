@@ -144,7 +144,7 @@ where
         manifest
             .checksums
             .insert(MODEL_FILE.to_string(), checksum(&weights));
-        crash_if_asked(manifest.position.step);
+        crate::fault_injection::crash_in_checkpoint_if_asked(manifest.position.step);
         let optimizer = Recorder::<B>::record(
             &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
             optim.to_record(),
@@ -196,23 +196,6 @@ fn remove_stale_temporaries(root: &Path) {
                 entry.path().display()
             );
             let _ = fs::remove_dir_all(entry.path());
-        }
-    }
-}
-
-/// Fault injection for tests: `TRAINER_CRASH_IN_CHECKPOINT=STEP` kills rank 0 with SIGKILL
-/// after it wrote the weights of the checkpoint of step `STEP` and before the checkpoint is
-/// complete — a crash in the middle of a checkpoint write. First attempt only.
-fn crash_if_asked(step: usize) {
-    let at = std::env::var("TRAINER_CRASH_IN_CHECKPOINT")
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok());
-    let restarted = std::env::var(crate::worker_env::RESTART_COUNT_VAR).is_ok_and(|c| c != "0");
-    if at == Some(step) && !restarted {
-        eprintln!("TRAINER_CRASH_IN_CHECKPOINT={step}: killing this process mid-checkpoint (fault injection)");
-        // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
-        unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
         }
     }
 }

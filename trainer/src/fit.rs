@@ -41,6 +41,7 @@ use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
 use crate::error::UsageError;
+use crate::fault_injection;
 use crate::loader::BatchStream;
 use crate::metrics::{self, MetricValue, Metrics, Record, Reporter};
 use crate::parallel::{CheckpointPolicy, DataParallel};
@@ -123,7 +124,10 @@ impl<A: App> OnBackend<A> for TrainTask<A> {
             resume,
         };
         job.ddp.check_same(&job.config.fingerprint())?;
-        B::seed(&job.device, init_seed(job.config.training.seed, job.rank()));
+        B::seed(
+            &job.device,
+            fault_injection::init_seed(job.config.training.seed, job.rank()),
+        );
         let model = job
             .app
             .model(&job.config.model, &job.config.data, &job.device)?;
@@ -383,12 +387,12 @@ where
         epoch: position.epoch,
         world_size: world,
         resumed_from: restored.as_ref().map(|c| c.manifest.position.step),
-        restart: restart_count(),
+        restart: fault_injection::restart_count(),
         unix_time: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64()),
     });
-    let slow_step = slow_step_if_asked(rank);
+    let slow_step = fault_injection::slow_step_if_asked(rank);
     let mut clock = PhaseClock::new();
 
     while plan.more_after(position) {
@@ -508,8 +512,8 @@ where
                 clock.add(Phase::Checkpoint, saving.elapsed());
                 last_saved = Some(position.step);
             }
-            crash_if_asked(rank, position.step);
-            stall_if_asked(rank, position.step);
+            fault_injection::crash_after_step_if_asked(rank, position.step);
+            fault_injection::stall_if_asked(rank, position.step);
             if position.step >= total_steps {
                 break;
             }
@@ -642,32 +646,6 @@ fn write_plots(dir: &Path) {
     }
 }
 
-/// The launcher's restart count (0 on the first attempt, and without a launcher).
-fn restart_count() -> u64 {
-    use crate::worker_env::RESTART_COUNT_VAR;
-    std::env::var(RESTART_COUNT_VAR)
-        .or_else(|_| std::env::var("TORCHELASTIC_RESTART_COUNT"))
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
-}
-
-/// Fault injection for tests: `TRAINER_SLOW_STEP=RANK:MS` gives rank RANK MS more milliseconds
-/// of compute in every optimizer step (a straggler).
-fn slow_step_if_asked(rank: usize) -> Option<Duration> {
-    use crate::worker_env::SLOW_STEP_VAR;
-    let spec = std::env::var(SLOW_STEP_VAR).ok()?;
-    let (who, millis) = spec.split_once(':')?;
-    let (who, millis) = (
-        who.trim().parse::<usize>().ok()?,
-        millis.trim().parse::<u64>().ok()?,
-    );
-    (who == rank).then(|| {
-        eprintln!("[rank {rank}] {SLOW_STEP_VAR}={spec}: {millis} ms more compute per step (fault injection)");
-        Duration::from_millis(millis)
-    })
-}
-
 /// A step whose gradients held a NaN or an infinity on some ranks (`training.on_nonfinite`).
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -708,71 +686,6 @@ fn scale_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
         }
     }
     model.visit(&mut Scale { grads, factor });
-}
-
-/// Fault injection for tests: `TRAINER_CRASH_AFTER_STEP=N` (optionally with
-/// `TRAINER_CRASH_RANK=R`, default every rank) kills this process with SIGKILL right after
-/// optimizer step `N` and its checkpoint — exactly what `kill -9` at that point does.
-fn crash_if_asked(rank: usize, step: usize) {
-    use crate::worker_env::{
-        CRASH_AFTER_STEP_VAR as CRASH_AFTER_STEP, CRASH_RANK_VAR as CRASH_RANK,
-    };
-    let at = std::env::var(CRASH_AFTER_STEP)
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok());
-    let who = std::env::var(CRASH_RANK)
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok());
-    // Only in the first attempt (ours or torchrun's restart count): a restarted job must be
-    // able to get past the same step.
-    let restarted = restart_count() > 0;
-    if at == Some(step) && who.is_none_or(|r| r == rank) && !restarted {
-        eprintln!(
-            "[rank {rank}] {CRASH_AFTER_STEP}={step}: killing this process (fault injection)"
-        );
-        // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
-        unsafe {
-            libc::kill(libc::getpid(), libc::SIGKILL);
-        }
-    }
-}
-
-/// The seed of the model's initial weights: `training.seed`, or with the fault-injection
-/// variable `TRAINER_SEED_BY_RANK=1` `training.seed + rank`, so that only the start-up broadcast
-/// makes the replicas equal.
-fn init_seed(seed: u64, rank: usize) -> u64 {
-    use crate::worker_env::SEED_BY_RANK_VAR;
-    if std::env::var(SEED_BY_RANK_VAR).is_ok_and(|v| v.trim() == "1") {
-        eprintln!(
-            "[rank {rank}] {SEED_BY_RANK_VAR}=1: initial weights seeded with {} (fault injection)",
-            seed.wrapping_add(rank as u64)
-        );
-        seed.wrapping_add(rank as u64)
-    } else {
-        seed
-    }
-}
-
-/// Fault injection for tests: `TRAINER_STALL_AFTER_STEP=STEP:SECS` (optionally with
-/// `TRAINER_STALL_RANK=R`) sleeps right after optimizer step STEP, so the other ranks wait for
-/// this one in their next collective.
-fn stall_if_asked(rank: usize, step: usize) {
-    use crate::worker_env::{STALL_AFTER_STEP_VAR, STALL_RANK_VAR};
-    let Ok(spec) = std::env::var(STALL_AFTER_STEP_VAR) else {
-        return;
-    };
-    let parsed = spec
-        .split_once(':')
-        .and_then(|(at, secs)| Some((at.parse::<usize>().ok()?, secs.parse::<f64>().ok()?)));
-    let who = std::env::var(STALL_RANK_VAR)
-        .ok()
-        .and_then(|v| v.parse::<usize>().ok());
-    if let Some((at, secs)) = parsed {
-        if at == step && who.is_none_or(|r| r == rank) {
-            eprintln!("[rank {rank}] {STALL_AFTER_STEP_VAR}={spec}: sleeping (fault injection)");
-            std::thread::sleep(Duration::from_secs_f64(secs));
-        }
-    }
 }
 
 /// The training sampler: uniform (PyTorch's `DistributedSampler`) or weighted

@@ -28,6 +28,7 @@
 //! | [`orphan`] | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
 //! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
 //! | [`error`] | `UsageError` (exit code 2), error reports and exit codes |
+//! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
 //! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
 //! | [`data`] | the digits and synthetic classification data, batching |
 //! | [`sources`] | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard |
@@ -55,6 +56,8 @@ pub mod data;
 pub mod doctor;
 pub mod error;
 pub mod eval;
+#[doc(hidden)]
+pub mod fault_injection;
 pub mod fit;
 pub mod launch;
 pub mod launch_plan;

@@ -69,10 +69,12 @@ pub const LAUNCHER_VARS: [&str; 12] = [
 
 /// Fault injection (tests only; read by the worker, never set by the launcher): SIGKILL the
 /// rank right after optimizer step N and its checkpoint, on the first attempt only (see
-/// [`RESTART_COUNT_VAR`]) — what `kill -9` at that point does.
+/// [`RESTART_COUNT_VAR`]) — what `kill -9` at that point does. A list `N0,N1,…` kills attempt
+/// `k` after step `Nk` (`crate::fault_injection::crash_point`).
 pub const CRASH_AFTER_STEP_VAR: &str = "TRAINER_CRASH_AFTER_STEP";
 
-/// Fault injection: with [`CRASH_AFTER_STEP_VAR`], only this rank crashes (default: every rank).
+/// Fault injection: with [`CRASH_AFTER_STEP_VAR`], only this rank crashes (default: every rank);
+/// a list `R0,R1,…` names attempt `k`'s rank.
 pub const CRASH_RANK_VAR: &str = "TRAINER_CRASH_RANK";
 
 /// Fault injection: SIGKILL rank 0 in the middle of writing the checkpoint of step N (after the
