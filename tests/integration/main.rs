@@ -18,6 +18,7 @@ mod launchers;
 mod multinode;
 mod plots;
 mod reference_models;
+mod resume;
 mod slurm;
 mod tensorboard;
 mod tiers;
