@@ -246,7 +246,7 @@ fn derive_master_port(
     // Lightning's rule for numeric ids (the last four digits); a hash for other ids.
     let offset = match id.parse::<u64>() {
         Ok(n) => n % 10_000,
-        Err(_) => fnv1a(id) % 10_000,
+        Err(_) => crate::hash::fnv1a64(id.as_bytes()) % 10_000,
     };
     let port = 15_000 + offset as u16;
     Some((port, format!("15000 + {var}={id} mod 10000")))
@@ -273,13 +273,6 @@ fn launcher_job(lookup: &impl Fn(&str) -> Option<String>, launcher: Launcher) ->
             .filter(|id| id != "none")
             .map(|id| format!("torchrun-{id}")),
     }
-}
-
-/// FNV-1a: stable across runs, platforms and Rust versions (std's hasher is not).
-fn fnv1a(text: &str) -> u64 {
-    text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 /// Environment variable that turns shared memory between same-host ring neighbours off (`0`).

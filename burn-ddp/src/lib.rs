@@ -10,6 +10,8 @@
 //! | [`group`] | the [`group::ProcessGroup`] trait and its conformance suite; the rendezvous and stall reporter every group shares; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
+//! | [`rng`] | [`rng::SplitMix64`], the one random generator: sample orders, splits, synthetic data (platform-stable) |
+//! | [`hash`] | [`hash::fnv1a64`], the one hash: checkpoint checksums, config fingerprints, replica checksums |
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
 //! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
@@ -32,11 +34,13 @@ pub mod ddp;
 pub mod env;
 pub mod error;
 pub mod group;
+pub mod hash;
 pub mod hostlist;
 pub mod init;
 pub mod kernels;
 #[cfg(feature = "burn-train")]
 pub mod learner;
+pub mod rng;
 pub mod sampler;
 pub mod store;
 pub mod testing;

@@ -26,60 +26,7 @@
 //! (ranks may get one sample more than others); metrics must then be summed with their real
 //! counts, not averaged per rank — padded duplicates would otherwise skew them.
 
-/// splitmix64 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014).
-/// Written out rather than taken from a crate because sample orders, the train/validation split
-/// and synthetic data are part of the checkpoint contract: they must be identical on every rank,
-/// platform and version of this project, and `rand`'s generators and sampling algorithms are not
-/// guaranteed stable across releases.
-#[derive(Debug, Clone)]
-pub struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    pub fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..bound` without modulo bias (Lemire's multiply-shift with rejection).
-    /// `bound` must be positive.
-    pub fn below(&mut self, bound: u64) -> u64 {
-        let threshold = bound.wrapping_neg() % bound;
-        loop {
-            let product = u128::from(self.next_u64()) * u128::from(bound);
-            if (product as u64) >= threshold {
-                return (product >> 64) as u64;
-            }
-        }
-    }
-
-    /// Uniform in `[0, 1)` from the top 53 bits.
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Uniform in `[0, 1)` from the top 24 bits (all an `f32` mantissa holds).
-    pub fn next_f32(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u32 << 24) as f32
-    }
-
-    /// Fisher–Yates shuffle.
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            // i + 1 <= items.len() fits in u64, and the result is <= i.
-            let j = self.below(i as u64 + 1) as usize;
-            items.swap(i, j);
-        }
-    }
-}
+use crate::rng::SplitMix64;
 
 /// A Fisher–Yates permutation of `0..len` seeded by `seed`.
 pub fn permutation(len: usize, seed: u64) -> Vec<usize> {

@@ -128,7 +128,6 @@ mod error;
 mod mlp;
 mod registry;
 mod regression;
-mod rng;
 mod text;
 
 pub use classifier::{classification_output, DigitsModel, FeaturesBatch, DIGITS_MODEL_NAMES};

@@ -11,8 +11,8 @@ use burn::train::{InferenceStep, RegressionOutput, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
 
 use crate::registry::draw_params;
-use crate::rng::SplitMix64;
 use crate::{check_dropout, oversized_layer, CheckError};
+use burn_ddp::rng::SplitMix64;
 
 /// Configuration of a [`RegressionModel`].
 ///

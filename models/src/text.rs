@@ -14,8 +14,8 @@ use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
 
 use crate::registry::draw_params;
-use crate::rng::SplitMix64;
 use crate::{check_dropout, oversized_layer, CheckError, DatasetError};
+use burn_ddp::rng::SplitMix64;
 
 /// Configuration of a [`TextClassifier`].
 ///
@@ -439,20 +439,20 @@ impl Dataset<TextItem> for SyntheticText {
         }
         // `usize` is at most 64 bits wide: lossless.
         let mut rng = SplitMix64::stream(self.seed, index as u64);
-        let len = self.min_len + rng.below(self.max_len - self.min_len + 1);
-        let (favoured, other) = if rng.below(2) == 1 { (2, 3) } else { (3, 2) };
+        let len = self.min_len + rng.index(self.max_len - self.min_len + 1);
+        let (favoured, other) = if rng.index(2) == 1 { (2, 3) } else { (3, 2) };
         let others = self.vocab_size - 4;
         let (p_favoured, p_other) = if others == 0 { (0.7, 1.0) } else { (0.35, 0.5) };
         let mut tokens: Vec<u32> = (0..len)
             .map(|_| {
-                let u = rng.unit_f32();
+                let u = rng.next_f32();
                 if u < p_favoured {
                     favoured
                 } else if u < p_other {
                     other
                 } else {
                     // `others` is a u32, and below() returns less than it.
-                    4 + rng.below(others as usize) as u32
+                    4 + rng.index(others as usize) as u32
                 }
             })
             .collect();

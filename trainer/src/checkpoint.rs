@@ -75,13 +75,10 @@ pub struct CheckpointMismatch {
     pub reason: String,
 }
 
-/// FNV-1a 64: a fast, dependency-free detector of flipped bytes and truncation (not a defence
-/// against tampering).
+/// A file's checksum in the manifest: FNV-1a 64, a detector of flipped bytes and truncation
+/// (not a defence against tampering).
 fn checksum(bytes: &[u8]) -> String {
-    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    format!("{h:016x}")
+    burn_ddp::hash::fnv1a64_hex(bytes)
 }
 
 fn step_dir_name(step: usize) -> String {

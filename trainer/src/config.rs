@@ -369,12 +369,9 @@ impl Default for OutputConfig {
     }
 }
 
-/// FNV-1a as hex: stable across runs, platforms and Rust versions (std's hasher is not).
+/// A fingerprint as hex: stable across runs, platforms and Rust versions (std's hasher is not).
 fn fnv_hex(text: &str) -> String {
-    let hash = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    format!("{hash:016x}")
+    burn_ddp::hash::fnv1a64_hex(text.as_bytes())
 }
 
 /// A configuration problem: the user must fix the file (exit code 2).

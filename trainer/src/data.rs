@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::prelude::*;
-use burn_ddp::sampler::SplitMix64;
+use burn_ddp::rng::SplitMix64;
 use flate2::read::MultiGzDecoder;
 
 /// Height and width of a digits image.
@@ -254,7 +254,7 @@ pub fn synthetic(
     let mut rng = SplitMix64::new(seed);
     // projection[f * classes + c]: weight of feature f for class c, in [-1, 1).
     let projection: Vec<f32> = (0..features * classes)
-        .map(|_| 2.0 * rng.next_f32() - 1.0)
+        .map(|_| rng.symmetric_f32())
         .collect();
     (0..samples)
         .map(|_| {

@@ -40,10 +40,12 @@ pub fn prepare_module<B: Backend, M: Module<B>, G: ProcessGroup>(
 pub fn param_checksum<B: Backend, M: Module<B>>(module: &M) -> u64 {
     let mut values = Vec::new();
     read_floats(module, &mut values, in_order());
-    // FNV-1a over the f32 bit patterns: cheap, order-sensitive, and exact (no float tolerance).
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    // A hash of the f32 bit patterns: cheap, order-sensitive, and exact (no float tolerance).
+    let mut hash = crate::hash::Fnv1a64::new();
+    for v in &values {
+        hash.write(&v.to_bits().to_le_bytes());
+    }
+    hash.finish()
 }
 
 struct AssignIds {

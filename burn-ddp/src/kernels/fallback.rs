@@ -211,31 +211,8 @@ pub(crate) mod conformance {
 
     use super::*;
 
-    /// A small deterministic generator (SplitMix64), so failures replay exactly.
-    pub struct SplitMix64(u64);
-
-    impl SplitMix64 {
-        pub fn new(seed: u64) -> Self {
-            Self(seed)
-        }
-
-        pub fn next_u64(&mut self) -> u64 {
-            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = self.0;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        }
-
-        /// Uniform in [-1, 1), with 24 random bits (an exact f32).
-        pub fn next_f32(&mut self) -> f32 {
-            ((self.next_u64() >> 40) as f32 / (1u64 << 23) as f32) - 1.0
-        }
-
-        pub fn below(&mut self, n: usize) -> usize {
-            (self.next_u64() % n as u64) as usize
-        }
-    }
+    /// The tests' seeded generator, so failures replay exactly.
+    pub use crate::rng::SplitMix64;
 
     /// The shapes of the tests: empty, size 1, odd sizes, 1-D to 3-D, one large.
     pub fn shapes() -> Vec<Shape> {
@@ -262,12 +239,12 @@ pub(crate) mod conformance {
     pub fn random_shapes(rng: &mut SplitMix64, count: usize) -> Vec<Shape> {
         let all = shapes();
         (0..count)
-            .map(|_| all[rng.below(all.len())].clone())
+            .map(|_| all[rng.index(all.len())].clone())
             .collect()
     }
 
     pub fn random_values(rng: &mut SplitMix64, len: usize) -> Vec<f32> {
-        (0..len).map(|_| rng.next_f32()).collect()
+        (0..len).map(|_| rng.symmetric_f32()).collect()
     }
 
     pub fn float_tensor<B: Backend>(
@@ -514,7 +491,7 @@ pub(crate) mod conformance {
             (0..20_000)
                 .map(|i| {
                     let exponent = [-26, -25, -24, -15, -14, -13, 15, 16][i % 8];
-                    (1.0 + rng.next_f32()) * 2f32.powi(exponent)
+                    (1.0 + rng.symmetric_f32()) * 2f32.powi(exponent)
                 })
                 .collect(),
         );

@@ -269,10 +269,10 @@ mod tests {
             let b: Vec<u16> = (0..n).map(|_| rng.next_u64() as u16).collect();
             check_sums(format, &a, &b);
             let a: Vec<u16> = (0..n)
-                .map(|_| reference::round(format, rng.next_f32() * 1e-3))
+                .map(|_| reference::round(format, rng.symmetric_f32() * 1e-3))
                 .collect();
             let b: Vec<u16> = (0..n)
-                .map(|_| reference::round(format, rng.next_f32() * 1e-3))
+                .map(|_| reference::round(format, rng.symmetric_f32() * 1e-3))
                 .collect();
             check_sums(format, &a, &b);
             for len in [0, 1, CHUNK - 1, CHUNK + 1] {

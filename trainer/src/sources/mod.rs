@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use burn::data::dataset::transform::SelectionDataset;
 use burn::data::dataset::Dataset;
-use burn_ddp::sampler::SplitMix64;
+use burn_ddp::rng::SplitMix64;
 
 pub use error::{Place, SourceError};
 
