@@ -22,6 +22,7 @@
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
 //! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
 //! | [`metrics`] | burn-train metrics summed across ranks with counts, progress bar, metrics file |
+//! | [`record`] | the records of `metrics.jsonl` (the schema TensorBoard files and charts read back) |
 //! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`), like torchrun |
 //! | [`launch_plan`] | the launcher's pure decisions: ranks, each rank's environment, threads, port |
 //! | [`worker_env`] | the launcher ↔ worker contract: every environment variable and rendezvous key |
@@ -70,6 +71,7 @@ pub mod plan;
 pub mod plot;
 pub mod preflight;
 pub mod ranklog;
+pub mod record;
 pub mod run;
 pub mod schedule;
 pub mod sources;

@@ -15,7 +15,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 
-use crate::metrics::Record;
+use crate::record::Record;
 use crate::timing::Phase;
 
 /// `tensorflow.Event`, the fields used for scalars.

@@ -2,6 +2,8 @@
 //!
 //! - [`ProcessGroup`]: the trait (PyTorch's `ProcessGroup`): all-reduce, broadcast, all-gather,
 //!   reduce-scatter and barrier over host buffers.
+//! - [`call`]: one collective call's description (operation, element type, kind, sequence
+//!   number), shared with the errors that name it.
 //! - [`ring`]: the pure plan of the bandwidth-optimal ring algorithms (which chunk goes where at
 //!   each step); no I/O, tested by simulation.
 //! - [`wire`]: the pure encoding of the ring's hello and per-collective header.
@@ -24,6 +26,7 @@
 //! The contract every collective shares (same calls in the same order on every rank, deadline,
 //! abort on error, identical results) is stated once, on [`ProcessGroup`].
 
+pub mod call;
 #[cfg(test)]
 mod conformance;
 #[cfg(feature = "cuda")]
@@ -40,57 +43,11 @@ pub mod wire;
 
 use std::fmt;
 
+pub use call::{CollectiveDesc, CollectiveKind, DataType, ReduceOp};
 pub use staging::PieceStaging;
 pub use tcp::{TcpGroupOptions, TcpProcessGroup};
 
 use crate::error::CollectiveError;
-
-/// How values from different ranks are combined.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    Sum,
-    /// The sum divided by the world size (integer division for integer types).
-    Avg,
-    Max,
-    Min,
-}
-
-/// The element type of a buffer, carried in every collective's header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DataType {
-    F32,
-    F64,
-    I32,
-    I64,
-    U8,
-    /// bfloat16 ([`half::bf16`]): compressed gradient buckets.
-    BF16,
-    /// IEEE half precision ([`half::f16`]): compressed gradient buckets.
-    F16,
-}
-
-impl DataType {
-    /// Bytes per element.
-    pub const fn size(self) -> usize {
-        match self {
-            Self::U8 => 1,
-            Self::BF16 | Self::F16 => 2,
-            Self::F32 | Self::I32 => 4,
-            Self::F64 | Self::I64 => 8,
-        }
-    }
-
-    /// Every data type, for tests and tables.
-    pub const ALL: [DataType; 7] = [
-        Self::F32,
-        Self::F64,
-        Self::I32,
-        Self::I64,
-        Self::U8,
-        Self::BF16,
-        Self::F16,
-    ];
-}
 
 /// A type that collectives can move and reduce: plain old data with a reduction.
 pub trait Element: bytemuck::Pod + Send + Sync + PartialOrd + fmt::Debug {
@@ -170,58 +127,6 @@ element!(half::bf16, BF16, sum: |a, b| a + b, div: |x, n| half::bf16::from_f32(x
     sum_slices: crate::kernels::HalfFormat::Bf16);
 element!(half::f16, F16, sum: |a, b| a + b, div: |x, n| half::f16::from_f32(x.to_f32() / n as f32),
     sum_slices: crate::kernels::HalfFormat::F16);
-
-/// Which collective, with the arguments that must agree across ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CollectiveKind {
-    AllReduce(ReduceOp),
-    Broadcast {
-        root: usize,
-    },
-    AllGather,
-    ReduceScatter(ReduceOp),
-    /// Blocks of different sizes; `layout` is a fingerprint of the block sizes, which must
-    /// agree across ranks like the length does.
-    ReduceScatterV {
-        op: ReduceOp,
-        layout: u32,
-    },
-    AllGatherV {
-        layout: u32,
-    },
-    Barrier,
-}
-
-/// One call of a collective, as checked across ranks and named in errors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CollectiveDesc {
-    /// The call's number in this group, counted from 0 on every rank.
-    pub seq: u64,
-    pub kind: CollectiveKind,
-    pub dtype: DataType,
-    /// Elements per rank (the output length of reduce-scatter, the input of all-gather).
-    pub len: u64,
-}
-
-impl fmt::Display for CollectiveDesc {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let dtype = format!("{:?}", self.dtype).to_lowercase();
-        match self.kind {
-            CollectiveKind::AllReduce(op) => write!(f, "all_reduce({op:?}, ")?,
-            CollectiveKind::Broadcast { root } => write!(f, "broadcast(root {root}, ")?,
-            CollectiveKind::AllGather => write!(f, "all_gather(")?,
-            CollectiveKind::ReduceScatter(op) => write!(f, "reduce_scatter({op:?}, ")?,
-            CollectiveKind::ReduceScatterV { op, layout } => {
-                write!(f, "reduce_scatter_v({op:?}, blocks {layout:08x}, ")?
-            }
-            CollectiveKind::AllGatherV { layout } => {
-                write!(f, "all_gather_v(blocks {layout:08x}, ")?
-            }
-            CollectiveKind::Barrier => return write!(f, "barrier #{}", self.seq),
-        }
-        write!(f, "{dtype}, {} elements) #{}", self.len, self.seq)
-    }
-}
 
 /// Argument checks every backend makes before a collective; `Some(message)` when the call is
 /// wrong on this rank alone (pure).
@@ -581,15 +486,15 @@ pub trait ProcessGroup {
     }
 }
 
-/// A 32-bit FNV-1a fingerprint of uneven block sizes, carried in the call's header so that
-/// ranks with different layouts fail with a mismatch instead of exchanging wrong ranges.
+/// A 32-bit fingerprint of uneven block sizes (the low half of their FNV-1a 64), carried in
+/// the call's header so that ranks with different layouts fail with a mismatch instead of
+/// exchanging wrong ranges.
 pub fn layout_fingerprint(counts: &[usize]) -> u32 {
-    counts
-        .iter()
-        .flat_map(|&n| (n as u64).to_le_bytes())
-        .fold(0x811c_9dc5u32, |h, b| {
-            (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
-        })
+    let mut hash = crate::hash::Fnv1a64::new();
+    for &n in counts {
+        hash.write(&(n as u64).to_le_bytes());
+    }
+    hash.finish() as u32
 }
 
 /// Runs `call` on `group` with its argument checks.

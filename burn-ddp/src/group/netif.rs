@@ -20,15 +20,19 @@ pub fn interface_of(ip: IpAddr) -> Option<String> {
         // to a sockaddr whose family says which concrete type it is.
         let entry = unsafe { &*node };
         if !entry.ifa_addr.is_null() && !entry.ifa_name.is_null() {
+            // SAFETY: `ifa_addr` is non-null (checked above) and points to a sockaddr owned by
+            // the list; every sockaddr starts with its family field.
             let family = unsafe { (*entry.ifa_addr).sa_family } as libc::c_int;
             let addr = match family {
                 libc::AF_INET => {
+                    // SAFETY: the family is AF_INET, so the sockaddr is a sockaddr_in.
                     let sin = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in) };
                     Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
                         sin.sin_addr.s_addr,
                     ))))
                 }
                 libc::AF_INET6 => {
+                    // SAFETY: the family is AF_INET6, so the sockaddr is a sockaddr_in6.
                     let sin6 = unsafe { &*(entry.ifa_addr as *const libc::sockaddr_in6) };
                     Some(IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr)))
                 }

@@ -1,6 +1,6 @@
 //! The lines of `metrics.jsonl`, read leniently (pure: text in, records out).
 //!
-//! The file is written by [`crate::metrics::Record`]; older files lack the `start` and `finish`
+//! The file is written by [`crate::record::Record`]; older files lack the `start` and `finish`
 //! lines and the `time` of `train` lines, so every field not needed to place a point is
 //! optional here, unknown fields are ignored, and lines of unknown kinds (`finish`, kinds added
 //! later) are skipped. A `null` metric value (a NaN when written) reads as `None`.
