@@ -11,12 +11,20 @@
 //!    across ranks once, and calls [`TrainStep::optimize`]; then validation on every
 //!    validation sample exactly once, and a checkpoint — as the [`StepPlan`] says.
 //!
+//! In code, step 3 is `restore` and step 4 is `Training`, one named step each:
+//! `set_up` (sampler, plan, schedule, metrics file) → per epoch `train_epoch`: for each
+//! optimizer step `optimizer_step` (`accumulate` the micro-batches, `apply_gradients` across
+//! the ranks, buffers made equal) and `after_step` (metrics line, replica check, checkpoint);
+//! then `end_of_epoch` (validation, checkpoint) → `finish` (time report, final checkpoint
+//! and validation).
+//!
 //! No `cfg(feature)` here: backends and their gradient paths live in [`crate::backend`].
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
@@ -36,7 +44,7 @@ use burn_ddp::ddp::zero::StateMap;
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::Distributed;
 
-use crate::app::{App, AppError, Datasets, Learn, TrainSynced};
+use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
 use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
@@ -48,6 +56,7 @@ use crate::parallel::{CheckpointPolicy, DataParallel};
 use crate::plan::{PlanInput, StepPlan};
 use crate::preflight::preflight;
 use crate::schedule::Schedule;
+use crate::throughput::ThroughputWindow;
 use crate::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// `--config FILE` as one rank (or the only process): train app `A`.
@@ -285,7 +294,8 @@ fn with_optimizer<A: Learn<B>, B: TrainBackend>(
     }
 }
 
-/// The loop itself (module docs, steps 3 and 4).
+/// The loop itself (module docs, steps 3 and 4): restore, set up, then each epoch's optimizer
+/// steps and its end, as the [`StepPlan`] says; then the finish.
 fn fit<A, B, O, R>(job: &mut Job<A, B>, model: A::Model, optim: O) -> anyhow::Result<Summary>
 where
     A: Learn<B>,
@@ -293,332 +303,503 @@ where
     O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
     R: BurnRecord<B>,
 {
-    let t = job.config.training.clone();
-    let (rank, world) = (job.rank(), job.world_size());
+    let (mut model, optim, restored) = restore::<A, B, O, R>(job, model, optim)?;
+    let mut training = Training::set_up(job, optim, restored.as_ref())?;
+    while training.plan.more_after(training.position) {
+        model = training.train_epoch(model)?;
+    }
+    training.finish(&model)
+}
 
-    // Restore, then make the replicas equal.
+/// Loads the newest checkpoint, if resuming, then makes the replicas equal (rank 0's weights,
+/// deterministic parameter ids) and keeps this rank's optimizer state. Collective.
+fn restore<A, B, O, R>(
+    job: &mut Job<A, B>,
+    model: A::Model,
+    optim: O,
+) -> anyhow::Result<(A::Model, O, Option<Checkpoint>)>
+where
+    A: Learn<B>,
+    B: TrainBackend,
+    O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
+    R: BurnRecord<B>,
+{
     let restored = job.find_checkpoint()?;
     let mut model = model;
     let mut optim = optim;
-    let mut position = TrainPosition::default();
     if let Some(ckpt) = &restored {
         model = checkpoint::load_model::<B, A::Model>(ckpt, model)?;
-        position = ckpt.manifest.position;
     }
-    let mut model = job.ddp.prepare(model)?;
+    let model = job.ddp.prepare(model)?;
     if let Some(ckpt) = &restored {
         optim = checkpoint::load_optimizer::<B, A::Model, O>(ckpt, optim, &job.device)?;
         // A checkpoint holds every parameter's state; under ZeRO stage 1 keep this rank's.
         optim = job.ddp.keep_owned_state(&model, optim);
+        let position = ckpt.manifest.position;
         tracing::info!(
-            "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {world})",
+            "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {})",
             ckpt.dir.display(),
             position.epoch,
             position.consumed,
             position.step,
-            ckpt.manifest.world_size
+            ckpt.manifest.world_size,
+            job.world_size()
         );
     }
+    Ok((model, optim, restored))
+}
 
-    let train = job.data.train.clone();
-    let train_len = train.len();
-    let weights = if t.balance_classes {
-        let w = job.app.sample_weights(&*train).ok_or_else(|| {
-            UsageError(
-                "training.balance_classes = true, but this app gives no per-sample weights (App::sample_weights)".into(),
-            )
-        })?;
-        Some(w)
-    } else {
-        None
-    };
-    let sampler = EpochSampler::new(train_len, &t, world, rank, weights)?;
-    let plan = StepPlan::new(
-        PlanInput {
-            train_len,
-            world_size: world,
-            batch_size: t.batch_size,
-            accumulation_steps: t.accumulation_steps,
-            epochs: t.epochs,
-            max_steps: t.max_steps,
-            log_every: t.log_every,
-            checkpoint_every_steps: job.config.checkpoint.every_steps,
-            checkpoint_every_epochs: job.config.checkpoint.every_epochs,
-            check_replicas_every: t.check_replicas_every,
-        },
-        position,
-        sampler.samples(0, 0).len(),
-        sampler
-            .samples(position.epoch as u64, position.consumed)
-            .len(),
-    );
-    let total_steps = plan.total_steps;
-    let mut schedule = Schedule::new(&job.config.optimizer, world, total_steps)?;
-    if let Some(ckpt) = &restored {
-        schedule = schedule
-            .load_bytes::<B>(checkpoint::scheduler_bytes(ckpt)?, &job.device)
-            .map_err(|reason| checkpoint::CheckpointMismatch {
-                dir: ckpt.dir.clone(),
-                reason,
-            })?;
-    }
-    let (train_batcher, valid_batcher) = job.app.batchers(&job.config.model, &job.config.data);
-    let mut train_metrics = job.app.train_metrics();
-    let mut valid_metrics = job.app.valid_metrics();
-    let mut reporter = Reporter::new(
-        rank,
-        &job.config.output.dir,
-        total_steps as u64,
-        position.step as u64,
-    )?;
-    if job.config.output.tensorboard {
-        reporter = reporter.with_tensorboard(&job.config.output.dir.join("tensorboard"))?;
-    }
-    let mut window = Window::new();
-    // Each micro-batch's output with its number of samples, until the next log line.
-    let mut pending: Vec<(TrainSynced<A, B>, usize)> = Vec::new();
-    let mut unsynced: Vec<(<A::Model as TrainStep>::Output, usize)> = Vec::new();
-    let mut last_saved = restored.as_ref().map(|c| c.manifest.position.step);
-    let mut last_valid: Option<Validation> = None;
-    let mut lr = 0.0;
-    let mut skipped = 0;
-    reporter.record(&Record::Start {
-        step: position.step,
-        epoch: position.epoch,
-        world_size: world,
-        resumed_from: restored.as_ref().map(|c| c.manifest.position.step),
-        restart: fault_injection::restart_count(),
-        unix_time: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0.0, |d| d.as_secs_f64()),
-    });
-    let slow_step = fault_injection::slow_step_if_asked(rank);
-    let mut clock = PhaseClock::new();
+/// The state of one rank's training between its named steps (see [`fit`]).
+struct Training<'j, A: Learn<B>, B: TrainBackend, O> {
+    job: &'j mut Job<A, B>,
+    optim: O,
+    schedule: Schedule,
+    plan: StepPlan,
+    sampler: EpochSampler,
+    train: Arc<dyn Dataset<A::Item>>,
+    train_batcher: A::TrainBatcher,
+    valid_batcher: A::ValidBatcher,
+    train_metrics: Metrics<TrainSynced<A, B>>,
+    valid_metrics: Metrics<ValidSynced<A, B>>,
+    reporter: Reporter,
+    window: ThroughputWindow,
+    clock: PhaseClock,
+    /// Each micro-batch's output with its number of samples, until the next log line.
+    pending: Vec<(TrainSynced<A, B>, usize)>,
+    unsynced: Vec<(<A::Model as TrainStep>::Output, usize)>,
+    position: TrainPosition,
+    last_saved: Option<usize>,
+    last_valid: Option<Validation>,
+    lr: f64,
+    skipped: usize,
+    slow_step: Option<Duration>,
+}
 
-    while plan.more_after(position) {
-        let samples = sampler.samples(position.epoch as u64, position.consumed);
-        let epoch_start = position.consumed;
+impl<'j, A, B, O, R> Training<'j, A, B, O>
+where
+    A: Learn<B>,
+    B: TrainBackend,
+    O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
+    R: BurnRecord<B>,
+{
+    /// The sampler, the step plan from the restored position, the schedule (restored), the
+    /// batchers, metrics and the metrics file with its `start` line.
+    fn set_up(
+        job: &'j mut Job<A, B>,
+        optim: O,
+        restored: Option<&Checkpoint>,
+    ) -> anyhow::Result<Self> {
+        let t = job.config.training.clone();
+        let (rank, world) = (job.rank(), job.world_size());
+        let position = restored.map_or_else(TrainPosition::default, |c| c.manifest.position);
+        let train = job.data.train.clone();
+        let sampler = EpochSampler::for_job(job, &*train)?;
+        let plan = StepPlan::new(
+            PlanInput {
+                train_len: train.len(),
+                world_size: world,
+                batch_size: t.batch_size,
+                accumulation_steps: t.accumulation_steps,
+                epochs: t.epochs,
+                max_steps: t.max_steps,
+                log_every: t.log_every,
+                checkpoint_every_steps: job.config.checkpoint.every_steps,
+                checkpoint_every_epochs: job.config.checkpoint.every_epochs,
+                check_replicas_every: t.check_replicas_every,
+            },
+            position,
+            sampler.samples(0, 0).len(),
+            sampler
+                .samples(position.epoch as u64, position.consumed)
+                .len(),
+        );
+        let mut schedule = Schedule::new(&job.config.optimizer, world, plan.total_steps)?;
+        if let Some(ckpt) = restored {
+            schedule = schedule
+                .load_bytes::<B>(checkpoint::scheduler_bytes(ckpt)?, &job.device)
+                .map_err(|reason| checkpoint::CheckpointMismatch {
+                    dir: ckpt.dir.clone(),
+                    reason,
+                })?;
+        }
+        let (train_batcher, valid_batcher) = job.app.batchers(&job.config.model, &job.config.data);
+        let resumed_from = restored.map(|c| c.manifest.position.step);
+        let reporter = open_reporter(job, plan.total_steps, position, resumed_from)?;
+        Ok(Self {
+            train_metrics: job.app.train_metrics(),
+            valid_metrics: job.app.valid_metrics(),
+            job,
+            optim,
+            schedule,
+            plan,
+            sampler,
+            train,
+            train_batcher,
+            valid_batcher,
+            reporter,
+            window: ThroughputWindow::new(),
+            clock: PhaseClock::new(),
+            pending: Vec::new(),
+            unsynced: Vec::new(),
+            position,
+            last_saved: resumed_from,
+            last_valid: None,
+            lr: 0.0,
+            skipped: 0,
+            slow_step: fault_injection::slow_step_if_asked(rank),
+        })
+    }
+
+    /// The rest of the current epoch: its optimizer steps (until the plan's last step), then
+    /// its end if every sample of it was consumed.
+    fn train_epoch(&mut self, mut model: A::Model) -> anyhow::Result<A::Model> {
+        let samples = self
+            .sampler
+            .samples(self.position.epoch as u64, self.position.consumed);
+        let epoch_start = self.position.consumed;
         // Each optimizer step's micro-batches, as lists of data-set indices, for the loader.
-        let steps: Vec<&[Sample]> = samples.chunks(plan.per_step).collect();
+        let steps: Vec<&[Sample]> = samples.chunks(self.plan.per_step).collect();
         let micro_indices: Vec<Vec<usize>> = steps
             .iter()
-            .flat_map(|step| plan.micro_batches(step))
+            .flat_map(|step| self.plan.micro_batches(step))
             .map(|(micro, _)| micro.iter().map(|s| s.index).collect())
             .collect();
-        let mut batches = BatchStream::new(train.clone(), micro_indices, t.num_workers);
+        let num_workers = self.job.config.training.num_workers;
+        let mut batches = BatchStream::new(self.train.clone(), micro_indices, num_workers);
         for (k, step_samples) in steps.iter().enumerate() {
-            // Seeded per step, so dropout masks are the same in a resumed run.
-            B::seed(&job.device, t.seed.wrapping_add(position.step as u64 + 1));
-            let mut accumulator = GradientsAccumulator::<A::Model>::new();
-            for (micro, weight) in plan.micro_batches(step_samples) {
-                let micro_len = micro.len();
-                let batch = clock.time(Phase::Data, || {
-                    batches.next_batch(&train_batcher, &job.device)
-                })?;
-                let compute = Instant::now();
-                let output = model.step(batch);
-                let mut grads = output.grads;
-                if weight != 1.0 {
-                    // The step's gradient is the mean over its samples: each micro-batch's
-                    // mean loss counts by its share.
-                    scale_gradients::<B, A::Model>(&model, &mut grads, weight);
-                }
-                accumulator.accumulate(&model, grads);
-                unsynced.push((output.item, micro_len));
-                clock.add(Phase::Compute, compute.elapsed());
-            }
-            let compute = Instant::now();
-            if let Some(extra) = slow_step {
-                std::thread::sleep(extra);
-            }
-            // On an asynchronous device the backward is still queued: wait for it here, so
-            // that its time counts as compute, not as gradient communication (the sync needs
-            // the gradients next anyway).
-            B::sync(&job.device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
-            clock.add(Phase::Compute, compute.elapsed());
-            let mut grads = accumulator.grads();
-            let check = clock.time(Phase::Sync, || job.ddp.sync_gradients(&model, &mut grads))?;
-            lr = schedule.next_lr();
-            if check.all_finite() {
-                let optimize = Instant::now();
-                model = model.optimize(&mut optim, lr, grads);
-                clock.add(Phase::Optimizer, optimize.elapsed());
-                // ZeRO stage 1: each rank stepped its own parameters; exchange them.
-                model = clock.time(Phase::Sync, || job.ddp.finish_step(model))?;
-            } else {
-                // Every rank has the same verdict: all stop, or all skip, together.
-                let failed = NonFiniteGradients {
-                    step: position.step + 1,
-                    ranks: check.nonfinite_ranks,
-                    last_checkpoint: last_saved,
-                };
-                match t.on_nonfinite {
-                    OnNonFinite::Stop => return Err(failed.into()),
-                    OnNonFinite::Skip => {
-                        skipped += 1;
-                        tracing::warn!("{failed}; skipped (training.on_nonfinite = \"skip\")");
-                    }
-                }
-            }
-
-            // Every rank's forward passes updated its own BatchNorm statistics: make them equal.
-            model = clock.time(Phase::Sync, || job.ddp.sync_buffers(model))?;
-
-            position = plan.after_step(position, epoch_start, k);
-            clock.end_step();
-            window.add(step_samples.len() * world);
-            if job.config.output.log_samples {
-                log_samples(&job.config.output.dir, rank, position.epoch, step_samples)?;
-            }
-            if plan.log_after(position.step) {
-                // Device-to-host reads of the outputs happen here, not every micro-batch.
-                pending.extend(unsynced.drain(..).map(|(item, n)| (item.sync(), n)));
-                let progress = || Progress {
-                    items_processed: position.consumed,
-                    items_total: train_len,
-                };
-                for (item, n) in pending.drain(..) {
-                    train_metrics.update(&item, n, progress(), position.step, Some(lr));
-                }
-                let values = job.ddp.metrics(&mut train_metrics)?;
-                let rate = window.rate();
-                let (time, _) = across_ranks(&mut job.ddp, clock.take_window())?;
-                reporter.record(&Record::Train {
-                    epoch: position.epoch,
-                    step: position.step,
-                    lr,
-                    samples_per_sec: rate,
-                    world_size: world,
-                    metrics: metrics::as_map(&values),
-                    time,
-                });
-                reporter.progress(
-                    position.step as u64,
-                    format!(
-                        "epoch {} {} {:.0} samples/s",
-                        position.epoch + 1,
-                        metrics::describe(&values),
-                        rate
-                    ),
-                );
-                window = Window::new();
-            }
-            if plan.check_replicas_after(position.step) {
-                job.ddp.check_replicas(&model, position.step)?;
-            }
-            if plan.checkpoint_after_step(position.step) {
-                let saving = Instant::now();
-                job.save_checkpoint(position, &model, &optim, &schedule)?;
-                clock.add(Phase::Checkpoint, saving.elapsed());
-                last_saved = Some(position.step);
-            }
-            fault_injection::crash_after_step_if_asked(rank, position.step);
-            fault_injection::stall_if_asked(rank, position.step);
-            if position.step >= total_steps {
+            model = self.optimizer_step(model, &mut batches, step_samples)?;
+            self.position = self.plan.after_step(self.position, epoch_start, k);
+            self.clock.end_step();
+            self.window.add(step_samples.len() * self.job.world_size());
+            self.after_step(&model, step_samples)?;
+            if self.position.step >= self.plan.total_steps {
                 break;
             }
         }
-        if plan.epoch_complete(position, samples.is_empty()) {
-            // The epoch is complete: validate, and checkpoint at the start of the next one.
-            position.epoch += 1;
-            position.consumed = 0;
-            let validating = Instant::now();
-            let v = validate::<A, B>(
-                job,
-                &model,
-                &valid_batcher,
-                &mut valid_metrics,
-                position.step,
-            )?;
-            // Validation is not part of any step: keep it out of the step times and the rate.
-            clock.exclude(validating.elapsed());
-            window.exclude(validating.elapsed());
-            if let Some(v) = &v {
-                record_validation(&mut reporter, position.epoch - 1, v);
-                reporter.say(&format!(
-                    "epoch {}/{}: validation {} ({} samples)",
-                    position.epoch,
-                    t.epochs,
-                    metrics::describe(&v.metrics),
-                    v.samples
-                ));
-            }
-            last_valid = v;
-            if plan.checkpoint_after_epoch(position.epoch) && last_saved != Some(position.step) {
-                let saving = Instant::now();
-                job.save_checkpoint(position, &model, &optim, &schedule)?;
-                clock.add(Phase::Checkpoint, saving.elapsed());
-                last_saved = Some(position.step);
-            }
+        if self.plan.epoch_complete(self.position, samples.is_empty()) {
+            self.end_of_epoch(&model)?;
         }
+        Ok(model)
     }
-    reporter.finish();
-    // The steps since the last log line count in the run's totals.
-    let _ = clock.take_window();
-    let time = if clock.run_steps() > 0 {
-        let (time, ranks) = across_ranks(&mut job.ddp, clock.run_means())?;
+
+    /// One optimizer step: its micro-batches' gradients accumulated, averaged across the
+    /// ranks, applied (or skipped when non-finite), and the buffers made equal. Collective.
+    fn optimizer_step(
+        &mut self,
+        model: A::Model,
+        batches: &mut BatchStream<A::Item>,
+        step_samples: &[Sample],
+    ) -> anyhow::Result<A::Model> {
+        // Seeded per step, so dropout masks are the same in a resumed run.
+        let seed = self.job.config.training.seed;
+        B::seed(
+            &self.job.device,
+            seed.wrapping_add(self.position.step as u64 + 1),
+        );
+        let grads = self.accumulate(&model, batches, step_samples)?;
+        let model = self.apply_gradients(model, grads)?;
+        // Every rank's forward passes updated its own BatchNorm statistics: make them equal.
+        let job = &mut *self.job;
+        self.clock.time(Phase::Sync, || job.ddp.sync_buffers(model))
+    }
+
+    /// Forward and backward of each micro-batch of the step, each weighted by its share of the
+    /// step's samples (the step's gradient is the mean over its samples); waits for the device.
+    fn accumulate(
+        &mut self,
+        model: &A::Model,
+        batches: &mut BatchStream<A::Item>,
+        step_samples: &[Sample],
+    ) -> anyhow::Result<GradientsParams> {
+        let mut accumulator = GradientsAccumulator::<A::Model>::new();
+        for (micro, weight) in self.plan.micro_batches(step_samples) {
+            let (batcher, device) = (&self.train_batcher, &self.job.device);
+            let batch = self
+                .clock
+                .time(Phase::Data, || batches.next_batch(batcher, device))?;
+            let compute = Instant::now();
+            let output = model.step(batch);
+            let mut grads = output.grads;
+            if weight != 1.0 {
+                // Each micro-batch's mean loss counts by its share.
+                scale_gradients::<B, A::Model>(model, &mut grads, weight);
+            }
+            accumulator.accumulate(model, grads);
+            self.unsynced.push((output.item, micro.len()));
+            self.clock.add(Phase::Compute, compute.elapsed());
+        }
+        let compute = Instant::now();
+        if let Some(extra) = self.slow_step {
+            std::thread::sleep(extra);
+        }
+        // On an asynchronous device the backward is still queued: wait for it here, so that
+        // its time counts as compute, not as gradient communication (the sync needs the
+        // gradients next anyway).
+        B::sync(&self.job.device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+        self.clock.add(Phase::Compute, compute.elapsed());
+        Ok(accumulator.grads())
+    }
+
+    /// Averages the gradients across the ranks and takes the optimizer step with the
+    /// schedule's next rate — or, when some rank's gradients are not finite, stops or skips
+    /// the step on every rank alike (`training.on_nonfinite`). Collective.
+    fn apply_gradients(
+        &mut self,
+        model: A::Model,
+        mut grads: GradientsParams,
+    ) -> anyhow::Result<A::Model> {
+        let job = &mut *self.job;
+        let check = self
+            .clock
+            .time(Phase::Sync, || job.ddp.sync_gradients(&model, &mut grads))?;
+        self.lr = self.schedule.next_lr();
+        if !check.all_finite() {
+            // Every rank has the same verdict: all stop, or all skip, together.
+            let failed = NonFiniteGradients {
+                step: self.position.step + 1,
+                ranks: check.nonfinite_ranks,
+                last_checkpoint: self.last_saved,
+            };
+            return match self.job.config.training.on_nonfinite {
+                OnNonFinite::Stop => Err(failed.into()),
+                OnNonFinite::Skip => {
+                    self.skipped += 1;
+                    tracing::warn!("{failed}; skipped (training.on_nonfinite = \"skip\")");
+                    Ok(model)
+                }
+            };
+        }
+        let optimize = Instant::now();
+        let model = model.optimize(&mut self.optim, self.lr, grads);
+        self.clock.add(Phase::Optimizer, optimize.elapsed());
+        // ZeRO stage 1: each rank stepped its own parameters; exchange them.
+        let job = &mut *self.job;
+        self.clock.time(Phase::Sync, || job.ddp.finish_step(model))
+    }
+
+    /// What the plan asks for after an optimizer step: the sample log, a metrics line, a
+    /// replica check, a checkpoint; then the fault-injection hooks.
+    fn after_step(&mut self, model: &A::Model, step_samples: &[Sample]) -> anyhow::Result<()> {
+        let (rank, step) = (self.job.rank(), self.position.step);
+        if self.job.config.output.log_samples {
+            log_samples(
+                &self.job.config.output.dir,
+                rank,
+                self.position.epoch,
+                step_samples,
+            )?;
+        }
+        if self.plan.log_after(step) {
+            self.log_train()?;
+        }
+        if self.plan.check_replicas_after(step) {
+            self.job.ddp.check_replicas(model, step)?;
+        }
+        if self.plan.checkpoint_after_step(step) {
+            self.save_checkpoint(model)?;
+        }
+        fault_injection::crash_after_step_if_asked(rank, step);
+        fault_injection::stall_if_asked(rank, step);
+        Ok(())
+    }
+
+    /// A `train` line: the metrics of the steps since the last one over all ranks, the rate,
+    /// the step times. Collective. Device-to-host reads of the outputs happen here, not every
+    /// micro-batch.
+    fn log_train(&mut self) -> anyhow::Result<()> {
+        let position = self.position;
+        self.pending
+            .extend(self.unsynced.drain(..).map(|(item, n)| (item.sync(), n)));
+        let progress = Progress {
+            items_processed: position.consumed,
+            items_total: self.train.len(),
+        };
+        for (item, n) in self.pending.drain(..) {
+            self.train_metrics
+                .update(&item, n, progress.clone(), position.step, Some(self.lr));
+        }
+        let values = self.job.ddp.metrics(&mut self.train_metrics)?;
+        let rate = self.window.rate();
+        let (time, _) = across_ranks(&mut self.job.ddp, self.clock.take_window())?;
+        self.reporter.record(&Record::Train {
+            epoch: position.epoch,
+            step: position.step,
+            lr: self.lr,
+            samples_per_sec: rate,
+            world_size: self.job.world_size(),
+            metrics: metrics::as_map(&values),
+            time,
+        });
+        self.reporter.progress(
+            position.step as u64,
+            format!(
+                "epoch {} {} {:.0} samples/s",
+                position.epoch + 1,
+                metrics::describe(&values),
+                rate
+            ),
+        );
+        self.window = ThroughputWindow::new();
+        Ok(())
+    }
+
+    /// A complete epoch: the position moves to the next one, then validation (kept out of
+    /// the step times and the rate) and, as the plan says, a checkpoint. Collective.
+    fn end_of_epoch(&mut self, model: &A::Model) -> anyhow::Result<()> {
+        self.position.epoch += 1;
+        self.position.consumed = 0;
+        let validating = Instant::now();
+        let v = self.validate(model)?;
+        self.clock.exclude(validating.elapsed());
+        self.window.exclude(validating.elapsed());
+        if let Some(v) = &v {
+            record_validation(&mut self.reporter, self.position.epoch - 1, v);
+            self.reporter.say(&format!(
+                "epoch {}/{}: validation {} ({} samples)",
+                self.position.epoch,
+                self.job.config.training.epochs,
+                metrics::describe(&v.metrics),
+                v.samples
+            ));
+        }
+        self.last_valid = v;
+        if self.plan.checkpoint_after_epoch(self.position.epoch)
+            && self.last_saved != Some(self.position.step)
+        {
+            self.save_checkpoint(model)?;
+        }
+        Ok(())
+    }
+
+    /// The end of the run: where the time went (a `finish` line), the final checkpoint and
+    /// validation if the last step had none, the reducer's statistics. Collective.
+    fn finish(mut self, model: &A::Model) -> anyhow::Result<Summary> {
+        self.reporter.finish();
+        let time = self.time_report()?;
+        let position = self.position;
+        if self.last_saved != Some(position.step) {
+            self.save_checkpoint(model)?;
+        }
+        let validation = match self.last_valid.take() {
+            Some(v) if v.step == position.step => Some(v),
+            _ => {
+                // Stopped mid-epoch (max_steps): validate the final model too, and record it.
+                let v = self.validate(model)?;
+                if let Some(v) = &v {
+                    record_validation(&mut self.reporter, position.epoch, v);
+                }
+                v
+            }
+        };
+        self.write_reducer_stats()?;
+        Ok(Summary {
+            validation,
+            steps: position.step,
+            skipped_steps: self.skipped,
+            time,
+        })
+    }
+
+    /// The run's step times over the ranks, its peak memory and optimizer state per rank, as
+    /// a `finish` line; the report in words, `None` without steps. Collective.
+    fn time_report(&mut self) -> anyhow::Result<Option<String>> {
+        // The steps since the last log line count in the run's totals.
+        let _ = self.clock.take_window();
+        if self.clock.run_steps() == 0 {
+            return Ok(None);
+        }
+        let (time, ranks) = across_ranks(&mut self.job.ddp, self.clock.run_means())?;
         let report = time.describe(&ranks);
         let ours = [
             crate::memory::peak_resident_bytes().unwrap_or(0) as f64,
-            optim.to_record().len() as f64,
+            self.optim.to_record().len() as f64,
         ];
-        let all = job.ddp.all_gather(&ours)?;
-        reporter.record(&Record::Finish {
-            step: position.step,
-            world_size: world,
+        let all = self.job.ddp.all_gather(&ours)?;
+        self.reporter.record(&Record::Finish {
+            step: self.position.step,
+            world_size: self.job.world_size(),
             time,
             report: report.clone(),
             peak_rss_bytes: all.iter().step_by(2).map(|&b| b as u64).collect(),
             optimizer_state_params: all.iter().skip(1).step_by(2).map(|&n| n as u64).collect(),
         });
-        Some(report)
-    } else {
-        None
-    };
-    if last_saved != Some(position.step) {
-        job.save_checkpoint(position, &model, &optim, &schedule)?;
+        Ok(Some(report))
     }
-    let validation = match last_valid {
-        Some(v) if v.step == position.step => Some(v),
-        _ => {
-            // Stopped mid-epoch (max_steps): validate the final model too, and record it.
-            let v = validate::<A, B>(
-                job,
-                &model,
-                &valid_batcher,
-                &mut valid_metrics,
-                position.step,
+
+    /// Rank 0, with `output.log_samples`: the gradient synchronisations and bytes per optimizer
+    /// step, for the tests.
+    fn write_reducer_stats(&self) -> anyhow::Result<()> {
+        let stats = self.job.ddp.gradient_stats();
+        tracing::debug!(
+            rank = self.job.rank(),
+            syncs = stats.syncs,
+            buckets = stats.bucket_all_reduces,
+            lr = self.lr,
+            "gradient synchronisation"
+        );
+        if self.job.rank() == 0 && self.job.config.output.log_samples {
+            fs::write(
+                self.job.config.output.dir.join("reducer-stats.json"),
+                format!(
+                    "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{}}}",
+                    stats.syncs, stats.bucket_all_reduces, stats.bytes_reduced, self.position.step
+                ),
             )?;
-            if let Some(v) = &v {
-                record_validation(&mut reporter, position.epoch, v);
-            }
-            v
         }
-    };
-    let stats = job.ddp.gradient_stats();
-    tracing::debug!(
-        rank,
-        syncs = stats.syncs,
-        buckets = stats.bucket_all_reduces,
-        lr,
-        "gradient synchronisation"
-    );
-    if rank == 0 && job.config.output.log_samples {
-        // Tests read the gradient synchronisations and bytes per optimizer step from here.
-        fs::write(
-            job.config.output.dir.join("reducer-stats.json"),
-            format!(
-                "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{}}}",
-                stats.syncs, stats.bucket_all_reduces, stats.bytes_reduced, position.step
-            ),
-        )?;
+        Ok(())
     }
-    Ok(Summary {
-        validation,
-        steps: position.step,
-        skipped_steps: skipped,
-        time,
-    })
+
+    /// Rank 0 writes a checkpoint of the current position; the others wait. Collective.
+    fn save_checkpoint(&mut self, model: &A::Model) -> anyhow::Result<()> {
+        let saving = Instant::now();
+        self.job
+            .save_checkpoint(self.position, model, &self.optim, &self.schedule)?;
+        self.clock.add(Phase::Checkpoint, saving.elapsed());
+        self.last_saved = Some(self.position.step);
+        Ok(())
+    }
+
+    /// Every validation sample once across the ranks. Collective.
+    fn validate(&mut self, model: &A::Model) -> anyhow::Result<Option<Validation>> {
+        validate::<A, B>(
+            self.job,
+            model,
+            &self.valid_batcher,
+            &mut self.valid_metrics,
+            self.position.step,
+        )
+    }
+}
+
+/// Rank 0's progress bar and metrics file (and TensorBoard files), with the run's `start`
+/// line.
+fn open_reporter<A: App, B: AutodiffBackend>(
+    job: &Job<A, B>,
+    total_steps: usize,
+    position: TrainPosition,
+    resumed_from: Option<usize>,
+) -> anyhow::Result<Reporter> {
+    let output = &job.config.output;
+    let mut reporter = Reporter::new(
+        job.rank(),
+        &output.dir,
+        total_steps as u64,
+        position.step as u64,
+    )?;
+    if output.tensorboard {
+        reporter = reporter.with_tensorboard(&output.dir.join("tensorboard"))?;
+    }
+    reporter.record(&Record::Start {
+        step: position.step,
+        epoch: position.epoch,
+        world_size: job.world_size(),
+        resumed_from,
+        restart: fault_injection::restart_count(),
+        unix_time: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+    });
+    Ok(reporter)
 }
 
 /// Every rank's step times, combined over the ranks (collective: one small all-gather).
@@ -697,6 +878,26 @@ enum EpochSampler {
 }
 
 impl EpochSampler {
+    /// The job's sampler over `train`: weighted with the app's per-sample weights under
+    /// `training.balance_classes`, else uniform.
+    fn for_job<A: App, B: AutodiffBackend>(
+        job: &Job<A, B>,
+        train: &dyn Dataset<A::Item>,
+    ) -> anyhow::Result<Self> {
+        let t = &job.config.training;
+        let weights = if t.balance_classes {
+            let w = job.app.sample_weights(train).ok_or_else(|| {
+                UsageError(
+                    "training.balance_classes = true, but this app gives no per-sample weights (App::sample_weights)".into(),
+                )
+            })?;
+            Some(w)
+        } else {
+            None
+        };
+        Self::new(train.len(), t, job.world_size(), job.rank(), weights)
+    }
+
     fn new(
         len: usize,
         t: &TrainingConfig,
@@ -726,31 +927,6 @@ impl EpochSampler {
             Self::Uniform(s) => s.samples(epoch, consumed),
             Self::Weighted(s) => s.samples(epoch, consumed),
         }
-    }
-}
-
-/// Throughput since the last log line.
-struct Window {
-    samples: usize,
-    start: Instant,
-}
-
-impl Window {
-    fn new() -> Self {
-        Self {
-            samples: 0,
-            start: Instant::now(),
-        }
-    }
-    fn add(&mut self, global_samples: usize) {
-        self.samples += global_samples;
-    }
-    fn rate(&self) -> f64 {
-        self.samples as f64 / self.start.elapsed().as_secs_f64().max(1e-9)
-    }
-    /// Leaves time that is not training (validation) out of the rate.
-    fn exclude(&mut self, elapsed: Duration) {
-        self.start += elapsed.min(self.start.elapsed());
     }
 }
 

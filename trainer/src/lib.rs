@@ -37,6 +37,7 @@
 //! | [`torchelastic`] | torchrun's error file, written by a failing rank |
 //! | [`bench`] | the engine's overhead and scaling benchmark, ZeRO stages and peak memory |
 //! | [`bench_link`] | training between network namespaces on a shaped link, against the link's bounds |
+//! | `throughput` | samples per second since the last log line, validation left out |
 //! | [`timing`] | where each step's time goes, per rank and across ranks (pure) |
 //! | [`plot`] | PNG charts of a run from its metrics file |
 //! | [`tensorboard`] | the metrics records as TensorBoard event files (`output.tensorboard`) |
@@ -76,6 +77,7 @@ pub mod run;
 pub mod schedule;
 pub mod sources;
 pub mod tensorboard;
+mod throughput;
 pub mod timing;
 pub mod tools;
 pub mod torchelastic;
