@@ -58,7 +58,7 @@ pub fn crash_after_step_if_asked(rank: usize, step: usize) {
     if let Some((at, who)) = crash_point(&steps, ranks.as_deref(), attempt) {
         if at == step && who.is_none_or(|r| r == rank) {
             eprintln!(
-                "[rank {rank}] {CRASH_AFTER_STEP_VAR}={steps} (attempt {attempt}): killing this process after step {step} (fault injection)"
+                "[rank {rank}] {CRASH_AFTER_STEP_VAR}={steps}: killing this process after step {step}, attempt {attempt} (fault injection)"
             );
             kill_self();
         }
