@@ -61,8 +61,18 @@ dir = "{{out}}"
 
 /// `trainer launch --nproc-per-node 2 [launch_args] -- custom-model --config CONFIG`.
 fn launch_example(config: &std::path::Path, launch_args: &[&str], env: &[(&str, &str)]) -> Output {
+    launch_example_on(2, config, launch_args, env)
+}
+
+/// [`launch_example`] on `nproc` local ranks.
+fn launch_example_on(
+    nproc: usize,
+    config: &std::path::Path,
+    launch_args: &[&str],
+    env: &[(&str, &str)],
+) -> Output {
     let mut cmd = trainer();
-    cmd.args(["launch", "--nproc-per-node", "2"])
+    cmd.args(["launch", "--nproc-per-node", &nproc.to_string()])
         .args(launch_args)
         .arg("--")
         .arg(custom_model())
@@ -76,9 +86,21 @@ fn launch_example(config: &std::path::Path, launch_args: &[&str], env: &[(&str, 
 
 #[test]
 fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
-    let dir = scratch("user-crate-resume");
+    // 2 ranks: SIGKILL rank 1 right after step 15 (the last checkpoint is step 12); the
+    // launcher restarts both ranks, which resume from step 12 and finish.
+    resume_after_sigkill(2, 15, 12);
+    // 3 ranks (512 points: one padded position per epoch): killed after step 8, resumed from
+    // step 6, the restarted ranks train epoch 0's ragged, padded last batch.
+    resume_after_sigkill(3, 8, 6);
+}
+
+/// The user's model on `nproc` ranks, rank 1 killed after step `crash_after` and restarted by
+/// the launcher from the checkpoint of step `resumed_at`, ends with the uninterrupted run's
+/// weights, bit for bit.
+fn resume_after_sigkill(nproc: usize, crash_after: usize, resumed_at: usize) {
+    let dir = scratch(&format!("user-crate-resume-{nproc}"));
     let whole = write_config(&dir, "whole", &circles_config(2, ""));
-    let out = launch_example(&whole, &[], &[]);
+    let out = launch_example_on(nproc, &whole, &[], &[]);
     assert_eq!(out.code, Some(0), "uninterrupted run:\n{}", out.all());
     assert!(
         final_accuracy(&out) > 80.0,
@@ -86,14 +108,13 @@ fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
         out.all()
     );
 
-    // SIGKILL rank 1 right after step 15 (the last checkpoint is step 12); the launcher restarts
-    // both ranks, which resume from step 12 and finish.
     let crashed = write_config(&dir, "crashed", &circles_config(2, ""));
-    let out = launch_example(
+    let out = launch_example_on(
+        nproc,
         &crashed,
         &["--max-restarts", "1"],
         &[
-            ("TRAINER_CRASH_AFTER_STEP", "15"),
+            ("TRAINER_CRASH_AFTER_STEP", &crash_after.to_string()),
             ("TRAINER_CRASH_RANK", "1"),
         ],
     );
@@ -103,16 +124,20 @@ fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
         "the crash and the restart happened:\n{}",
         out.all()
     );
+    let checkpoint = format!("step-{resumed_at:08}");
     assert!(
-        out.stderr.contains("resumed from") && out.stderr.contains("step-00000012"),
-        "resumed from the checkpoint of step 12:\n{}",
+        out.stderr.contains("resumed from") && out.stderr.contains(&checkpoint),
+        "resumed from the checkpoint of step {resumed_at}:\n{}",
         out.all()
     );
     let diff = max_abs_diff(
         &final_weights(&dir, "crashed"),
         &final_weights(&dir, "whole"),
     );
-    assert!(diff < 1e-6, "max |w_resumed - w_whole| = {diff:e}");
+    assert_eq!(
+        diff, 0.0,
+        "{nproc} ranks: max |w_resumed - w_whole| against the uninterrupted run"
+    );
 }
 
 #[test]
