@@ -88,18 +88,19 @@ fn launch_example_on(
 fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
     // 2 ranks: SIGKILL rank 1 right after step 15 (the last checkpoint is step 12); the
     // launcher restarts both ranks, which resume from step 12 and finish.
-    resume_after_sigkill(2, 15, 12);
-    // 3 ranks (512 points: one padded position per epoch): killed after step 8, resumed from
-    // step 6, the restarted ranks train epoch 0's ragged, padded last batch.
-    resume_after_sigkill(3, 8, 6);
+    resume_after_sigkill(2, 2, 15, 12);
+    // 3 ranks (512 points: one padded position per epoch; 3 epochs of 11 steps, about the
+    // training of 2 ranks' 32 steps): killed after step 8, resumed from step 6, the restarted
+    // ranks train epoch 0's ragged, padded last batch.
+    resume_after_sigkill(3, 3, 8, 6);
 }
 
-/// The user's model on `nproc` ranks, rank 1 killed after step `crash_after` and restarted by
-/// the launcher from the checkpoint of step `resumed_at`, ends with the uninterrupted run's
-/// weights, bit for bit.
-fn resume_after_sigkill(nproc: usize, crash_after: usize, resumed_at: usize) {
+/// The user's model on `nproc` ranks for `epochs` epochs, rank 1 killed after step
+/// `crash_after` and restarted by the launcher from the checkpoint of step `resumed_at`, ends
+/// with the uninterrupted run's weights, bit for bit.
+fn resume_after_sigkill(nproc: usize, epochs: usize, crash_after: usize, resumed_at: usize) {
     let dir = scratch(&format!("user-crate-resume-{nproc}"));
-    let whole = write_config(&dir, "whole", &circles_config(2, ""));
+    let whole = write_config(&dir, "whole", &circles_config(epochs, ""));
     let out = launch_example_on(nproc, &whole, &[], &[]);
     assert_eq!(out.code, Some(0), "uninterrupted run:\n{}", out.all());
     assert!(
@@ -108,7 +109,7 @@ fn resume_after_sigkill(nproc: usize, crash_after: usize, resumed_at: usize) {
         out.all()
     );
 
-    let crashed = write_config(&dir, "crashed", &circles_config(2, ""));
+    let crashed = write_config(&dir, "crashed", &circles_config(epochs, ""));
     let out = launch_example_on(
         nproc,
         &crashed,
