@@ -1,7 +1,7 @@
 //! Every backend and cargo feature of the engine, in one place: which Burn backend each
 //! `output.device` runs, whether this build and machine can run it, and how gradients are
-//! averaged on it (through the host, or NCCL on CUDA), and `trainer doctor`'s device checks
-//! ([`device_findings`]). The training loop has no `cfg`.
+//! averaged on it (through the host, or NCCL on CUDA), and what `trainer doctor` needs to know
+//! of the devices ([`device_facts`]; the doctor judges them). The training loop has no `cfg`.
 
 use std::time::Duration;
 
@@ -21,7 +21,6 @@ use burn_ddp::{DdpError, Distributed, TcpProcessGroup};
 
 use crate::app::Learn;
 use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode};
-use crate::doctor::finding::Finding;
 use crate::error::UsageError;
 
 /// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
@@ -146,7 +145,7 @@ pub fn built_in(device: DeviceKind) -> bool {
 }
 
 /// `output.device`'s spelling of `device`.
-fn device_name(device: DeviceKind) -> String {
+pub fn device_name(device: DeviceKind) -> String {
     format!("{device:?}").to_lowercase()
 }
 
@@ -294,140 +293,129 @@ pub struct DeviceJob {
     pub gradient_sync: GradientSyncMode,
 }
 
-/// `trainer doctor`'s device checks: the devices of this build and, in builds that have them,
-/// the CUDA driver, GPUs and NCCL (feature `cuda`) and the wgpu adapter (feature `wgpu`). A
-/// problem fails the check for the device the job uses, and is a warning for another. Never
-/// panics: CUDA is probed through [`burn_ddp::cuda`]'s checks, which `dlopen` the libraries
-/// themselves, and the wgpu adapter search runs on a thread of its own.
-pub fn device_findings(job: &DeviceJob) -> Vec<Finding> {
-    let all = [DeviceKind::Cpu, DeviceKind::Wgpu, DeviceKind::Cuda];
-    let here: Vec<String> = all
-        .into_iter()
-        .filter(|&d| built_in(d))
-        .map(|d| format!("\"{}\"", device_name(d)))
-        .collect();
-    let text = format!("this build trains on {}", here.join(", "));
-    let build = match job.device {
-        Some(d) if !built_in(d) => {
-            let name = device_name(d);
-            Finding::fail(
-                "build",
-                format!("output.device = \"{name}\", but {text}"),
-                format!("rebuild with `--features {name}` (`cargo build --release -p trainer --features {name}`), or set output.device = \"cpu\""),
-            )
-        }
-        Some(d) => Finding::ok(
-            "build",
-            format!("{text}; the config uses \"{}\"", device_name(d)),
-        ),
-        None => Finding::ok("build", text),
-    };
-    #[allow(unused_mut)]
-    let mut findings = vec![build];
-    #[cfg(feature = "cuda")]
-    findings.extend(cuda_findings(job));
-    #[cfg(feature = "wgpu")]
-    findings.extend(wgpu_findings(job));
-    findings
-}
-
-/// How a device problem counts: a failure for the device the job uses, else a warning.
-#[cfg(any(feature = "cuda", feature = "wgpu"))]
-fn severity(wanted: bool) -> crate::doctor::finding::Status {
-    use crate::doctor::finding::Status;
-    if wanted {
-        Status::Fail
-    } else {
-        Status::Warn
+impl DeviceJob {
+    /// Whether the job trains on CUDA (any device this build has, without a config).
+    pub fn wants_cuda(&self) -> bool {
+        self.device.is_none_or(|d| d == DeviceKind::Cuda)
     }
 }
 
-/// The CUDA driver, the GPUs the local ranks would use, and NCCL.
+/// What this build and machine have for training, probed here (where every cargo feature is
+/// gated) and judged by `trainer doctor` (`doctor::checks::devices`). Plain data, the same in
+/// every build: a probe this build cannot make is `None`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceFacts {
+    /// The devices this build trains on.
+    pub built: Vec<DeviceKind>,
+    /// CUDA builds: the driver and its GPUs, or why there are none.
+    pub cuda: Option<Result<CudaFacts, CudaProblem>>,
+    /// CUDA builds whose job trains on CUDA: NCCL as `"2.21.5 at /path"`, or why not.
+    pub nccl: Option<Result<String, String>>,
+    /// wgpu builds: the adapter Burn's wgpu backend would pick, or why none.
+    pub wgpu: Option<Result<WgpuAdapter, WgpuProblem>>,
+}
+
+/// The CUDA driver and the GPUs the local ranks would use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaFacts {
+    /// `(major, minor)` of the CUDA version the driver supports.
+    pub driver_version: (u32, u32),
+    /// The driver library that was loaded.
+    pub library: String,
+    pub device_count: usize,
+    /// The name of device 0.
+    pub first_device: String,
+    /// `CUDA_VISIBLE_DEVICES`, or `<unset>`.
+    pub visible: String,
+    /// Devices the local ranks use (`0..needed`, as the engine picks them).
+    pub needed: usize,
+}
+
+/// Why CUDA cannot be used here.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CudaProblem {
+    /// No driver library could be opened.
+    DriverNotFound { tried: String, reason: String },
+    /// Another problem, with its message (which says what to do).
+    Other(String),
+}
+
+/// The wgpu adapter that would be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WgpuAdapter {
+    /// Name, API, kind and driver.
+    pub description: String,
+    /// A software adapter (Mesa's lavapipe, ...), which runs on the CPU.
+    pub software: bool,
+}
+
+/// Why no wgpu adapter was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WgpuProblem {
+    /// The search failed, with its message.
+    NotFound(String),
+    /// The search did not answer within this many seconds.
+    Timeout(u64),
+}
+
+/// Probes what [`DeviceFacts`] holds. Never panics: CUDA is probed through
+/// [`burn_ddp::cuda`]'s checks, which `dlopen` the libraries themselves, and the wgpu adapter
+/// search runs on a thread of its own.
+pub fn device_facts(job: &DeviceJob) -> DeviceFacts {
+    let _ = job;
+    DeviceFacts {
+        built: [DeviceKind::Cpu, DeviceKind::Wgpu, DeviceKind::Cuda]
+            .into_iter()
+            .filter(|&d| built_in(d))
+            .collect(),
+        #[cfg(feature = "cuda")]
+        cuda: Some(cuda_facts(job.local_ranks)),
+        #[cfg(not(feature = "cuda"))]
+        cuda: None,
+        #[cfg(feature = "cuda")]
+        nccl: job.wants_cuda().then(|| {
+            burn_ddp::cuda::check_nccl_available()
+                .map(|v| format!("{v} at {}", v.library))
+                .map_err(|e| e.to_string())
+        }),
+        #[cfg(not(feature = "cuda"))]
+        nccl: None,
+        #[cfg(feature = "wgpu")]
+        wgpu: Some(wgpu_adapter()),
+        #[cfg(not(feature = "wgpu"))]
+        wgpu: None,
+    }
+}
+
+/// The CUDA driver, and the devices `local_ranks` ranks would use.
 #[cfg(feature = "cuda")]
-fn cuda_findings(job: &DeviceJob) -> Vec<Finding> {
+fn cuda_facts(local_ranks: usize) -> Result<CudaFacts, CudaProblem> {
     use burn_ddp::cuda::{self, CudaUnavailable};
-    const CPU: &str = "or train on the CPU: output.device = \"cpu\"";
-    let wanted = job.device.is_none_or(|d| d == DeviceKind::Cuda);
-    let status = severity(wanted);
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into());
-    let mut findings = Vec::new();
     match cuda::check_cuda_available(0) {
-        Ok(info) => {
-            findings.push(Finding::ok(
-                "cuda driver",
-                format!(
-                    "driver for CUDA {}.{} at {}",
-                    info.driver_version.0, info.driver_version.1, info.library
-                ),
-            ));
+        Ok(info) => Ok(CudaFacts {
+            driver_version: info.driver_version,
+            library: info.library,
+            device_count: info.device_count,
+            first_device: info.name,
+            visible: std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into()),
             // Each local rank's device, as the engine picks it (`with_backend`).
-            let needed = (0..job.local_ranks.max(1))
+            needed: (0..local_ranks.max(1))
                 .map(cuda::local_device)
                 .max()
-                .map_or(1, |d| d + 1);
-            let detail = format!(
-                "{} visible (CUDA_VISIBLE_DEVICES={visible}), device 0 is {}; {} local rank(s) use device(s) 0..{needed}",
-                info.device_count, info.name, job.local_ranks
-            );
-            findings.push(if info.device_count >= needed {
-                Finding::ok("gpus", detail)
-            } else {
-                Finding::new(
-                    "gpus",
-                    status,
-                    format!("{detail}, but only {} exist", info.device_count),
-                    Some(format!(
-                        "run at most {0} ranks per machine (--nproc-per-node {0}), or expose more GPUs",
-                        info.device_count
-                    )),
-                )
-            });
+                .map_or(1, |d| d + 1),
+        }),
+        Err(CudaUnavailable::DriverNotFound { tried, reason }) => {
+            Err(CudaProblem::DriverNotFound { tried, reason })
         }
-        Err(CudaUnavailable::DriverNotFound { tried, reason }) => findings.push(Finding::new(
-            "cuda driver",
-            status,
-            format!("no CUDA driver was found (tried {tried}: {reason})"),
-            Some(format!("install the NVIDIA driver and check that `nvidia-smi` works; in a container, start it with the GPUs exposed (`docker run --gpus all`); if the driver is in a non-standard folder, add it to LD_LIBRARY_PATH; {CPU}")),
-        )),
-        Err(e) => findings.push(Finding::new(
-            "cuda driver",
-            status,
-            e.to_string(),
-            Some(format!("do what the message says, {CPU}")),
-        )),
+        Err(e) => Err(CudaProblem::Other(e.to_string())),
     }
-    if !wanted {
-        findings.push(Finding::skip(
-            "nccl",
-            "not used: the config trains on another device",
-        ));
-        return findings;
-    }
-    let nccl_needed =
-        job.gradient_sync.resolve(DeviceKind::Cuda, job.world_size) == GradientSyncMode::Nccl;
-    findings.push(match cuda::check_nccl_available() {
-        Ok(version) => Finding::ok("nccl", format!("NCCL {version} at {}", version.library)),
-        Err(e) if nccl_needed => Finding::fail(
-            "nccl",
-            e.to_string(),
-            "install NCCL as the message says, or set distributed.gradient_sync = \"host\" (gradients averaged through the host)",
-        ),
-        Err(e) => Finding::warn(
-            "nccl",
-            format!("{e} (this job averages gradients through the host, so it runs without)"),
-            "install NCCL as the message says to average gradients on the GPU of a multi-rank CUDA job",
-        ),
-    });
-    findings
 }
 
 /// The adapter Burn's wgpu backend would pick.
 #[cfg(feature = "wgpu")]
-fn wgpu_findings(job: &DeviceJob) -> Vec<Finding> {
+fn wgpu_adapter() -> Result<WgpuAdapter, WgpuProblem> {
     use burn::backend::wgpu::{graphics::AutoGraphicsApi, init_setup, RuntimeOptions, WgpuDevice};
-    const CHECK: &str = "wgpu adapter";
     const DEADLINE: Duration = Duration::from_secs(60);
-    let wanted = job.device == Some(DeviceKind::Wgpu);
     // CubeCL panics when it finds no adapter: search on a thread, with the panic caught and
     // its message kept out of the report.
     let (tx, rx) = std::sync::mpsc::channel();
@@ -447,13 +435,13 @@ fn wgpu_findings(job: &DeviceJob) -> Vec<Finding> {
                 .copied()
                 .collect::<Vec<_>>()
                 .join(" ");
-            (
-                format!(
+            WgpuAdapter {
+                description: format!(
                     "{} ({:?}, {kind}, driver {driver})",
                     info.name, info.backend
                 ),
-                kind == "Cpu",
-            )
+                software: kind == "Cpu",
+            }
         });
         let _ = tx.send(found.map_err(|panic| {
             panic
@@ -465,25 +453,9 @@ fn wgpu_findings(job: &DeviceJob) -> Vec<Finding> {
     });
     let found = rx.recv_timeout(DEADLINE);
     std::panic::set_hook(hook);
-    let finding = match found {
-        Ok(Ok((adapter, software))) if software && wanted => Finding::warn(
-            CHECK,
-            format!("{adapter}: a software adapter, which runs on the CPU"),
-            "it works; for speed install the GPU's Vulkan driver, or compare with output.device = \"cpu\"",
-        ),
-        Ok(Ok((adapter, _))) => Finding::ok(CHECK, adapter),
-        Ok(Err(why)) => Finding::new(
-            CHECK,
-            severity(wanted),
-            format!("no adapter found: {why}"),
-            Some("install a Vulkan driver (Mesa's lavapipe runs on any CPU: `apt-get install mesa-vulkan-drivers`), or set output.device = \"cpu\"".into()),
-        ),
-        Err(_) => Finding::new(
-            CHECK,
-            severity(wanted),
-            format!("no adapter within {} s", DEADLINE.as_secs()),
-            Some("check the GPU driver (`vulkaninfo --summary`), or set output.device = \"cpu\"".into()),
-        ),
-    };
-    vec![finding]
+    match found {
+        Ok(Ok(adapter)) => Ok(adapter),
+        Ok(Err(why)) => Err(WgpuProblem::NotFound(why)),
+        Err(_) => Err(WgpuProblem::Timeout(DEADLINE.as_secs())),
+    }
 }

@@ -30,7 +30,8 @@
 //! | [`probe`] | measuring the machine: file systems, limits, sockets, names |
 //! | [`allreduce`] | the all-reduce check's ranks, started through the launcher |
 //!
-//! The device checks live with every other feature gate, in [`crate::backend::device_findings`].
+//! The device probes live with every other feature gate, in [`crate::backend::device_facts`];
+//! [`checks::devices`] judges what they found.
 
 pub mod allreduce;
 pub mod checks;
@@ -150,12 +151,13 @@ pub fn doctor_command(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         .map(|(key, path)| (*key, path.clone(), probe::dir_state(path)))
         .collect();
     show(checks::output_dirs(&dirs));
-    for f in backend::device_findings(&DeviceJob {
+    let device_job = DeviceJob {
         device: settings.device,
         local_ranks: job.nproc,
         world_size: job.world_size,
         gradient_sync: settings.distributed.gradient_sync,
-    }) {
+    };
+    for f in checks::devices(&device_job, &backend::device_facts(&device_job)) {
         show(f);
     }
     let (run, copy_bandwidth) = if args.skip_allreduce {
