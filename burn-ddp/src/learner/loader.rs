@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
@@ -95,6 +95,7 @@ where
             .with_seed(self.shuffle.unwrap_or(0))
             .with_drop_last(self.drop_last);
         let epoch = Arc::new(AtomicU64::new(0));
+        let registration = Arc::new(());
         let loader: Arc<dyn DataLoader<B, O>> = Arc::new(ShardedDataLoader {
             dataset: Arc::new(dataset),
             batcher: self.batcher,
@@ -103,20 +104,43 @@ where
             device: self.device.unwrap_or_default(),
             epoch: epoch.clone(),
             window: None,
+            _registration: Some(registration.clone()),
         });
         // So that `DdpStrategy` knows not to slice it again, and can set its epoch on resume.
         if let Ok(mut built) = built_loaders().lock() {
-            built.insert(address(&loader), epoch);
+            // Entries of dropped loaders go: their addresses may be reused by other loaders.
+            built.retain(|_, entry| entry.alive.strong_count() > 0);
+            built.insert(
+                address(&loader),
+                Registration {
+                    alive: Arc::downgrade(&registration),
+                    epoch,
+                },
+            );
         }
         loader
     }
 }
 
-/// The epoch counters of the loaders [`DistributedDataLoaderBuilder`] built, by the loader's
-/// address: burn-train hands the strategy `Arc<dyn DataLoader>`s, which cannot be downcast.
-fn built_loaders() -> &'static Mutex<HashMap<usize, Arc<AtomicU64>>> {
-    static BUILT: OnceLock<Mutex<HashMap<usize, Arc<AtomicU64>>>> = OnceLock::new();
+/// A loader [`DistributedDataLoaderBuilder`] built: alive while that loader is (an address
+/// alone could be reused by another loader after it was dropped), and its epoch counter.
+struct Registration {
+    alive: Weak<()>,
+    epoch: Arc<AtomicU64>,
+}
+
+/// The loaders [`DistributedDataLoaderBuilder`] built, by the loader's address: burn-train
+/// hands the strategy `Arc<dyn DataLoader>`s, which cannot be downcast.
+fn built_loaders() -> &'static Mutex<HashMap<usize, Registration>> {
+    static BUILT: OnceLock<Mutex<HashMap<usize, Registration>>> = OnceLock::new();
     BUILT.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The epoch counter of `loader`, if [`DistributedDataLoaderBuilder`] built it and it is alive.
+fn registered_epoch<T: ?Sized>(loader: &Arc<T>) -> Option<Arc<AtomicU64>> {
+    let built = built_loaders().lock().ok()?;
+    let entry = built.get(&address(loader))?;
+    (entry.alive.strong_count() > 0).then(|| entry.epoch.clone())
 }
 
 fn address<T: ?Sized>(loader: &Arc<T>) -> usize {
@@ -125,21 +149,14 @@ fn address<T: ?Sized>(loader: &Arc<T>) -> usize {
 
 /// Whether [`DistributedDataLoaderBuilder`] built `loader` (it is then already sharded).
 pub(super) fn is_distributed<T: ?Sized>(loader: &Arc<T>) -> bool {
-    built_loaders()
-        .lock()
-        .map(|built| built.contains_key(&address(loader)))
-        .unwrap_or(false)
+    registered_epoch(loader).is_some()
 }
 
 /// Makes the next `iter()` of `loader` (and of the loaders derived from it) iterate `epoch`
 /// (0-based), as it would after `epoch` earlier calls. Returns whether `loader` is one of
 /// [`DistributedDataLoaderBuilder`]'s; other loaders are left as they are. Not collective.
 pub(super) fn start_at_epoch<T: ?Sized>(loader: &Arc<T>, epoch: u64) -> bool {
-    let counter = built_loaders()
-        .lock()
-        .ok()
-        .and_then(|built| built.get(&address(loader)).cloned());
-    match counter {
+    match registered_epoch(loader) {
         Some(counter) => {
             counter.store(epoch, Ordering::SeqCst);
             true
@@ -167,6 +184,9 @@ pub struct ShardedDataLoader<B: Backend, I, O> {
     epoch: Arc<AtomicU64>,
     /// Positions of this rank's shard to keep (`slice`); `None`: all.
     window: Option<(usize, usize)>,
+    /// Held by the loader the builder made (not by derived ones): its registration is alive
+    /// while it is.
+    _registration: Option<Arc<()>>,
 }
 
 impl<B: Backend, I, O> ShardedDataLoader<B, I, O> {
@@ -179,6 +199,7 @@ impl<B: Backend, I, O> ShardedDataLoader<B, I, O> {
             device,
             epoch: self.epoch.clone(),
             window,
+            _registration: None,
         }
     }
 
@@ -331,5 +352,26 @@ mod tests {
                 .build(InMemDataset::new(vec![1, 2]));
         assert!(!start_at_epoch(&plain, 2), "other loaders are left alone");
         assert!(is_distributed(&resumed) && !is_distributed(&plain));
+    }
+
+    #[test]
+    fn a_dropped_loader_is_forgotten_so_its_address_cannot_vouch_for_another() {
+        let loader = DistributedDataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+            .rank(0, 2)
+            .build(InMemDataset::new(vec![1, 2, 3]));
+        let at = address(&loader);
+        // A derived loader outliving the one the builder made does not keep it registered.
+        let derived = loader.to_device(&Default::default());
+        assert!(is_distributed(&loader));
+        drop(loader);
+        let entry_alive = built_loaders()
+            .lock()
+            .map(|built| built.get(&at).is_some_and(|e| e.alive.strong_count() > 0))
+            .unwrap_or(true);
+        assert!(
+            !entry_alive,
+            "a loader at this address now would not count as distributed"
+        );
+        drop(derived);
     }
 }
