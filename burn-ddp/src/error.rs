@@ -252,4 +252,29 @@ pub enum DdpError {
     /// Optimizer state could not be serialised or read back (ZeRO's consolidation).
     #[error("optimizer state: {0}")]
     State(String),
+    /// The rendezvous store failed (a fingerprint exchange, waiting for rank 0's verdict).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The [`DdpOptions`](crate::ddp::DdpOptions) cannot work with this backend, build or
+    /// world: an input to fix (the message says how).
+    #[error("DDP options: {0}")]
+    Options(String),
+    /// The ranks disagree on something that must be the same everywhere (their settings'
+    /// fingerprints): an input to fix.
+    #[error("{0}")]
+    Mismatch(String),
+    /// The replicas' parameters are no longer bit-identical.
+    #[error("{0}")]
+    ReplicaDrift(String),
+    /// Rank 0 failed an action the other ranks waited for (writing a checkpoint).
+    #[error("rank 0 failed {what}: {message}")]
+    RankZeroFailed { what: String, message: String },
+}
+
+impl DdpError {
+    /// Whether the user must fix an input (options, settings, the environment): exit code 2
+    /// in a binary, as for `InitError`.
+    pub fn is_usage(&self) -> bool {
+        matches!(self, Self::Init(_) | Self::Options(_) | Self::Mismatch(_))
+    }
 }

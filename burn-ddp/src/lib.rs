@@ -13,6 +13,7 @@
 //! | [`rng`] | [`rng::SplitMix64`], the one random generator: sample orders, splits, synthetic data (platform-stable) |
 //! | [`hash`] | [`hash::fnv1a64`], the one hash: checkpoint checksums, config fingerprints, replica checksums |
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
+//! | [`data_parallel`] | [`DataParallel`], the one home of the DDP step: join, prepare, sync gradients (host ring or NCCL; ZeRO stage 1), buffers, shard, sums, rank-0 actions, barrier — used by the engine, the burn-train strategy and own loops |
 //! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
@@ -30,6 +31,7 @@
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod data_parallel;
 pub mod ddp;
 pub mod env;
 pub mod error;
@@ -45,6 +47,8 @@ pub mod sampler;
 pub mod store;
 pub mod testing;
 
+pub use data_parallel::DataParallel;
+pub use ddp::{DdpOptions, GradientTransport, TrainBackend};
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError};
 pub use group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};

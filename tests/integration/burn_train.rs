@@ -143,3 +143,52 @@ fn a_plain_loader_falls_back_to_contiguous_slices() {
     assert_eq!(lines.len(), 16);
     assert!(lines.iter().all(|&(_, n)| n == 32), "{lines:?}");
 }
+
+/// burn-ddp's options reach the strategy: ZeRO stage 1 with Adam on 2 ranks (each rank steps,
+/// and keeps the Adam state of, the parameters it owns) ends with the weights of the unchanged
+/// one-process program with the doubled batch.
+#[test]
+fn zero_stage_1_with_adam_matches_the_unchanged_program_with_the_doubled_batch() {
+    let dir = scratch("burn-train-zero");
+    let (plain, ddp) = (dir.join("plain"), dir.join("ddp"));
+    let common = ["--adam", "--no-checkpointer"];
+    let out = run(std::process::Command::new(user_program())
+        .args(["--plain", "--batch", "32", "--dir"])
+        .arg(&plain)
+        .args(common));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    launch(
+        2,
+        &ddp,
+        &[&common[..], &["--batch", "16", "--zero-stage", "1"]].concat(),
+    );
+    let diff = max_abs_diff(
+        &read_weights(&plain.join("model.safetensors")),
+        &read_weights(&ddp.join("model.safetensors")),
+    );
+    assert!(diff < 1e-4, "max |w2 - w1| = {diff:e}");
+}
+
+/// Options that cannot work end every rank with exit code 2 and a message naming the fix:
+/// ZeRO stage 1 with burn-train's checkpointer (whose files would lose the other ranks'
+/// optimizer state), and NCCL in a build without CUDA.
+#[test]
+fn impossible_strategy_options_exit_2_naming_the_fix() {
+    let dir = scratch("burn-train-refused");
+    for (args, says) in [
+        (
+            &["--zero-stage", "1"][..],
+            "Remove the checkpointer, use ZeRO stage 0",
+        ),
+        (&["--nccl"][..], "NCCL needs"),
+    ] {
+        let out = run(trainer()
+            .args(["launch", "--nproc-per-node", "2", "--"])
+            .arg(user_program())
+            .arg("--dir")
+            .arg(dir.join(args[0].trim_start_matches('-')))
+            .args(args));
+        assert_eq!(out.code, Some(2), "{args:?}: {}", out.all());
+        assert!(out.all().contains(says), "{args:?}: {}", out.all());
+    }
+}

@@ -1,6 +1,6 @@
-//! Tier 2, "your own loop": `trainer/examples/own_loop.rs` (a plain Burn loop made
-//! data-parallel with `DataParallel`) under `trainer launch`, against one process with the
-//! global batch.
+//! Tier 2, "your own loop": `burn-ddp/examples/own_loop.rs` (a plain Burn loop made
+//! data-parallel with `burn_ddp::DataParallel`, in a program that needs `burn` and `burn-ddp`
+//! only) under `trainer launch`, against one process with the global batch.
 
 use std::path::PathBuf;
 
@@ -12,32 +12,53 @@ fn own_loop() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/examples/own_loop");
     assert!(
         path.exists(),
-        "{} is missing: `cargo build --release -p trainer --example own_loop`",
+        "{} is missing: `cargo build --release -p burn-ddp --example own_loop`",
         path.display()
     );
     path
 }
 
+/// Runs the example on `nproc` ranks with per-rank `batch` and the extra `args`; the final
+/// weights rank 0 wrote.
+fn train(
+    dir: &std::path::Path,
+    nproc: usize,
+    batch: usize,
+    args: &[&str],
+) -> (std::collections::BTreeMap<String, Vec<f32>>, String) {
+    let out_dir = dir.join(format!("w{nproc}"));
+    let out = run(trainer()
+        .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
+        .arg(own_loop())
+        .args(["--batch", &batch.to_string(), "--steps", "20", "--out"])
+        .arg(&out_dir)
+        .args(args));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(
+        out.stdout.contains(&format!("20 steps on {nproc} rank(s)")),
+        "{}",
+        out.all()
+    );
+    (read_weights(&out_dir.join("model.safetensors")), out.stdout)
+}
+
 #[test]
 fn your_own_loop_with_data_parallel_matches_one_process_with_the_global_batch() {
     let dir = scratch("own-loop");
-    let mut results = Vec::new();
-    for (nproc, batch) in [(2, 8), (1, 16)] {
-        let out_dir = dir.join(format!("w{nproc}"));
-        let out = run(trainer()
-            .args(["launch", "--nproc-per-node", &nproc.to_string(), "--"])
-            .arg(own_loop())
-            .args(["--batch", &batch.to_string(), "--steps", "20", "--out"])
-            .arg(&out_dir));
-        assert_eq!(out.code, Some(0), "{}", out.all());
-        assert!(
-            out.stdout.contains(&format!("20 steps on {nproc} rank(s)")),
-            "{}",
-            out.all()
-        );
-        let ckpt = newest_checkpoint(&out_dir.join("checkpoints"));
-        results.push(read_weights(&ckpt.join("model.safetensors")));
-    }
-    let diff = max_abs_diff(&results[0], &results[1]);
+    let (two, _) = train(&dir, 2, 8, &[]);
+    let (one, _) = train(&dir, 1, 16, &[]);
+    let diff = max_abs_diff(&two, &one);
     assert!(diff < 1e-5, "max |w2 - w1| = {diff:e}");
+}
+
+/// ZeRO stage 1 with Adam (each rank steps and keeps the state of the parameters it owns) on
+/// 2 ranks, against plain Adam in one process with the doubled batch.
+#[test]
+fn your_own_loop_with_zero_stage_1_and_adam_matches_one_process() {
+    let dir = scratch("own-loop-zero");
+    let (two, stdout) = train(&dir, 2, 8, &["--adam", "--zero-stage", "1"]);
+    assert!(stdout.contains("ZeRO stage 1"), "{stdout}");
+    let (one, _) = train(&dir, 1, 16, &["--adam"]);
+    let diff = max_abs_diff(&two, &one);
+    assert!(diff < 1e-4, "max |w2 - w1| = {diff:e}");
 }

@@ -24,7 +24,8 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::SgdConfig;
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamConfig, Optimizer, SgdConfig};
 use burn::prelude::*;
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
 use burn::tensor::backend::AutodiffBackend;
@@ -34,6 +35,7 @@ use burn::train::{
     TrainingStrategy,
 };
 use burn_ddp::learner::{DdpStrategy, DistributedDataLoaderBuilder};
+use burn_ddp::{DdpOptions, GradientTransport, TrainBackend};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 const FEATURES: usize = 16;
@@ -146,6 +148,14 @@ struct Args {
     shuffle: Option<u64>,
     /// burn-train's resume: load the checkpoint of this epoch and go on with the next.
     resume: Option<usize>,
+    /// Adam (lr 1e-3) instead of SGD (lr 0.05).
+    adam: bool,
+    /// No file checkpointer (ZeRO stage 1 refuses one).
+    no_checkpointer: bool,
+    /// burn-ddp's options: ZeRO stage, gradients over NCCL (feature `cuda`, `--cuda`).
+    zero_stage: u8,
+    nccl: bool,
+    cuda: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -157,6 +167,11 @@ fn parse_args() -> Result<Args, String> {
         burn_loader: false,
         shuffle: None,
         resume: None,
+        adam: false,
+        no_checkpointer: false,
+        zero_stage: 0,
+        nccl: false,
+        cuda: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -171,25 +186,29 @@ fn parse_args() -> Result<Args, String> {
             "--resume" => {
                 args.resume = Some(value()?.parse().map_err(|e| format!("--resume: {e}"))?)
             }
+            "--zero-stage" => {
+                args.zero_stage = value()?.parse().map_err(|e| format!("--zero-stage: {e}"))?
+            }
             "--plain" => args.plain = true,
             "--burn-loader" => args.burn_loader = true,
+            "--adam" => args.adam = true,
+            "--no-checkpointer" => args.no_checkpointer = true,
+            "--nccl" => args.nccl = true,
+            "--cuda" => args.cuda = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
     Ok(args)
 }
 
-type B = Autodiff<Flex>;
-
-fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(e) => {
-            eprintln!("burn_train_user: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let device = Default::default();
+/// The program for backend `B` and optimizer `O`. `B: TrainBackend` is burn-ddp's bound
+/// (bucket kernels, NCCL or not): Burn's `Flex`, `Wgpu` and `Cuda` under `Autodiff`.
+fn run<B: TrainBackend, O: Optimizer<Model<B>, B> + 'static>(
+    args: &Args,
+    device: B::Device,
+    optim: O,
+    lr: f64,
+) -> ExitCode {
     B::seed(&device, 42);
     let dir = args.dir.display().to_string();
 
@@ -201,7 +220,10 @@ fn main() -> ExitCode {
             train = train.shuffle(seed);
         }
         let valid = DataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
-        (train.build(dataset(512, 0)), valid.build(valid_data))
+        (
+            train.set_device(device.clone()).build(dataset(512, 0)),
+            valid.set_device(device.clone()).build(valid_data),
+        )
     } else {
         // burn-ddp, line 1: the loader builder (each rank its shard of one global order per
         // epoch).
@@ -210,18 +232,30 @@ fn main() -> ExitCode {
             train = train.shuffle(seed);
         }
         let valid = DistributedDataLoaderBuilder::new(ItemBatcher).batch_size(args.batch);
-        (train.build(dataset(512, 0)), valid.build(valid_data))
+        (
+            train.set_device(device.clone()).build(dataset(512, 0)),
+            valid.set_device(device.clone()).build(valid_data),
+        )
     };
     let training = SupervisedTraining::new(&dir, train, valid);
     let (training, rank) = if args.plain {
         (training, 0)
     } else {
-        // burn-ddp, line 2: the strategy (joins the job the launcher started).
-        let ddp = match DdpStrategy::from_env() {
+        // burn-ddp, line 2: the strategy (joins the job the launcher started), with the
+        // options this program was asked for (the defaults are PyTorch DDP's).
+        let transport = if args.nccl {
+            GradientTransport::Nccl
+        } else {
+            GradientTransport::Auto
+        };
+        let options = DdpOptions::default()
+            .with_zero_stage(args.zero_stage)
+            .with_transport(transport);
+        let ddp = match DdpStrategy::from_env_with(options) {
             Ok(ddp) => Arc::new(ddp),
             Err(e) => {
                 eprintln!("burn_train_user: cannot join the job: {e}");
-                return ExitCode::from(1);
+                return ExitCode::from(if e.is_usage() { 2 } else { 1 });
             }
         };
         let rank = ddp.rank();
@@ -235,15 +269,15 @@ fn main() -> ExitCode {
         Some(epoch) => training.checkpoint(epoch),
         None => training,
     };
-    let result = training
+    let training = training
         .metrics((AccuracyMetric::new(), LossMetric::new()))
-        .with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
-        .num_epochs(args.epochs)
-        .launch(Learner::new(
-            Model::<B>::new(&device),
-            SgdConfig::new().init(),
-            0.05,
-        ));
+        .num_epochs(args.epochs);
+    let training = if args.no_checkpointer {
+        training
+    } else {
+        training.with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+    };
+    let result = training.launch(Learner::new(Model::<B>::new(&device), optim, lr));
 
     // As with `torch.save` under DDP: one rank writes the final model.
     if rank == 0 {
@@ -257,4 +291,64 @@ fn main() -> ExitCode {
     }
     println!("trained {} epoch(s) as rank {rank}", args.epochs);
     ExitCode::SUCCESS
+}
+
+/// Runs on Burn's CPU backend, or with `--cuda` on this rank's GPU (feature `cuda`).
+fn on_backend<O: OptimizerChoice>(args: &Args) -> ExitCode {
+    if args.cuda {
+        #[cfg(feature = "cuda")]
+        {
+            type Gpu = Autodiff<burn::backend::Cuda>;
+            let local_rank = burn_ddp::DistEnv::from_env().map_or(0, |env| env.local_rank);
+            let device =
+                burn::backend::cuda::CudaDevice::new(burn_ddp::cuda::local_device(local_rank));
+            let (optim, lr) = O::make::<Gpu>();
+            return run::<Gpu, _>(args, device, optim, lr);
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            eprintln!("burn_train_user: --cuda needs a build with `--features cuda`");
+            return ExitCode::from(2);
+        }
+    }
+    type Cpu = Autodiff<Flex>;
+    let (optim, lr) = O::make::<Cpu>();
+    run::<Cpu, _>(args, Default::default(), optim, lr)
+}
+
+/// The optimizer and its learning rate, for any backend.
+trait OptimizerChoice {
+    type Optim<B: TrainBackend>: Optimizer<Model<B>, B> + 'static;
+    fn make<B: TrainBackend>() -> (Self::Optim<B>, f64);
+}
+
+struct Sgd;
+impl OptimizerChoice for Sgd {
+    type Optim<B: TrainBackend> = OptimizerAdaptor<burn::optim::Sgd<B::InnerBackend>, Model<B>, B>;
+    fn make<B: TrainBackend>() -> (Self::Optim<B>, f64) {
+        (SgdConfig::new().init(), 0.05)
+    }
+}
+
+struct Adam;
+impl OptimizerChoice for Adam {
+    type Optim<B: TrainBackend> = OptimizerAdaptor<burn::optim::Adam, Model<B>, B>;
+    fn make<B: TrainBackend>() -> (Self::Optim<B>, f64) {
+        (AdamConfig::new().init(), 1e-3)
+    }
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("burn_train_user: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if args.adam {
+        on_backend::<Adam>(&args)
+    } else {
+        on_backend::<Sgd>(&args)
+    }
 }

@@ -3,75 +3,17 @@
 //! averaged on it (through the host, or NCCL on CUDA), and what `trainer doctor` needs to know
 //! of the devices ([`device_facts`]; the doctor judges them). The training loop has no `cfg`.
 
-use std::time::Duration;
-
-#[cfg(feature = "cuda")]
-use anyhow::Context;
 use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
-use burn::optim::GradientsParams;
-use burn::tensor::backend::AutodiffBackend;
-#[cfg(feature = "cuda")]
-use burn_ddp::ddp::NcclBackend;
-use burn_ddp::ddp::{GradientCheck, HostStaging, Reducer, ReducerStats};
-#[cfg(feature = "cuda")]
-use burn_ddp::group::nccl::{NcclGroupOptions, NcclProcessGroup};
-use burn_ddp::kernels::BucketOps;
-use burn_ddp::{DdpError, Distributed, TcpProcessGroup};
 
 use crate::app::Learn;
-use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode};
+use crate::config::{DeviceKind, GradientSyncMode};
 use crate::error::UsageError;
 
 /// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
 pub type CpuBackend = Autodiff<Flex>;
 
-/// What the training loop needs of a backend beyond autodiff: the bucket kernels (or their
-/// fallback) on its inner backend, and whether its gradients can be summed by NCCL. Every
-/// backend can average through the host; only CUDA overrides `sync_with_nccl` (feature `cuda`).
-pub trait TrainBackend: AutodiffBackend<InnerBackend: BucketOps> {
-    /// Whether [`sync_with_nccl`](TrainBackend::sync_with_nccl) works: `false` except for
-    /// Burn's plain CUDA backend. Where NCCL was asked for and this is `false` (Burn's fusion
-    /// backend), gradients go through the host instead, with a log line saying so.
-    const NCCL: bool = false;
-
-    /// Averages `grads` over `group` without leaving the GPU (`NcclBuckets`).
-    /// [`GradientSync::new`] picks NCCL only for `output.device = "cuda"`, which runs the CUDA
-    /// backend, so this default is never reached; if it were, it fails instead of guessing.
-    #[cfg(feature = "cuda")]
-    fn sync_with_nccl<M: AutodiffModule<Self>>(
-        reducer: &mut Reducer,
-        group: &mut NcclProcessGroup,
-        model: &M,
-        grads: &mut GradientsParams,
-    ) -> Result<GradientCheck, DdpError> {
-        let _ = (reducer, group, model, grads);
-        Err(DdpError::Unsupported(
-            "distributed.gradient_sync = \"nccl\" needs the CUDA backend".into(),
-        ))
-    }
-}
-
-impl TrainBackend for CpuBackend {}
-
-#[cfg(feature = "wgpu")]
-impl TrainBackend for Autodiff<burn::backend::Wgpu> {}
-
-/// Whichever type `burn::backend::Cuda` is in this build (plain, or fused with Burn's default
-/// features): [`NcclBackend`] says whether its buckets can go to NCCL.
-#[cfg(feature = "cuda")]
-impl TrainBackend for Autodiff<burn::backend::Cuda> {
-    const NCCL: bool = <burn::backend::Cuda as NcclBackend>::NCCL;
-
-    fn sync_with_nccl<M: AutodiffModule<Self>>(
-        reducer: &mut Reducer,
-        group: &mut NcclProcessGroup,
-        model: &M,
-        grads: &mut GradientsParams,
-    ) -> Result<GradientCheck, DdpError> {
-        <burn::backend::Cuda as NcclBackend>::sync_nccl::<Self, M>(reducer, group, model, grads)
-    }
-}
+/// What the training loop needs of a backend: burn-ddp's (bucket kernels, NCCL or not).
+pub use burn_ddp::TrainBackend;
 
 /// An app that can train on every backend of this build. Implement [`Learn<B>`] for every
 /// `B: AutodiffBackend` and this holds.
@@ -166,119 +108,6 @@ pub fn device_available(device: DeviceKind, local_rank: usize) -> anyhow::Result
             .map_err(|e| UsageError(format!("output.device = \"cuda\": {e}")))?;
     }
     Ok(())
-}
-
-/// How this rank averages gradients once per optimizer step (`distributed.gradient_sync`),
-/// with one [`Reducer`] either way (`distributed.gradient_compression` applies to both).
-pub struct GradientSync {
-    reducer: Reducer,
-    /// `None`: through the host, over the job's TCP group. `Some`: on the GPU, over an NCCL
-    /// group formed beside the TCP one (as PyTorch keeps a gloo group beside its NCCL group),
-    /// dropped before the final TCP barrier.
-    #[cfg(feature = "cuda")]
-    nccl: Option<Box<NcclProcessGroup>>,
-}
-
-impl GradientSync {
-    /// The configured kind. For NCCL this forms the group through the job's store: collective,
-    /// every rank calls it at the same point (after the config check, so ranks agree on the
-    /// kind), bounded by `distributed.timeout_secs`.
-    pub fn new<B: TrainBackend>(
-        d: &DistributedConfig,
-        device: DeviceKind,
-        dist: &Distributed,
-    ) -> anyhow::Result<Self> {
-        let reducer = Reducer::new(d.bucket_cap_mb, d.gradient_compression.format());
-        let mut use_nccl =
-            d.gradient_sync.resolve(device, dist.env.world_size) == GradientSyncMode::Nccl;
-        if use_nccl && d.zero_stage == 1 {
-            // Stage 1 needs a reduce-scatter and an all-gather over blocks of different sizes
-            // (one per owner), which NCCL lacks: it runs over the TCP group.
-            if d.gradient_sync == GradientSyncMode::Nccl {
-                anyhow::bail!(UsageError(
-                    "distributed.zero_stage = 1 runs over the host (TCP ring) in this version; set distributed.gradient_sync = \"auto\" or \"host\", or zero_stage = 0 for NCCL".into()
-                ));
-            }
-            use_nccl = false;
-        }
-        if use_nccl && !B::NCCL {
-            if d.gradient_sync == GradientSyncMode::Nccl {
-                anyhow::bail!(UsageError(
-                    "distributed.gradient_sync = \"nccl\": this build's CUDA backend is Burn's fusion backend (Burn's default features), whose tensors NCCL cannot address yet; use \"auto\" or \"host\" (gradients through the host), or build burn without default features".into()
-                ));
-            }
-            tracing::warn!(
-                "gradients are averaged through the host (TCP ring), not NCCL: this build's CUDA backend is Burn's fusion backend (Burn's default features), whose tensors NCCL cannot address yet"
-            );
-            use_nccl = false;
-        }
-        // Unreachable in practice: pre-flight refuses `output.device = "cuda"` in such a build,
-        // and validation refuses "nccl" on other devices.
-        #[cfg(not(feature = "cuda"))]
-        if use_nccl {
-            anyhow::bail!(UsageError(
-                "distributed.gradient_sync = \"nccl\" needs a build with `--features cuda`".into()
-            ));
-        }
-        Ok(Self {
-            reducer,
-            #[cfg(feature = "cuda")]
-            nccl: if use_nccl {
-                Some(nccl_group(d, dist)?)
-            } else {
-                None
-            },
-        })
-    }
-
-    /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer step
-    /// ([`Reducer::sync`]).
-    pub fn sync<B: TrainBackend, M: AutodiffModule<B>>(
-        &mut self,
-        tcp: &mut TcpProcessGroup,
-        model: &M,
-        grads: &mut GradientsParams,
-    ) -> Result<GradientCheck, DdpError> {
-        #[cfg(feature = "cuda")]
-        if let Some(group) = &mut self.nccl {
-            return B::sync_with_nccl(&mut self.reducer, group, model, grads);
-        }
-        self.reducer
-            .sync::<B, M, _>(&mut HostStaging(tcp), model, grads)
-    }
-
-    pub fn stats(&self) -> ReducerStats {
-        self.reducer.stats()
-    }
-}
-
-/// Forms the NCCL group for gradients (`distributed.gradient_sync` resolved to `"nccl"`).
-#[cfg(feature = "cuda")]
-fn nccl_group(d: &DistributedConfig, dist: &Distributed) -> anyhow::Result<Box<NcclProcessGroup>> {
-    let (rank, world) = (dist.env.rank, dist.env.world_size);
-    let options = NcclGroupOptions {
-        timeout: Duration::from_secs(d.timeout_secs),
-        stall_warning: Duration::from_secs(d.stall_warning_secs),
-        ..Default::default()
-    };
-    // The same ordinal as the CudaDevice of `with_backend`, so NCCL and Burn share one GPU.
-    let device = burn_ddp::cuda::local_device(dist.env.local_rank);
-    let group = NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, options)
-        .context(
-            "forming the NCCL group for distributed.gradient_sync \
-             (set it to \"host\" to average gradients through the host instead)",
-        )?;
-    tracing::info!(rank, world, device, "gradients are averaged with NCCL");
-    Ok(Box::new(group))
-}
-
-/// The process group options of the job's TCP group from `[distributed]`.
-pub fn tcp_options(d: &DistributedConfig) -> burn_ddp::TcpGroupOptions {
-    burn_ddp::TcpGroupOptions {
-        timeout: Duration::from_secs(d.timeout_secs),
-        stall_warning: Duration::from_secs(d.stall_warning_secs),
-        ..Default::default()
-    }
 }
 
 /// What `trainer doctor`'s device checks need to know of the job.
@@ -415,7 +244,7 @@ fn cuda_facts(local_ranks: usize) -> Result<CudaFacts, CudaProblem> {
 #[cfg(feature = "wgpu")]
 fn wgpu_adapter() -> Result<WgpuAdapter, WgpuProblem> {
     use burn::backend::wgpu::{graphics::AutoGraphicsApi, init_setup, RuntimeOptions, WgpuDevice};
-    const DEADLINE: Duration = Duration::from_secs(60);
+    const DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
     // CubeCL panics when it finds no adapter: search on a thread, with the panic caught and
     // its message kept out of the report.
     let (tx, rx) = std::sync::mpsc::channel();

@@ -33,10 +33,8 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || c.is::<models::ModelError>()
             || c.is::<crate::checkpoint::CheckpointMismatch>()
             || c.is::<burn_ddp::InitError>()
-            || matches!(
-                c.downcast_ref::<burn_ddp::DdpError>(),
-                Some(burn_ddp::DdpError::Init(_))
-            )
+            || c.downcast_ref::<burn_ddp::DdpError>()
+                .is_some_and(burn_ddp::DdpError::is_usage)
     });
     if usage {
         2

@@ -42,7 +42,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::train::{InferenceStep, ItemLazy, TrainStep};
 use burn_ddp::ddp::zero::StateMap;
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
-use burn_ddp::Distributed;
+use burn_ddp::{DataParallel, Distributed};
 
 use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
 use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
@@ -52,7 +52,7 @@ use crate::error::UsageError;
 use crate::fault_injection;
 use crate::loader::BatchStream;
 use crate::metrics::{self, MetricValue, Metrics, Record, Reporter};
-use crate::parallel::{CheckpointPolicy, DataParallel};
+use crate::parallel::{self, CheckpointPolicy};
 use crate::plan::{PlanInput, StepPlan};
 use crate::preflight::preflight;
 use crate::schedule::Schedule;
@@ -74,7 +74,9 @@ pub fn run<A: LearnAnywhere>(
             "data: the training set is empty (check the [data] table)".into()
         ));
     }
-    let dist = Distributed::from_env_or_standalone(backend::tcp_options(&config.distributed))?;
+    let dist = Distributed::from_env_or_standalone(
+        parallel::ddp_options(&config.distributed).tcp_options(),
+    )?;
     let (device, local_rank) = (config.output.device, dist.env.local_rank);
     backend::with_backend::<A, _, _>(
         device,
@@ -111,7 +113,7 @@ impl<A: App> OnBackend<A> for TrainTask<A> {
             data,
             no_resume,
         } = self;
-        let ddp = DataParallel::new::<B>(dist, &config.distributed, config.output.device)?;
+        let ddp = parallel::data_parallel::<B>(dist, &config.distributed, config.output.device)?;
         let c = &config.checkpoint;
         let checkpoints = c.dir.clone().map(|dir| CheckpointPolicy {
             dir,
@@ -228,7 +230,7 @@ impl<A: App, B: AutodiffBackend> Job<A, B> {
     /// The newest usable checkpoint, if resuming; every rank sees the same one. Collective.
     fn find_checkpoint(&mut self) -> anyhow::Result<Option<Checkpoint>> {
         match (&self.checkpoints, self.resume) {
-            (Some(policy), true) => self.ddp.latest_checkpoint(policy),
+            (Some(policy), true) => parallel::latest_checkpoint(&mut self.ddp, policy),
             _ => Ok(None),
         }
     }
@@ -255,8 +257,14 @@ impl<A: App, B: AutodiffBackend> Job<A, B> {
             .ddp
             .gather_optimizer_state::<B, M, O, R>(optim, &self.device)?;
         let optim = full.as_ref().unwrap_or(optim);
-        self.ddp
-            .save_checkpoint::<B, M, O>(policy, position, model, optim, &scheduler)
+        parallel::save_checkpoint::<B, M, O>(
+            &mut self.ddp,
+            policy,
+            position,
+            model,
+            optim,
+            &scheduler,
+        )
     }
 }
 
@@ -500,7 +508,9 @@ where
         let model = self.apply_gradients(model, grads)?;
         // Every rank's forward passes updated its own BatchNorm statistics: make them equal.
         let job = &mut *self.job;
-        self.clock.time(Phase::Sync, || job.ddp.sync_buffers(model))
+        Ok(self
+            .clock
+            .time(Phase::Sync, || job.ddp.sync_buffers(model))?)
     }
 
     /// Forward and backward of each micro-batch of the step, each weighted by its share of the
@@ -574,7 +584,9 @@ where
         self.clock.add(Phase::Optimizer, optimize.elapsed());
         // ZeRO stage 1: each rank stepped its own parameters; exchange them.
         let job = &mut *self.job;
-        self.clock.time(Phase::Sync, || job.ddp.finish_step(model))
+        Ok(self
+            .clock
+            .time(Phase::Sync, || job.ddp.finish_step(model))?)
     }
 
     /// What the plan asks for after an optimizer step: the sample log, a metrics line, a
@@ -618,7 +630,7 @@ where
             self.train_metrics
                 .update(&item, n, progress.clone(), position.step, Some(self.lr));
         }
-        let values = self.job.ddp.metrics(&mut self.train_metrics)?;
+        let values = self.train_metrics.global(self.job.ddp.group())?;
         let rate = self.window.rate();
         let (time, _) = across_ranks(&mut self.job.ddp, self.clock.take_window())?;
         self.reporter.record(&Record::Train {
@@ -957,7 +969,7 @@ where
         &job.device,
         job.config.training.batch_size,
     )?;
-    let values = job.ddp.metrics(metrics)?;
+    let values = metrics.global(job.ddp.group())?;
     let [n] = job.ddp.sum([samples as f64])?;
     Ok(Some(Validation {
         metrics: values,

@@ -4,14 +4,14 @@
 //! **Bring your own model** (three ways in, see README "Bring your own model"):
 //! 1. your own binary, the whole CLI: implement [`app::App`] + [`app::Learn`] and call
 //!    [`run::main`] (compiled example: `examples/custom-model/`);
-//! 2. your own loop: [`parallel::DataParallel`] (compiled example: `trainer/examples/own_loop.rs`);
+//! 2. your own loop: [`burn_ddp::DataParallel`] (compiled example: `burn-ddp/examples/own_loop.rs`);
 //! 3. the built-in models: `trainer --config configs/digits-mlp.toml`.
 //!
 //! | module | owns |
 //! |---|---|
 //! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn<B>` (model, batchers, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
-//! | [`parallel`] | tier 2: `DataParallel`, the handle for your own loop (join, prepare, average, shard, sum, checkpoint; ZeRO stage 1, buffer sync) |
+//! | [`parallel`] | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
 //! | [`fit`] | the training loop, for any app |
 //! | [`eval`] | validation over every sample once, and the `eval` command |
 //! | [`preflight`] | the check before any rank starts: config, app tables, device; never the data |

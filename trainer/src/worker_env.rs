@@ -100,12 +100,6 @@ pub const SLOW_STEP_VAR: &str = "TRAINER_SLOW_STEP";
 /// then make them equal; tests use it to show that it does.
 pub const SEED_BY_RANK_VAR: &str = "TRAINER_SEED_BY_RANK";
 
-/// Rendezvous-store key under which rank `rank` publishes its config fingerprint at start-up
-/// (every rank compares its own with rank 0's).
-pub fn config_key(rank: usize) -> String {
-    format!("trainer/config/{rank}")
-}
-
 /// Rendezvous-store key under which rank 0 reports the checkpoint of optimizer step `step`
 /// (`ok`, or the error) to the ranks waiting for it.
 pub fn checkpoint_key(step: usize) -> String {

@@ -24,10 +24,13 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod finite;
+pub mod gradient_sync;
 mod host_pieces;
 pub mod module;
+pub mod options;
 pub mod reducer;
 pub mod shard_plan;
+pub mod train_backend;
 pub mod zero;
 
 pub use buffers::{sync_buffers, BufferSync};
@@ -35,7 +38,10 @@ pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
 pub use device::{CudaBuffers, NcclBackend, NcclBuckets};
 pub use finite::GradientCheck;
+pub use gradient_sync::GradientSync;
 pub use module::{param_checksum, prepare_module};
+pub use options::{DdpOptions, GradientTransport};
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;
+pub use train_backend::TrainBackend;
 pub use zero::ShardedSync;

@@ -6,8 +6,10 @@
 //!      .launch(learner)                                              on every rank
 //!
 //!  per optimizer step:  forward/backward on this rank's batch (accumulated as configured)
-//!                       gradients averaged over the ranks (the TCP ring)  ─▶ optimizer step
-//!                       buffers (BatchNorm statistics) broadcast from rank 0
+//!                       the DDP step of `DataParallel`: gradients averaged over the ranks
+//!                       (host ring or NCCL; ZeRO stage 1: reduced to each parameter's
+//!                       owner) ─▶ optimizer step ─▶ (stage 1) owners send the new values
+//!                       ─▶ buffers (BatchNorm statistics) broadcast from rank 0
 //!  per iteration:       the step's outputs gathered on rank 0 ─▶ burn-train's event processor
 //!                       (metrics of the global batch, renderer, metric logs: rank 0 only)
 //!  per epoch:           validation of every rank's shard, gathered likewise; rank 0 writes
@@ -28,6 +30,13 @@
 //! every rank). A distributed loader resumed after epoch `e` iterates epoch `e + 1`'s order, so
 //! a run resumed at the same world size trains as the uninterrupted one did.
 //!
+//! **Options** ([`DdpOptions`], [`DdpStrategy::with_options`]): the engine's — gradient
+//! transport (NCCL on Burn's plain CUDA backend), ZeRO stage 1, bf16/fp16 compression,
+//! bucket size, buffer rule, deadlines. Under ZeRO stage 1 each rank keeps the optimizer state
+//! of the parameters it owns; burn-train's `Learner` does not let a strategy read that state,
+//! so rank 0 could not write it whole: stage 1 with a checkpointer is refused at the start
+//! (exit code 2) instead of writing checkpoints that would resume with other ranks' state lost.
+//!
 //! **Failure.** The strategy trait cannot return errors: a collective that fails or times out
 //! (a rank died, a rank's loader ran out early) ends this process with exit code 1 after
 //! printing the error, as an exception would end a PyTorch DDP rank; the launcher reports it
@@ -38,7 +47,6 @@ use std::sync::Mutex;
 use burn::data::dataloader::Progress;
 use burn::module::{AutodiffModule, Module};
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
     LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
@@ -47,67 +55,72 @@ use burn::train::{
 
 use super::gather::GatherOutput;
 use super::loader;
+use crate::data_parallel::DataParallel;
 use crate::ddp::buffers::{self, BufferSync};
-use crate::ddp::{prepare_module, HostStaging, Reducer};
+use crate::ddp::{DdpOptions, TrainBackend};
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
 use crate::init::Distributed;
-use crate::kernels::BucketOps;
-use crate::TcpGroupOptions;
 
 /// One rank of a data-parallel `SupervisedTraining` (module docs).
 pub struct DdpStrategy {
-    state: Mutex<State>,
+    member: Mutex<Member>,
+    options: DdpOptions,
     rank: usize,
     world_size: usize,
 }
 
-struct State {
-    dist: Distributed,
-    reducer: Reducer,
-    buffers: Option<BufferSync>,
+/// This rank's membership: joined, then (once the backend is known, in `fit`) the DDP handle.
+enum Member {
+    Joined(Box<Distributed>),
+    Training(Box<DataParallel>),
+    /// Only after a failed set-up, which ends the process.
+    Gone,
 }
 
 impl DdpStrategy {
     /// Joins the job the environment describes (this project's launcher, torchrun, Slurm,
-    /// Open MPI variables), or forms a job of one without them. Collective: every rank calls it
-    /// (deadline: `options.timeout`). On ranks other than 0 it installs a quiet global logger
-    /// (warnings and errors, tagged with the rank), so that burn-train's experiment logger,
-    /// installed by `launch`, stays rank 0's.
+    /// Open MPI variables), or forms a job of one without them, with the default
+    /// [`DdpOptions`] (PyTorch DDP's). Collective: every rank calls it (deadline: the
+    /// options' timeout). On ranks other than 0 it installs a quiet global logger (warnings
+    /// and errors, tagged with the rank), so that burn-train's experiment logger, installed by
+    /// `launch`, stays rank 0's.
     pub fn from_env() -> Result<Self, DdpError> {
-        Self::from_env_with(TcpGroupOptions::default())
+        Self::from_env_with(DdpOptions::default())
     }
 
-    /// [`from_env`](Self::from_env) with the process group's options (deadlines, shared
-    /// memory).
-    pub fn from_env_with(options: TcpGroupOptions) -> Result<Self, DdpError> {
-        let dist = Distributed::from_env_or_standalone(options)?;
-        Ok(Self::new(dist))
+    /// [`from_env`](Self::from_env) with these options (the same on every rank).
+    pub fn from_env_with(options: DdpOptions) -> Result<Self, DdpError> {
+        let dist = Distributed::from_env_or_standalone(options.tcp_options())?;
+        Ok(Self::new(dist).with_options(options))
     }
 
-    /// The strategy over an already formed job.
+    /// The strategy over an already formed job, with the default options.
     pub fn new(dist: Distributed) -> Self {
         let (rank, world_size) = (dist.env.rank, dist.env.world_size);
         if rank != 0 {
             quiet_logger();
         }
         Self {
-            state: Mutex::new(State {
-                dist,
-                reducer: Reducer::new(25.0, None),
-                buffers: Some(BufferSync::Broadcast { root: 0 }),
-            }),
+            member: Mutex::new(Member::Joined(Box::new(dist))),
+            options: DdpOptions::default(),
             rank,
             world_size,
         }
     }
 
+    /// How gradients are synchronised (transport, ZeRO stage, compression, buckets, buffers).
+    /// The same on every rank. The deadlines of an already formed job stay those it was
+    /// formed with.
+    pub fn with_options(mut self, options: DdpOptions) -> Self {
+        self.options = options;
+        self
+    }
+
     /// How buffers (BatchNorm running statistics) are kept equal after every optimizer step:
     /// rank 0's (the default, PyTorch's `broadcast_buffers=True`), the mean, or not at all.
-    pub fn with_buffer_sync(self, rule: Option<BufferSync>) -> Self {
-        if let Ok(mut state) = self.state.lock() {
-            state.buffers = rule;
-        }
+    pub fn with_buffer_sync(mut self, rule: Option<BufferSync>) -> Self {
+        self.options.buffers = rule;
         self
     }
 
@@ -117,6 +130,26 @@ impl DdpStrategy {
 
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// The DDP handle for backend `B`, made on first use (collective when it forms an NCCL
+    /// group: every rank reaches `fit` together).
+    fn data_parallel<'a, B: TrainBackend>(
+        &self,
+        member: &'a mut Member,
+    ) -> Result<&'a mut DataParallel, DdpError> {
+        if let Member::Joined(_) = member {
+            let Member::Joined(dist) = std::mem::replace(member, Member::Gone) else {
+                unreachable!("matched above")
+            };
+            *member = Member::Training(Box::new(DataParallel::new::<B>(*dist, self.options)?));
+        }
+        match member {
+            Member::Training(ddp) => Ok(&mut **ddp),
+            _ => Err(DdpError::Unsupported(
+                "the strategy's earlier set-up failed".into(),
+            )),
+        }
     }
 }
 
@@ -137,6 +170,15 @@ fn fail(rank: usize, what: &str, error: impl std::fmt::Display) -> ! {
         format_args!("[rank {rank}] burn-ddp: {what}: {error}\n"),
     );
     std::process::exit(1)
+}
+
+/// Ends this rank for an input to fix (exit code 2, as the trainer's usage errors).
+fn refuse(rank: usize, error: impl std::fmt::Display) -> ! {
+    let _ = std::io::Write::write_fmt(
+        &mut std::io::stderr(),
+        format_args!("[rank {rank}] burn-ddp: {error}\n"),
+    );
+    std::process::exit(2)
 }
 
 /// Whether each rank has another batch; `Ok(true)` when all do, `Ok(false)` when none does.
@@ -168,7 +210,7 @@ type ValidOut<LC> = <<LC as LearningComponentsTypes>::InferenceModel as Inferenc
 impl<LC> SupervisedLearningStrategy<LC> for DdpStrategy
 where
     LC: LearningComponentsTypes,
-    <LC::Backend as AutodiffBackend>::InnerBackend: BucketOps,
+    LC::Backend: TrainBackend,
     TrainOut<LC>: GatherOutput,
     ValidOut<LC>: GatherOutput,
 {
@@ -179,6 +221,12 @@ where
         dataloader_valid: ValidLoader<LC>,
         mut components: TrainingComponents<LC>,
     ) -> LearningResult<LC::InferenceModel> {
+        if self.options.zero_stage == 1 && components.checkpointer.is_some() {
+            refuse(
+                self.rank,
+                "ZeRO stage 1 under the burn-train strategy cannot write burn-train's checkpoints: its Learner does not let a strategy read the optimizer state each rank holds, so rank 0's files would resume with the other ranks' state lost. Remove the checkpointer, use ZeRO stage 0, or train through the trainer engine (its checkpoints merge the shards)",
+            );
+        }
         // burn-train's resume, on every rank: rank 0's files (module docs).
         let starting_epoch = match components.checkpoint {
             Some(epoch) => {
@@ -226,25 +274,33 @@ where
         starting_epoch: usize,
     ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
         let rank = self.rank;
-        let mut state = match self.state.lock() {
-            Ok(state) => state,
+        let mut member = match self.member.lock() {
+            Ok(member) => member,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let state = &mut *state;
+        let ddp = match self.data_parallel::<LC::Backend>(&mut member) {
+            Ok(ddp) => ddp,
+            Err(e) if e.is_usage() => refuse(rank, e),
+            Err(e) => fail(rank, "setting up the DDP step", e),
+        };
         let train = shard(dataloader_train, rank, self.world_size);
         let valid = shard(dataloader_valid, rank, self.world_size);
 
         // Replicas equal: rank 0's weights and deterministic parameter ids everywhere.
-        let prepared = prepare_module(learner.model(), &mut state.dist.group, 0)
+        let prepared = ddp
+            .prepare(learner.model())
             .unwrap_or_else(|e| fail(rank, "making the replicas equal", e));
         learner.load_model(prepared.into_record());
 
         let mut processor = components.event_processor;
         let mut checkpointer = components.checkpointer;
         let mut early_stopping = components.early_stopping;
-        let accumulation = components.grad_accumulation.unwrap_or(1).max(1);
-        let has_buffers = buffers::buffer_elements(&learner.model()) > 0;
-
+        let steps = StepRule {
+            accumulation: components.grad_accumulation.unwrap_or(1).max(1),
+            reload: ddp.zero_stage() == 1
+                || (self.options.buffers.is_some()
+                    && buffers::buffer_elements(&learner.model()) > 0),
+        };
         for epoch in starting_epoch..=components.num_epochs {
             let global = Progress::new(epoch, components.num_epochs);
             if rank == 0 {
@@ -254,96 +310,11 @@ where
                     self.world_size
                 );
             }
-            let mut iter = train.iter();
-            let mut iteration = 0;
-            let mut accumulator = GradientsAccumulator::new();
-            let mut accumulated = 0;
-            loop {
-                let batch = iter.next();
-                match all_have(&mut state.dist.group, batch.is_some(), "training") {
-                    Ok(true) => {}
-                    Ok(false) => break,
-                    Err(e) => fail(rank, "training", e),
-                }
-                let Some(batch) = batch else { break };
-                iteration += 1;
-                learner.lr_step();
-                let progress = iter.progress();
-                let output = learner.train_step(batch);
-                accumulator.accumulate(&learner.model(), output.grads);
-                accumulated += 1;
-                if accumulated == accumulation {
-                    let model = learner.model();
-                    let mut grads: GradientsParams = accumulator.grads();
-                    let check = state
-                        .reducer
-                        .sync::<LC::Backend, _, _>(
-                            &mut HostStaging(&mut state.dist.group),
-                            &model,
-                            &mut grads,
-                        )
-                        .unwrap_or_else(|e| fail(rank, "averaging gradients", e));
-                    if !check.all_finite() {
-                        fail(
-                            rank,
-                            "training",
-                            format!(
-                                "non-finite gradients (NaN or Inf) at epoch {epoch}, iteration {iteration}, first on rank(s) {:?}",
-                                check.nonfinite_ranks
-                            ),
-                        );
-                    }
-                    learner.optimizer_step(grads);
-                    accumulated = 0;
-                    if has_buffers {
-                        if let Some(rule) = state.buffers {
-                            let synced =
-                                buffers::sync_buffers(learner.model(), &mut state.dist.group, rule)
-                                    .unwrap_or_else(|e| fail(rank, "syncing buffers", e));
-                            learner.load_model(synced.into_record());
-                        }
-                    }
-                }
-                let gathered = GatherOutput::gather(Some(output.item), &mut state.dist.group, 0)
-                    .unwrap_or_else(|e| fail(rank, "gathering training outputs", e));
-                if let Some(item) = gathered {
-                    let progress = scaled(&progress, self.world_size);
-                    let item = TrainingItem::new(
-                        item,
-                        progress,
-                        global.clone(),
-                        Some(iteration),
-                        Some(learner.lr_current()),
-                    );
-                    processor.process_train(LearnerEvent::ProcessedItem(item));
-                }
-            }
+            self.train_epoch(ddp, &mut learner, &train, &mut processor, steps, &global);
             if rank == 0 {
                 processor.process_train(LearnerEvent::EndEpoch(epoch));
             }
-
-            // Validation: every rank its shard, gathered on rank 0.
-            let model = learner.model().valid();
-            let mut iter = valid.iter();
-            let mut iteration = 0;
-            loop {
-                let batch = iter.next();
-                match any_has(&mut state.dist.group, batch.is_some()) {
-                    Ok(true) => {}
-                    Ok(false) => break,
-                    Err(e) => fail(rank, "validation", e),
-                }
-                iteration += 1;
-                let progress = scaled(&iter.progress(), self.world_size);
-                let output = batch.map(|b| model.step(b));
-                let gathered = GatherOutput::gather(output, &mut state.dist.group, 0)
-                    .unwrap_or_else(|e| fail(rank, "gathering validation outputs", e));
-                if let Some(item) = gathered {
-                    let item =
-                        TrainingItem::new(item, progress, global.clone(), Some(iteration), None);
-                    processor.process_valid(LearnerEvent::ProcessedItem(item));
-                }
-            }
+            self.validate_epoch(ddp, &learner, &valid, &mut processor, &global);
             if rank == 0 {
                 processor.process_valid(LearnerEvent::EndEpoch(epoch));
                 if let Some(checkpointer) = &mut checkpointer {
@@ -357,23 +328,150 @@ where
                     || early_stopping
                         .as_mut()
                         .is_some_and(|s| s.should_stop(epoch, &components.event_store)));
-            let mut verdict = [i64::from(stop)];
-            state
-                .dist
-                .group
-                .broadcast(&mut verdict, 0)
+            let verdict = ddp
+                .broadcast_from_rank_zero(i64::from(stop))
                 .unwrap_or_else(|e| fail(rank, "waiting for rank 0 at the end of the epoch", e));
-            if verdict[0] == 1 {
+            if verdict == 1 {
                 break;
             }
         }
-        state
-            .dist
-            .group
-            .barrier()
+        ddp.barrier()
             .unwrap_or_else(|e| fail(rank, "the final barrier", e));
         (learner.model(), processor)
     }
+}
+
+/// How optimizer steps are taken in an epoch.
+#[derive(Clone, Copy)]
+struct StepRule {
+    /// Micro-batches per optimizer step (burn-train's gradient accumulation).
+    accumulation: usize,
+    /// Whether the DDP step changes the model after the optimizer step (ZeRO stage 1's
+    /// gathered parameters, synchronised buffers), so the learner must load it back.
+    reload: bool,
+}
+
+impl DdpStrategy {
+    /// One epoch of training on this rank's shard: micro-batches accumulated, the DDP step
+    /// once per optimizer step, the outputs gathered on rank 0 for burn-train's metrics.
+    fn train_epoch<LC>(
+        &self,
+        ddp: &mut DataParallel,
+        learner: &mut Learner<LC>,
+        train: &TrainLoader<LC>,
+        processor: &mut SupervisedTrainingEventProcessor<LC>,
+        steps: StepRule,
+        global: &Progress,
+    ) where
+        LC: LearningComponentsTypes,
+        LC::Backend: TrainBackend,
+        TrainOut<LC>: GatherOutput,
+    {
+        let rank = self.rank;
+        let mut iter = train.iter();
+        let mut iteration = 0;
+        let mut accumulator = GradientsAccumulator::new();
+        let mut accumulated = 0;
+        loop {
+            let batch = iter.next();
+            match all_have(ddp.group(), batch.is_some(), "training") {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => fail(rank, "training", e),
+            }
+            let Some(batch) = batch else { break };
+            iteration += 1;
+            learner.lr_step();
+            let progress = iter.progress();
+            let output = learner.train_step(batch);
+            accumulator.accumulate(&learner.model(), output.grads);
+            accumulated += 1;
+            if accumulated == steps.accumulation {
+                let grads: GradientsParams = accumulator.grads();
+                optimizer_step(ddp, learner, grads, steps.reload, iteration)
+                    .unwrap_or_else(|e| fail(rank, "the DDP step", e));
+                accumulated = 0;
+            }
+            let gathered = GatherOutput::gather(Some(output.item), ddp.group(), 0)
+                .unwrap_or_else(|e| fail(rank, "gathering training outputs", e));
+            if let Some(item) = gathered {
+                let progress = scaled(&progress, self.world_size);
+                let item = TrainingItem::new(
+                    item,
+                    progress,
+                    global.clone(),
+                    Some(iteration),
+                    Some(learner.lr_current()),
+                );
+                processor.process_train(LearnerEvent::ProcessedItem(item));
+            }
+        }
+    }
+
+    /// Validation of every rank's shard, the outputs gathered on rank 0.
+    fn validate_epoch<LC>(
+        &self,
+        ddp: &mut DataParallel,
+        learner: &Learner<LC>,
+        valid: &ValidLoader<LC>,
+        processor: &mut SupervisedTrainingEventProcessor<LC>,
+        global: &Progress,
+    ) where
+        LC: LearningComponentsTypes,
+        ValidOut<LC>: GatherOutput,
+    {
+        let rank = self.rank;
+        let model = learner.model().valid();
+        let mut iter = valid.iter();
+        let mut iteration = 0;
+        loop {
+            let batch = iter.next();
+            match any_has(ddp.group(), batch.is_some()) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(e) => fail(rank, "validation", e),
+            }
+            iteration += 1;
+            let progress = scaled(&iter.progress(), self.world_size);
+            let output = batch.map(|b| model.step(b));
+            let gathered = GatherOutput::gather(output, ddp.group(), 0)
+                .unwrap_or_else(|e| fail(rank, "gathering validation outputs", e));
+            if let Some(item) = gathered {
+                let item = TrainingItem::new(item, progress, global.clone(), Some(iteration), None);
+                processor.process_valid(LearnerEvent::ProcessedItem(item));
+            }
+        }
+    }
+}
+
+/// The DDP step around burn-train's optimizer step: gradients synchronised as the ZeRO stage
+/// says, the step (refused on non-finite gradients, on every rank alike), then stage 1's
+/// parameter gather and the buffer sync. Collective.
+fn optimizer_step<LC>(
+    ddp: &mut DataParallel,
+    learner: &mut Learner<LC>,
+    mut grads: GradientsParams,
+    reload: bool,
+    iteration: usize,
+) -> Result<(), DdpError>
+where
+    LC: LearningComponentsTypes,
+    LC::Backend: TrainBackend,
+{
+    let check = ddp.sync_gradients::<LC::Backend, _>(&learner.model(), &mut grads)?;
+    if !check.all_finite() {
+        return Err(DdpError::Unsupported(format!(
+            "non-finite gradients (NaN or Inf) at iteration {iteration}, first on rank(s) {:?}",
+            check.nonfinite_ranks
+        )));
+    }
+    learner.optimizer_step(grads);
+    if reload {
+        let model = ddp.finish_step(learner.model())?;
+        let model = ddp.sync_buffers(model)?;
+        learner.load_model(model.into_record());
+    }
+    Ok(())
 }
 
 /// A rank's progress as the job's: positions times the world size.

@@ -1,0 +1,240 @@
+//! "Your own loop": a plain Burn training loop made data-parallel with
+//! [`burn_ddp::DataParallel`] — the loop, the model, the data and the loss stay yours; the
+//! program needs `burn` and `burn-ddp` only (burn-store writes the final weights).
+//!
+//! ```text
+//! cargo build --release -p burn-ddp --example own_loop
+//! trainer launch --nproc-per-node 2 -- target/release/examples/own_loop --batch 8 --out runs/own-loop
+//! torchrun --nproc-per-node 2 target/release/examples/own_loop --batch 8 --out runs/own-loop
+//! ```
+//! With per-rank batch `b` on `N` ranks it ends with the weights one process gets with batch
+//! `N·b` (`tests/integration/tiers.rs` checks it, with plain DDP and with ZeRO stage 1 and
+//! Adam). Rank 0 writes `model.safetensors`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use burn::backend::{Autodiff, Flex};
+use burn::module::AutodiffModule;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::backend::AutodiffBackend;
+use burn_ddp::rng::SplitMix64;
+use burn_ddp::{DataParallel, DdpError, DdpOptions};
+use burn_store::{ModuleSnapshot, SafetensorsStore};
+
+type Train = Autodiff<Flex>;
+
+const FEATURES: usize = 20;
+const CLASSES: usize = 4;
+
+/// The user's model.
+#[derive(Module, Debug)]
+struct Mlp<B: Backend> {
+    hidden: Linear<B>,
+    out: Linear<B>,
+    act: Relu,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn new(device: &B::Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(FEATURES, 64).init(device),
+            out: LinearConfig::new(64, CLASSES).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        self.out.forward(self.act.forward(self.hidden.forward(x)))
+    }
+}
+
+/// The user's data: `(features, label)` pairs, the label the argmax of a fixed projection.
+fn data(samples: usize, seed: u64) -> Vec<(Vec<f32>, i64)> {
+    let mut rng = SplitMix64::new(seed);
+    let projection: Vec<f32> = (0..FEATURES * CLASSES)
+        .map(|_| rng.symmetric_f32())
+        .collect();
+    (0..samples)
+        .map(|_| {
+            let x: Vec<f32> = (0..FEATURES).map(|_| rng.next_f32()).collect();
+            let label = (0..CLASSES)
+                .map(|c| {
+                    let score: f32 = (0..FEATURES)
+                        .map(|f| (x[f] - 0.5) * projection[f * CLASSES + c])
+                        .sum();
+                    (c, score)
+                })
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (c, s)| if s > b.1 { (c, s) } else { b },
+                )
+                .0;
+            (x, label as i64)
+        })
+        .collect()
+}
+
+struct Args {
+    batch: usize,
+    steps: usize,
+    out: PathBuf,
+    zero_stage: u8,
+    adam: bool,
+}
+
+/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1`, `--adam`.
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        batch: 8,
+        steps: 20,
+        out: PathBuf::from("runs/own-loop"),
+        zero_stage: 0,
+        adam: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--adam" {
+            a.adam = true;
+            continue;
+        }
+        let value = it.next().ok_or(format!("{flag} needs a value"))?;
+        let number = || {
+            value
+                .parse::<usize>()
+                .map_err(|e| format!("{flag} {value}: {e}"))
+        };
+        match flag.as_str() {
+            "--batch" => a.batch = number()?,
+            "--steps" => a.steps = number()?,
+            "--zero-stage" => a.zero_stage = number()? as u8,
+            "--out" => a.out = value.into(),
+            other => {
+                return Err(format!(
+                    "unknown argument {other} (use --batch, --steps, --out, --zero-stage, --adam)"
+                ))
+            }
+        }
+    }
+    Ok(a)
+}
+
+/// The training loop, for any optimizer.
+fn train<O: Optimizer<Mlp<Train>, Train>>(
+    ddp: &mut DataParallel,
+    a: &Args,
+    mut optim: O,
+    lr: f64,
+) -> Result<(Mlp<Train>, f64, usize), DdpError> {
+    let device = Default::default();
+    let data = data(1024, 3);
+    Train::seed(&device, 5);
+    // Every rank starts from rank 0's weights.
+    let mut model = ddp.prepare(Mlp::<Train>::new(&device))?;
+    let loss_fn = CrossEntropyLossConfig::new().init::<Train>(&device);
+    let (mut step, mut epoch) = (0, 0);
+    let (mut loss_sum, mut seen) = (0.0, 0.0);
+    while step < a.steps {
+        // This rank's share of the epoch's global permutation.
+        for chunk in ddp.shard(data.len(), 7, epoch).chunks(a.batch) {
+            let x: Vec<f32> = chunk.iter().flat_map(|&i| data[i].0.clone()).collect();
+            let y: Vec<i64> = chunk.iter().map(|&i| data[i].1).collect();
+            let x = Tensor::<Train, 1>::from_floats(x.as_slice(), &device)
+                .reshape([chunk.len(), FEATURES]);
+            let y = Tensor::<Train, 1, Int>::from_ints(y.as_slice(), &device);
+            let loss = loss_fn.forward(model.forward(x), y);
+            loss_sum += loss.clone().into_scalar().elem::<f64>() * chunk.len() as f64;
+            seen += chunk.len() as f64;
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            // The mean gradient over every rank's batch (under ZeRO stage 1: this rank's
+            // parameters only), and which ranks had NaN or Inf: every rank gets the same
+            // verdict, so all stop together.
+            let check = ddp.sync_gradients(&model, &mut grads)?;
+            if !check.all_finite() {
+                return Err(DdpError::Unsupported(format!(
+                    "non-finite gradients at step {step} on rank(s) {:?}",
+                    check.nonfinite_ranks
+                )));
+            }
+            model = optim.step(lr, model, grads);
+            model = ddp.finish_step(model)?;
+            model = ddp.sync_buffers(model)?;
+            step += 1;
+            if step == a.steps {
+                break;
+            }
+        }
+        epoch += 1;
+    }
+    let [loss_sum, seen] = ddp.sum([loss_sum, seen])?;
+    Ok((model, loss_sum / seen, step))
+}
+
+/// Rank 0 writes the weights; the others wait for it (and fail if it failed).
+fn save<Bk: AutodiffBackend, M: AutodiffModule<Bk> + ModuleSnapshot<Bk>>(
+    ddp: &mut DataParallel,
+    model: &M,
+    out: &std::path::Path,
+) -> Result<(), String> {
+    let path = out.join("model.safetensors");
+    let written = ddp
+        .run_on_rank_zero(
+            "to write the weights",
+            "own-loop/final",
+            Duration::from_secs(60),
+            || {
+                std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+                model
+                    .save_into(&mut SafetensorsStore::from_file(&path))
+                    .map_err(|e| format!("{}: {e}", path.display()))
+            },
+        )
+        .map_err(|e| e.to_string())?;
+    written
+}
+
+fn run() -> Result<(), Failure> {
+    let a = args().map_err(|e| Failure(e, 2))?;
+    // Join the job (launcher / torchrun / Slurm / Open MPI variables), or run alone.
+    let options = DdpOptions::default().with_zero_stage(a.zero_stage);
+    let mut ddp = DataParallel::from_env::<Train>(options)?;
+    let trained = if a.adam {
+        train(&mut ddp, &a, AdamConfig::new().init(), 1e-3)
+    } else {
+        train(&mut ddp, &a, SgdConfig::new().init(), 0.05)
+    };
+    let (model, mean_loss, steps) = trained?;
+    save(&mut ddp, &model, &a.out).map_err(|e| Failure(e, 1))?;
+    if ddp.rank() == 0 {
+        println!(
+            "own loop: {steps} steps on {} rank(s), ZeRO stage {}, mean training loss {mean_loss:.4}",
+            ddp.world_size(),
+            ddp.zero_stage()
+        );
+    }
+    Ok(ddp.barrier()?)
+}
+
+/// What went wrong, and the exit code: 2 for an input to fix, 1 otherwise.
+struct Failure(String, u8);
+
+impl From<DdpError> for Failure {
+    fn from(e: DdpError) -> Self {
+        let code = if e.is_usage() { 2 } else { 1 };
+        Self(e.to_string(), code)
+    }
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure(message, code)) => {
+            eprintln!("own_loop: {message}");
+            ExitCode::from(code)
+        }
+    }
+}

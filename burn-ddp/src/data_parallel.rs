@@ -1,0 +1,366 @@
+//! [`DataParallel`]: the one home of the DDP step — the handle a rank holds to train with
+//! the others (what Accelerate's `Accelerator` or a DDP-wrapped module is to PyTorch). The
+//! `trainer` engine's loop, the burn-train strategy ([`crate::learner::DdpStrategy`]) and
+//! own-loop programs all train through it.
+//!
+//! ```text
+//! let mut ddp = DataParallel::from_env::<B>(DdpOptions::default())?;
+//! let mut model = ddp.prepare(model)?;                  // replicas equal (rank 0's weights)
+//! for epoch in 0..epochs {
+//!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
+//!         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+//!         let check = ddp.sync_gradients(&model, &mut grads)?;     // mean over all ranks
+//!         if !check.all_finite() { /* skip or stop: every rank got the same verdict */ }
+//!         model = optim.step(lr, model, grads);
+//!         model = ddp.finish_step(model)?;               // ZeRO 1: owners send new values
+//!         model = ddp.sync_buffers(model)?;              // BatchNorm statistics
+//!     }
+//!     let [loss_sum, n] = ddp.sum([loss_sum, n])?;      // exact global metrics
+//! }
+//! ddp.barrier()?;
+//! ```
+//! A compiled, runnable version: `burn-ddp/examples/own_loop.rs` (a crate that depends on
+//! `burn` and `burn-ddp` only).
+//!
+//! Every method marked *collective* must be called by every rank, in the same order, with
+//! arguments that agree where it says so; each has a deadline ([`DdpOptions::timeout`], or the
+//! one it is given) after which it fails naming the ranks that did not arrive.
+
+use std::time::Duration;
+
+use burn::module::{AutodiffModule, ParamId};
+use burn::optim::{GradientsParams, Optimizer};
+use burn::record::Record;
+use burn::tensor::backend::AutodiffBackend;
+
+use crate::ddp::buffers::{self, BufferSync};
+use crate::ddp::zero::{self, StateMap};
+use crate::ddp::{
+    param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, ReducerStats,
+    ShardedSync, TrainBackend,
+};
+use crate::error::DdpError;
+use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
+use crate::init::Distributed;
+use crate::sampler::DistributedSampler;
+
+/// One rank's membership of a data-parallel job, and the DDP step it takes with the others.
+pub struct DataParallel {
+    dist: Distributed,
+    sync: GradientSync,
+    /// `Some` under ZeRO stage 1.
+    sharded: Option<ShardedSync>,
+    /// `None`: each rank keeps its own buffers.
+    buffer_rule: Option<BufferSync>,
+    /// Whether the model has buffers at all (learnt at the first sync; the same on every rank).
+    has_buffers: Option<bool>,
+    timeout: Duration,
+}
+
+impl DataParallel {
+    /// Joins the job the environment describes (this project's launcher, torchrun, Slurm,
+    /// Open MPI variables: [`crate::env`]), or forms a job of one without them. Collective:
+    /// every rank calls it with the same options; it returns once all have joined (deadline
+    /// `options.timeout`). `B` is the backend the model trains on (whether its gradients can
+    /// go through NCCL).
+    ///
+    /// # Errors
+    /// What joining reports ([`DdpError::Init`] for a bad environment), and
+    /// [`DdpError::Options`] for options that cannot work here.
+    pub fn from_env<B: TrainBackend>(options: DdpOptions) -> Result<Self, DdpError> {
+        let dist = Distributed::from_env_or_standalone(options.tcp_options())?;
+        Self::new::<B>(dist, options)
+    }
+
+    /// The handle over an already formed job. Collective when the options choose NCCL (the
+    /// group is formed through the job's store).
+    pub fn new<B: TrainBackend>(dist: Distributed, options: DdpOptions) -> Result<Self, DdpError> {
+        if options.zero_stage > 1 {
+            return Err(DdpError::Options(format!(
+                "ZeRO stage {} is not supported: use 0 (plain DDP) or 1 (sharded optimizer state)",
+                options.zero_stage
+            )));
+        }
+        let sync = GradientSync::new::<B>(&options, &dist)?;
+        let sharded = (options.zero_stage == 1).then(|| ShardedSync::new(options.compression));
+        Ok(Self {
+            dist,
+            sync,
+            sharded,
+            buffer_rule: options.buffers,
+            has_buffers: None,
+            timeout: options.timeout,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.dist.env.rank
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.dist.env.world_size
+    }
+
+    /// This rank's index among the ranks of its machine (the GPU it should use).
+    pub fn local_rank(&self) -> usize {
+        self.dist.env.local_rank
+    }
+
+    /// The job's TCP process group, for collectives of your own.
+    pub fn group(&mut self) -> &mut TcpProcessGroup {
+        &mut self.dist.group
+    }
+
+    /// Whether gradients go through NCCL (else through the host).
+    pub fn uses_nccl(&self) -> bool {
+        self.sync.is_nccl()
+    }
+
+    /// Fails on every rank whose `fingerprint` (of its settings) differs from rank 0's, naming
+    /// it ([`DdpError::Mismatch`]). Collective.
+    pub fn check_same(&mut self, fingerprint: &str) -> Result<(), DdpError> {
+        if self.world_size() == 1 {
+            return Ok(());
+        }
+        let rank = self.rank();
+        let store = &self.dist.store;
+        store.set(&settings_key(rank), fingerprint.as_bytes())?;
+        let theirs = store.get(&settings_key(0), self.timeout)?;
+        if theirs != fingerprint.as_bytes() {
+            return Err(DdpError::Mismatch(format!(
+                "rank {rank}'s config differs from rank 0's (fingerprint {fingerprint} vs {}): every rank must train with the same settings",
+                String::from_utf8_lossy(&theirs)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Makes the replicas equal: parameter ids from the visit order (so optimizer state
+    /// matches across ranks and runs) and rank 0's parameter values on every rank, as PyTorch's
+    /// `DistributedDataParallel` constructor does. Collective; the model must have the same
+    /// architecture everywhere.
+    pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+    ) -> Result<M, DdpError> {
+        prepare_module(model, &mut self.dist.group, 0)
+    }
+
+    /// Replaces every gradient with its mean over the ranks (through the host, or NCCL;
+    /// compressed as the options say), whatever the ZeRO stage. Collective, once per optimizer
+    /// step, after all the micro-batches of the step.
+    ///
+    /// Returns which ranks' own gradients held a NaN or an infinity (the same on every rank;
+    /// empty when all were finite). Where it is not empty the mean is not finite either: do
+    /// not apply it (skip the step, or stop).
+    pub fn average_gradients<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<GradientCheck, DdpError> {
+        self.sync.sync::<B, M>(&mut self.dist.group, model, grads)
+    }
+
+    /// The ZeRO stage this handle runs: 0 (every rank steps every parameter) or 1 (each
+    /// rank steps, and keeps optimizer state for, the parameters it owns).
+    pub fn zero_stage(&self) -> u8 {
+        u8::from(self.sharded.is_some())
+    }
+
+    /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:
+    /// [`average_gradients`](Self::average_gradients). Stage 1: `grads` keeps only the
+    /// gradients of the parameters this rank owns, each the mean over the ranks; step the
+    /// optimizer with them, then call [`finish_step`](Self::finish_step). Collective, once per
+    /// optimizer step; the verdict on non-finite gradients is the same as stage 0's.
+    pub fn sync_gradients<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<GradientCheck, DdpError> {
+        match &mut self.sharded {
+            Some(sharded) => {
+                sharded.reduce_to_owners::<B, M, _>(&mut self.dist.group, model, grads)
+            }
+            None => self.average_gradients::<B, M>(model, grads),
+        }
+    }
+
+    /// After the optimizer step. Stage 1: every rank sends the parameters it stepped and
+    /// receives the others' (the replicas are bit-identical again). Stage 0: nothing.
+    /// Collective under stage 1; call it only after a step that was taken.
+    pub fn finish_step<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+    ) -> Result<M, DdpError> {
+        match &mut self.sharded {
+            Some(sharded) => sharded.gather_parameters::<B, M, _>(&mut self.dist.group, model),
+            None => Ok(model),
+        }
+    }
+
+    /// Makes the model's buffers (BatchNorm running statistics, any `RunningState`, frozen
+    /// parameters) equal across ranks, as the options' buffer rule says: rank 0's, or the
+    /// mean. Collective (nothing is sent for a model without buffers, or without a rule);
+    /// call it once per optimizer step, after the step, so replicas are identical at every
+    /// step boundary.
+    pub fn sync_buffers<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: M,
+    ) -> Result<M, DdpError> {
+        let Some(rule) = self.buffer_rule else {
+            return Ok(model);
+        };
+        if self.world_size() == 1 {
+            return Ok(model);
+        }
+        let has = *self
+            .has_buffers
+            .get_or_insert_with(|| buffers::buffer_elements::<B, M>(&model) > 0);
+        if !has {
+            return Ok(model);
+        }
+        buffers::sync_buffers::<B, M, _>(model, &mut self.dist.group, rule)
+    }
+
+    /// Under stage 1, drops the optimizer state of the parameters another rank owns (after
+    /// loading a checkpoint's full state); under stage 0 returns `optim` as it is. Local.
+    pub fn keep_owned_state<B, M, O, R>(&mut self, model: &M, optim: O) -> O
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+    {
+        let (rank, world) = (self.rank(), self.world_size());
+        match &mut self.sharded {
+            Some(sharded) => zero::keep_owned_state(optim, sharded.plan(model, world), rank),
+            None => optim,
+        }
+    }
+
+    /// Under stage 1, every rank's optimizer state merged on rank 0 (`Some` there, `None`
+    /// elsewhere), as a stage-0 run would hold it: what a checkpoint saves, so that it loads
+    /// at any world size and stage. Under stage 0, `None`. Collective under stage 1.
+    pub fn gather_optimizer_state<B, M, O, R>(
+        &mut self,
+        optim: &O,
+        device: &B::Device,
+    ) -> Result<Option<O>, DdpError>
+    where
+        B: AutodiffBackend,
+        M: AutodiffModule<B>,
+        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
+        R: Record<B>,
+    {
+        if self.sharded.is_none() {
+            return Ok(None);
+        }
+        zero::gather_state::<M, B, O, R, _>(optim, &mut self.dist.group, 0, device)
+    }
+
+    /// What gradient synchronisation did so far (synchronisations, collectives, bytes).
+    pub fn gradient_stats(&self) -> ReducerStats {
+        match &self.sharded {
+            Some(sharded) => sharded.stats(),
+            None => self.sync.stats(),
+        }
+    }
+
+    /// This rank's data-set indices for `epoch`: its share of one global permutation seeded by
+    /// `seed + epoch`, padded so every rank gets as many (PyTorch's `DistributedSampler`).
+    /// Local; `len` and `seed` must agree across ranks.
+    pub fn shard(&self, len: usize, seed: u64, epoch: usize) -> Vec<usize> {
+        DistributedSampler::new(len, self.world_size(), self.rank())
+            .with_seed(seed)
+            .indices(epoch as u64, 0)
+    }
+
+    /// Element-wise sums over the ranks (exact global metrics from per-rank sums and counts).
+    /// Collective.
+    pub fn sum<const N: usize>(&mut self, values: [f64; N]) -> Result<[f64; N], DdpError> {
+        let mut v = values;
+        self.dist.group.all_reduce(&mut v, ReduceOp::Sum)?;
+        Ok(v)
+    }
+
+    /// Every rank's `values`, concatenated in rank order (`world_size × values.len()`).
+    /// Collective; every rank passes the same number of values.
+    pub fn all_gather(&mut self, values: &[f64]) -> Result<Vec<f64>, DdpError> {
+        let mut all = vec![0.0; values.len() * self.world_size()];
+        self.dist.group.all_gather(values, &mut all)?;
+        Ok(all)
+    }
+
+    /// Fails with [`DdpError::ReplicaDrift`] when the replicas' parameters are not
+    /// bit-identical, naming the first rank that differs from rank 0. Collective.
+    pub fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
+        &mut self,
+        model: &M,
+        step: usize,
+    ) -> Result<(), DdpError> {
+        let ours = param_checksum::<B, M>(model) as i64;
+        let mut all = vec![0i64; self.world_size()];
+        self.dist.group.all_gather(&[ours], &mut all)?;
+        if let Some(r) = all.iter().position(|&c| c != all[0]) {
+            return Err(DdpError::ReplicaDrift(format!(
+                "replica drift at step {step}: rank {r}'s parameters (checksum {:016x}) differ from rank 0's ({:016x})",
+                all[r] as u64,
+                all[0] as u64
+            )));
+        }
+        Ok(())
+    }
+
+    /// Rank 0 runs `action` (writing a checkpoint, a report) while the others wait for its
+    /// verdict through the store, up to `timeout` (chosen by the caller, so a slow disk never
+    /// trips the collectives' deadline). `key` names this occurrence; it must be the same on
+    /// every rank and new for each call. Collective.
+    ///
+    /// Returns rank 0's own result to rank 0 (`Ok(Err(e))` when `action` failed); the other
+    /// ranks get `Ok(Ok(()))`, or [`DdpError::RankZeroFailed`] carrying rank 0's message.
+    pub fn run_on_rank_zero<E: std::fmt::Display>(
+        &mut self,
+        what: &str,
+        key: &str,
+        timeout: Duration,
+        action: impl FnOnce() -> Result<(), E>,
+    ) -> Result<Result<(), E>, DdpError> {
+        let key = format!("burn-ddp/rank-zero/{key}");
+        if self.rank() == 0 {
+            let result = action();
+            if self.world_size() > 1 {
+                let status = match &result {
+                    Ok(()) => "ok".to_string(),
+                    Err(e) => format!("{e:#}"),
+                };
+                self.dist.store.set(&key, status.as_bytes())?;
+            }
+            return Ok(result);
+        }
+        let status = self.dist.store.get(&key, timeout)?;
+        if status != b"ok" {
+            return Err(DdpError::RankZeroFailed {
+                what: what.to_string(),
+                message: String::from_utf8_lossy(&status).into_owned(),
+            });
+        }
+        Ok(Ok(()))
+    }
+
+    /// Rank 0's `value` on every rank. Collective.
+    pub fn broadcast_from_rank_zero(&mut self, value: i64) -> Result<i64, DdpError> {
+        let mut v = [value];
+        self.dist.group.broadcast(&mut v, 0)?;
+        Ok(v[0])
+    }
+
+    /// Waits for every rank. Call it last: rank 0 may host the rendezvous store, so ranks
+    /// leave together. Collective.
+    pub fn barrier(&mut self) -> Result<(), DdpError> {
+        Ok(self.dist.group.barrier()?)
+    }
+}
+
+/// Rendezvous-store key under which rank `rank` publishes its settings' fingerprint.
+fn settings_key(rank: usize) -> String {
+    format!("burn-ddp/settings/{rank}")
+}

@@ -1,0 +1,134 @@
+//! [`GradientSync`]: how this rank averages gradients once per optimizer step — through the
+//! host over the job's TCP group, or on the GPU over an NCCL group formed beside it (as
+//! PyTorch keeps a gloo group beside its NCCL group) — with one [`Reducer`] either way.
+
+use burn::module::AutodiffModule;
+use burn::optim::GradientsParams;
+
+use super::TrainBackend;
+use super::{DdpOptions, GradientCheck, GradientTransport, HostStaging, Reducer, ReducerStats};
+use crate::error::DdpError;
+#[cfg(feature = "cuda")]
+use crate::group::nccl::{NcclGroupOptions, NcclProcessGroup};
+use crate::group::TcpProcessGroup;
+use crate::init::Distributed;
+
+/// The gradient path of one rank (module docs).
+pub struct GradientSync {
+    reducer: Reducer,
+    /// `None`: through the host, over the job's TCP group. `Some`: on the GPU, over an NCCL
+    /// group formed beside the TCP one, dropped before the job's final TCP barrier.
+    #[cfg(feature = "cuda")]
+    nccl: Option<Box<NcclProcessGroup>>,
+}
+
+impl GradientSync {
+    /// The path `options` asks for on backend `B`. For NCCL this forms the group through the
+    /// job's store: collective, every rank calls it at the same point with the same options,
+    /// bounded by `options.timeout`.
+    ///
+    /// # Errors
+    /// [`DdpError::Options`] for a combination that cannot work (NCCL asked for with ZeRO
+    /// stage 1, on Burn's fusion backend, or in a build without feature `cuda`); what forming
+    /// the NCCL group reports.
+    pub fn new<B: TrainBackend>(
+        options: &DdpOptions,
+        dist: &Distributed,
+    ) -> Result<Self, DdpError> {
+        let reducer = Reducer::new(options.bucket_cap_mb, options.compression);
+        let asked = options.transport == GradientTransport::Nccl;
+        let mut use_nccl =
+            options.resolved_transport(B::CUDA, dist.env.world_size) == GradientTransport::Nccl;
+        if use_nccl && options.zero_stage == 1 {
+            // Stage 1 needs a reduce-scatter and an all-gather over blocks of different sizes
+            // (one per owner), which NCCL lacks: it runs over the TCP group.
+            if asked {
+                return Err(DdpError::Options(
+                    "ZeRO stage 1 runs over the host (TCP ring) in this version; use the automatic or host gradient transport (distributed.gradient_sync = \"auto\" or \"host\"), or ZeRO stage 0 for NCCL".into(),
+                ));
+            }
+            use_nccl = false;
+        }
+        if use_nccl && B::CUDA && !B::NCCL {
+            if asked {
+                return Err(DdpError::Options(
+                    "gradient transport NCCL: this build's CUDA backend is Burn's fusion backend (Burn's default features), whose tensors NCCL cannot address yet; use the automatic or host transport (distributed.gradient_sync = \"auto\" or \"host\": gradients through the host), or build burn without default features".into(),
+                ));
+            }
+            tracing::warn!(
+                "gradients are averaged through the host (TCP ring), not NCCL: this build's CUDA backend is Burn's fusion backend (Burn's default features), whose tensors NCCL cannot address yet"
+            );
+            use_nccl = false;
+        }
+        if use_nccl && !cfg!(feature = "cuda") {
+            return Err(DdpError::Options(
+                "gradient transport NCCL needs a build with feature `cuda` and Burn's CUDA backend"
+                    .into(),
+            ));
+        }
+        if use_nccl && !B::CUDA {
+            return Err(DdpError::Options(
+                "gradient transport NCCL needs Burn's CUDA backend; use the automatic or host transport on this device".into(),
+            ));
+        }
+        Ok(Self {
+            reducer,
+            #[cfg(feature = "cuda")]
+            nccl: if use_nccl {
+                Some(nccl_group(options, dist)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Whether gradients go through NCCL.
+    pub fn is_nccl(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.nccl.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer
+    /// step ([`Reducer::sync`]).
+    pub fn sync<B: TrainBackend, M: AutodiffModule<B>>(
+        &mut self,
+        tcp: &mut TcpProcessGroup,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<GradientCheck, DdpError> {
+        #[cfg(feature = "cuda")]
+        if let Some(group) = &mut self.nccl {
+            return B::sync_with_nccl(&mut self.reducer, group, model, grads);
+        }
+        self.reducer
+            .sync::<B, M, _>(&mut HostStaging(tcp), model, grads)
+    }
+
+    pub fn stats(&self) -> ReducerStats {
+        self.reducer.stats()
+    }
+}
+
+/// Forms the NCCL group for gradients on this rank's GPU (the local rank's ordinal, the one
+/// Burn's CUDA device of the same rank uses).
+#[cfg(feature = "cuda")]
+fn nccl_group(options: &DdpOptions, dist: &Distributed) -> Result<Box<NcclProcessGroup>, DdpError> {
+    let (rank, world) = (dist.env.rank, dist.env.world_size);
+    let nccl_options = NcclGroupOptions {
+        timeout: options.timeout,
+        stall_warning: options.stall_warning,
+        ..Default::default()
+    };
+    let device = crate::cuda::local_device(dist.env.local_rank);
+    let group =
+        NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, nccl_options)
+            .map_err(|e| {
+                DdpError::Device(format!(
+                    "forming the NCCL group for gradients (use the host transport, distributed.gradient_sync = \"host\", to average through the host instead): {e}"
+                ))
+            })?;
+    tracing::info!(rank, world, device, "gradients are averaged with NCCL");
+    Ok(Box::new(group))
+}
