@@ -59,6 +59,19 @@ fn metric_log(path: &Path) -> Vec<(f64, usize)> {
         .collect()
 }
 
+/// burn-train's end-of-run summary in a program's output: from its banner on, without the
+/// program's own "trained …" lines (another rank's may arrive in between).
+fn learner_summary(stdout: &str) -> String {
+    let start = stdout
+        .find("Learner Summary")
+        .unwrap_or_else(|| panic!("no learner summary in:\n{stdout}"));
+    stdout[start..]
+        .lines()
+        .filter(|l| !l.starts_with("trained ") && !l.starts_with("[rank"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 #[test]
 fn two_processes_end_where_the_unchanged_program_ends_with_the_doubled_batch() {
     let dir = scratch("burn-train-user");
@@ -67,9 +80,17 @@ fn two_processes_end_where_the_unchanged_program_ends_with_the_doubled_batch() {
         .args(["--plain", "--batch", "32", "--dir"])
         .arg(&plain));
     assert_eq!(out.code, Some(0), "{}", out.all());
+    let plain_summary = learner_summary(&out.stdout);
     let out = launch(2, &ddp, &["--batch", "16"]);
     assert!(out.stdout.contains("as rank 1"), "{}", out.all());
     assert_rank1_logs_no_info(&out, "[rank 1]");
+    // Clean logs from every rank: no warning about burn-train's logger (expected on ranks
+    // other than 0), no colour codes in piped output; rank 0's summary is the one-process
+    // program's, model block included.
+    assert!(!out.all().contains("experiment logger"), "{}", out.all());
+    assert!(!out.all().contains('\u{1b}'), "{}", out.all());
+    assert!(plain_summary.contains("Model:"), "{plain_summary}");
+    assert_eq!(learner_summary(&out.stdout), plain_summary);
 
     let diff = max_abs_diff(
         &read_weights(&plain.join("model.safetensors")),

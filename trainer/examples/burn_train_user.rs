@@ -271,7 +271,8 @@ fn run<B: TrainBackend, O: Optimizer<Model<B>, B> + 'static>(
     };
     let training = training
         .metrics((AccuracyMetric::new(), LossMetric::new()))
-        .num_epochs(args.epochs);
+        .num_epochs(args.epochs)
+        .summary();
     let training = if args.no_checkpointer {
         training
     } else {

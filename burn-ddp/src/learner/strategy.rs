@@ -157,9 +157,15 @@ impl DdpStrategy {
 /// subscriber the program installed earlier is kept; the launcher tags each line with the
 /// rank).
 fn quiet_logger() {
+    use std::io::IsTerminal;
+    // burn-train's `launch` then fails to install its experiment logger here and warns that
+    // it did: expected on these ranks, so that one warning is not shown.
+    let filter =
+        tracing_subscriber::EnvFilter::new("warn,burn_train::learner::supervised::paradigm=error");
     let _ = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
 }
 
@@ -227,38 +233,35 @@ where
                 "ZeRO stage 1 under the burn-train strategy cannot write burn-train's checkpoints: its Learner does not let a strategy read the optimizer state each rank holds, so rank 0's files would resume with the other ranks' state lost. Remove the checkpointer, use ZeRO stage 0, or train through the trainer engine (its checkpoints merge the shards)",
             );
         }
-        // burn-train's resume, on every rank: rank 0's files (module docs).
-        let starting_epoch = match components.checkpoint {
-            Some(epoch) => {
-                if let Some(checkpointer) = &mut components.checkpointer {
-                    learner = checkpointer.load_checkpoint(learner, &Default::default(), epoch);
-                }
-                epoch + 1
-            }
-            None => 1,
-        };
         // burn-train's epochs count from 1; a distributed loader's from 0. Its order in a
         // resumed epoch is then the uninterrupted run's (other loaders keep their own state).
+        let starting_epoch = components.checkpoint.map_or(1, |epoch| epoch + 1);
         let loader_epoch = starting_epoch as u64 - 1;
         loader::start_at_epoch(&dataloader_train, loader_epoch);
         loader::start_at_epoch(&dataloader_valid, loader_epoch);
-        let summary = components.summary.take();
         if self.rank == 0 {
-            components
-                .event_processor
-                .process_train(LearnerEvent::Start);
+            // burn-train's own `train` around this strategy's `fit`: its resume, its start and
+            // end events and the summary with its model block, as a one-process run has them.
+            return WithBurnTrainEvents(self).train(
+                learner,
+                dataloader_train,
+                dataloader_valid,
+                components,
+            );
         }
-        let (model, mut processor) = self.fit(
+        // Other ranks: the same resume (rank 0's files, module docs), no events.
+        if let (Some(epoch), Some(checkpointer)) =
+            (components.checkpoint, &mut components.checkpointer)
+        {
+            learner = checkpointer.load_checkpoint(learner, &Default::default(), epoch);
+        }
+        let (model, processor) = self.fit(
             components,
             learner,
             dataloader_train,
             dataloader_valid,
             starting_epoch,
         );
-        if self.rank == 0 {
-            let summary = summary.and_then(|s| s.init().ok());
-            processor.process_train(LearnerEvent::End(summary));
-        }
         LearningResult {
             model: model.valid(),
             renderer: processor.renderer(),
@@ -338,6 +341,36 @@ where
         ddp.barrier()
             .unwrap_or_else(|e| fail(rank, "the final barrier", e));
         (learner.model(), processor)
+    }
+}
+
+/// Rank 0's view of the strategy: burn-train's default `train` (checkpoint load, `Start`,
+/// `fit`, `End` with the summary and its model block — the block a strategy cannot fill
+/// itself) around [`DdpStrategy`]'s `fit`.
+struct WithBurnTrainEvents<'a>(&'a DdpStrategy);
+
+impl<LC> SupervisedLearningStrategy<LC> for WithBurnTrainEvents<'_>
+where
+    LC: LearningComponentsTypes,
+    LC::Backend: TrainBackend,
+    TrainOut<LC>: GatherOutput,
+    ValidOut<LC>: GatherOutput,
+{
+    fn fit(
+        &self,
+        components: TrainingComponents<LC>,
+        learner: Learner<LC>,
+        dataloader_train: TrainLoader<LC>,
+        dataloader_valid: ValidLoader<LC>,
+        starting_epoch: usize,
+    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+        self.0.fit(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        )
     }
 }
 
