@@ -110,7 +110,7 @@ impl<B: Backend> DigitsModel<B> {
     }
 
     /// [`from_options`](Self::from_options) without drawing the parameters: nothing of the
-    /// parameters' size is allocated until first use (see [`lazy_param_count`](crate::lazy_param_count)).
+    /// parameters' size is allocated until first use (see [`burn_ddp::parameter_count`]).
     pub fn lazy(
         name: &str,
         options: &toml::Table,

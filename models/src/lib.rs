@@ -134,7 +134,7 @@ pub use classifier::{classification_output, DigitsModel, FeaturesBatch, DIGITS_M
 pub use cnn::{Cnn, CnnOptions};
 pub use error::{CheckError, DatasetError, ModelError};
 pub use mlp::{Mlp, MlpOptions};
-pub use registry::{lazy_param_count, validate, with_model, MODEL_NAMES};
+pub use registry::{validate, with_model, MODEL_NAMES};
 pub use regression::{
     RegressionBatch, RegressionBatcher, RegressionConfig, RegressionItem, RegressionModel,
     SyntheticRegression, SYNTHETIC_REGRESSION_NOISE,

@@ -133,22 +133,6 @@ impl<B: AutodiffBackend, T: ModelTask<B>> ModelTask<B> for Materialized<T> {
     }
 }
 
-/// The number of float parameter values of `model`, read from the shapes its parameters were
-/// declared with: Burn initialises parameters lazily, so a model built but never drawn (the
-/// `*_lazy` constructors of this crate) counts its parameters without allocating them. For the
-/// memory pre-flight, which must not allocate what it is about to refuse.
-pub fn lazy_param_count<B: Backend, M: Module<B>>(model: &M) -> u64 {
-    struct Count(u64);
-    impl<B: Backend> ModuleVisitor<B> for Count {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            self.0 += param.lazy_shape().num_elements() as u64;
-        }
-    }
-    let mut count = Count(0);
-    model.visit(&mut count);
-    count.0
-}
-
 /// Draws every parameter of `model` that is still uninitialised, in
 /// declaration order (Burn runs a parameter's initialiser on first use; after
 /// this the values depend only on the backend's RNG state before the model

@@ -106,7 +106,7 @@ impl RegressionConfig {
     }
 
     /// [`init`](Self::init) without drawing the parameters (see
-    /// [`lazy_param_count`](crate::lazy_param_count)).
+    /// [`burn_ddp::parameter_count`]).
     ///
     /// # Panics
     ///

@@ -231,3 +231,16 @@ fn the_users_parameter_count_lets_the_preflight_refuse_a_model_too_big() {
     );
     assert_no_rank_started(&out);
 }
+
+/// The user's binary names itself (`trainer::program_info!()`): `--version` and `--help` say
+/// `custom-model` and its crate's version, not `trainer`.
+#[test]
+fn the_users_binary_names_itself_in_help_and_version() {
+    let out = run(Command::new(custom_model()).arg("--version"));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_eq!(out.stdout.trim(), "custom-model 0.1.0", "{}", out.all());
+    let out = run(Command::new(custom_model()).arg("--help"));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert!(out.stdout.contains("Usage: custom-model"), "{}", out.all());
+    assert!(!out.stdout.contains("trainer "), "{}", out.all());
+}

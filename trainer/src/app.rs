@@ -13,7 +13,7 @@
 //!   (`impl<B: AutodiffBackend> Learn<B> for MyApp`) and the engine picks the backend from
 //!   `output.device`.
 //!
-//! Then `fn main() -> ExitCode { trainer::run::main(MyApp) }` is a complete `trainer` for the
+//! Then `fn main() -> ExitCode { trainer::run::main_with(MyApp, trainer::program_info!()) }` is a complete `trainer` for the
 //! user's model: `--config`, `--nproc-per-node`, multi-node, `--max-restarts`, `eval`, resume,
 //! rank-0 checkpoints. See `examples/custom-model/` for a compiled example.
 
@@ -29,6 +29,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::metrics::Metrics;
+
+/// The parameter counter for [`App::parameter_count`] (burn-ddp's).
+pub use burn_ddp::parameter_count;
 
 /// A problem with the app's own configuration or data: a usage error (exit code 2). Say what is
 /// wrong, where (the key or file) and how to fix it.
@@ -108,7 +111,7 @@ pub trait App: Send + Sync + 'static {
 
     /// How many float parameter values the model of these tables has, found without
     /// allocating them — e.g. build it with Burn's lazily initialised parameters and count with
-    /// `models::lazy_param_count`, or use a formula. The pre-flight uses it to refuse, with the
+    /// [`parameter_count`] (burn-ddp's, re-exported here), or use a formula. The pre-flight uses it to refuse, with the
     /// numbers, a model that cannot fit in memory before any rank starts. `None` (the default)
     /// skips that check.
     fn parameter_count(&self, model: &Self::ModelConfig, data: &Self::DataConfig) -> Option<u64> {
@@ -146,11 +149,13 @@ pub trait Learn<B: AutodiffBackend>: App {
 
     /// The batchers for training and validation. They run on the training thread (which owns
     /// the device); `training.num_workers` threads read the items ahead through
-    /// `Dataset::get`.
+    /// `Dataset::get`. `device` is this rank's (its own GPU under CUDA), the device every
+    /// batch is also made on: a batcher that keeps a device keeps this one.
     fn batchers(
         &self,
         model: &Self::ModelConfig,
         data: &Self::DataConfig,
+        device: &B::Device,
     ) -> (Self::TrainBatcher, Self::ValidBatcher);
 
     /// burn-train numeric metrics computed on the training outputs (after `ItemLazy::sync`),

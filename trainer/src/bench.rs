@@ -308,7 +308,7 @@ where
     CpuBackend::seed(&device, config.training.seed);
     let data = app.datasets(&config.data)?;
     let mut model = app.model(&config.model, &config.data, &device)?;
-    let (batcher, _) = app.batchers(&config.model, &config.data);
+    let (batcher, _) = app.batchers(&config.model, &config.data, &device);
     let batch = config.training.batch_size;
     let steps = config.training.max_steps.unwrap_or(100);
     let warmup = config.training.log_every;

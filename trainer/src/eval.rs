@@ -110,7 +110,9 @@ pub fn evaluate<A: LearnAnywhere>(
                 .app
                 .model(&self.config.model, &self.config.data, &device)?;
             let model = checkpoint::load_model::<B, A::Model>(&self.ckpt, model)?.valid();
-            let (_, batcher) = self.app.batchers(&self.config.model, &self.config.data);
+            let (_, batcher) = self
+                .app
+                .batchers(&self.config.model, &self.config.data, &device);
             let mut metrics = self.app.valid_metrics();
             let n = evaluate_shard::<B::InnerBackend, _, _, _>(
                 &model,

@@ -430,7 +430,9 @@ where
                     reason,
                 })?;
         }
-        let (train_batcher, valid_batcher) = job.app.batchers(&job.config.model, &job.config.data);
+        let (train_batcher, valid_batcher) =
+            job.app
+                .batchers(&job.config.model, &job.config.data, &job.device);
         let resumed_from = restored.map(|c| c.manifest.position.step);
         let reporter = open_reporter(job, plan.total_steps, position, resumed_from)?;
         Ok(Self {

@@ -3,7 +3,7 @@
 //!
 //! **Bring your own model** (three ways in, see README "Bring your own model"):
 //! 1. your own binary, the whole CLI: implement [`app::App`] + [`app::Learn`] and call
-//!    [`run::main`] (compiled example: `examples/custom-model/`);
+//!    [`run::main_with`] with [`program_info!`] (its `--help` and `--version` name your binary) (compiled example: `examples/custom-model/`);
 //! 2. your own loop: [`burn_ddp::DataParallel`] (compiled example: `burn-ddp/examples/own_loop.rs`);
 //! 3. the built-in models: `trainer --config configs/digits-mlp.toml`.
 //!

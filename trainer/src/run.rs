@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::backend::LearnAnywhere;
 use crate::error::{describe_error, exit_code, UsageError};
@@ -38,7 +38,10 @@ pub struct TrainArgs {
 
 /// An app's command line: train (the default), or `eval`.
 #[derive(Parser, Debug)]
-#[command(version, args_conflicts_with_subcommands = true)]
+#[command(
+    args_conflicts_with_subcommands = true,
+    about = "Trains this program's model (the default) or evaluates a checkpoint; one process, or many ranks with --nproc-per-node (burn-ddp)"
+)]
 struct AppCli {
     #[command(subcommand)]
     command: Option<AppCommand>,
@@ -62,10 +65,53 @@ pub struct EvalArgs {
     pub checkpoint: PathBuf,
 }
 
-/// The whole CLI for `app`: parses the command line, sets up logging, and trains, launches or
-/// evaluates. Call it from `fn main() -> ExitCode`.
+/// What a program built on [`main_with`] calls itself in `--help` and `--version`.
+/// [`program_info!`](crate::program_info) fills it from the calling crate.
+#[derive(Debug, Clone, Copy)]
+pub struct ProgramInfo {
+    pub name: &'static str,
+    pub version: &'static str,
+}
+
+/// The [`ProgramInfo`] of the binary being compiled: its name and its crate's version
+/// (`CARGO_BIN_NAME`, `CARGO_PKG_VERSION` of the crate that expands it).
+#[macro_export]
+macro_rules! program_info {
+    () => {
+        $crate::run::ProgramInfo {
+            name: env!("CARGO_BIN_NAME"),
+            version: env!("CARGO_PKG_VERSION"),
+        }
+    };
+}
+
+/// The whole CLI for `app`, named after this binary's file and without `--version` (use
+/// [`main_with`] and [`program_info!`](crate::program_info) to give yours). Call it from
+/// `fn main() -> ExitCode`.
 pub fn main<A: LearnAnywhere>(app: A) -> ExitCode {
-    let cli = AppCli::parse(); // clap prints usage errors itself and exits with 2
+    let name = std::env::args_os()
+        .next()
+        .map(PathBuf::from)
+        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "trainer".into());
+    let command = AppCli::command().bin_name(name);
+    run_app(app, command)
+}
+
+/// The whole CLI for `app`, as `info` names it: parses the command line, sets up logging, and
+/// trains, launches or evaluates. Call it from `fn main() -> ExitCode` as
+/// `trainer::run::main_with(MyApp, trainer::program_info!())`.
+pub fn main_with<A: LearnAnywhere>(app: A, info: ProgramInfo) -> ExitCode {
+    let command = AppCli::command()
+        .name(info.name)
+        .bin_name(info.name)
+        .version(info.version);
+    run_app(app, command)
+}
+
+fn run_app<A: LearnAnywhere>(app: A, command: clap::Command) -> ExitCode {
+    // clap prints usage errors itself and exits with 2.
+    let cli = AppCli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     init_logging();
     report(match cli.command {
         Some(AppCommand::Eval(args)) => crate::eval::evaluate(app, &args.config, &args.checkpoint),

@@ -39,7 +39,7 @@ pub use comm::{BucketComm, HostStaging};
 pub use device::{CudaBuffers, NcclBackend, NcclBuckets};
 pub use finite::GradientCheck;
 pub use gradient_sync::GradientSync;
-pub use module::{param_checksum, prepare_module};
+pub use module::{param_checksum, parameter_count, prepare_module};
 pub use options::{DdpOptions, GradientTransport};
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;

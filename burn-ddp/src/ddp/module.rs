@@ -35,6 +35,22 @@ pub fn prepare_module<B: Backend, M: Module<B>, G: ProcessGroup>(
     Ok(write_floats(module, &flat, in_order()))
 }
 
+/// The number of float parameter values of `model`, read from the shapes its parameters were
+/// declared with. Burn initialises parameters lazily, so a model built but never used counts
+/// its parameters without allocating them: what a memory pre-flight needs, which must not
+/// allocate what it is about to refuse. Local; equal to Burn's `num_params` on a drawn model.
+pub fn parameter_count<B: Backend, M: Module<B>>(model: &M) -> u64 {
+    struct Count(u64);
+    impl<B: Backend> ModuleVisitor<B> for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            self.0 += param.lazy_shape().num_elements() as u64;
+        }
+    }
+    let mut count = Count(0);
+    model.visit(&mut count);
+    count.0
+}
+
 /// A checksum of every float parameter's bits, in visit order. Equal replicas have equal
 /// checksums; compare them across ranks to detect drift.
 pub fn param_checksum<B: Backend, M: Module<B>>(module: &M) -> u64 {

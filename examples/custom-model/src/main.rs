@@ -220,7 +220,8 @@ impl App for CirclesApp {
         })
     }
 
-    /// Optional: lets the pre-flight refuse a model too big for memory before any rank starts.
+    /// Optional: lets the pre-flight refuse a model too big for memory before any rank starts
+    /// (a formula here; `trainer::app::parameter_count` counts a lazily built model instead).
     fn parameter_count(&self, model: &ModelConfig, _data: &DataConfig) -> Option<u64> {
         let h = model.hidden as u64;
         Some((2 * h + h) + (h * 2 + 2))
@@ -246,7 +247,12 @@ impl<B: AutodiffBackend> Learn<B> for CirclesApp {
         })
     }
 
-    fn batchers(&self, _: &ModelConfig, _: &DataConfig) -> (PointsBatcher, PointsBatcher) {
+    fn batchers(
+        &self,
+        _: &ModelConfig,
+        _: &DataConfig,
+        _: &B::Device,
+    ) -> (PointsBatcher, PointsBatcher) {
         (PointsBatcher, PointsBatcher)
     }
 
@@ -268,5 +274,5 @@ impl<B: AutodiffBackend> Learn<B> for CirclesApp {
 static ALLOC: trainer::alloc::ReportingAllocator = trainer::alloc::ReportingAllocator;
 
 fn main() -> ExitCode {
-    trainer::run::main(CirclesApp)
+    trainer::run::main_with(CirclesApp, trainer::program_info!())
 }

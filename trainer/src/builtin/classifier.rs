@@ -385,7 +385,7 @@ impl App for ClassifierApp {
     fn parameter_count(&self, model: &ModelSection, data: &DataConfig) -> Option<u64> {
         let device = Default::default();
         let lazy = DigitsModel::<Flex>::lazy(&model.name, &model.options, &data.input(), &device);
-        lazy.ok().map(|m| models::lazy_param_count(&m))
+        lazy.ok().map(|m| burn_ddp::parameter_count(&m))
     }
 }
 
@@ -409,6 +409,7 @@ impl<B: AutodiffBackend> Learn<B> for ClassifierApp {
         &self,
         _model: &ModelSection,
         _data: &DataConfig,
+        _device: &B::Device,
     ) -> (ClassificationBatcher, ClassificationBatcher) {
         (ClassificationBatcher, ClassificationBatcher)
     }

@@ -220,7 +220,7 @@ impl App for RegressionApp {
         let lazy = model
             .config
             .init_lazy::<Flex>(features, targets, &Default::default());
-        Some(models::lazy_param_count(&lazy))
+        Some(burn_ddp::parameter_count(&lazy))
     }
 }
 
@@ -244,6 +244,7 @@ impl<B: AutodiffBackend> Learn<B> for RegressionApp {
         &self,
         _model: &Self::ModelConfig,
         _data: &RegressionData,
+        _device: &B::Device,
     ) -> (RegressionBatcher, RegressionBatcher) {
         (RegressionBatcher, RegressionBatcher)
     }

@@ -94,7 +94,7 @@ impl App for TextApp {
 
     fn parameter_count(&self, model: &Self::ModelConfig, _data: &TextData) -> Option<u64> {
         let lazy = model.config.init_lazy::<Flex>(&Default::default());
-        Some(models::lazy_param_count(&lazy))
+        Some(burn_ddp::parameter_count(&lazy))
     }
 }
 
@@ -113,7 +113,12 @@ impl<B: AutodiffBackend> Learn<B> for TextApp {
         Ok(model.config.init(device))
     }
 
-    fn batchers(&self, _model: &Self::ModelConfig, _data: &TextData) -> (TextBatcher, TextBatcher) {
+    fn batchers(
+        &self,
+        _model: &Self::ModelConfig,
+        _data: &TextData,
+        _device: &B::Device,
+    ) -> (TextBatcher, TextBatcher) {
         let batcher = TextBatcher { pad_token: 0 };
         (batcher, batcher)
     }
