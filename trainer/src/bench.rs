@@ -59,6 +59,14 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     builtin::with_app(&args.config, Bench(args))?
 }
 
+/// (label, world size, ZeRO stage) of the engine's runs; the plain loop runs first in every
+/// round.
+const ENGINE_RUNS: [(&str, usize, u8); 3] = [
+    ("engine, world 1", 1, 0),
+    ("engine, world 2, ZeRO 0", 2, 0),
+    ("engine, world 2, ZeRO 1", 2, 1),
+];
+
 fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let config = AppConfig::<A>::load(&args.config)?;
     if args.plain_only {
@@ -68,20 +76,32 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
         }
         return Ok(ExitCode::SUCCESS);
     }
+    let (plain, runs) = measure(args)?;
+    println!(
+        "workload: {} {}, {:?}, per-rank batch {} (one compute thread per process)",
+        app.name(&config.model),
+        serde_json::to_string(&config.model).unwrap_or_default(),
+        config.optimizer.name,
+        config.training.batch_size
+    );
+    print_runs(config.training.batch_size as f64, &plain, &runs);
+    let device = Default::default();
+    let model = Learn::<CpuBackend>::model(&app, &config.model, &config.data, &device)?;
+    print_state_and_bytes(&model, config.optimizer.name, config.optimizer.momentum);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The median over `args.rounds` rounds of the plain loop and of each of [`ENGINE_RUNS`],
+/// interleaved so that a machine's drift affects them alike.
+fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Vec<Measured>)> {
     let exe = std::env::current_exe()?;
     let scratch = std::env::temp_dir().join(format!("trainer-bench-{}", std::process::id()));
-    // (label, world size, ZeRO stage); the plain loop is run first in every round.
-    let engine_runs = [
-        ("engine, world 1", 1, 0u8),
-        ("engine, world 2, ZeRO 0", 2, 0),
-        ("engine, world 2, ZeRO 1", 2, 1),
-    ];
     let mut plain = Vec::new();
-    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); engine_runs.len()];
+    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); ENGINE_RUNS.len()];
     for round in 0..args.rounds {
         plain.push(run_plain(&exe, &args.config)?);
         let mut line = format!("round {round}: plain {:.0}", plain[round].rate);
-        for (k, &(label, nproc, stage)) in engine_runs.iter().enumerate() {
+        for (k, &(label, nproc, stage)) in ENGINE_RUNS.iter().enumerate() {
             let dir = scratch.join(format!("w{nproc}-z{stage}-{round}"));
             let m = run_trainer(&exe, &args.config, &dir, nproc, stage)?;
             line += &format!(", {label} {:.0}", m.rate);
@@ -90,30 +110,23 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
         eprintln!("{line} samples/s");
     }
     let _ = std::fs::remove_dir_all(&scratch);
-    let plain = Measured::median(plain);
-    let runs: Vec<Measured> = runs.into_iter().map(Measured::median).collect();
+    Ok((
+        Measured::median(plain),
+        runs.into_iter().map(Measured::median).collect(),
+    ))
+}
 
-    let device = Default::default();
-    let model = Learn::<CpuBackend>::model(&app, &config.model, &config.data, &device)?;
-    let params = model.num_params();
-    let stage1_own = zero::plan_for(&model, 2).counts().to_vec();
-    println!(
-        "workload: {} {}, {:?}, per-rank batch {} (one compute thread per process)",
-        app.name(&config.model),
-        serde_json::to_string(&config.model).unwrap_or_default(),
-        config.optimizer.name,
-        config.training.batch_size
-    );
+/// The table of runs and the ratios of the same run: DDP overhead, scaling, ZeRO's cost.
+fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured]) {
     println!(
         "{:<28} {:>12} {:>14} {:>26}",
         "", "samples/s", "step time (ms)", "peak RSS per rank (MiB)"
     );
-    let per_step = config.training.batch_size as f64;
-    let mut rows = vec![("plain Burn loop", 1, &plain)];
+    let mut rows = vec![("plain Burn loop", 1, plain)];
     rows.extend(
-        engine_runs
+        ENGINE_RUNS
             .iter()
-            .zip(&runs)
+            .zip(runs)
             .map(|(&(l, n, _), m)| (l, n, m)),
     );
     for (name, nproc, m) in rows {
@@ -144,8 +157,18 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
         mib(two_sharded.peak_rss[0]) - mib(two.peak_rss[0]),
         mib(two_sharded.peak_rss.get(1).copied().unwrap_or(0)) - mib(two.peak_rss.get(1).copied().unwrap_or(0)),
     );
-    let state_copies = match config.optimizer.name {
-        OptimizerName::Sgd if config.optimizer.momentum > 0.0 => 1,
+}
+
+/// Optimizer state per rank and bytes on the wire per step at world 2, stage 0 and 1.
+fn print_state_and_bytes<M: burn::module::Module<CpuBackend>>(
+    model: &M,
+    optimizer: OptimizerName,
+    momentum: f64,
+) {
+    let params = model.num_params();
+    let stage1_own = zero::plan_for(model, 2).counts().to_vec();
+    let state_copies = match optimizer {
+        OptimizerName::Sgd if momentum > 0.0 => 1,
         OptimizerName::Sgd => 0,
         OptimizerName::Adam | OptimizerName::AdamW => 2,
     };
@@ -173,7 +196,6 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
         mib(all_reduce as u64),
         sharded.join(" / ")
     );
-    Ok(ExitCode::SUCCESS)
 }
 
 /// One run's throughput and each rank's peak resident memory.

@@ -108,12 +108,8 @@ struct Row {
     wire_bytes_per_step: f64,
 }
 
-fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
-    let rates = args
-        .rate
-        .iter()
-        .map(|r| LinkRate::parse(r).map_err(UsageError))
-        .collect::<Result<Vec<_>, _>>()?;
+/// The link rates asked for, after checking them and the compressions.
+fn checked_rates(args: &BenchLinkArgs) -> anyhow::Result<Vec<LinkRate>> {
     for c in &args.compression {
         if !["none", "bf16", "fp16"].contains(&c.as_str()) {
             bail!(UsageError(format!(
@@ -121,6 +117,15 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<E
             )));
         }
     }
+    Ok(args
+        .rate
+        .iter()
+        .map(|r| LinkRate::parse(r).map_err(UsageError))
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
+fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
+    let rates = checked_rates(args)?;
     let config = AppConfig::<A>::load(&args.config)?;
     let params =
         Learn::<CpuBackend>::model(&app, &config.model, &config.data, &Default::default())?
@@ -156,6 +161,12 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<E
     let _ = std::fs::remove_dir_all(&scratch);
     let rows = result?;
 
+    print_report(args, &rows, params, batch, steps);
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The table of measured rows against their bounds.
+fn print_report(args: &BenchLinkArgs, rows: &[Row], params: usize, batch: usize, steps: usize) {
     println!(
         "workload: {} ({params} parameters), per-rank batch {batch}, {} nodes x 1 rank (one \
          compute thread each), {steps} steps per run, median of {} run(s)",
@@ -184,7 +195,7 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<E
         "full-ovl",
         "%"
     );
-    for row in &rows {
+    for row in rows {
         let model = StepModel {
             work_s: row.work_s,
             payload_bytes: row.payload_bytes,
@@ -215,7 +226,6 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<E
          headers, set-up and the initial broadcast spread over the steps); ring MB: the \
          all-reduce payload each rank sends per step"
     );
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Every rate: its network, its link measurement, then the rounds of every compression.

@@ -155,6 +155,46 @@ impl DataConfig {
 
     /// Checks the keys of this source against each other (cheap: the config only).
     fn check_source(&self) -> Result<(), AppError> {
+        self.check_keys_belong_to_source()?;
+        let source = self.source;
+        match source {
+            DataSource::Digits => return Ok(()),
+            DataSource::Synthetic => {
+                if self.samples == 0 || self.features.is_empty() || self.class_count() < 2 {
+                    return Err(AppError::key(
+                        "data.samples/features/classes",
+                        "must be at least 1, 1 and 2 for synthetic data",
+                    ));
+                }
+                return Ok(());
+            }
+            DataSource::Csv | DataSource::Sqlite | DataSource::ImageFolder => {}
+        }
+        let tables = matches!(source, DataSource::Csv | DataSource::Sqlite);
+        if self.path == Path::new(DIGITS_PATH) {
+            return Err(AppError::key(
+                "data.path",
+                format!(
+                    "is missing: name the {} for source = \"{}\" (the default is the digits file)",
+                    if tables { "file" } else { "image folder" },
+                    source.name()
+                ),
+            ));
+        }
+        self.check_classes()?;
+        self.check_image_size(tables)?;
+        if tables {
+            let target: Vec<String> = self.target.iter().cloned().collect();
+            schema::check_columns(&self.features, &target)?;
+        }
+        if source == DataSource::Sqlite {
+            sqlite::check_table_name(self.table())?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a key set for a source that does not read it.
+    fn check_keys_belong_to_source(&self) -> Result<(), AppError> {
         let source = self.source;
         let only = |key: &str, set: bool, sources: &str| {
             if set {
@@ -192,101 +232,74 @@ impl DataConfig {
             "data.features",
             self.features.columns().is_some() && !tables,
             "\"csv\" or \"sqlite\" (a list of columns)",
-        )?;
-        match source {
-            DataSource::Digits => return Ok(()),
-            DataSource::Synthetic => {
-                if self.samples == 0 || self.features.is_empty() || self.class_count() < 2 {
-                    return Err(AppError::key(
-                        "data.samples/features/classes",
-                        "must be at least 1, 1 and 2 for synthetic data",
-                    ));
-                }
-                return Ok(());
-            }
-            DataSource::Csv | DataSource::Sqlite | DataSource::ImageFolder => {}
+        )
+    }
+
+    /// `data.labels` and `data.classes` of a file source: at least 2 classes, named once
+    /// each, and the two keys agreeing.
+    fn check_classes(&self) -> Result<(), AppError> {
+        let Some(labels) = &self.labels else {
+            return match self.classes {
+                None => Err(AppError::key(
+                    "data.classes",
+                    format!(
+                        "is missing: give the number of classes (or name them with data.labels) for source = \"{}\"",
+                        self.source.name()
+                    ),
+                )),
+                Some(c) if c < 2 => Err(AppError::key("data.classes", "must be at least 2")),
+                Some(_) => Ok(()),
+            };
+        };
+        if labels.len() < 2 {
+            return Err(AppError::key("data.labels", "must name at least 2 classes"));
         }
-        if self.path == Path::new(DIGITS_PATH) {
+        if let Some(i) = (1..labels.len()).find(|&i| labels[..i].contains(&labels[i])) {
             return Err(AppError::key(
-                "data.path",
+                "data.labels",
+                format!("names \"{}\" twice", labels[i]),
+            ));
+        }
+        if self.classes.is_some_and(|c| c != labels.len()) {
+            return Err(AppError::key(
+                "data.classes",
                 format!(
-                    "is missing: name the {} for source = \"{}\" (the default is the digits file)",
-                    if files && !tables {
-                        "image folder"
-                    } else {
-                        "file"
-                    },
-                    source.name()
+                    "is {}, but data.labels names {} classes (leave data.classes out)",
+                    self.classes.unwrap_or_default(),
+                    labels.len()
                 ),
             ));
         }
-        if let Some(labels) = &self.labels {
-            if labels.len() < 2 {
-                return Err(AppError::key("data.labels", "must name at least 2 classes"));
-            }
-            if let Some(i) = (1..labels.len()).find(|&i| labels[..i].contains(&labels[i])) {
-                return Err(AppError::key(
-                    "data.labels",
-                    format!("names \"{}\" twice", labels[i]),
-                ));
-            }
-            if self.classes.is_some_and(|c| c != labels.len()) {
-                return Err(AppError::key(
-                    "data.classes",
-                    format!(
-                        "is {}, but data.labels names {} classes (leave data.classes out)",
-                        self.classes.unwrap_or_default(),
-                        labels.len()
-                    ),
-                ));
-            }
-        } else {
-            match self.classes {
-                None => {
-                    return Err(AppError::key(
-                        "data.classes",
-                        format!(
-                            "is missing: give the number of classes (or name them with data.labels) for source = \"{}\"",
-                            source.name()
-                        ),
-                    ))
-                }
-                Some(c) if c < 2 => {
-                    return Err(AppError::key("data.classes", "must be at least 2"))
-                }
-                Some(_) => {}
-            }
-        }
-        if source == DataSource::ImageFolder && self.image_size.is_none() {
+        Ok(())
+    }
+
+    /// `data.image_size`: required for an image folder, sides in range, and for a table as
+    /// many pixels as feature columns.
+    fn check_image_size(&self, tables: bool) -> Result<(), AppError> {
+        if self.source == DataSource::ImageFolder && self.image_size.is_none() {
             return Err(AppError::key(
                 "data.image_size",
                 "is missing: give [height, width] for source = \"image-folder\" (images are resized to it)",
             ));
         }
-        if let Some([h, w]) = self.image_size {
-            if !(1..=MAX_IMAGE_SIDE).contains(&h) || !(1..=MAX_IMAGE_SIDE).contains(&w) {
-                return Err(AppError::key(
-                    "data.image_size",
-                    format!("sides must be in 1..={MAX_IMAGE_SIDE} (got [{h}, {w}])"),
-                ));
-            }
-            if tables && h * w != self.features.len() {
-                return Err(AppError::key(
-                    "data.image_size",
-                    format!(
-                        "[{h}, {w}] is {} pixels, but data.features names {} columns",
-                        h * w,
-                        self.features.len()
-                    ),
-                ));
-            }
+        let Some([h, w]) = self.image_size else {
+            return Ok(());
+        };
+        if !(1..=MAX_IMAGE_SIDE).contains(&h) || !(1..=MAX_IMAGE_SIDE).contains(&w) {
+            return Err(AppError::key(
+                "data.image_size",
+                format!("sides must be in 1..={MAX_IMAGE_SIDE} (got [{h}, {w}])"),
+            ));
         }
-        if tables {
-            let target: Vec<String> = self.target.iter().cloned().collect();
-            schema::check_columns(&self.features, &target)?;
-        }
-        if source == DataSource::Sqlite {
-            sqlite::check_table_name(self.table())?;
+        if tables && h * w != self.features.len() {
+            return Err(AppError::key(
+                "data.image_size",
+                format!(
+                    "[{h}, {w}] is {} pixels, but data.features names {} columns",
+                    h * w,
+                    self.features.len()
+                ),
+            ));
         }
         Ok(())
     }

@@ -62,39 +62,48 @@ impl RunSeries {
     /// and validation), one per validation metric, the learning rate, the throughput and, when
     /// the file has step times, the time per step by phase.
     pub fn charts(&self, run: &str) -> Vec<Chart> {
-        let step_marks: Vec<(f64, String)> = self
-            .marks
-            .iter()
-            .map(|m| (m.step as f64, m.label.clone()))
-            .collect();
-        let epoch_marks: Vec<(f64, String)> = self
-            .marks
-            .iter()
-            .filter_map(|m| Some((m.epoch? as f64, m.label.clone())))
-            .collect();
-        let chart = |file: &str, what: &str, x: &str, y: String, from_zero, curves: Vec<Curve>| {
-            let marks = if x == EPOCH_AXIS {
-                epoch_marks.clone()
-            } else {
-                step_marks.clone()
-            };
-            Chart {
-                file: file.to_string(),
-                title: format!("{what} — {run}"),
-                x_label: x.to_string(),
-                y_label: y,
-                y_from_zero: from_zero,
-                whole_x: x == EPOCH_AXIS,
-                curves: curves.into_iter().filter(Curve::has_points).collect(),
-                marks,
-            }
+        let maker = ChartMaker {
+            run,
+            step_marks: self
+                .marks
+                .iter()
+                .map(|m| (m.step as f64, m.label.clone()))
+                .collect(),
+            epoch_marks: self
+                .marks
+                .iter()
+                .filter_map(|m| Some((m.epoch? as f64, m.label.clone())))
+                .collect(),
         };
+        let mut charts = self.loss_and_validation(&maker);
+        charts.push(maker.chart(
+            "learning-rate.png",
+            "Learning rate",
+            STEP_AXIS,
+            "learning rate".into(),
+            false,
+            vec![Curve::line("learning rate", &self.lr, 2)],
+        ));
+        charts.push(maker.chart(
+            "throughput.png",
+            "Throughput",
+            STEP_AXIS,
+            "samples / s (all ranks)".into(),
+            true,
+            vec![Curve::line("samples / s", &self.throughput, 0)],
+        ));
+        charts.extend(self.step_time(&maker));
+        charts.retain(|c| !c.curves.is_empty());
+        charts
+    }
 
+    /// The loss chart (training and validation) and one chart per validation metric.
+    fn loss_and_validation(&self, maker: &ChartMaker<'_>) -> Vec<Chart> {
         let mut charts = Vec::new();
         if let Some(metric) = &self.loss_metric {
             let mut validation = Curve::line("validation", &self.valid_loss, 1);
             validation.dots = true;
-            charts.push(chart(
+            charts.push(maker.chart(
                 "loss.png",
                 metric,
                 STEP_AXIS,
@@ -113,7 +122,7 @@ impl RunSeries {
         for (name, points) in &self.validation {
             let mut curve = Curve::line(&format!("validation {name}"), points, 1);
             curve.dots = true;
-            charts.push(chart(
+            charts.push(maker.chart(
                 &format!("validation-{}.png", file_slug(name)),
                 &format!("Validation {name}"),
                 EPOCH_AXIS,
@@ -122,44 +131,66 @@ impl RunSeries {
                 vec![curve],
             ));
         }
-        charts.push(chart(
-            "learning-rate.png",
-            "Learning rate",
-            STEP_AXIS,
-            "learning rate".into(),
-            false,
-            vec![Curve::line("learning rate", &self.lr, 2)],
-        ));
-        charts.push(chart(
-            "throughput.png",
-            "Throughput",
-            STEP_AXIS,
-            "samples / s (all ranks)".into(),
-            true,
-            vec![Curve::line("samples / s", &self.throughput, 0)],
-        ));
-        if let Some(t) = &self.step_time {
-            let mut straggler = Curve::line("compute, slowest rank (max)", &t.compute_max, 0);
-            straggler.dashed = true;
-            charts.push(chart(
-                "step-time.png",
-                "Time per optimizer step (median over ranks)",
-                STEP_AXIS,
-                "ms per optimizer step".into(),
-                true,
-                vec![
-                    Curve::line("whole step", &t.step, 7),
-                    Curve::line("compute", &t.compute, 0),
-                    straggler,
-                    Curve::line("gradient communication", &t.sync, 1),
-                    Curve::line("optimizer", &t.optimizer, 2),
-                    Curve::line("data wait", &t.data, 3),
-                    Curve::line("checkpoint", &t.checkpoint, 4),
-                ],
-            ));
-        }
-        charts.retain(|c| !c.curves.is_empty());
         charts
+    }
+
+    /// The time per step by phase, when the file has step times.
+    fn step_time(&self, maker: &ChartMaker<'_>) -> Option<Chart> {
+        let t = self.step_time.as_ref()?;
+        let mut straggler = Curve::line("compute, slowest rank (max)", &t.compute_max, 0);
+        straggler.dashed = true;
+        Some(maker.chart(
+            "step-time.png",
+            "Time per optimizer step (median over ranks)",
+            STEP_AXIS,
+            "ms per optimizer step".into(),
+            true,
+            vec![
+                Curve::line("whole step", &t.step, 7),
+                Curve::line("compute", &t.compute, 0),
+                straggler,
+                Curve::line("gradient communication", &t.sync, 1),
+                Curve::line("optimizer", &t.optimizer, 2),
+                Curve::line("data wait", &t.data, 3),
+                Curve::line("checkpoint", &t.checkpoint, 4),
+            ],
+        ))
+    }
+}
+
+/// Makes the charts of one run: its title and its restart marks on either axis.
+struct ChartMaker<'a> {
+    run: &'a str,
+    step_marks: Vec<(f64, String)>,
+    epoch_marks: Vec<(f64, String)>,
+}
+
+impl ChartMaker<'_> {
+    /// A chart of `curves` (those without points left out) over the step or epoch axis `x`.
+    fn chart(
+        &self,
+        file: &str,
+        what: &str,
+        x: &str,
+        y: String,
+        from_zero: bool,
+        curves: Vec<Curve>,
+    ) -> Chart {
+        let marks = if x == EPOCH_AXIS {
+            self.epoch_marks.clone()
+        } else {
+            self.step_marks.clone()
+        };
+        Chart {
+            file: file.to_string(),
+            title: format!("{what} — {}", self.run),
+            x_label: x.to_string(),
+            y_label: y,
+            y_from_zero: from_zero,
+            whole_x: x == EPOCH_AXIS,
+            curves: curves.into_iter().filter(Curve::has_points).collect(),
+            marks,
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
+use plotters::coord::types::RangedCoordf64;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
@@ -108,6 +109,29 @@ pub fn draw(chart: &Chart, path: &Path) -> Result<(), PlotError> {
         .draw()
         .map_err(|e| failed(&e))?;
 
+    draw_curves(&mut ctx, chart).map_err(|e| failed(&e))?;
+    draw_marks(&mut ctx, chart, y_lo, y_hi).map_err(|e| failed(&e))?;
+
+    if with_legend {
+        ctx.configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font((FONT, 14))
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(190, 190, 190))
+            .draw()
+            .map_err(|e| failed(&e))?;
+    }
+    root.present().map_err(|e| failed(&e))?;
+    Ok(())
+}
+
+/// The chart area of [`draw`]: f64 on both axes.
+type Area<'a, 'b> =
+    ChartContext<'a, BitMapBackend<'b>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
+
+/// Every curve (solid or dashed, with dots where asked or where a curve has a single point)
+/// and its legend entry.
+fn draw_curves(ctx: &mut Area<'_, '_>, chart: &Chart) -> Result<(), String> {
     for curve in &chart.curves {
         let color = PALETTE[curve.color % PALETTE.len()];
         let style = color.stroke_width(2);
@@ -125,7 +149,7 @@ pub fn draw(chart: &Chart, path: &Path) -> Result<(), PlotError> {
                     .flat_map(|piece| LineSeries::new(piece, style)),
             )
         }
-        .map_err(|e| failed(&e))?;
+        .map_err(|e| e.to_string())?;
         anno.label(curve.name.as_str());
         if curve.dashed {
             anno.legend(move |(x, y)| {
@@ -143,14 +167,18 @@ pub fn draw(chart: &Chart, path: &Path) -> Result<(), PlotError> {
                     .filter(|(x, y)| x.is_finite() && y.is_finite())
                     .map(|&p| Circle::new(p, 4, color.filled())),
             )
-            .map_err(|e| failed(&e))?;
+            .map_err(|e| e.to_string())?;
         }
     }
+    Ok(())
+}
 
+/// The restart marks: vertical dashed lines over `y_lo..y_hi`, the first few in the legend.
+fn draw_marks(ctx: &mut Area<'_, '_>, chart: &Chart, y_lo: f64, y_hi: f64) -> Result<(), String> {
     let mark_style = MARK_COLOR.stroke_width(2);
     for (i, (x, label)) in chart.marks.iter().enumerate() {
         let line = DashedLineSeries::new(vec![(*x, y_lo), (*x, y_hi)], 8, 6, mark_style);
-        let anno = ctx.draw_series(line).map_err(|e| failed(&e))?;
+        let anno = ctx.draw_series(line).map_err(|e| e.to_string())?;
         let legend = match i {
             i if i < MARKS_IN_LEGEND => Some(label.clone()),
             i if i == MARKS_IN_LEGEND => Some(format!(
@@ -165,16 +193,5 @@ pub fn draw(chart: &Chart, path: &Path) -> Result<(), PlotError> {
             });
         }
     }
-
-    if with_legend {
-        ctx.configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .label_font((FONT, 14))
-            .background_style(WHITE.mix(0.9))
-            .border_style(RGBColor(190, 190, 190))
-            .draw()
-            .map_err(|e| failed(&e))?;
-    }
-    root.present().map_err(|e| failed(&e))?;
     Ok(())
 }

@@ -47,25 +47,7 @@ pub fn open<I, D: Decode<I>>(
     path: &Path,
     decoder: D,
 ) -> Result<TableDataset<CsvRows, D, I>, SourceError> {
-    let file = File::open(path).map_err(|error| SourceError::Open {
-        path: path.to_owned(),
-        error,
-    })?;
-    let mut magic = [0u8; 2];
-    let read = (&file)
-        .take(2)
-        .read(&mut magic)
-        .map_err(|error| SourceError::Open {
-            path: path.to_owned(),
-            error,
-        })?;
-    if read == 2 && magic == [0x1f, 0x8b] {
-        return Err(format(
-            path,
-            None,
-            "the file is gzip-compressed; the csv source reads plain-text CSV (decompress it, e.g. with gunzip)",
-        ));
-    }
+    let file = open_plain(path)?;
     let file_reader = BufReader::with_capacity(
         1 << 16,
         File::open(path).map_err(|error| SourceError::Open {
@@ -91,27 +73,7 @@ pub fn open<I, D: Decode<I>>(
         .iter()
         .map(|name| String::from_utf8_lossy(name).trim().to_owned())
         .collect();
-    let fields = decoder
-        .columns()
-        .iter()
-        .map(|column| {
-            let mut at = names.iter().enumerate().filter(|(_, n)| *n == column);
-            match (at.next(), at.next()) {
-                (Some((field, _)), None) => Ok(field),
-                (Some(_), Some(_)) => Err(format(
-                    path,
-                    Some(Place::Line(1)),
-                    &format!("the header names column '{column}' more than once"),
-                )),
-                (None, _) => Err(SourceError::MissingColumn {
-                    path: path.to_owned(),
-                    within: "the header".into(),
-                    column: column.clone(),
-                    available: names.clone(),
-                }),
-            }
-        })
-        .collect::<Result<Vec<usize>, _>>()?;
+    let fields = column_fields(path, &names, decoder.columns())?;
 
     let rows = CsvRows {
         path: path.to_owned(),
@@ -142,6 +104,53 @@ pub fn open<I, D: Decode<I>>(
     }
     bounds.push(reader.position().byte());
     Ok(TableDataset::new(CsvRows { bounds, ..rows }, decoder))
+}
+
+/// The file at `path`, refused when it is gzip-compressed (by its magic number).
+fn open_plain(path: &Path) -> Result<File, SourceError> {
+    let opened = |error| SourceError::Open {
+        path: path.to_owned(),
+        error,
+    };
+    let file = File::open(path).map_err(opened)?;
+    let mut magic = [0u8; 2];
+    let read = (&file).take(2).read(&mut magic).map_err(opened)?;
+    if read == 2 && magic == [0x1f, 0x8b] {
+        return Err(format(
+            path,
+            None,
+            "the file is gzip-compressed; the csv source reads plain-text CSV (decompress it, e.g. with gunzip)",
+        ));
+    }
+    Ok(file)
+}
+
+/// The field index of each of `columns` in the header `names` (each named exactly once).
+fn column_fields(
+    path: &Path,
+    names: &[String],
+    columns: &[String],
+) -> Result<Vec<usize>, SourceError> {
+    columns
+        .iter()
+        .map(|column| {
+            let mut at = names.iter().enumerate().filter(|(_, n)| *n == column);
+            match (at.next(), at.next()) {
+                (Some((field, _)), None) => Ok(field),
+                (Some(_), Some(_)) => Err(format(
+                    path,
+                    Some(Place::Line(1)),
+                    &format!("the header names column '{column}' more than once"),
+                )),
+                (None, _) => Err(SourceError::MissingColumn {
+                    path: path.to_owned(),
+                    within: "the header".into(),
+                    column: column.clone(),
+                    available: names.to_vec(),
+                }),
+            }
+        })
+        .collect()
 }
 
 impl CsvRows {
