@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use crate::group::call::CollectiveDesc;
+use crate::call::CollectiveDesc;
 
 /// The process could not find out who it is from the environment (see [`crate::env`]).
 #[derive(Debug, thiserror::Error)]

@@ -127,7 +127,9 @@ impl Distributed {
 
     /// [`Distributed::init`] when a launcher's variables are present ([`DistEnv::is_present`]),
     /// else [`Distributed::standalone`]: a plain `trainer --config` run is a job of one.
-    pub fn from_env_or_standalone(options: TcpGroupOptions) -> Result<Self, crate::DdpError> {
+    pub fn from_env_or_standalone(
+        options: TcpGroupOptions,
+    ) -> Result<Self, crate::error::DdpError> {
         if DistEnv::is_present() {
             let env = DistEnv::from_env()?;
             Ok(Self::init(env, options)?)

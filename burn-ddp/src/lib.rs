@@ -7,6 +7,7 @@
 //! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables (derived under srun and single-machine mpirun), the launcher's job identity |
 //! | [`hostlist`] | Slurm's host-list syntax expanded (`node[01-04,07]`), pure |
 //! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]), a client of PyTorch's c10d `TCPStore` for torchrun's agent store ([`store::C10dStore`]), who hosts it ([`store::StoreHost`]), and per-group namespaces ([`store::PrefixStore`]) |
+//! | [`call`] | one collective call's description (operation, element type, kind, sequence number): what groups check across ranks and errors name |
 //! | [`group`] | the [`group::ProcessGroup`] trait and its conformance suite; the rendezvous and stall reporter every group shares; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
@@ -29,6 +30,7 @@
 //! gradients back; the optimizer step then sees the same gradients on every rank, so replicas
 //! stay equal.
 
+pub mod call;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod data_parallel;

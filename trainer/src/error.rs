@@ -1,4 +1,5 @@
-//! Errors of the trainer binary that are not tied to one module.
+//! Errors of the trainer binary that are not tied to one module. Exit codes are classified
+//! where the binary ends ([`crate::run::report`]), so this module imports none of the others.
 
 /// A problem with the user's input (command line, a program to launch): exit code 2, message
 /// only.
@@ -20,25 +21,4 @@ pub fn describe_error(e: &anyhow::Error) -> String {
         }
     }
     text
-}
-
-/// 2 for input problems (the user must fix a command line, config, data or checkpoint), 1 for
-/// everything else.
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    let usage = e.chain().any(|c| {
-        c.is::<UsageError>()
-            || c.is::<crate::config::ConfigError>()
-            || c.is::<crate::app::AppError>()
-            || c.is::<crate::data::DataError>()
-            || c.is::<models::ModelError>()
-            || c.is::<crate::checkpoint::CheckpointMismatch>()
-            || c.is::<burn_ddp::InitError>()
-            || c.downcast_ref::<burn_ddp::DdpError>()
-                .is_some_and(burn_ddp::DdpError::is_usage)
-    });
-    if usage {
-        2
-    } else {
-        1
-    }
 }

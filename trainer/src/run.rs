@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::backend::LearnAnywhere;
-use crate::error::{describe_error, exit_code, UsageError};
+use crate::error::{describe_error, UsageError};
 use crate::fit;
 use crate::launch::{self, LaunchArgs, Program};
 use crate::worker_env::WORKER_VAR;
@@ -180,4 +180,25 @@ pub fn init_logging() {
         .with_target(false)
         .without_time()
         .try_init();
+}
+
+/// The exit code of a failure: 2 for input problems (the user must fix a command line, config, data or checkpoint), 1 for
+/// everything else.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    let usage = e.chain().any(|c| {
+        c.is::<UsageError>()
+            || c.is::<crate::config::ConfigError>()
+            || c.is::<crate::app::AppError>()
+            || c.is::<crate::data::DataError>()
+            || c.is::<models::ModelError>()
+            || c.is::<crate::checkpoint::CheckpointMismatch>()
+            || c.is::<burn_ddp::InitError>()
+            || c.downcast_ref::<burn_ddp::DdpError>()
+                .is_some_and(burn_ddp::DdpError::is_usage)
+    });
+    if usage {
+        2
+    } else {
+        1
+    }
 }

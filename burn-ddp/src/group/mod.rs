@@ -26,7 +26,7 @@
 //! The contract every collective shares (same calls in the same order on every rank, deadline,
 //! abort on error, identical results) is stated once, on [`ProcessGroup`].
 
-pub mod call;
+pub use crate::call;
 #[cfg(test)]
 mod conformance;
 #[cfg(feature = "cuda")]
