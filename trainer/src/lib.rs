@@ -44,41 +44,72 @@
 //! | [`doctor`] | `trainer doctor`: can this machine and config run a job, and what to fix |
 //! | `cli` | the `trainer` binary's command line (imported by `main` only) |
 
+// The user API is `app`, `run`, `metrics` and `alloc` (with `program_info!`): the rest is the
+// engine, public for the `trainer` binary, the benchmarks and the tests, hidden from the docs.
 pub mod alloc;
 pub mod app;
+#[doc(hidden)]
 pub mod backend;
+#[doc(hidden)]
 pub mod bench;
+#[doc(hidden)]
 pub mod bench_link;
+#[doc(hidden)]
 pub mod builtin;
+#[doc(hidden)]
 pub mod checkpoint;
 #[doc(hidden)]
 pub mod cli;
+#[doc(hidden)]
 pub mod config;
+#[doc(hidden)]
 pub mod data;
+#[doc(hidden)]
 pub mod doctor;
+#[doc(hidden)]
 pub mod error;
+#[doc(hidden)]
 pub mod eval;
 #[doc(hidden)]
 pub mod fault_injection;
+#[doc(hidden)]
 pub mod fit;
+#[doc(hidden)]
 pub mod launch;
+#[doc(hidden)]
 pub mod launch_plan;
+#[doc(hidden)]
 pub mod loader;
+#[doc(hidden)]
 pub mod memory;
 pub mod metrics;
+#[doc(hidden)]
 pub mod orphan;
+#[doc(hidden)]
 pub mod parallel;
+#[doc(hidden)]
 pub mod plan;
+#[doc(hidden)]
 pub mod plot;
+#[doc(hidden)]
 pub mod preflight;
+#[doc(hidden)]
 pub mod ranklog;
+#[doc(hidden)]
 pub mod record;
 pub mod run;
+#[doc(hidden)]
 pub mod schedule;
+#[doc(hidden)]
 pub mod sources;
+#[doc(hidden)]
 pub mod tensorboard;
 mod throughput;
+#[doc(hidden)]
 pub mod timing;
+#[doc(hidden)]
 pub mod tools;
+#[doc(hidden)]
 pub mod torchelastic;
+#[doc(hidden)]
 pub mod worker_env;

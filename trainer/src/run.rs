@@ -17,7 +17,9 @@ use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use crate::backend::LearnAnywhere;
+/// The bound of an app that trains on every backend of this build (implement `Learn<B>` for
+/// every `B`).
+pub use crate::backend::LearnAnywhere;
 use crate::error::{describe_error, UsageError};
 use crate::fit;
 use crate::launch::{self, LaunchArgs, Program};
