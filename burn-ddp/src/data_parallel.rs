@@ -19,8 +19,8 @@
 //! }
 //! ddp.barrier()?;
 //! ```
-//! A compiled, runnable version: `burn-ddp/examples/own_loop.rs` (a crate that depends on
-//! `burn` and `burn-ddp` only).
+//! A compiled, runnable version: `burn-ddp/examples/own_loop.rs` (a program that uses
+//! `burn` and `burn-ddp` only, and burn-store to write its weights).
 //!
 //! Every method marked *collective* must be called by every rank, in the same order, with
 //! arguments that agree where it says so; each has a deadline ([`DdpOptions::timeout`], or the
