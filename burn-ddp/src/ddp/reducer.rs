@@ -36,7 +36,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::{FloatTensor, FloatTensorOps};
 use burn::tensor::{DType, FloatDType, TensorPrimitive};
 
-use super::bucket::plan_buckets;
+use super::bucket::{plan_buckets, Bucket};
 use super::comm::BucketComm;
 use super::finite::{probe, FiniteScan, GradientCheck};
 use crate::error::DdpError;
@@ -121,27 +121,7 @@ impl Reducer {
         let world = comm.world_size();
         let mut scan = FiniteScan::new(self.check_finite);
         if world == 1 && !comm.reduces_alone() {
-            // Nothing to send, so no pass over the gradients to ride on, and a pass of its own
-            // costs ~5% of a CPU step (measured on the MLP benchmark). A NaN or Inf that comes
-            // through the loss reaches every gradient, so the smallest one tells (a bias, as a
-            // rule): one small reduction and one read. The weights are checked in full before
-            // every checkpoint.
-            if self.check_finite {
-                let mut sentinel = SmallestGrad::<B> {
-                    grads,
-                    smallest: None,
-                };
-                model.visit(&mut sentinel);
-                if let Some((_, g)) = sentinel.smallest {
-                    scan.device_probe(probe(g))?;
-                }
-            }
-            let nonfinite_ranks = if scan.found_nonfinite() {
-                vec![0]
-            } else {
-                vec![]
-            };
-            return Ok(GradientCheck { nonfinite_ranks });
+            return self.check_alone::<B, M>(model, grads, scan);
         }
         let mut taker = TakeGrads::<B> {
             grads,
@@ -153,37 +133,7 @@ impl Reducer {
         let scale = 1.0 / world as f32;
         let numels: Vec<usize> = taken.iter().map(|g| g.shape.num_elements()).collect();
         for bucket in plan_buckets(&numels, self.bucket_cap_elems) {
-            if bucket.numel > MAX_BUCKET_LEN {
-                // Only a single parameter can exceed the (capped) bucket size.
-                return Err(DdpError::Unsupported(format!(
-                    "a parameter of {} elements is larger than the {MAX_BUCKET_LEN} elements a \
-                     gradient bucket can hold (32-bit indexing); split it into smaller tensors",
-                    bucket.numel
-                )));
-            }
-            let mut inputs = Vec::with_capacity(bucket.params.len());
-            let mut shapes = Vec::with_capacity(bucket.params.len());
-            for &p in &bucket.params {
-                // Each parameter is in exactly one bucket (bucket.rs), so it is still here.
-                let Some(tensor) = taken[p].tensor.take() else {
-                    unreachable!("parameter {p} planned into two buckets");
-                };
-                inputs.push(tensor);
-                shapes.push(taken[p].shape.clone());
-            }
-            let outputs =
-                comm.mean_of_bucket(inputs, &shapes, self.compression, scale, &mut scan)?;
-            for (&p, out) in bucket.params.iter().zip(outputs) {
-                let out = if taken[p].dtype == DType::F32 {
-                    out
-                } else {
-                    B::InnerBackend::float_cast(out, FloatDType::from(taken[p].dtype))
-                };
-                taken[p].tensor = Some(out);
-            }
-            let element_bytes = if self.compression.is_some() { 2 } else { 4 };
-            self.stats.bucket_all_reduces += 1;
-            self.stats.bytes_reduced += (bucket.numel * element_bytes) as u64;
+            self.reduce_bucket::<B, C>(comm, &bucket, &mut taken, scale, &mut scan)?;
         }
 
         let mut putter = PutGrads::<B> {
@@ -198,6 +148,89 @@ impl Reducer {
         Ok(GradientCheck {
             nonfinite_ranks: (0..flags.len()).filter(|&r| flags[r]).collect(),
         })
+    }
+
+    /// World 1 with a communicator that has nothing to do alone: only the non-finite check.
+    /// Nothing is sent, so there is no pass over the gradients to ride on, and a pass of its
+    /// own costs ~5% of a CPU step (measured on the MLP benchmark). A NaN or Inf that comes
+    /// through the loss reaches every gradient, so the smallest one tells (a bias, as a rule):
+    /// one small reduction and one read. The weights are checked in full before every
+    /// checkpoint.
+    fn check_alone<B, M>(
+        &self,
+        model: &M,
+        grads: &GradientsParams,
+        mut scan: FiniteScan,
+    ) -> Result<GradientCheck, DdpError>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: BucketOps,
+        M: AutodiffModule<B>,
+    {
+        if self.check_finite {
+            let mut sentinel = SmallestGrad::<B> {
+                grads,
+                smallest: None,
+            };
+            model.visit(&mut sentinel);
+            if let Some((_, g)) = sentinel.smallest {
+                scan.device_probe(probe(g))?;
+            }
+        }
+        let nonfinite_ranks = if scan.found_nonfinite() {
+            vec![0]
+        } else {
+            vec![]
+        };
+        Ok(GradientCheck { nonfinite_ranks })
+    }
+
+    /// Replaces the gradients of `bucket`'s parameters in `taken` by their mean over the ranks
+    /// (in their own dtype again). Collective.
+    fn reduce_bucket<B, C>(
+        &mut self,
+        comm: &mut C,
+        bucket: &Bucket,
+        taken: &mut [TakenGrad<B::InnerBackend>],
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<(), DdpError>
+    where
+        B: AutodiffBackend,
+        B::InnerBackend: BucketOps,
+        C: BucketComm<B::InnerBackend>,
+    {
+        if bucket.numel > MAX_BUCKET_LEN {
+            // Only a single parameter can exceed the (capped) bucket size.
+            return Err(DdpError::Unsupported(format!(
+                "a parameter of {} elements is larger than the {MAX_BUCKET_LEN} elements a \
+                 gradient bucket can hold (32-bit indexing); split it into smaller tensors",
+                bucket.numel
+            )));
+        }
+        let mut inputs = Vec::with_capacity(bucket.params.len());
+        let mut shapes = Vec::with_capacity(bucket.params.len());
+        for &p in &bucket.params {
+            // Each parameter is in exactly one bucket (bucket.rs), so it is still here.
+            let Some(tensor) = taken[p].tensor.take() else {
+                unreachable!("parameter {p} planned into two buckets");
+            };
+            inputs.push(tensor);
+            shapes.push(taken[p].shape.clone());
+        }
+        let outputs = comm.mean_of_bucket(inputs, &shapes, self.compression, scale, scan)?;
+        for (&p, out) in bucket.params.iter().zip(outputs) {
+            let out = if taken[p].dtype == DType::F32 {
+                out
+            } else {
+                B::InnerBackend::float_cast(out, FloatDType::from(taken[p].dtype))
+            };
+            taken[p].tensor = Some(out);
+        }
+        let element_bytes = if self.compression.is_some() { 2 } else { 4 };
+        self.stats.bucket_all_reduces += 1;
+        self.stats.bytes_reduced += (bucket.numel * element_bytes) as u64;
+        Ok(())
     }
 }
 

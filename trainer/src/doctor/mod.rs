@@ -108,6 +108,39 @@ pub fn doctor_command(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         findings.push(f);
     };
     show(checks::launcher(env));
+    resource_checks(&job, &settings, cores, env, &mut show);
+    show(checks::loopback(&probe::loopback_roundtrip()));
+    show(checks::network(&route_facts(&job)));
+    show(checks::port(job.port, &port_probe(&job)));
+    let dirs: Vec<_> = settings
+        .dirs
+        .iter()
+        .map(|(key, path)| (*key, path.clone(), probe::dir_state(path)))
+        .collect();
+    show(checks::output_dirs(&dirs));
+    let device_job = DeviceJob {
+        device: settings.device,
+        local_ranks: job.nproc,
+        world_size: job.world_size,
+        gradient_sync: settings.distributed.gradient_sync,
+    };
+    for f in checks::devices(&device_job, &backend::device_facts(&device_job)) {
+        show(f);
+    }
+    show(allreduce_check(args, job.nproc));
+    println!("{}", finding::summary(&findings));
+    Ok(ExitCode::from(finding::exit_code(&findings)))
+}
+
+/// This machine's resources against the job: cores, memory, `/dev/shm`, open files and
+/// processes.
+fn resource_checks(
+    job: &Job,
+    settings: &Settings,
+    cores: usize,
+    env: impl Fn(&str) -> Option<String>,
+    show: &mut impl FnMut(Finding),
+) {
     show(checks::cores(&CoreFacts {
         cores,
         ranks: job.nproc,
@@ -142,41 +175,25 @@ pub fn doctor_command(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         ),
         probe::is_root(),
     ));
-    show(checks::loopback(&probe::loopback_roundtrip()));
-    show(checks::network(&route_facts(&job)));
-    show(checks::port(job.port, &port_probe(&job)));
-    let dirs: Vec<_> = settings
-        .dirs
-        .iter()
-        .map(|(key, path)| (*key, path.clone(), probe::dir_state(path)))
-        .collect();
-    show(checks::output_dirs(&dirs));
-    let device_job = DeviceJob {
-        device: settings.device,
-        local_ranks: job.nproc,
-        world_size: job.world_size,
-        gradient_sync: settings.distributed.gradient_sync,
-    };
-    for f in checks::devices(&device_job, &backend::device_facts(&device_job)) {
-        show(f);
-    }
+}
+
+/// The all-reduce over `nproc` local ranks, unless left out or there is only one.
+fn allreduce_check(args: &DoctorArgs, nproc: usize) -> Finding {
     let (run, copy_bandwidth) = if args.skip_allreduce {
         (
             AllReduceRun::Skipped("left out (--skip-allreduce)".into()),
             0.0,
         )
-    } else if job.nproc < 2 {
+    } else if nproc < 2 {
         let why =
             "one local rank: nothing to all-reduce (--nproc-per-node 2 or more checks the ring)";
         (AllReduceRun::Skipped(why.into()), 0.0)
     } else {
         // Measured first, while the machine is quiet.
         let copy = crate::tools::memcpy_bandwidth();
-        (allreduce::run(job.nproc), copy)
+        (allreduce::run(nproc), copy)
     };
-    show(checks::allreduce(&run, copy_bandwidth));
-    println!("{}", finding::summary(&findings));
-    Ok(ExitCode::from(finding::exit_code(&findings)))
+    checks::allreduce(&run, copy_bandwidth)
 }
 
 /// The job's settings the checks use: from `--config`, or the defaults.
