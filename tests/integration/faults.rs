@@ -407,6 +407,38 @@ fn damaged_checkpoints_are_detected_and_skipped() {
     );
 }
 
+/// A checkpoint another build wrote (another format version: the Burn 0.21 build's, seen from
+/// the next one) is refused with exit code 2 naming the version and the way out — never
+/// skipped, which would start over and rotate the user's checkpoints out.
+#[test]
+fn a_checkpoint_of_another_format_version_is_refused_not_skipped() {
+    let dir = scratch("other-format");
+    let config = digits("run", &dir);
+    assert_eq!(train2(&config, &[], &[]).code, Some(0));
+    let root = dir.join("run-ckpt");
+    let manifest = root.join("step-00000030/manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    assert!(text.contains("\"burn_version\": \"0.21.0\""), "{text}");
+    let older = text.replace("\"format_version\": 2", "\"format_version\": 1");
+    assert_ne!(older, text);
+    std::fs::write(&manifest, &older).unwrap();
+    let before = checkpoint_steps(&root);
+
+    let out = train2(&config, &[], &[]);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(&out.stderr, &["format version 1", "--no-resume"], &out);
+    assert_eq!(checkpoint_steps(&root), before, "nothing written or pruned");
+    assert_eq!(std::fs::read_to_string(&manifest).unwrap(), older);
+
+    let out = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(&config)
+        .arg("--checkpoint")
+        .arg(&root));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+}
+
 #[test]
 fn ranks_with_different_configs_refuse_to_start() {
     let dir = scratch("config-mismatch");

@@ -35,6 +35,9 @@ const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.mpk";
 const SCHEDULER_FILE: &str = "scheduler.mpk";
 const MANIFEST_FILE: &str = "manifest.json";
+/// The Burn release this build trains with, recorded in every manifest: a build on another
+/// Burn that cannot read these files names it (`tests` checks it against `Cargo.lock`).
+pub const BURN_VERSION: &str = "0.21.0";
 
 /// Where training stands; everything needed to continue, independent of the world size.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -58,6 +61,9 @@ pub struct Manifest {
     pub position: TrainPosition,
     /// File name → FNV-1a 64 of its bytes, hex.
     pub checksums: BTreeMap<String, String>,
+    /// The Burn release of the build that wrote it (absent before it was recorded).
+    #[serde(default)]
+    pub burn_version: Option<String>,
 }
 
 /// A checkpoint found on disk with a verified manifest.
@@ -230,15 +236,9 @@ pub fn open(dir: &Path) -> anyhow::Result<Checkpoint> {
             dir.display()
         )
     })?;
+    check_format_version(dir, &text)?;
     let manifest: Manifest = serde_json::from_str(&text)
         .with_context(|| format!("checkpoint {}: {MANIFEST_FILE} is damaged", dir.display()))?;
-    if manifest.format_version != FORMAT_VERSION {
-        bail!(
-            "checkpoint {} has format version {}, this trainer reads version {FORMAT_VERSION}",
-            dir.display(),
-            manifest.format_version
-        );
-    }
     for file in [MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE] {
         let bytes = fs::read(dir.join(file))
             .with_context(|| format!("checkpoint {}: cannot read {file}", dir.display()))?;
@@ -262,15 +262,46 @@ pub fn open(dir: &Path) -> anyhow::Result<Checkpoint> {
     })
 }
 
+/// Refuses (exit code 2) a manifest of another format version: files another build wrote,
+/// which this one must neither read nor skip (skipping would start over and rotate them out).
+/// Reads only the version, so a manifest of any layout is recognised.
+fn check_format_version(dir: &Path, manifest: &str) -> Result<(), CheckpointMismatch> {
+    #[derive(Deserialize)]
+    struct Versions {
+        format_version: Option<u32>,
+        burn_version: Option<String>,
+    }
+    let Ok(found) = serde_json::from_str::<Versions>(manifest) else {
+        return Ok(()); // damaged: reported as such by the full parse
+    };
+    match found.format_version {
+        Some(version) if version != FORMAT_VERSION => Err(CheckpointMismatch {
+            dir: dir.to_path_buf(),
+            reason: format!(
+                "it has checkpoint format version {version} (written by a build on Burn {}), this build (Burn {BURN_VERSION}) reads version {FORMAT_VERSION}: resume it with the build that wrote it (the README names the last commit of each format)",
+                found
+                    .burn_version
+                    .as_deref()
+                    .unwrap_or("0.21.0 or older")
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// The newest checkpoint in `root` that verifies; damaged ones are reported and skipped.
-pub fn latest(root: &Path) -> Option<Checkpoint> {
+/// One of another format version is an error (exit code 2), never skipped.
+pub fn latest(root: &Path) -> Result<Option<Checkpoint>, CheckpointMismatch> {
     for (_, dir) in list(root) {
         match open(&dir) {
-            Ok(c) => return Some(c),
-            Err(e) => tracing::warn!("{e:#}; falling back to the previous checkpoint"),
+            Ok(c) => return Ok(Some(c)),
+            Err(e) => match e.downcast::<CheckpointMismatch>() {
+                Ok(other_format) => return Err(other_format),
+                Err(e) => tracing::warn!("{e:#}; falling back to the previous checkpoint"),
+            },
         }
     }
-    None
+    Ok(None)
 }
 
 /// Checks that `ckpt` was written for this model.
@@ -358,6 +389,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_recorded_burn_version_is_the_one_in_the_lock_file() {
+        let lock = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.lock"))
+            .expect("the workspace's Cargo.lock");
+        let burn = lock
+            .split("[[package]]")
+            .find(|p| p.contains("\nname = \"burn\"\n"))
+            .expect("burn in Cargo.lock");
+        assert!(
+            burn.contains(&format!("\nversion = \"{BURN_VERSION}\"\n")),
+            "BURN_VERSION {BURN_VERSION} is not the locked burn: {burn}"
+        );
+    }
+
+    #[test]
+    fn another_format_version_is_refused_not_skipped() {
+        let dir = Path::new("/nonexistent/step-00000001");
+        let old = r#"{"format_version": 1, "model": "mlp"}"#;
+        let e = check_format_version(dir, old).unwrap_err().to_string();
+        assert!(e.contains("format version 1"), "{e}");
+        assert!(e.contains("0.21.0 or older"), "{e}");
+        assert!(e.contains("--no-resume"), "{e}");
+        let newer = r#"{"format_version": 3, "burn_version": "0.22.1"}"#;
+        let e = check_format_version(dir, newer).unwrap_err().to_string();
+        assert!(e.contains("Burn 0.22.1"), "{e}");
+        let ours = format!(r#"{{"format_version": {FORMAT_VERSION}}}"#);
+        assert!(check_format_version(dir, &ours).is_ok());
+        assert!(check_format_version(dir, "not json").is_ok());
+    }
+
+    #[test]
     fn checksum_detects_flips_and_truncation() {
         let a = checksum(b"hello world");
         assert_ne!(a, checksum(b"hello worle"));
@@ -382,7 +443,7 @@ mod tests {
         prune(&root, 1);
         assert_eq!(list(&root).len(), 1);
         assert!(
-            latest(&root).is_none(),
+            latest(&root).is_ok_and(|found| found.is_none()),
             "no manifest: not a usable checkpoint"
         );
         let _ = fs::remove_dir_all(&root);

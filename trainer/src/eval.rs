@@ -80,7 +80,7 @@ pub fn evaluate<A: LearnAnywhere>(
     let ckpt = if checkpoint_path.join("manifest.json").exists() {
         checkpoint::open(checkpoint_path)?
     } else {
-        checkpoint::latest(checkpoint_path).ok_or_else(|| {
+        checkpoint::latest(checkpoint_path)?.ok_or_else(|| {
             UsageError(format!(
                 "no usable checkpoint in {} (give a checkpoint directory, or the checkpoint.dir that holds them)",
                 checkpoint_path.display()

@@ -77,7 +77,7 @@ pub fn latest_checkpoint(
     ddp: &mut DataParallel,
     policy: &CheckpointPolicy,
 ) -> anyhow::Result<Option<Checkpoint>> {
-    let found = checkpoint::latest(&policy.dir);
+    let found = checkpoint::latest(&policy.dir)?;
     if let Some(ckpt) = &found {
         checkpoint::check_compatible(ckpt, &policy.model_name, &policy.model_fingerprint)?;
     }
@@ -130,6 +130,7 @@ where
         world_size: ddp.world_size(),
         position,
         checksums: Default::default(),
+        burn_version: Some(checkpoint::BURN_VERSION.to_string()),
     };
     let key = worker_env::checkpoint_key(position.step);
     let written = ddp.run_on_rank_zero("to write a checkpoint", &key, policy.timeout, || {
