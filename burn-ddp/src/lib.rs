@@ -5,6 +5,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`env`] | rank, world size and rendezvous address from torchrun / SLURM / Open MPI variables (derived under srun and single-machine mpirun), the launcher's job identity |
+//! | [`host_values`] | [`host_values::host_values`]: tensor data read back as a `Vec`, at any alignment of its bytes (a GPU readback's may not be aligned) |
 //! | [`hostlist`] | Slurm's host-list syntax expanded (`node[01-04,07]`), pure |
 //! | [`store`] | the rendezvous key-value store ([`store::TcpStoreServer`], [`store::TcpStore`]), a client of PyTorch's c10d `TCPStore` for torchrun's agent store ([`store::C10dStore`]), who hosts it ([`store::StoreHost`]), and per-group namespaces ([`store::PrefixStore`]) |
 //! | [`call`] | one collective call's description (operation, element type, kind, sequence number): what groups check across ranks and errors name |
@@ -39,6 +40,7 @@ pub mod env;
 pub mod error;
 pub mod group;
 pub mod hash;
+pub mod host_values;
 pub mod hostlist;
 pub mod init;
 pub mod kernels;

@@ -9,6 +9,7 @@ use burn::tensor::{Bool, Int, TensorData};
 
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
+use crate::host_values::host_values;
 
 /// Gives every parameter the id of its position in visit order, then copies `root`'s float
 /// parameter values to every rank.
@@ -115,6 +116,9 @@ pub(crate) fn in_order() -> impl FloatSlot {
 
 /// Copies the values of the float parameters `slot` places into `flat` (as f32; `flat` grows
 /// to fit). Local.
+///
+/// # Panics
+/// When a parameter's data cannot be converted to f32 (a quantized parameter).
 pub(crate) fn read_floats<B: Backend, M: Module<B>>(
     module: &M,
     flat: &mut Vec<f32>,
@@ -148,10 +152,18 @@ impl<B: Backend, F: FloatSlot> ModuleVisitor<B> for ReadFloats<'_, F> {
         if self.flat.len() < range.end {
             self.flat.resize(range.end, 0.0);
         }
-        let data = value.into_data().convert::<f32>();
-        // `convert::<f32>` makes the element type f32, so the slice view cannot fail.
-        if let Ok(values) = data.as_slice::<f32>() {
-            self.flat[range].copy_from_slice(values);
+        if range.is_empty() {
+            // Nothing to copy (and an empty tensor cannot be read back on every backend).
+            return;
+        }
+        // Never skipped: a parameter left at zero here would be broadcast or gathered as zero.
+        match host_values::<f32>(value.into_data()) {
+            Ok(values) => self.flat[range].copy_from_slice(&values),
+            Err(e) => panic!(
+                "burn-ddp reads float parameters as f32; parameter {} cannot be ({e:?}): \
+                 quantized parameters are not supported",
+                param.id
+            ),
         }
     }
 }

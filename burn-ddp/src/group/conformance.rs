@@ -779,4 +779,65 @@ mod nccl {
     fn a_failed_set_up_aborts_every_rank() {
         with_gpus(2, |_| super::a_failed_set_up_aborts_every_rank(&nccl));
     }
+
+    /// A one-rank all-reduce of device memory over sizes 4 KiB – 1 GiB: time per call (what
+    /// this group's non-blocking launch and polling add to NCCL) and the bytes per second,
+    /// against a device-to-device copy of the same bytes in the same run. At world size 1 the
+    /// bus bandwidth factor 2(n-1)/n is 0, so the figure is the latency floor, not a link's.
+    #[test]
+    #[ignore = "a GPU benchmark: cargo test --features cuda -- --ignored nccl_one_rank_all_reduce_sweep"]
+    fn nccl_one_rank_all_reduce_sweep() {
+        use crate::call::DataType;
+        use cudarc::driver::{CudaContext, DevicePtr};
+        with_gpus(1, |_| {
+            let store: Arc<dyn Store> = Arc::new(crate::store::MemoryStore::new());
+            let mut group = nccl(store, 0, 1, Duration::from_secs(120)).expect("one-rank group");
+            let context = CudaContext::new(0).expect("CUDA context of device 0");
+            let stream = context.default_stream();
+            println!(
+                "{:>12} {:>12} {:>12} {:>14}",
+                "bytes", "time(us)", "algbw(GB/s)", "d2d copy(us)"
+            );
+            let mut bytes = 4usize << 10;
+            while bytes <= 1 << 30 {
+                let count = bytes / 4;
+                let ones = vec![1.0f32; count];
+                let buffer = stream.clone_htod(&ones).expect("upload");
+                let mut copy = stream.alloc_zeros::<f32>(count).expect("alloc");
+                stream.synchronize().expect("sync");
+                let iterations = if bytes <= 16 << 20 { 50 } else { 10 };
+                let (ptr, _record) = buffer.device_ptr(&stream);
+                let all_reduce = |group: &mut NcclProcessGroup| {
+                    // SAFETY: `ptr` holds `count` f32 on device 0, the group's device, and
+                    // nothing else touches `buffer` until the loop ends (the stream is synced).
+                    unsafe { group.all_reduce_device(ptr, count, DataType::F32, ReduceOp::Sum) }
+                        .expect("all_reduce_device");
+                };
+                all_reduce(&mut group);
+                let start = Instant::now();
+                for _ in 0..iterations {
+                    all_reduce(&mut group);
+                }
+                let per_call = start.elapsed().as_secs_f64() / iterations as f64;
+                let start = Instant::now();
+                for _ in 0..iterations {
+                    stream.memcpy_dtod(&buffer, &mut copy).expect("copy");
+                }
+                stream.synchronize().expect("sync");
+                let per_copy = start.elapsed().as_secs_f64() / iterations as f64;
+                let back = stream.clone_dtoh(&buffer).expect("download");
+                assert!(
+                    back.iter().all(|&x| x == 1.0),
+                    "a one-rank sum changed the data"
+                );
+                println!(
+                    "{bytes:>12} {:>12.1} {:>12.1} {:>14.1}",
+                    per_call * 1e6,
+                    bytes as f64 / per_call / 1e9,
+                    per_copy * 1e6
+                );
+                bytes *= 4;
+            }
+        });
+    }
 }

@@ -180,8 +180,10 @@ fn widen_f16(h: u32) -> f32 {
     } else if exponent != 0u32 {
         bits = sign | ((exponent + 112u32) << 23u32) | (mantissa << 13u32);
     } else if mantissa != 0u32 {
-        // Subnormal: mantissa × 2^-24, exact and normal in f32.
-        let two_pow_minus_24 = f32::reinterpret(0x3380_0000u32);
+        // Subnormal: mantissa × 2^-24, exact and normal in f32. A literal, not the bits
+        // 0x3380_0000 reinterpreted: CUDA's code generator emits `reinterpret_cast` of a
+        // constant, which NVRTC refuses (not an lvalue); the literal is exactly 2^-24.
+        let two_pow_minus_24 = 5.960_464_5e-8f32;
         bits = sign | u32::reinterpret(f32::cast_from(mantissa) * two_pow_minus_24);
     }
     f32::reinterpret(bits)
@@ -646,5 +648,132 @@ mod wgpu_tests {
             .expect("sync");
         eprintln!("wgpu pack+unpack: {result:?}");
         assert!(result.gb_per_s > 0.0);
+    }
+}
+
+/// The same conformance suite on Burn's CUDA runtime: skipped (with the reason recorded) where
+/// there is no CUDA device, so CI only compiles it; on a GPU machine `TESTS_MUST_RUN=gpu` makes
+/// a skip a failure. The benchmark beside it is `#[ignore]`d: run it by name on a GPU.
+#[cfg(all(test, feature = "cuda"))]
+mod cuda_tests {
+    use cubecl::cuda::{CudaDevice, CudaRuntime};
+
+    use super::super::fallback::conformance::*;
+    use super::*;
+    use crate::cuda::check_cuda_available;
+    use crate::testing::{skip, Needs};
+
+    /// The plain CubeBackend, whatever Burn's `fusion` feature makes of `burn::backend::Cuda`.
+    type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
+
+    /// CUDA device 0, or `None` after recording why these tests cannot run here.
+    fn device() -> Option<CudaDevice> {
+        match check_cuda_available(0) {
+            Ok(_) => Some(CudaDevice::new(0)),
+            Err(e) => {
+                skip(Needs::Gpu, &format!("no usable CUDA device: {e}"));
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn cuda_pack_unpack_round_trip() {
+        let Some(device) = device() else { return };
+        pack_unpack_round_trip::<Cuda>(&device);
+    }
+
+    /// Empty buckets and empty tensors in a bucket (what the round trip's first cases hold),
+    /// apart, so that a failure says which.
+    #[test]
+    fn cuda_empty_buckets_and_empty_tensors() {
+        let Some(device) = device() else { return };
+        let empty = Cuda::pack_bucket(Vec::new(), &device);
+        assert_eq!(empty.shape(), Shape::new([0]));
+        let outs = Cuda::unpack_bucket(empty, &[Shape::new([0]), Shape::new([4, 0])], 0.5);
+        assert_eq!(outs.len(), 2);
+        let values = vec![1.0f32, 2.0, 3.0];
+        let tensors = vec![
+            float_tensor::<Cuda>(Vec::new(), Shape::new([0]), &device),
+            float_tensor::<Cuda>(values.clone(), Shape::new([3]), &device),
+        ];
+        let bucket = Cuda::pack_bucket(tensors, &device);
+        assert_eq!(read_f32::<Cuda>(bucket), values);
+    }
+
+    #[test]
+    fn cuda_pack_non_contiguous() {
+        let Some(device) = device() else { return };
+        pack_non_contiguous::<Cuda>(&device);
+    }
+
+    #[test]
+    fn cuda_pack_converts_other_float_dtypes() {
+        let Some(device) = device() else { return };
+        pack_converts_other_float_dtypes::<Cuda>(&device, FloatDType::F16);
+        pack_converts_other_float_dtypes::<Cuda>(&device, FloatDType::BF16);
+    }
+
+    #[test]
+    fn cuda_bf16_and_f16_bit_exact() {
+        let Some(device) = device() else { return };
+        compress_bit_exact::<Cuda>(&device, HalfFormat::Bf16);
+        compress_bit_exact::<Cuda>(&device, HalfFormat::F16);
+    }
+
+    #[test]
+    fn cuda_decompress_every_pattern() {
+        let Some(device) = device() else { return };
+        decompress_every_pattern::<Cuda>(&device, HalfFormat::Bf16);
+        decompress_every_pattern::<Cuda>(&device, HalfFormat::F16);
+    }
+
+    #[test]
+    fn cuda_compress_round_trip_error() {
+        let Some(device) = device() else { return };
+        compress_round_trip_error::<Cuda>(&device, HalfFormat::Bf16);
+        compress_round_trip_error::<Cuda>(&device, HalfFormat::F16);
+    }
+
+    /// Pack + unpack throughput against the device-to-device copy of the same bytes, measured
+    /// in the same run (the ceiling of a kernel that is pure memory traffic). Both count the
+    /// bytes read and written.
+    #[test]
+    #[ignore = "a GPU benchmark: cargo test --features cuda -- --ignored cuda_pack_unpack_against_device_copy"]
+    fn cuda_pack_unpack_against_device_copy() {
+        use cudarc::driver::CudaContext;
+        let Some(device) = device() else { return };
+        let context = CudaContext::new(0).expect("CUDA context of device 0");
+        let stream = context.default_stream();
+        println!(
+            "{:>12} {:>8} {:>14} {:>14} {:>8}",
+            "bytes", "tensors", "pack+unpack", "d2d copy", "ratio"
+        );
+        for (bytes, tensors) in [
+            (4usize << 20, 64usize),
+            (64 << 20, 64),
+            (256 << 20, 64),
+            (256 << 20, 8),
+        ] {
+            let kernels =
+                crate::kernels::bench::measure_pack_unpack::<Cuda>(&device, bytes, tensors, 20)
+                    .expect("device sync");
+            let src = stream.alloc_zeros::<f32>(bytes / 4).expect("alloc");
+            let mut dst = stream.alloc_zeros::<f32>(bytes / 4).expect("alloc");
+            stream.memcpy_dtod(&src, &mut dst).expect("warm-up copy");
+            stream.synchronize().expect("sync");
+            let start = std::time::Instant::now();
+            for _ in 0..20 {
+                stream.memcpy_dtod(&src, &mut dst).expect("copy");
+            }
+            stream.synchronize().expect("sync");
+            let copy = (2 * bytes * 20) as f64 / start.elapsed().as_secs_f64() / 1e9;
+            println!(
+                "{bytes:>12} {tensors:>8} {:>10.1} GB/s {copy:>9.1} GB/s {:>8.3}",
+                kernels.gb_per_s,
+                kernels.gb_per_s / copy
+            );
+            assert!(kernels.gb_per_s > 0.0 && copy > 0.0);
+        }
     }
 }

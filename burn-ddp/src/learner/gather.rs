@@ -14,6 +14,7 @@ use burn::train::{ClassificationOutput, MultiLabelClassificationOutput, Regressi
 
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
+use crate::host_values::host_values;
 
 /// A step output that can be gathered on rank 0. Collective.
 pub trait GatherOutput: Sized {
@@ -38,11 +39,9 @@ pub fn gather_rows<B: Backend, G: ProcessGroup>(
         Some(t) => {
             let [rows, cols] = t.dims();
             let device = t.device();
-            let values = t
-                .into_data()
-                .convert::<f32>()
-                .to_vec::<f32>()
-                .unwrap_or_default();
+            let values = host_values::<f32>(t.into_data()).map_err(|e| {
+                DdpError::Mismatch(format!("model outputs must be float tensors: {e:?}"))
+            })?;
             (rows, cols, values, Some(device))
         }
         None => (0, 0, Vec::new(), None),
@@ -82,11 +81,9 @@ fn weighted_loss<B: Backend, G: ProcessGroup>(
     let world = group.world_size();
     let (value, rows) = match loss {
         Some((loss, rows)) => {
-            let v = loss
-                .into_data()
-                .convert::<f64>()
-                .to_vec::<f64>()
-                .unwrap_or_default();
+            let v = host_values::<f64>(loss.into_data()).map_err(|e| {
+                DdpError::Mismatch(format!("the loss must be a float tensor: {e:?}"))
+            })?;
             (v.first().copied().unwrap_or(0.0), rows)
         }
         None => (0.0, 0),
