@@ -70,8 +70,10 @@ use crate::kernels::{BucketOps, HalfFormat};
 /// [`NcclBuckets`] needs on top of [`BucketOps`].
 ///
 /// Implemented for Burn's plain CUDA backend, `CubeBackend<CudaRuntime, F, I, BT>` (what
-/// `burn::backend::Cuda` is with this workspace's features). Burn-version-specific code stays in
-/// this file.
+/// `burn::backend::Cuda` is with this workspace's features), and for it under Burn's fusion
+/// backend (`Fusion<CubeBackend<..>>`, what it is with Burn's default features): there the
+/// fused tensor is first resolved to its plain CUDA tensor, which drains the fusion stream.
+/// Burn-version-specific code stays in this file.
 pub trait CudaBuffers: BucketOps {
     /// The CUDA device ordinal of `device` (in the numbering `CUDA_VISIBLE_DEVICES` leaves).
     fn cuda_ordinal(device: &Self::Device) -> usize;
@@ -126,19 +128,52 @@ where
     }
 }
 
-/// What `burn::backend::Cuda` can do with NCCL, whichever type it is in the user's build: Burn's
-/// plain CUDA backend (`CubeBackend<CudaRuntime, ..>`, this workspace) hands its buckets to
-/// NCCL in place; with Burn's default features it is `Fusion<CubeBackend<..>>`, whose tensors
-/// have no stable device address before the fusion stream is drained, so gradients go through
-/// the host there ([`NcclBackend::NCCL`] is `false` and the caller falls back to host staging).
-pub trait NcclBackend: BucketOps {
-    /// Whether [`sync_nccl`](NcclBackend::sync_nccl) works on this backend.
-    const NCCL: bool;
+/// Burn's CUDA backend under its fusion backend.
+type FusedCuda<F, I, BT> = burn_fusion::Fusion<CubeBackend<CudaRuntime, F, I, BT>>;
 
+impl<F, I, BT> CudaBuffers for FusedCuda<F, I, BT>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn cuda_ordinal(device: &CudaDevice) -> usize {
+        device.index
+    }
+
+    fn with_float_ptr<T>(
+        bucket: &FloatTensor<Self>,
+        f: impl FnOnce(u64) -> Result<T, DdpError>,
+    ) -> Result<T, DdpError> {
+        // Resolved from a clone: the fusion server then keeps the tensor registered (read-only
+        // status) instead of handing its buffer over, so `bucket` still names that buffer and
+        // sees what NCCL writes into it. Resolving drains the fusion stream first.
+        let cube = bucket
+            .client
+            .resolve_tensor_float::<CubeBackend<CudaRuntime, F, I, BT>>(bucket.clone());
+        with_cube_ptr::<CubeBackend<CudaRuntime, F, I, BT>, T>(&cube, DType::F32, f)
+    }
+
+    fn with_int_ptr<T>(
+        words: &IntTensor<Self>,
+        f: impl FnOnce(u64) -> Result<T, DdpError>,
+    ) -> Result<T, DdpError> {
+        // As in `with_float_ptr`.
+        let cube = words
+            .client
+            .resolve_tensor_int::<CubeBackend<CudaRuntime, F, I, BT>>(words.clone());
+        with_cube_ptr::<CubeBackend<CudaRuntime, F, I, BT>, T>(&cube, DType::U32, f)
+    }
+}
+
+/// What `burn::backend::Cuda` is in the user's build — Burn's plain CUDA backend
+/// (`CubeBackend<CudaRuntime, ..>`, this workspace) or, with Burn's default features,
+/// `Fusion<CubeBackend<..>>` — handing its gradient buckets to NCCL in place.
+pub trait NcclBackend: BucketOps {
     /// [`Reducer::sync`](super::Reducer::sync) through [`NcclBuckets`]. Collective.
     ///
     /// # Errors
-    /// What the reducer reports; [`DdpError::Unsupported`] where `NCCL` is `false`.
+    /// What the reducer reports.
     fn sync_nccl<B, M>(
         reducer: &mut super::Reducer,
         group: &mut NcclProcessGroup,
@@ -156,8 +191,6 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    const NCCL: bool = true;
-
     fn sync_nccl<B, M>(
         reducer: &mut super::Reducer,
         group: &mut NcclProcessGroup,
@@ -172,24 +205,23 @@ where
     }
 }
 
-impl<FB: burn_fusion::FusionBackend> NcclBackend for burn_fusion::Fusion<FB> {
-    const NCCL: bool = false;
-
+impl<F, I, BT> NcclBackend for FusedCuda<F, I, BT>
+where
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
     fn sync_nccl<B, M>(
-        _reducer: &mut super::Reducer,
-        _group: &mut NcclProcessGroup,
-        _model: &M,
-        _grads: &mut burn::optim::GradientsParams,
+        reducer: &mut super::Reducer,
+        group: &mut NcclProcessGroup,
+        model: &M,
+        grads: &mut burn::optim::GradientsParams,
     ) -> Result<GradientCheck, DdpError>
     where
         B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
         M: burn::module::AutodiffModule<B>,
     {
-        Err(DdpError::Unsupported(
-            "NCCL buckets on Burn's fusion backend (burn::backend::Cuda with Burn's default \
-             features): average gradients through the host (distributed.gradient_sync = \"host\")"
-                .into(),
-        ))
+        reducer.sync::<B, M, _>(&mut NcclBuckets(group), model, grads)
     }
 }
 

@@ -29,7 +29,7 @@ impl GradientSync {
     ///
     /// # Errors
     /// [`DdpError::Options`] for a combination that cannot work (NCCL asked for with ZeRO
-    /// stage 1, on Burn's fusion backend, or in a build without feature `cuda`); what forming
+    /// stage 1, or in a build without feature `cuda`); what forming
     /// the NCCL group reports.
     pub fn new<B: TrainBackend>(
         options: &DdpOptions,
@@ -47,17 +47,6 @@ impl GradientSync {
                     "ZeRO stage 1 runs over the host (TCP ring) in this version; use the automatic or host gradient transport (distributed.gradient_sync = \"auto\" or \"host\"), or ZeRO stage 0 for NCCL".into(),
                 ));
             }
-            use_nccl = false;
-        }
-        if use_nccl && B::CUDA && !B::NCCL {
-            if asked {
-                return Err(DdpError::Options(
-                    "gradient transport NCCL: this build's CUDA backend is Burn's fusion backend (Burn's default features), whose tensors NCCL cannot address yet; use the automatic or host transport (distributed.gradient_sync = \"auto\" or \"host\": gradients through the host), or build burn without default features".into(),
-                ));
-            }
-            tracing::warn!(
-                "gradients are averaged through the host (TCP ring), not NCCL: this build's CUDA backend is Burn's fusion backend (Burn's default features), whose tensors NCCL cannot address yet"
-            );
             use_nccl = false;
         }
         if use_nccl && !cfg!(feature = "cuda") {

@@ -23,13 +23,8 @@ pub trait TrainBackend: AutodiffBackend<InnerBackend: BucketOps> {
     /// [`GradientTransport::Auto`](super::GradientTransport::Auto) means NCCL.
     const CUDA: bool = false;
 
-    /// Whether [`sync_with_nccl`](TrainBackend::sync_with_nccl) works: `false` except for
-    /// Burn's plain CUDA backend. Under Burn's fusion backend (Burn's default features)
-    /// gradients go through the host instead.
-    const NCCL: bool = false;
-
     /// Averages `grads` over `group` without leaving the GPU. The DDP step calls it only
-    /// where [`NCCL`](TrainBackend::NCCL) is `true`; this default fails instead of guessing.
+    /// where [`CUDA`](TrainBackend::CUDA) is `true`; this default fails instead of guessing.
     #[cfg(feature = "cuda")]
     fn sync_with_nccl<M: AutodiffModule<Self>>(
         reducer: &mut Reducer,
@@ -50,11 +45,10 @@ impl TrainBackend for Autodiff<Flex> {}
 impl TrainBackend for Autodiff<burn::backend::Wgpu> {}
 
 /// Whichever type `burn::backend::Cuda` is in this build (plain, or fused with Burn's default
-/// features): [`super::NcclBackend`] says whether its buckets can go to NCCL.
+/// features): [`super::NcclBackend`] hands its buckets to NCCL.
 #[cfg(feature = "cuda")]
 impl TrainBackend for Autodiff<burn::backend::Cuda> {
     const CUDA: bool = true;
-    const NCCL: bool = <burn::backend::Cuda as super::NcclBackend>::NCCL;
 
     fn sync_with_nccl<M: AutodiffModule<Self>>(
         reducer: &mut Reducer,
