@@ -23,15 +23,16 @@ use anyhow::{bail, Context};
 use burn::data::dataloader::batcher::Batcher;
 use burn::module::AutodiffModule;
 use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
-use burn::prelude::*;
 use burn::train::TrainStep;
 use clap::Args;
 
 use crate::app::Learn;
-use crate::backend::{CpuBackend, LearnAnywhere};
+use crate::backend::{
+    device_name, with_backend, CpuBackend, LearnAnywhere, OnBackend, TrainBackend,
+};
 use crate::builtin::{self, WithApp};
-use crate::config::AppConfig;
 use crate::config::OptimizerName;
+use crate::config::{AppConfig, DeviceKind};
 use burn_ddp::ddp::zero;
 
 #[derive(Args, Debug, Clone)]
@@ -43,9 +44,17 @@ pub struct BenchTrainArgs {
     /// Rounds of (plain, world 1, world 2); the median of each is reported.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+    /// The device of every run (the config's `output.device` is replaced): `cpu`, or `cuda` /
+    /// `wgpu` in builds with that feature. On a GPU only world 1 runs (one GPU per process):
+    /// the figure is the DDP layer's overhead against the plain loop on the same GPU.
+    #[arg(long, value_enum, default_value = "cpu")]
+    pub device: DeviceKind,
     /// Internal: run only the plain loop and print its samples/s.
     #[arg(long, hide = true)]
     pub plain_only: bool,
+    /// Internal, with `--plain-only`: wait for the device after every step.
+    #[arg(long, hide = true)]
+    pub plain_waits: bool,
 }
 
 pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
@@ -67,16 +76,29 @@ const ENGINE_RUNS: [(&str, usize, u8); 3] = [
     ("engine, world 2, ZeRO 1", 2, 1),
 ];
 
+/// The engine's runs on `device`: all of [`ENGINE_RUNS`] on the CPU, world 1 alone on a GPU
+/// (two ranks cannot share one GPU under NCCL, and a machine may have just one).
+fn engine_runs(device: DeviceKind) -> &'static [(&'static str, usize, u8)] {
+    match device {
+        DeviceKind::Cpu => &ENGINE_RUNS,
+        DeviceKind::Cuda | DeviceKind::Wgpu => &ENGINE_RUNS[..1],
+    }
+}
+
 fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let config = AppConfig::<A>::load(&args.config)?;
+    crate::backend::device_available(args.device, 0)?;
     if args.plain_only {
-        println!("plain samples/s: {:.1}", plain_loop(&app, &config)?);
+        println!(
+            "plain samples/s: {:.1}",
+            plain_loop(&app, &config, args.device, args.plain_waits)?
+        );
         if let Some(peak) = crate::memory::peak_resident_bytes() {
             println!("plain peak RSS bytes: {peak}");
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let (plain, runs) = measure(args)?;
+    let (plain, waiting, runs) = measure(args)?;
     println!(
         "workload: {} {}, {:?}, per-rank batch {} (one compute thread per process)",
         app.name(&config.model),
@@ -84,26 +106,46 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
         config.optimizer.name,
         config.training.batch_size
     );
-    print_runs(config.training.batch_size as f64, &plain, &runs);
+    print_runs(
+        config.training.batch_size as f64,
+        &plain,
+        &runs,
+        args.device,
+    );
+    if let Some(waiting) = waiting {
+        println!(
+            "plain Burn loop waiting for the device after each step: {:.0} samples/s, {:+.1}% step time vs plain (how much of the engine's overhead one wait per step explains)",
+            waiting.rate,
+            100.0 * (plain.rate / waiting.rate - 1.0)
+        );
+    }
     let device = Default::default();
     let model = Learn::<CpuBackend>::model(&app, &config.model, &config.data, &device)?;
     print_state_and_bytes(&model, config.optimizer.name, config.optimizer.momentum);
     Ok(ExitCode::SUCCESS)
 }
 
-/// The median over `args.rounds` rounds of the plain loop and of each of [`ENGINE_RUNS`],
-/// interleaved so that a machine's drift affects them alike.
-fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Vec<Measured>)> {
+/// The median over `args.rounds` rounds of the plain loop, of the plain loop waiting for the
+/// device after each step (on a GPU), and of each of [`ENGINE_RUNS`], interleaved so that a
+/// machine's drift affects them alike.
+fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Option<Measured>, Vec<Measured>)> {
     let exe = std::env::current_exe()?;
     let scratch = std::env::temp_dir().join(format!("trainer-bench-{}", std::process::id()));
     let mut plain = Vec::new();
-    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); ENGINE_RUNS.len()];
+    let mut waiting = Vec::new();
+    let engine = engine_runs(args.device);
+    let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); engine.len()];
     for round in 0..args.rounds {
-        plain.push(run_plain(&exe, &args.config)?);
+        plain.push(run_plain(&exe, &args.config, args.device, false)?);
         let mut line = format!("round {round}: plain {:.0}", plain[round].rate);
-        for (k, &(label, nproc, stage)) in ENGINE_RUNS.iter().enumerate() {
+        if args.device != DeviceKind::Cpu {
+            let m = run_plain(&exe, &args.config, args.device, true)?;
+            line += &format!(", plain waiting each step {:.0}", m.rate);
+            waiting.push(m);
+        }
+        for (k, &(label, nproc, stage)) in engine.iter().enumerate() {
             let dir = scratch.join(format!("w{nproc}-z{stage}-{round}"));
-            let m = run_trainer(&exe, &args.config, &dir, nproc, stage)?;
+            let m = run_trainer(&exe, &args.config, &dir, (nproc, stage), args.device)?;
             line += &format!(", {label} {:.0}", m.rate);
             runs[k].push(m);
         }
@@ -112,19 +154,20 @@ fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Vec<Measured>)> {
     let _ = std::fs::remove_dir_all(&scratch);
     Ok((
         Measured::median(plain),
+        (!waiting.is_empty()).then(|| Measured::median(waiting)),
         runs.into_iter().map(Measured::median).collect(),
     ))
 }
 
 /// The table of runs and the ratios of the same run: DDP overhead, scaling, ZeRO's cost.
-fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured]) {
+fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: DeviceKind) {
     println!(
         "{:<28} {:>12} {:>14} {:>26}",
         "", "samples/s", "step time (ms)", "peak RSS per rank (MiB)"
     );
     let mut rows = vec![("plain Burn loop", 1, plain)];
     rows.extend(
-        ENGINE_RUNS
+        engine_runs(device)
             .iter()
             .zip(runs)
             .map(|(&(l, n, _), m)| (l, n, m)),
@@ -142,11 +185,13 @@ fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured]) {
             rss.join(" / ")
         );
     }
-    let (one, two, two_sharded) = (&runs[0], &runs[1], &runs[2]);
     println!(
         "DDP layer overhead at world 1 (step time vs plain loop): {:+.1}%",
-        100.0 * (plain.rate / one.rate - 1.0)
+        100.0 * (plain.rate / runs[0].rate - 1.0)
     );
+    let [one, two, two_sharded] = runs else {
+        return;
+    };
     println!(
         "scaling efficiency at world 2 (throughput / 2 x world 1): {:.1}%",
         100.0 * two.rate / (2.0 * one.rate)
@@ -217,9 +262,21 @@ fn mib(bytes: u64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-fn run_plain(exe: &Path, config: &Path) -> anyhow::Result<Measured> {
+fn run_plain(
+    exe: &Path,
+    config: &Path,
+    device: DeviceKind,
+    waits: bool,
+) -> anyhow::Result<Measured> {
     let out = Command::new(exe)
-        .args(["bench-train", "--plain-only", "--config"])
+        .args([
+            "bench-train",
+            "--plain-only",
+            "--device",
+            &device_name(device),
+        ])
+        .args(waits.then_some("--plain-waits"))
+        .arg("--config")
         .arg(config)
         .env("RAYON_NUM_THREADS", "1")
         .output()
@@ -249,8 +306,8 @@ fn run_trainer(
     exe: &Path,
     config: &Path,
     out_dir: &Path,
-    nproc: usize,
-    zero_stage: u8,
+    (nproc, zero_stage): (usize, u8),
+    device: DeviceKind,
 ) -> anyhow::Result<Measured> {
     let text = std::fs::read_to_string(config)?;
     std::fs::create_dir_all(out_dir)?;
@@ -262,6 +319,7 @@ fn run_trainer(
         "dir".into(),
         toml::Value::String(out_dir.display().to_string()),
     );
+    output.insert("device".into(), toml::Value::String(device_name(device)));
     table.insert("output".into(), toml::Value::Table(output));
     let distributed = table
         .entry("distributed")
@@ -311,23 +369,51 @@ fn run_trainer(
 
 /// The baseline: a straightforward Burn loop over the same app's data, batcher and model
 /// (`TrainStep::step`, then the optimizer), with the configured optimizer at a constant rate:
-/// no sampler, no reducer, no metrics, no prefetching.
-fn plain_loop<A: LearnAnywhere>(app: &A, config: &AppConfig<A>) -> anyhow::Result<f64> {
-    let o = &config.optimizer;
-    match o.name {
-        OptimizerName::Sgd => plain_with(app, config, SgdConfig::new().init()),
-        OptimizerName::Adam => plain_with(app, config, AdamConfig::new().init()),
-        OptimizerName::AdamW => plain_with(app, config, AdamWConfig::new().init()),
+/// no sampler, no reducer, no metrics, no prefetching. With `waits`, it also waits for the
+/// device after every step, as the engine's step does (on a GPU, the queue then runs empty).
+fn plain_loop<A: LearnAnywhere>(
+    app: &A,
+    config: &AppConfig<A>,
+    device: DeviceKind,
+    waits: bool,
+) -> anyhow::Result<f64> {
+    struct Plain<'a, A: LearnAnywhere>(&'a A, &'a AppConfig<A>, bool);
+    impl<A: LearnAnywhere> OnBackend<A> for Plain<'_, A> {
+        type Output = anyhow::Result<f64>;
+        fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
+        where
+            A: Learn<B>,
+        {
+            let Plain(app, config, waits) = self;
+            match config.optimizer.name {
+                OptimizerName::Sgd => {
+                    plain_with::<A, B, _>(app, config, SgdConfig::new().init(), device, waits)
+                }
+                OptimizerName::Adam => {
+                    plain_with::<A, B, _>(app, config, AdamConfig::new().init(), device, waits)
+                }
+                OptimizerName::AdamW => {
+                    plain_with::<A, B, _>(app, config, AdamWConfig::new().init(), device, waits)
+                }
+            }
+        }
     }
+    with_backend(device, 0, Plain(app, config, waits))
 }
 
-fn plain_with<A, O>(app: &A, config: &AppConfig<A>, mut optim: O) -> anyhow::Result<f64>
+fn plain_with<A, B, O>(
+    app: &A,
+    config: &AppConfig<A>,
+    mut optim: O,
+    device: B::Device,
+    waits: bool,
+) -> anyhow::Result<f64>
 where
-    A: Learn<CpuBackend>,
-    O: Optimizer<A::Model, CpuBackend>,
+    B: TrainBackend,
+    A: Learn<B>,
+    O: Optimizer<A::Model, B>,
 {
-    let device = Default::default();
-    CpuBackend::seed(&device, config.training.seed);
+    B::seed(&device, config.training.seed);
     let data = app.datasets(&config.data)?;
     let mut model = app.model(&config.model, &config.data, &device)?;
     let (batcher, _) = app.batchers(&config.model, &config.data, &device);
@@ -345,7 +431,12 @@ where
             .collect();
         let output = model.step(batcher.batch(items, &device));
         model = model.optimize(&mut optim, config.optimizer.learning_rate, output.grads);
+        if waits {
+            B::sync(&device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+        }
     }
     let _ = model.valid();
+    // Queued device work belongs to the timed steps.
+    B::sync(&device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
     Ok((steps * batch) as f64 / start.elapsed().as_secs_f64())
 }
