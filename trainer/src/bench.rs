@@ -9,6 +9,10 @@
 //! - **engine, world 2**: `trainer --config --nproc-per-node 2`, with ZeRO stage 0 (plain DDP)
 //!   and stage 1 (sharded optimizer state).
 //!
+//! With `--device cuda` (or `wgpu`) every run trains on that device instead, world 1 only (one
+//! GPU per process), and the plain loop also runs waiting for the device after each step, which
+//! shows how much of the engine's overhead its once-a-step wait explains.
+//!
 //! Every process computes on one thread (`RAYON_NUM_THREADS=1`). It prints the overhead of the
 //! trainer at world 1 over the plain loop, the throughput and scaling efficiency at world 2
 //! (throughput at 2 / twice the throughput at 1), stage 1's throughput against stage 0's, each
