@@ -9,38 +9,39 @@
 //! ```
 //! With per-rank batch `b` on `N` ranks it ends with the weights one process gets with batch
 //! `N·b` (`tests/integration/tiers.rs` checks it, with plain DDP and with ZeRO stage 1 and
-//! Adam). Rank 0 writes `model.safetensors`.
+//! Adam). Rank 0 writes `model.safetensors`. It trains on Burn's CPU device
+//! (`Device::flex().autodiff()`); the device is a value, so another one is a one-line change.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::AutodiffModule;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsParams, Optimizer, SgdConfig};
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn_ddp::rng::SplitMix64;
 use burn_ddp::{DataParallel, DdpError, DdpOptions};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
-type Train = Autodiff<Flex>;
+/// Where this program trains: Burn's CPU backend, with autodiff.
+fn train_device() -> Device {
+    Device::flex().autodiff()
+}
 
 const FEATURES: usize = 20;
 const CLASSES: usize = 4;
 
 /// The user's model.
 #[derive(Module, Debug)]
-struct Mlp<B: Backend> {
-    hidden: Linear<B>,
-    out: Linear<B>,
+struct Mlp {
+    hidden: Linear,
+    out: Linear,
     act: Relu,
 }
 
-impl<B: Backend> Mlp<B> {
-    fn new(device: &B::Device) -> Self {
+impl Mlp {
+    fn new(device: &Device) -> Self {
         Self {
             hidden: LinearConfig::new(FEATURES, 64).init(device),
             out: LinearConfig::new(64, CLASSES).init(device),
@@ -48,7 +49,7 @@ impl<B: Backend> Mlp<B> {
         }
     }
 
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.out.forward(self.act.forward(self.hidden.forward(x)))
     }
 }
@@ -124,18 +125,18 @@ fn args() -> Result<Args, String> {
 }
 
 /// The training loop, for any optimizer.
-fn train<O: Optimizer<Mlp<Train>, Train>>(
+fn train(
     ddp: &mut DataParallel,
     a: &Args,
-    mut optim: O,
+    mut optim: ModuleOptimizer,
     lr: f64,
-) -> Result<(Mlp<Train>, f64, usize), DdpError> {
-    let device = Default::default();
+) -> Result<(Mlp, f64, usize), DdpError> {
+    let device = train_device();
     let data = data(1024, 3);
-    Train::seed(&device, 5);
+    device.seed(5);
     // Every rank starts from rank 0's weights.
-    let mut model = ddp.prepare(Mlp::<Train>::new(&device))?;
-    let loss_fn = CrossEntropyLossConfig::new().init::<Train>(&device);
+    let mut model = ddp.prepare(Mlp::new(&device))?;
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let (mut step, mut epoch) = (0, 0);
     let (mut loss_sum, mut seen) = (0.0, 0.0);
     while step < a.steps {
@@ -143,11 +144,15 @@ fn train<O: Optimizer<Mlp<Train>, Train>>(
         for chunk in ddp.shard(data.len(), 7, epoch).chunks(a.batch) {
             let x: Vec<f32> = chunk.iter().flat_map(|&i| data[i].0.clone()).collect();
             let y: Vec<i64> = chunk.iter().map(|&i| data[i].1).collect();
-            let x = Tensor::<Train, 1>::from_floats(x.as_slice(), &device)
-                .reshape([chunk.len(), FEATURES]);
-            let y = Tensor::<Train, 1, Int>::from_ints(y.as_slice(), &device);
+            let x =
+                Tensor::<1>::from_floats(x.as_slice(), &device).reshape([chunk.len(), FEATURES]);
+            let y = Tensor::<1, Int>::from_ints(y.as_slice(), &device);
             let loss = loss_fn.forward(model.forward(x), y);
-            loss_sum += loss.clone().into_scalar().elem::<f64>() * chunk.len() as f64;
+            let value = loss
+                .clone()
+                .try_into_scalar::<f64>()
+                .map_err(|e| DdpError::Device(format!("reading the loss: {e:?}")))?;
+            loss_sum += value * chunk.len() as f64;
             seen += chunk.len() as f64;
             let mut grads = GradientsParams::from_grads(loss.backward(), &model);
             // The mean gradient over every rank's batch (under ZeRO stage 1: this rank's
@@ -175,7 +180,7 @@ fn train<O: Optimizer<Mlp<Train>, Train>>(
 }
 
 /// Rank 0 writes the weights; the others wait for it (and fail if it failed).
-fn save<Bk: AutodiffBackend, M: AutodiffModule<Bk> + ModuleSnapshot<Bk>>(
+fn save<M: ModuleSnapshot>(
     ddp: &mut DataParallel,
     model: &M,
     out: &std::path::Path,
@@ -188,8 +193,11 @@ fn save<Bk: AutodiffBackend, M: AutodiffModule<Bk> + ModuleSnapshot<Bk>>(
             Duration::from_secs(60),
             || {
                 std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+                // A second run into the same directory replaces the weights, as it did
+                // before burn-store refused to overwrite by default.
+                let mut store = SafetensorsStore::from_file(&path).overwrite(true);
                 model
-                    .save_into(&mut SafetensorsStore::from_file(&path))
+                    .save_into(&mut store)
                     .map_err(|e| format!("{}: {e}", path.display()))
             },
         )
@@ -201,7 +209,7 @@ fn run() -> Result<(), Failure> {
     let a = args().map_err(|e| Failure(e, 2))?;
     // Join the job (launcher / torchrun / Slurm / Open MPI variables), or run alone.
     let options = DdpOptions::default().with_zero_stage(a.zero_stage);
-    let mut ddp = DataParallel::from_env::<Train>(options)?;
+    let mut ddp = DataParallel::from_env(options, &train_device())?;
     let trained = if a.adam {
         train(&mut ddp, &a, AdamConfig::new().init(), 1e-3)
     } else {

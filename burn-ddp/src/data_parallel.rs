@@ -4,14 +4,14 @@
 //! own-loop programs all train through it.
 //!
 //! ```text
-//! let mut ddp = DataParallel::from_env::<B>(DdpOptions::default())?;
+//! let mut ddp = DataParallel::from_env(DdpOptions::default(), &device)?;
 //! let mut model = ddp.prepare(model)?;                  // replicas equal (rank 0's weights)
 //! for epoch in 0..epochs {
 //!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
 //!         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
 //!         let check = ddp.sync_gradients(&model, &mut grads)?;     // mean over all ranks
 //!         if !check.all_finite() { /* skip or stop: every rank got the same verdict */ }
-//!         model = optim.step(lr, model, grads);
+//!         model = optim.step(lr, model, grads);             // a `ModuleOptimizer`
 //!         model = ddp.finish_step(model)?;               // ZeRO 1: owners send new values
 //!         model = ddp.sync_buffers(model)?;              // BatchNorm statistics
 //!     }
@@ -28,16 +28,15 @@
 
 use std::time::Duration;
 
-use burn::module::{AutodiffModule, ParamId};
-use burn::optim::{GradientsParams, Optimizer};
-use burn::record::Record;
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Bytes, Device};
 
 use crate::ddp::buffers::{self, BufferSync};
-use crate::ddp::zero::{self, StateMap};
+use crate::ddp::zero;
 use crate::ddp::{
     param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, ReducerStats,
-    ShardedSync, TrainBackend,
+    ShardedSync,
 };
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
@@ -61,27 +60,28 @@ impl DataParallel {
     /// Joins the job the environment describes (this project's launcher, torchrun, Slurm,
     /// Open MPI variables: [`crate::env`]), or forms a job of one without them. Collective:
     /// every rank calls it with the same options; it returns once all have joined (deadline
-    /// `options.timeout`). `B` is the backend the model trains on (whether its gradients can
-    /// go through NCCL).
+    /// `options.timeout`). `device` is the device the model trains on, autodiff or not
+    /// (whether its gradients can go through NCCL).
     ///
     /// # Errors
     /// What joining reports ([`DdpError::Init`] for a bad environment), and
     /// [`DdpError::Options`] for options that cannot work here.
-    pub fn from_env<B: TrainBackend>(options: DdpOptions) -> Result<Self, DdpError> {
+    pub fn from_env(options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         let dist = Distributed::from_env_or_standalone(options.tcp_options())?;
-        Self::new::<B>(dist, options)
+        Self::new(dist, options, device)
     }
 
     /// The handle over an already formed job. Collective when the options choose NCCL (the
-    /// group is formed through the job's store).
-    pub fn new<B: TrainBackend>(dist: Distributed, options: DdpOptions) -> Result<Self, DdpError> {
+    /// group is formed through the job's store). `device`: the training device, as for
+    /// [`from_env`](Self::from_env).
+    pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         if options.zero_stage > 1 {
             return Err(DdpError::Options(format!(
                 "ZeRO stage {} is not supported: use 0 (plain DDP) or 1 (sharded optimizer state)",
                 options.zero_stage
             )));
         }
-        let sync = GradientSync::new::<B>(&options, &dist)?;
+        let sync = GradientSync::new(&options, &dist, device)?;
         let sharded = (options.zero_stage == 1).then(|| ShardedSync::new(options.compression));
         Ok(Self {
             dist,
@@ -139,10 +139,7 @@ impl DataParallel {
     /// matches across ranks and runs) and rank 0's parameter values on every rank, as PyTorch's
     /// `DistributedDataParallel` constructor does. Collective; the model must have the same
     /// architecture everywhere.
-    pub fn prepare<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &mut self,
-        model: M,
-    ) -> Result<M, DdpError> {
+    pub fn prepare<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         prepare_module(model, &mut self.dist.group, 0)
     }
 
@@ -153,12 +150,12 @@ impl DataParallel {
     /// Returns which ranks' own gradients held a NaN or an infinity (the same on every rank;
     /// empty when all were finite). Where it is not empty the mean is not finite either: do
     /// not apply it (skip the step, or stop).
-    pub fn average_gradients<B: TrainBackend, M: AutodiffModule<B>>(
+    pub fn average_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
-        self.sync.sync::<B, M>(&mut self.dist.group, model, grads)
+        self.sync.sync(&mut self.dist.group, model, grads)
     }
 
     /// The ZeRO stage this handle runs: 0 (every rank steps every parameter) or 1 (each
@@ -172,28 +169,23 @@ impl DataParallel {
     /// gradients of the parameters this rank owns, each the mean over the ranks; step the
     /// optimizer with them, then call [`finish_step`](Self::finish_step). Collective, once per
     /// optimizer step; the verdict on non-finite gradients is the same as stage 0's.
-    pub fn sync_gradients<B: TrainBackend, M: AutodiffModule<B>>(
+    pub fn sync_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
         match &mut self.sharded {
-            Some(sharded) => {
-                sharded.reduce_to_owners::<B, M, _>(&mut self.dist.group, model, grads)
-            }
-            None => self.average_gradients::<B, M>(model, grads),
+            Some(sharded) => sharded.reduce_to_owners(&mut self.dist.group, model, grads),
+            None => self.average_gradients(model, grads),
         }
     }
 
     /// After the optimizer step. Stage 1: every rank sends the parameters it stepped and
     /// receives the others' (the replicas are bit-identical again). Stage 0: nothing.
     /// Collective under stage 1; call it only after a step that was taken.
-    pub fn finish_step<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &mut self,
-        model: M,
-    ) -> Result<M, DdpError> {
+    pub fn finish_step<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         match &mut self.sharded {
-            Some(sharded) => sharded.gather_parameters::<B, M, _>(&mut self.dist.group, model),
+            Some(sharded) => sharded.gather_parameters(&mut self.dist.group, model),
             None => Ok(model),
         }
     }
@@ -203,10 +195,7 @@ impl DataParallel {
     /// mean. Collective (nothing is sent for a model without buffers, or without a rule);
     /// call it once per optimizer step, after the step, so replicas are identical at every
     /// step boundary.
-    pub fn sync_buffers<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &mut self,
-        model: M,
-    ) -> Result<M, DdpError> {
+    pub fn sync_buffers<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         let Some(rule) = self.buffer_rule else {
             return Ok(model);
         };
@@ -215,46 +204,47 @@ impl DataParallel {
         }
         let has = *self
             .has_buffers
-            .get_or_insert_with(|| buffers::buffer_elements::<B, M>(&model) > 0);
+            .get_or_insert_with(|| buffers::buffer_elements(&model) > 0);
         if !has {
             return Ok(model);
         }
-        buffers::sync_buffers::<B, M, _>(model, &mut self.dist.group, rule)
+        buffers::sync_buffers(model, &mut self.dist.group, rule)
     }
 
     /// Under stage 1, drops the optimizer state of the parameters another rank owns (after
     /// loading a checkpoint's full state); under stage 0 returns `optim` as it is. Local.
-    pub fn keep_owned_state<B, M, O, R>(&mut self, model: &M, optim: O) -> O
-    where
-        B: AutodiffBackend,
-        M: AutodiffModule<B>,
-        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
-    {
+    ///
+    /// # Errors
+    /// [`DdpError::State`] when the state cannot be split (stage 1 only).
+    pub fn keep_owned_state<M: Module>(
+        &mut self,
+        model: &M,
+        optim: ModuleOptimizer,
+    ) -> Result<ModuleOptimizer, DdpError> {
         let (rank, world) = (self.rank(), self.world_size());
         match &mut self.sharded {
             Some(sharded) => zero::keep_owned_state(optim, sharded.plan(model, world), rank),
-            None => optim,
+            None => Ok(optim),
         }
     }
 
-    /// Under stage 1, every rank's optimizer state merged on rank 0 (`Some` there, `None`
-    /// elsewhere), as a stage-0 run would hold it: what a checkpoint saves, so that it loads
-    /// at any world size and stage. Under stage 0, `None`. Collective under stage 1.
-    pub fn gather_optimizer_state<B, M, O, R>(
+    /// Under stage 1, every rank's optimizer state merged on rank 0 as burnpack bytes (`Some`
+    /// there, `None` elsewhere): the state a stage-0 run would hold, the bytes
+    /// [`ModuleOptimizer::into_bytes`] gives for it, what a checkpoint saves so that it loads
+    /// at any world size and stage ([`ModuleOptimizer::from_bytes`]). Under stage 0, `None`
+    /// (save `optim.into_bytes()`). Collective under stage 1.
+    ///
+    /// # Errors
+    /// What the group reports, and [`DdpError::State`] when a rank's state cannot be
+    /// serialised or read.
+    pub fn gather_optimizer_state(
         &mut self,
-        optim: &O,
-        device: &B::Device,
-    ) -> Result<Option<O>, DdpError>
-    where
-        B: AutodiffBackend,
-        M: AutodiffModule<B>,
-        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
-        R: Record<B>,
-    {
+        optim: &ModuleOptimizer,
+    ) -> Result<Option<Bytes>, DdpError> {
         if self.sharded.is_none() {
             return Ok(None);
         }
-        zero::gather_state::<M, B, O, R, _>(optim, &mut self.dist.group, 0, device)
+        zero::gather_state(optim, &mut self.dist.group, 0)
     }
 
     /// What gradient synchronisation did so far (synchronisations, collectives, bytes).
@@ -292,12 +282,8 @@ impl DataParallel {
 
     /// Fails with [`DdpError::ReplicaDrift`] when the replicas' parameters are not
     /// bit-identical, naming the first rank that differs from rank 0. Collective.
-    pub fn check_replicas<B: AutodiffBackend, M: AutodiffModule<B>>(
-        &mut self,
-        model: &M,
-        step: usize,
-    ) -> Result<(), DdpError> {
-        let ours = param_checksum::<B, M>(model) as i64;
+    pub fn check_replicas<M: Module>(&mut self, model: &M, step: usize) -> Result<(), DdpError> {
+        let ours = param_checksum(model) as i64;
         let mut all = vec![0i64; self.world_size()];
         self.dist.group.all_gather(&[ours], &mut all)?;
         if let Some(r) = all.iter().position(|&c| c != all[0]) {

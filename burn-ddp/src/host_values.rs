@@ -12,11 +12,11 @@ use burn::tensor::{DataError, Element, TensorData};
 /// # Errors
 /// Burn's [`DataError`] when `data` cannot be converted to `E` (quantized data, say).
 pub fn host_values<E: Element + bytemuck::Pod>(data: TensorData) -> Result<Vec<E>, DataError> {
-    let data = data.convert::<E>();
+    let data = data.try_cast_as::<E>()?;
     match data.as_slice::<E>() {
         Ok(values) => Ok(values.to_vec()),
-        Err(DataError::CastError(cast)) => {
-            read_unaligned(data.as_bytes()).ok_or(DataError::CastError(cast))
+        Err(DataError::InvalidRepresentation(cast)) => {
+            read_unaligned(data.as_bytes()).ok_or(DataError::InvalidRepresentation(cast))
         }
         Err(other) => Err(other),
     }

@@ -52,7 +52,7 @@ pub mod store;
 pub mod testing;
 
 pub use data_parallel::DataParallel;
-pub use ddp::{parameter_count, DdpOptions, GradientTransport, TrainBackend};
+pub use ddp::{parameter_count, DdpOptions, GradientTransport};
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError};
 pub use group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};

@@ -5,7 +5,6 @@
 
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 
 use crate::registry::{draw_params, parse};
@@ -14,20 +13,20 @@ use crate::{Classifier, Cnn, CnnOptions, InputShape, Mlp, MlpOptions, ModelError
 /// A batch of flat features with class labels, the input of the
 /// [`TrainStep`] and [`InferenceStep`] of every [`Classifier`] in this crate.
 #[derive(Clone, Debug)]
-pub struct FeaturesBatch<B: Backend> {
+pub struct FeaturesBatch {
     /// `[batch, features]` (images flattened row-major).
-    pub inputs: Tensor<B, 2>,
+    pub inputs: Tensor<2>,
     /// `[batch]`: class indices in `0..classes`.
-    pub targets: Tensor<B, 1, Int>,
+    pub targets: Tensor<1, Int>,
 }
 
 /// Classifies `batch` with `model` and returns the cross-entropy loss (mean
 /// over the batch) with the logits and targets, as burn-train's classification
 /// metrics expect.
-pub fn classification_output<B: Backend, M: Classifier<B>>(
+pub fn classification_output<M: Classifier>(
     model: &M,
-    batch: FeaturesBatch<B>,
-) -> ClassificationOutput<B> {
+    batch: FeaturesBatch,
+) -> ClassificationOutput {
     let logits = model.forward(batch.inputs);
     let loss = CrossEntropyLossConfig::new()
         .init(&logits.device())
@@ -36,24 +35,24 @@ pub fn classification_output<B: Backend, M: Classifier<B>>(
 }
 
 /// Implements burn-train's steps on a [`Classifier`] with [`FeaturesBatch`]
-/// input: cross-entropy, backward pass for training.
+/// input: cross-entropy, backward pass for training (on an autodiff device).
 macro_rules! classification_steps {
     ($($model:ident),+ $(,)?) => {$(
-        impl<B: AutodiffBackend> TrainStep for $model<B> {
-            type Input = FeaturesBatch<B>;
-            type Output = ClassificationOutput<B>;
+        impl TrainStep for $model {
+            type Input = FeaturesBatch;
+            type Output = ClassificationOutput;
 
-            fn step(&self, batch: FeaturesBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+            fn step(&self, batch: FeaturesBatch) -> TrainOutput<ClassificationOutput> {
                 let item = classification_output(self, batch);
                 TrainOutput::new(self, item.loss.backward(), item)
             }
         }
 
-        impl<B: Backend> InferenceStep for $model<B> {
-            type Input = FeaturesBatch<B>;
-            type Output = ClassificationOutput<B>;
+        impl InferenceStep for $model {
+            type Input = FeaturesBatch;
+            type Output = ClassificationOutput;
 
-            fn step(&self, batch: FeaturesBatch<B>) -> ClassificationOutput<B> {
+            fn step(&self, batch: FeaturesBatch) -> ClassificationOutput {
                 classification_output(self, batch)
             }
         }
@@ -77,20 +76,20 @@ pub const DIGITS_MODEL_NAMES: &[&str] = &["mlp", "cnn"];
 // most; the size difference of the variants does not matter.
 #[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
-pub enum DigitsModel<B: Backend> {
+pub enum DigitsModel {
     /// The `mlp` model.
-    Mlp(Mlp<B>),
+    Mlp(Mlp),
     /// The `cnn` model.
-    Cnn(Cnn<B>),
+    Cnn(Cnn),
 }
 
-impl<B: Backend> DigitsModel<B> {
+impl DigitsModel {
     /// Builds the model `name` with `options` for `input` on `device`, with
     /// the same contract as [`with_model`](crate::with_model): `options` is
     /// the `[model]` table (a `name` key is ignored), parsed and validated
     /// exactly as [`validate`](crate::validate) does, and every parameter is
-    /// drawn from the backend's RNG, in declaration order, before this
-    /// returns. So after `B::seed(device, seed)` the parameters are those
+    /// drawn from the device's RNG, in declaration order, before this
+    /// returns. So after `device.seed(seed)` the parameters are those
     /// `with_model` would give, on every rank.
     ///
     /// # Errors
@@ -102,7 +101,7 @@ impl<B: Backend> DigitsModel<B> {
         name: &str,
         options: &toml::Table,
         input: &InputShape,
-        device: &B::Device,
+        device: &Device,
     ) -> Result<Self, ModelError> {
         let model = Self::lazy(name, options, input, device)?;
         draw_params(&model);
@@ -115,7 +114,7 @@ impl<B: Backend> DigitsModel<B> {
         name: &str,
         options: &toml::Table,
         input: &InputShape,
-        device: &B::Device,
+        device: &Device,
     ) -> Result<Self, ModelError> {
         let model = match name {
             "mlp" => Self::Mlp(parse::<MlpOptions>("mlp", options, input)?.init(input, device)),
@@ -139,8 +138,8 @@ impl<B: Backend> DigitsModel<B> {
     }
 }
 
-impl<B: Backend> Classifier<B> for DigitsModel<B> {
-    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+impl Classifier for DigitsModel {
+    fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
         match self {
             Self::Mlp(model) => model.forward(inputs),
             Self::Cnn(model) => model.forward(inputs),
@@ -151,31 +150,25 @@ impl<B: Backend> Classifier<B> for DigitsModel<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{digits, table, TestAutodiffBackend, TestBackend};
+    use crate::test_util::{autodiff_device, device, digits, table};
     use crate::MODEL_NAMES;
-    use burn::module::AutodiffModule;
-    use burn::optim::{AdamConfig, Optimizer};
+    use burn::optim::AdamConfig;
 
     #[test]
     fn every_registered_model_has_a_variant() {
         assert_eq!(DIGITS_MODEL_NAMES, MODEL_NAMES);
         for name in MODEL_NAMES {
-            let model = DigitsModel::<TestBackend>::from_options(
-                name,
-                &toml::Table::new(),
-                &digits(),
-                &Default::default(),
-            )
-            .expect("defaults are valid");
+            let model = DigitsModel::from_options(name, &toml::Table::new(), &digits(), &device())
+                .expect("defaults are valid");
             assert_eq!(model.name(), *name);
-            let logits = model.forward(Tensor::zeros([3, 64], &Default::default()));
+            let logits = model.forward(Tensor::zeros([3, 64], &device()));
             assert_eq!(logits.dims(), [3, 10], "{name}");
         }
     }
 
     #[test]
     fn from_options_reports_what_validate_reports() {
-        let device = Default::default();
+        let device = device();
         for (name, options, input) in [
             ("mlp", "hiden = 3", digits()),
             ("mlp", "hidden = \"8\"", digits()),
@@ -185,12 +178,11 @@ mod tests {
         ] {
             let expected = crate::validate(name, &table(options), &input).unwrap_err();
             let error =
-                DigitsModel::<TestBackend>::from_options(name, &table(options), &input, &device)
-                    .unwrap_err();
+                DigitsModel::from_options(name, &table(options), &input, &device).unwrap_err();
             assert_eq!(error, expected, "{name} {options:?}");
         }
         // Options are applied.
-        let model = DigitsModel::<TestBackend>::from_options(
+        let model = DigitsModel::from_options(
             "mlp",
             &table("name = \"mlp\"\nhidden = [7]"),
             &InputShape::flat(5, 2),
@@ -206,21 +198,16 @@ mod tests {
 
         struct Count(usize, usize);
 
-        impl<B: Backend> ModuleVisitor<B> for Count {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        impl ModuleVisitor for Count {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 self.0 += 1;
                 self.1 += usize::from(param.is_initialized());
             }
         }
 
         for name in DIGITS_MODEL_NAMES {
-            let model = DigitsModel::<TestBackend>::from_options(
-                name,
-                &toml::Table::new(),
-                &digits(),
-                &Default::default(),
-            )
-            .expect("valid");
+            let model = DigitsModel::from_options(name, &toml::Table::new(), &digits(), &device())
+                .expect("valid");
             let mut count = Count(0, 0);
             model.visit(&mut count);
             assert!(count.0 > 0);
@@ -228,15 +215,14 @@ mod tests {
         }
     }
 
-    fn digits_batch<B: Backend>(samples: usize) -> FeaturesBatch<B> {
-        let device = Default::default();
+    fn digits_batch(samples: usize, device: &Device) -> FeaturesBatch {
         let pixels = (0..samples * 64)
             .map(|i| ((i as u64 * 2_654_435_761) % 17) as f32 / 16.0)
             .collect::<Vec<_>>();
         let labels = (0..samples as i64).map(|i| i % 10).collect::<Vec<_>>();
         FeaturesBatch {
-            inputs: Tensor::from_data(TensorData::new(pixels, [samples, 64]), &device),
-            targets: Tensor::from_data(TensorData::new(labels, [samples]), &device),
+            inputs: Tensor::from_data(TensorData::new(pixels, [samples, 64]), device),
+            targets: Tensor::from_data(TensorData::new(labels, [samples]), device),
         }
     }
 
@@ -244,23 +230,18 @@ mod tests {
     /// the `InferenceStep` loss of the `valid()` copy before and after.
     fn fit<M>(mut model: M, steps: usize) -> (f32, f32)
     where
-        M: TrainStep<
-                Input = FeaturesBatch<TestAutodiffBackend>,
-                Output = ClassificationOutput<TestAutodiffBackend>,
-            > + AutodiffModule<TestAutodiffBackend>,
-        M::InnerModule: InferenceStep<
-            Input = FeaturesBatch<TestBackend>,
-            Output = ClassificationOutput<TestBackend>,
-        >,
+        M: Module
+            + TrainStep<Input = FeaturesBatch, Output = ClassificationOutput>
+            + InferenceStep<Input = FeaturesBatch, Output = ClassificationOutput>,
     {
-        let batch = digits_batch::<TestAutodiffBackend>(32);
+        let batch = digits_batch(32, &autodiff_device());
         let valid_loss = |model: &M| {
-            let output = InferenceStep::step(&model.valid(), digits_batch::<TestBackend>(32));
+            let output = InferenceStep::step(&model.valid(), digits_batch(32, &device()));
             assert_eq!(output.output.dims(), [32, 10]);
-            output.loss.into_scalar().elem::<f32>()
+            output.loss.into_scalar::<f32>()
         };
         let before = valid_loss(&model);
-        let mut optimizer = AdamConfig::new().init::<TestAutodiffBackend, M>();
+        let mut optimizer = AdamConfig::new().init();
         for _ in 0..steps {
             let output = TrainStep::step(&model, batch.clone());
             assert_eq!(output.item.loss.dims(), [1]);
@@ -271,9 +252,9 @@ mod tests {
 
     #[test]
     fn train_steps_reduce_the_loss() {
-        let device = Default::default();
+        let device = autodiff_device();
         let input = digits();
-        let mlp = MlpOptions::default().init::<TestAutodiffBackend>(&input, &device);
+        let mlp = MlpOptions::default().init(&input, &device);
         let (before, after) = fit(mlp, 40);
         assert!(after < 0.6 * before, "mlp: {before} -> {after}");
         let cnn = CnnOptions {
@@ -282,17 +263,12 @@ mod tests {
             dropout: 0.0,
             batch_norm: true,
         }
-        .init::<TestAutodiffBackend>(&input, &device);
+        .init(&input, &device);
         let (before, after) = fit(cnn, 40);
         assert!(after < 0.6 * before, "cnn: {before} -> {after}");
         for name in DIGITS_MODEL_NAMES {
-            let model = DigitsModel::<TestAutodiffBackend>::from_options(
-                name,
-                &table("dropout = 0.1"),
-                &input,
-                &device,
-            )
-            .expect("valid");
+            let model = DigitsModel::from_options(name, &table("dropout = 0.1"), &input, &device)
+                .expect("valid");
             let (before, after) = fit(model, 40);
             assert!(
                 after < 0.6 * before,

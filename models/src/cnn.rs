@@ -6,7 +6,6 @@ use burn::nn::{
     BatchNorm, BatchNormConfig, Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu,
 };
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use serde::Deserialize;
 
 use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, ModelTask};
@@ -53,14 +52,14 @@ const POOL: usize = 2;
 
 impl CnnOptions {
     /// Initialises a [`Cnn`] for the `input.image` shape on `device`, drawing
-    /// the weights from the backend's RNG (Burn's default Kaiming-uniform
+    /// the weights from the device's RNG (Burn's default Kaiming-uniform
     /// initialisation).
     ///
     /// # Panics
     ///
     /// If the options or the input do not pass [`ModelOptions::check`] (for
     /// example on non-image input); the registry always checks first.
-    pub fn init<B: Backend>(&self, input: &InputShape, device: &B::Device) -> Cnn<B> {
+    pub fn init(&self, input: &InputShape, device: &Device) -> Cnn {
         let Some((height, width)) = input.image else {
             panic!("CnnOptions::init needs image input, got {input:?} (call check first)");
         };
@@ -121,13 +120,8 @@ impl ModelOptions for CnnOptions {
         check_dropout(self.dropout)
     }
 
-    fn build<B: AutodiffBackend, T: ModelTask<B>>(
-        &self,
-        input: &InputShape,
-        device: &B::Device,
-        task: T,
-    ) -> T::Output {
-        task.run(self.init::<B>(input, device))
+    fn build<T: ModelTask>(&self, input: &InputShape, device: &Device, task: T) -> T::Output {
+        task.run(self.init(input, device))
     }
 }
 
@@ -140,31 +134,31 @@ impl ModelOptions for CnnOptions {
 /// On the 8x8 digits the pooled map is `channels[1] x 4 x 4`. Built by
 /// [`CnnOptions::init`]. Output logits `[batch, classes]`.
 #[derive(Module, Debug)]
-pub struct Cnn<B: Backend> {
+pub struct Cnn {
     /// `[height, width]` of the input images.
     image: [usize; 2],
-    conv1: Conv2d<B>,
-    conv2: Conv2d<B>,
+    conv1: Conv2d,
+    conv2: Conv2d,
     /// Present with `batch_norm = true`.
-    norm1: Option<BatchNorm<B>>,
-    norm2: Option<BatchNorm<B>>,
+    norm1: Option<BatchNorm>,
+    norm2: Option<BatchNorm>,
     pool: MaxPool2d,
-    fc1: Linear<B>,
-    fc2: Linear<B>,
+    fc1: Linear,
+    fc2: Linear,
     activation: Relu,
     /// Present when `dropout > 0`.
     dropout: Option<Dropout>,
 }
 
-impl<B: Backend> Cnn<B> {
-    fn dropout<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+impl Cnn {
+    fn dropout<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         match &self.dropout {
             Some(dropout) => dropout.forward(x),
             None => x,
         }
     }
 
-    fn norm(norm: &Option<BatchNorm<B>>, x: Tensor<B, 4>) -> Tensor<B, 4> {
+    fn norm(norm: &Option<BatchNorm>, x: Tensor<4>) -> Tensor<4> {
         match norm {
             Some(norm) => norm.forward(x),
             None => x,
@@ -172,8 +166,8 @@ impl<B: Backend> Cnn<B> {
     }
 }
 
-impl<B: Backend> Classifier<B> for Cnn<B> {
-    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+impl Classifier for Cnn {
+    fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
         let [batch, _features] = inputs.dims();
         let [height, width] = self.image;
         let x = inputs.reshape([batch, 1, height, width]);
@@ -181,7 +175,7 @@ impl<B: Backend> Classifier<B> for Cnn<B> {
         let x = self.activation.forward(Self::norm(&self.norm1, x));
         let x = self.conv2.forward(x);
         let x = self.activation.forward(Self::norm(&self.norm2, x));
-        let x: Tensor<B, 2> = self.pool.forward(x).flatten(1, 3);
+        let x: Tensor<2> = self.pool.forward(x).flatten(1, 3);
         let x = self.activation.forward(self.fc1.forward(self.dropout(x)));
         self.fc2.forward(self.dropout(x))
     }
@@ -190,19 +184,19 @@ impl<B: Backend> Classifier<B> for Cnn<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{digits, TestAutodiffBackend, TestBackend};
+    use crate::test_util::{autodiff_device, device, digits};
 
     #[test]
     fn forward_shape() {
-        let device = Default::default();
-        let model = CnnOptions::default().init::<TestBackend>(&digits(), &device);
+        let device = device();
+        let model = CnnOptions::default().init(&digits(), &device);
         let logits = model.forward(Tensor::zeros([3, 64], &device));
         assert_eq!(logits.dims(), [3, 10]);
     }
 
     #[test]
     fn forward_shape_autodiff_odd_image_with_dropout() {
-        let device = Default::default();
+        let device = autodiff_device();
         let options = CnnOptions {
             channels: [4, 6],
             hidden: 8,
@@ -211,14 +205,14 @@ mod tests {
         };
         let input = InputShape::image(5, 7, 3);
         options.check(&input).expect("valid");
-        let model = options.init::<TestAutodiffBackend>(&input, &device);
+        let model = options.init(&input, &device);
         let logits = model.forward(Tensor::ones([2, 35], &device));
         assert_eq!(logits.dims(), [2, 3]);
     }
 
     #[test]
     fn parameter_count() {
-        let model = CnnOptions::default().init::<TestBackend>(&digits(), &Default::default());
+        let model = CnnOptions::default().init(&digits(), &device());
         let conv1 = 16 * 9 + 16;
         let conv2 = 32 * 16 * 9 + 32;
         let fc1 = 32 * 4 * 4 * 64 + 64;

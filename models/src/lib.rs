@@ -1,4 +1,5 @@
-//! Reference models for `burn-ddp`, generic over the Burn backend.
+//! Reference models for `burn-ddp`, on any Burn device (Burn 0.22 picks the
+//! backend at run time from the [`Device`]).
 //!
 //! # Digits classifiers (the registry)
 //!
@@ -25,17 +26,17 @@
 //! Options are strict: an unknown key, a wrongly typed value or an out-of-range
 //! value is a [`ModelError::InvalidOptions`] that names the key.
 //!
-//! Initialisation draws only from the backend's RNG, and [`with_model`] draws
+//! Initialisation draws only from the device's RNG, and [`with_model`] draws
 //! every parameter before handing the model over (Burn initialises parameters
 //! lazily), so a model is identical on every rank after
-//! `B::seed(&device, seed)`.
+//! `device.seed(seed)`.
 //!
 //! # burn-train models
 //!
 //! Every model implements burn-train's [`TrainStep`](burn::train::TrainStep)
-//! (on an autodiff backend: forward, loss, backward) and
-//! [`InferenceStep`](burn::train::InferenceStep) (on any backend: forward and
-//! loss), so it can be trained by `burn::train`'s `Learner` or by a loop that
+//! (on an autodiff device: forward, loss, backward) and
+//! [`InferenceStep`](burn::train::InferenceStep) (on any device, typically the
+//! `valid()` copy: forward and loss), so it can be trained by `burn::train`'s `Learner` or by a loop that
 //! calls `TrainStep::step` and an optimizer:
 //!
 //! | model             | config ([`serde`], strict, defaults)   | batch (batcher)                     | loss, output                     | synthetic data          |
@@ -62,7 +63,6 @@
 //! ```
 //! use burn::nn::{Linear, LinearConfig};
 //! use burn::prelude::*;
-//! use burn::tensor::backend::AutodiffBackend;
 //! use serde::Deserialize;
 //!
 //! use models::{CheckError, Classifier, InputShape, ModelOptions, ModelTask};
@@ -72,12 +72,12 @@
 //! pub struct LinearProbeOptions {}
 //!
 //! #[derive(Module, Debug)]
-//! pub struct LinearProbe<B: Backend> {
-//!     linear: Linear<B>,
+//! pub struct LinearProbe {
+//!     linear: Linear,
 //! }
 //!
-//! impl<B: Backend> Classifier<B> for LinearProbe<B> {
-//!     fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+//! impl Classifier for LinearProbe {
+//!     fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
 //!         self.linear.forward(inputs)
 //!     }
 //! }
@@ -86,12 +86,7 @@
 //!     fn check(&self, _input: &InputShape) -> Result<(), CheckError> {
 //!         Ok(())
 //!     }
-//!     fn build<B: AutodiffBackend, T: ModelTask<B>>(
-//!         &self,
-//!         input: &InputShape,
-//!         device: &B::Device,
-//!         task: T,
-//!     ) -> T::Output {
+//!     fn build<T: ModelTask>(&self, input: &InputShape, device: &Device, task: T) -> T::Output {
 //!         let linear = LinearConfig::new(input.features, input.classes).init(device);
 //!         task.run(LinearProbe { linear })
 //!     }
@@ -117,9 +112,7 @@
 
 #![warn(missing_docs)]
 
-use burn::module::AutodiffModule;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use serde::de::DeserializeOwned;
 
 mod classifier;
@@ -145,13 +138,13 @@ pub use text::{
 };
 
 /// A classifier the trainer can train: flat features in, logits out.
-pub trait Classifier<B: Backend>: Module<B> + core::fmt::Debug {
+pub trait Classifier: Module + core::fmt::Debug {
     /// `inputs`: [batch, features] (images flattened row-major). Returns logits [batch, classes].
     ///
     /// Layers with train-only behaviour (dropout) are active only on an
-    /// autodiff backend, as in Burn: the `valid()` copy of a model evaluates
+    /// autodiff device, as in Burn: the `valid()` copy of a model evaluates
     /// deterministically.
-    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2>;
+    fn forward(&self, inputs: Tensor<2>) -> Tensor<2>;
 }
 
 /// What a model needs to know about the data.
@@ -189,14 +182,14 @@ impl InputShape {
 
 /// Work the trainer does with a concrete model type (the registry calls `run`
 /// with the model it built).
-pub trait ModelTask<B: AutodiffBackend> {
+///
+/// The model's type is only known inside the registry, so the work is a
+/// generic function over it; its `valid()` copy has the same type.
+pub trait ModelTask {
     /// What the work returns; [`with_model`] passes it through.
     type Output;
     /// Runs the work with a freshly initialised model on the device given to [`with_model`].
-    fn run<M>(self, model: M) -> Self::Output
-    where
-        M: Classifier<B> + AutodiffModule<B> + 'static,
-        M::InnerModule: Classifier<B::InnerBackend>;
+    fn run<M: Classifier + 'static>(self, model: M) -> Self::Output;
 }
 
 /// The options of one kind of model: deserialized from the `[model]` table
@@ -218,14 +211,9 @@ pub trait ModelOptions: DeserializeOwned + Default + core::fmt::Debug {
     /// reports them.
     fn check(&self, input: &InputShape) -> Result<(), CheckError>;
 
-    /// Initialises the model on `device` (drawing only from the backend's
+    /// Initialises the model on `device` (drawing only from the device's
     /// seeded RNG) and passes it to `task`.
-    fn build<B: AutodiffBackend, T: ModelTask<B>>(
-        &self,
-        input: &InputShape,
-        device: &B::Device,
-        task: T,
-    ) -> T::Output;
+    fn build<T: ModelTask>(&self, input: &InputShape, device: &Device, task: T) -> T::Output;
 }
 
 /// Checks a `dropout` probability option: `0 <= p < 1`. Burn's
@@ -266,10 +254,16 @@ pub(crate) fn oversized_layer(layer: &str, inputs: usize, outputs: usize) -> Opt
 #[cfg(test)]
 pub(crate) mod test_util {
     use super::*;
-    use burn::backend::{Autodiff, Flex};
 
-    pub type TestBackend = Flex;
-    pub type TestAutodiffBackend = Autodiff<Flex>;
+    /// The plain (non-autodiff) CPU device of the unit tests.
+    pub fn device() -> Device {
+        Device::flex()
+    }
+
+    /// The autodiff CPU device of the unit tests (training).
+    pub fn autodiff_device() -> Device {
+        Device::flex().autodiff()
+    }
 
     /// Parses a TOML snippet into the `[model]` table the trainer would pass.
     pub fn table(src: &str) -> toml::Table {
@@ -281,25 +275,20 @@ pub(crate) mod test_util {
         InputShape::image(8, 8, 10)
     }
 
-    /// A [`ModelTask`] that runs one forward pass on the autodiff model and
+    /// A [`ModelTask`] that runs one forward pass on the (autodiff) model and
     /// one on its `valid()` copy, and returns both output shapes.
     pub struct ForwardShapes {
         pub batch: usize,
         pub features: usize,
     }
 
-    impl<B: AutodiffBackend> ModelTask<B> for ForwardShapes {
+    impl ModelTask for ForwardShapes {
         type Output = ([usize; 2], [usize; 2]);
 
-        fn run<M>(self, model: M) -> Self::Output
-        where
-            M: Classifier<B> + AutodiffModule<B> + 'static,
-            M::InnerModule: Classifier<B::InnerBackend>,
-        {
-            let device = Default::default();
-            let inputs = Tensor::<B, 2>::ones([self.batch, self.features], &device);
+        fn run<M: Classifier + 'static>(self, model: M) -> Self::Output {
+            let inputs = Tensor::<2>::ones([self.batch, self.features], &autodiff_device());
             let train = model.forward(inputs.clone()).dims();
-            let valid = model.valid().forward(inputs.inner()).dims();
+            let valid = model.valid().forward(inputs.without_autodiff()).dims();
             (train, valid)
         }
     }

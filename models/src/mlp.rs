@@ -2,7 +2,6 @@
 
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use serde::Deserialize;
 
 use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, ModelTask};
@@ -36,13 +35,13 @@ impl Default for MlpOptions {
 
 impl MlpOptions {
     /// Initialises an [`Mlp`] for `input` on `device`, drawing the weights
-    /// from the backend's RNG (Burn's default Kaiming-uniform initialisation).
+    /// from the device's RNG (Burn's default Kaiming-uniform initialisation).
     ///
     /// # Panics
     ///
     /// If the options do not pass [`ModelOptions::check`] (as Burn's layer
     /// configs do for invalid values); the registry always checks first.
-    pub fn init<B: Backend>(&self, input: &InputShape, device: &B::Device) -> Mlp<B> {
+    pub fn init(&self, input: &InputShape, device: &Device) -> Mlp {
         let mut width = input.features;
         let mut hidden = Vec::with_capacity(self.hidden.len());
         for &next in &self.hidden {
@@ -69,13 +68,8 @@ impl ModelOptions for MlpOptions {
         check_dropout(self.dropout)
     }
 
-    fn build<B: AutodiffBackend, T: ModelTask<B>>(
-        &self,
-        input: &InputShape,
-        device: &B::Device,
-        task: T,
-    ) -> T::Output {
-        task.run(self.init::<B>(input, device))
+    fn build<T: ModelTask>(&self, input: &InputShape, device: &Device, task: T) -> T::Output {
+        task.run(self.init(input, device))
     }
 }
 
@@ -84,18 +78,18 @@ impl ModelOptions for MlpOptions {
 /// Built by [`MlpOptions::init`]. Input `[batch, features]`, output logits
 /// `[batch, classes]`.
 #[derive(Module, Debug)]
-pub struct Mlp<B: Backend> {
+pub struct Mlp {
     /// Hidden layers, input side first.
-    hidden: Vec<Linear<B>>,
+    hidden: Vec<Linear>,
     /// Output layer, producing the logits.
-    output: Linear<B>,
+    output: Linear,
     activation: Relu,
     /// Present when `dropout > 0`.
     dropout: Option<Dropout>,
 }
 
-impl<B: Backend> Classifier<B> for Mlp<B> {
-    fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+impl Classifier for Mlp {
+    fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
         let mut x = inputs;
         for layer in &self.hidden {
             x = self.activation.forward(layer.forward(x));
@@ -110,18 +104,18 @@ impl<B: Backend> Classifier<B> for Mlp<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{TestAutodiffBackend, TestBackend};
+    use crate::test_util::{autodiff_device, device};
 
     #[test]
     fn forward_shape() {
-        let device = Default::default();
+        let device = device();
         let input = InputShape::flat(64, 10);
         for hidden in [vec![], vec![128], vec![32, 16]] {
             let options = MlpOptions {
                 hidden,
                 dropout: 0.0,
             };
-            let model = options.init::<TestBackend>(&input, &device);
+            let model = options.init(&input, &device);
             let logits = model.forward(Tensor::zeros([5, 64], &device));
             assert_eq!(logits.dims(), [5, 10], "{options:?}");
         }
@@ -129,20 +123,19 @@ mod tests {
 
     #[test]
     fn forward_shape_autodiff_with_dropout() {
-        let device = Default::default();
+        let device = autodiff_device();
         let options = MlpOptions {
             hidden: vec![32],
             dropout: 0.5,
         };
-        let model = options.init::<TestAutodiffBackend>(&InputShape::flat(7, 3), &device);
+        let model = options.init(&InputShape::flat(7, 3), &device);
         let logits = model.forward(Tensor::ones([4, 7], &device));
         assert_eq!(logits.dims(), [4, 3]);
     }
 
     #[test]
     fn parameter_count() {
-        let model = MlpOptions::default()
-            .init::<TestBackend>(&InputShape::flat(64, 10), &Default::default());
+        let model = MlpOptions::default().init(&InputShape::flat(64, 10), &device());
         assert_eq!(model.num_params(), 64 * 128 + 128 + 128 * 10 + 10);
     }
 

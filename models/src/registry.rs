@@ -1,8 +1,7 @@
 //! Model registry: `[model] name = "..."` -> options type -> model.
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{ModuleVisitor, Param};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 
 use crate::{Classifier, CnnOptions, InputShape, MlpOptions, ModelError, ModelOptions, ModelTask};
 
@@ -45,8 +44,8 @@ trait Visitor {
 /// - `options` is the `[model]` table of the user's TOML without its `name`
 ///   key (a `name` key still present is ignored). Every key is optional; an
 ///   unknown, wrongly typed or out-of-range key is an error naming it.
-/// - The model is initialised from the backend's RNG only: call
-///   `B::seed(device, seed)` first for identical models on every rank. Burn
+/// - The model is initialised from the device's RNG only: call
+///   `device.seed(seed)` first for identical models on every rank. Burn
 ///   draws parameters lazily, on first use; every parameter is drawn here, in
 ///   declaration order, before `task` gets the model, so the values depend
 ///   only on the seed and not on what the task touches first.
@@ -56,27 +55,27 @@ trait Visitor {
 /// [`ModelError::UnknownModel`], [`ModelError::InvalidOptions`] or
 /// [`ModelError::IncompatibleInput`], exactly as [`validate`] reports them;
 /// nothing is allocated on `device` in that case.
-pub fn with_model<B: AutodiffBackend, T: ModelTask<B>>(
+pub fn with_model<T: ModelTask>(
     name: &str,
     options: &toml::Table,
     input: &InputShape,
-    device: &B::Device,
+    device: &Device,
     task: T,
 ) -> Result<T::Output, ModelError> {
-    struct Build<'a, B: AutodiffBackend, T> {
+    struct Build<'a, T> {
         options: &'a toml::Table,
         input: &'a InputShape,
-        device: &'a B::Device,
+        device: &'a Device,
         task: T,
     }
 
-    impl<B: AutodiffBackend, T: ModelTask<B>> Visitor for Build<'_, B, T> {
+    impl<T: ModelTask> Visitor for Build<'_, T> {
         type Output = T::Output;
 
         fn visit<O: ModelOptions>(self, name: &'static str) -> Result<T::Output, ModelError> {
             let options = parse::<O>(name, self.options, self.input)?;
             let task = Materialized(self.task);
-            Ok(options.build::<B, _>(self.input, self.device, task))
+            Ok(options.build(self.input, self.device, task))
         }
     }
 
@@ -120,14 +119,10 @@ pub fn validate(name: &str, options: &toml::Table, input: &InputShape) -> Result
 /// order, before the task sees the model (see [`with_model`]).
 struct Materialized<T>(T);
 
-impl<B: AutodiffBackend, T: ModelTask<B>> ModelTask<B> for Materialized<T> {
+impl<T: ModelTask> ModelTask for Materialized<T> {
     type Output = T::Output;
 
-    fn run<M>(self, model: M) -> T::Output
-    where
-        M: Classifier<B> + AutodiffModule<B> + 'static,
-        M::InnerModule: Classifier<B::InnerBackend>,
-    {
+    fn run<M: Classifier + 'static>(self, model: M) -> T::Output {
         draw_params(&model);
         self.0.run(model)
     }
@@ -135,20 +130,20 @@ impl<B: AutodiffBackend, T: ModelTask<B>> ModelTask<B> for Materialized<T> {
 
 /// Draws every parameter of `model` that is still uninitialised, in
 /// declaration order (Burn runs a parameter's initialiser on first use; after
-/// this the values depend only on the backend's RNG state before the model
+/// this the values depend only on the device's RNG state before the model
 /// was built, not on which parameter is used first).
-pub(crate) fn draw_params<B: Backend, M: Module<B>>(model: &M) {
+pub(crate) fn draw_params<M: Module>(model: &M) {
     struct DrawParams;
 
-    impl<B: Backend> ModuleVisitor<B> for DrawParams {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl ModuleVisitor for DrawParams {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             // `val` runs the lazy initialiser once and caches the tensor.
             drop(param.val());
         }
-        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<B, D, Int>>) {
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
             drop(param.val());
         }
-        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<B, D, Bool>>) {
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
             drop(param.val());
         }
     }
@@ -234,7 +229,7 @@ fn deserialize<O: ModelOptions>(model: &str, options: &toml::Table) -> Result<O,
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{digits, table, ForwardShapes, TestAutodiffBackend};
+    use crate::test_util::{autodiff_device, digits, table, ForwardShapes};
 
     fn build(
         name: &str,
@@ -245,13 +240,7 @@ mod tests {
             batch: 3,
             features: input.features,
         };
-        with_model::<TestAutodiffBackend, _>(
-            name,
-            &table(options),
-            input,
-            &Default::default(),
-            task,
-        )
+        with_model(name, &table(options), input, &autodiff_device(), task)
     }
 
     #[test]
@@ -266,18 +255,14 @@ mod tests {
     /// Returns whether every parameter was drawn before the task got the model.
     struct AllDrawn;
 
-    impl<B: AutodiffBackend> ModelTask<B> for AllDrawn {
+    impl ModelTask for AllDrawn {
         type Output = (usize, usize);
 
-        fn run<M>(self, model: M) -> (usize, usize)
-        where
-            M: Classifier<B> + AutodiffModule<B> + 'static,
-            M::InnerModule: Classifier<B::InnerBackend>,
-        {
+        fn run<M: Classifier + 'static>(self, model: M) -> (usize, usize) {
             struct Count(usize, usize);
 
-            impl<B: Backend> ModuleVisitor<B> for Count {
-                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            impl ModuleVisitor for Count {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                     self.0 += 1;
                     self.1 += usize::from(param.is_initialized());
                 }
@@ -292,15 +277,10 @@ mod tests {
     #[test]
     fn parameters_are_drawn_before_the_task_runs() {
         for name in MODEL_NAMES {
-            let device = Default::default();
-            let (params, drawn) = with_model::<TestAutodiffBackend, _>(
-                name,
-                &toml::Table::new(),
-                &digits(),
-                &device,
-                AllDrawn,
-            )
-            .expect("builds");
+            let device = autodiff_device();
+            let (params, drawn) =
+                with_model(name, &toml::Table::new(), &digits(), &device, AllDrawn)
+                    .expect("builds");
             assert!(params > 0, "{name}");
             assert_eq!(drawn, params, "{name}");
         }
@@ -312,29 +292,25 @@ mod tests {
         features: usize,
     }
 
-    impl<B: AutodiffBackend> ModelTask<B> for Structure {
+    impl ModelTask for Structure {
         type Output = (Vec<Vec<usize>>, bool);
 
-        fn run<M>(self, model: M) -> (Vec<Vec<usize>>, bool)
-        where
-            M: Classifier<B> + AutodiffModule<B> + 'static,
-            M::InnerModule: Classifier<B::InnerBackend>,
-        {
+        fn run<M: Classifier + 'static>(self, model: M) -> (Vec<Vec<usize>>, bool) {
             struct Shapes(Vec<Vec<usize>>);
 
-            impl<B: Backend> ModuleVisitor<B> for Shapes {
-                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+            impl ModuleVisitor for Shapes {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                     self.0.push(param.val().dims().to_vec());
                 }
             }
 
             let mut shapes = Shapes(Vec::new());
             model.visit(&mut shapes);
-            let device = Default::default();
+            let device = autodiff_device();
             // Many different rows: with one repeated row, a random initialisation that leaves
             // every unit of the last hidden layer inactive for it makes the output the bias
             // whatever dropout does, and the passes equal by chance.
-            let inputs = Tensor::<B, 2>::random(
+            let inputs = Tensor::<2>::random(
                 [64, self.features],
                 burn::tensor::Distribution::Uniform(-1.0, 1.0),
                 &device,
@@ -346,11 +322,11 @@ mod tests {
     }
 
     fn structure(name: &str, options: &str, input: &InputShape) -> (Vec<Vec<usize>>, bool) {
-        with_model::<TestAutodiffBackend, _>(
+        with_model(
             name,
             &table(options),
             input,
-            &Default::default(),
+            &autodiff_device(),
             Structure {
                 features: input.features,
             },

@@ -2,11 +2,10 @@
 //! data items and batcher, and a lazily computed synthetic data set.
 
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataset::Dataset;
+use burn::data::dataset::{Dataset, DatasetError};
 use burn::nn::loss::{MseLoss, Reduction};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::{InferenceStep, RegressionOutput, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
 
@@ -85,21 +84,16 @@ impl RegressionConfig {
     }
 
     /// Initialises a [`RegressionModel`] with `features` inputs and `targets`
-    /// outputs on `device`, drawing the weights from the backend's RNG (Burn's
+    /// outputs on `device`, drawing the weights from the device's RNG (Burn's
     /// default Kaiming-uniform initialisation). Every parameter is drawn, in
     /// declaration order, before this returns, so the model depends only on
-    /// the RNG state (`B::seed`) and not on later use.
+    /// the RNG state (`device.seed`) and not on later use.
     ///
     /// # Panics
     ///
     /// If [`check`](Self::check) fails for `features` and `targets` (as Burn's
     /// layer configs do for invalid values); call it first.
-    pub fn init<B: Backend>(
-        &self,
-        features: usize,
-        targets: usize,
-        device: &B::Device,
-    ) -> RegressionModel<B> {
+    pub fn init(&self, features: usize, targets: usize, device: &Device) -> RegressionModel {
         let model = self.init_lazy(features, targets, device);
         draw_params(&model);
         model
@@ -111,12 +105,7 @@ impl RegressionConfig {
     /// # Panics
     ///
     /// As [`init`](Self::init).
-    pub fn init_lazy<B: Backend>(
-        &self,
-        features: usize,
-        targets: usize,
-        device: &B::Device,
-    ) -> RegressionModel<B> {
+    pub fn init_lazy(&self, features: usize, targets: usize, device: &Device) -> RegressionModel {
         if let Err(error) = self.check(features, targets) {
             panic!("RegressionConfig::init: invalid configuration (call check first): {error:?}");
         }
@@ -142,22 +131,22 @@ impl RegressionConfig {
 /// through burn-train's [`TrainStep`]; [`InferenceStep`] evaluates the same
 /// loss.
 #[derive(Module, Debug)]
-pub struct RegressionModel<B: Backend> {
+pub struct RegressionModel {
     /// Hidden layers, input side first.
-    hidden: Vec<Linear<B>>,
+    hidden: Vec<Linear>,
     /// Output layer, producing the predictions.
-    output: Linear<B>,
+    output: Linear,
     activation: Relu,
     /// Present when `dropout > 0`.
     dropout: Option<Dropout>,
 }
 
-impl<B: Backend> RegressionModel<B> {
+impl RegressionModel {
     /// `inputs`: `[batch, features]`. Returns the predictions `[batch, targets]`.
     ///
-    /// Dropout is active only on an autodiff backend, as in Burn: the
+    /// Dropout is active only on an autodiff device, as in Burn: the
     /// `valid()` copy evaluates deterministically.
-    pub fn forward(&self, inputs: Tensor<B, 2>) -> Tensor<B, 2> {
+    pub fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
         let mut x = inputs;
         for layer in &self.hidden {
             x = self.activation.forward(layer.forward(x));
@@ -171,28 +160,28 @@ impl<B: Backend> RegressionModel<B> {
     /// Predicts `batch.inputs` and returns the mean squared error against
     /// `batch.targets` (a 1-element loss, averaged over samples and targets)
     /// with the predictions and targets, as burn-train's metrics expect.
-    pub fn forward_regression(&self, batch: RegressionBatch<B>) -> RegressionOutput<B> {
+    pub fn forward_regression(&self, batch: RegressionBatch) -> RegressionOutput {
         let output = self.forward(batch.inputs);
         let loss = MseLoss::new().forward(output.clone(), batch.targets.clone(), Reduction::Mean);
         RegressionOutput::new(loss, output, batch.targets)
     }
 }
 
-impl<B: AutodiffBackend> TrainStep for RegressionModel<B> {
-    type Input = RegressionBatch<B>;
-    type Output = RegressionOutput<B>;
+impl TrainStep for RegressionModel {
+    type Input = RegressionBatch;
+    type Output = RegressionOutput;
 
-    fn step(&self, batch: RegressionBatch<B>) -> TrainOutput<RegressionOutput<B>> {
+    fn step(&self, batch: RegressionBatch) -> TrainOutput<RegressionOutput> {
         let item = self.forward_regression(batch);
         TrainOutput::new(self, item.loss.backward(), item)
     }
 }
 
-impl<B: Backend> InferenceStep for RegressionModel<B> {
-    type Input = RegressionBatch<B>;
-    type Output = RegressionOutput<B>;
+impl InferenceStep for RegressionModel {
+    type Input = RegressionBatch;
+    type Output = RegressionOutput;
 
-    fn step(&self, batch: RegressionBatch<B>) -> RegressionOutput<B> {
+    fn step(&self, batch: RegressionBatch) -> RegressionOutput {
         self.forward_regression(batch)
     }
 }
@@ -208,25 +197,25 @@ pub struct RegressionItem {
 
 /// A batch of [`RegressionItem`]s, as made by [`RegressionBatcher`].
 #[derive(Clone, Debug)]
-pub struct RegressionBatch<B: Backend> {
+pub struct RegressionBatch {
     /// `[batch, features]`.
-    pub inputs: Tensor<B, 2>,
+    pub inputs: Tensor<2>,
     /// `[batch, targets]`.
-    pub targets: Tensor<B, 2>,
+    pub targets: Tensor<2>,
 }
 
 /// Stacks [`RegressionItem`]s into a [`RegressionBatch`], in item order.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct RegressionBatcher;
 
-impl<B: Backend> Batcher<B, RegressionItem, RegressionBatch<B>> for RegressionBatcher {
+impl Batcher<RegressionItem, RegressionBatch> for RegressionBatcher {
     /// An empty `items` gives `[0, 0]` tensors.
     ///
     /// # Panics
     ///
     /// If the items do not all have as many features and targets as the first
     /// one (the `Batcher` contract has no way to report an error).
-    fn batch(&self, items: Vec<RegressionItem>, device: &B::Device) -> RegressionBatch<B> {
+    fn batch(&self, items: Vec<RegressionItem>, device: &Device) -> RegressionBatch {
         let (features, targets) = items
             .first()
             .map_or((0, 0), |item| (item.features.len(), item.targets.len()));
@@ -315,11 +304,17 @@ impl SyntheticRegression {
 }
 
 impl Dataset<RegressionItem> for SyntheticRegression {
-    /// The item at `index`, or `None` if `index >= len()`.
-    fn get(&self, index: usize) -> Option<RegressionItem> {
-        if index >= self.samples {
-            return None;
-        }
+    /// The item at `index`; never an error (the item is computed).
+    ///
+    /// # Panics
+    ///
+    /// If `index >= len()`, as Burn's `Dataset::get` contract says.
+    fn get(&self, index: usize) -> Result<RegressionItem, DatasetError> {
+        assert!(
+            index < self.samples,
+            "SyntheticRegression::get: index {index} out of range (len {})",
+            self.samples
+        );
         // `usize` is at most 64 bits wide: lossless.
         let mut rng = SplitMix64::stream(self.seed, index as u64);
         let features: Vec<f32> = (0..self.features).map(|_| rng.symmetric_f32()).collect();
@@ -331,7 +326,7 @@ impl Dataset<RegressionItem> for SyntheticRegression {
                 linear + wave + SYNTHETIC_REGRESSION_NOISE * rng.symmetric_f32()
             })
             .collect();
-        Some(RegressionItem { features, targets })
+        Ok(RegressionItem { features, targets })
     }
 
     fn len(&self) -> usize {
@@ -342,20 +337,19 @@ impl Dataset<RegressionItem> for SyntheticRegression {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_util::{TestAutodiffBackend, TestBackend};
-    use burn::module::AutodiffModule;
-    use burn::optim::{AdamConfig, Optimizer};
+    use crate::test_util::{autodiff_device, device};
+    use burn::optim::AdamConfig;
 
     #[test]
     fn forward_shape() {
-        let device = Default::default();
+        let device = device();
         for hidden in [vec![], vec![16], vec![8, 4]] {
             let config = RegressionConfig {
                 hidden,
                 dropout: 0.0,
             };
             config.check(5, 3).expect("valid");
-            let model = config.init::<TestBackend>(5, 3, &device);
+            let model = config.init(5, 3, &device);
             let output = model.forward(Tensor::zeros([7, 5], &device));
             assert_eq!(output.dims(), [7, 3], "{config:?}");
         }
@@ -363,13 +357,18 @@ mod tests {
             hidden: vec![8],
             dropout: 0.5,
         }
-        .init::<TestAutodiffBackend>(4, 2, &device);
-        assert_eq!(model.forward(Tensor::ones([3, 4], &device)).dims(), [3, 2]);
+        .init(4, 2, &autodiff_device());
+        assert_eq!(
+            model
+                .forward(Tensor::ones([3, 4], &autodiff_device()))
+                .dims(),
+            [3, 2]
+        );
     }
 
     #[test]
     fn parameter_count_and_eager_init() {
-        let model = RegressionConfig::default().init::<TestBackend>(10, 2, &Default::default());
+        let model = RegressionConfig::default().init(10, 2, &device());
         assert_eq!(model.num_params(), 10 * 64 + 64 + 64 * 2 + 2);
     }
 
@@ -441,7 +440,7 @@ mod tests {
             hidden: vec![0],
             dropout: 0.0,
         };
-        let _ = config.init::<TestBackend>(2, 1, &Default::default());
+        let _ = config.init(2, 1, &device());
     }
 
     #[test]
@@ -449,18 +448,21 @@ mod tests {
         let data = SyntheticRegression::new(100, 6, 2, 42);
         assert_eq!(data.len(), 100);
         assert_eq!((data.features(), data.targets()), (6, 2));
-        let item = data.get(17).expect("in range");
+        let get = |data: &SyntheticRegression, index| data.get(index).expect("in range");
+        let item = get(&data, 17);
         assert_eq!(item.features.len(), 6);
         assert_eq!(item.targets.len(), 2);
         assert!(item.features.iter().all(|x| (-1.0..1.0).contains(x)));
-        assert_eq!(data.get(17), Some(item.clone()));
-        assert_eq!(
-            SyntheticRegression::new(100, 6, 2, 42).get(17),
-            Some(item.clone())
-        );
-        assert_ne!(data.get(18), Some(item.clone()));
-        assert_ne!(SyntheticRegression::new(100, 6, 2, 43).get(17), Some(item));
-        assert_eq!(data.get(100), None);
+        assert_eq!(get(&data, 17), item);
+        assert_eq!(get(&SyntheticRegression::new(100, 6, 2, 42), 17), item);
+        assert_ne!(get(&data, 18), item);
+        assert_ne!(get(&SyntheticRegression::new(100, 6, 2, 43), 17), item);
+    }
+
+    #[test]
+    #[should_panic(expected = "index 100 out of range")]
+    fn dataset_get_past_the_end_panics() {
+        let _ = SyntheticRegression::new(100, 6, 2, 42).get(100);
     }
 
     #[test]
@@ -470,8 +472,7 @@ mod tests {
         assert_eq!(data.targets(), usize::MAX);
         let data = SyntheticRegression::new(usize::MAX, 3, 1, 0);
         assert_eq!(data.len(), usize::MAX);
-        assert!(data.get(usize::MAX - 1).is_some());
-        assert!(data.get(usize::MAX).is_none());
+        assert!(data.get(usize::MAX - 1).is_ok());
     }
 
     #[test]
@@ -495,7 +496,7 @@ mod tests {
 
     #[test]
     fn batcher_stacks_items_in_order() {
-        let device = Default::default();
+        let device = device();
         let items = vec![
             RegressionItem {
                 features: vec![1.0, 2.0],
@@ -506,15 +507,15 @@ mod tests {
                 targets: vec![6.0],
             },
         ];
-        let batch: RegressionBatch<TestBackend> = RegressionBatcher.batch(items, &device);
+        let batch: RegressionBatch = RegressionBatcher.batch(items, &device);
         assert_eq!(batch.inputs.dims(), [2, 2]);
         assert_eq!(batch.targets.dims(), [2, 1]);
         assert_eq!(
-            batch.inputs.into_data().to_vec::<f32>().ok(),
+            batch.inputs.into_data().try_to_vec::<f32>().ok(),
             Some(vec![1.0, 2.0, 4.0, 5.0])
         );
         assert_eq!(
-            batch.targets.into_data().to_vec::<f32>().ok(),
+            batch.targets.into_data().try_to_vec::<f32>().ok(),
             Some(vec![3.0, 6.0])
         );
     }
@@ -532,38 +533,39 @@ mod tests {
                 targets: vec![6.0],
             },
         ];
-        let _: RegressionBatch<TestBackend> = RegressionBatcher.batch(items, &Default::default());
+        let _: RegressionBatch = RegressionBatcher.batch(items, &device());
     }
 
     #[test]
     fn train_step_reduces_the_loss() {
-        type B = TestAutodiffBackend;
-        let device = Default::default();
+        let device = autodiff_device();
         let data = SyntheticRegression::new(256, 8, 2, 1);
         let config = RegressionConfig {
             hidden: vec![32],
             dropout: 0.0,
         };
-        let mut model = config.init::<B>(8, 2, &device);
-        let mut optimizer = AdamConfig::new().init::<B, RegressionModel<B>>();
-        let batches: Vec<RegressionBatch<B>> = (0..4)
+        let mut model = config.init(8, 2, &device);
+        let mut optimizer = AdamConfig::new().init();
+        let batches: Vec<RegressionBatch> = (0..4)
             .map(|b| {
-                let items = (b * 64..(b + 1) * 64).filter_map(|i| data.get(i)).collect();
+                let items = (b * 64..(b + 1) * 64)
+                    .map(|i| data.get(i).expect("computed"))
+                    .collect();
                 RegressionBatcher.batch(items, &device)
             })
             .collect();
-        let epoch_loss = |model: &RegressionModel<B>| -> f32 {
+        let epoch_loss = |model: &RegressionModel| -> f32 {
             let valid = model.valid();
             let total: f32 = batches
                 .iter()
                 .map(|batch| {
                     let batch = RegressionBatch {
-                        inputs: batch.inputs.clone().inner(),
-                        targets: batch.targets.clone().inner(),
+                        inputs: batch.inputs.clone().without_autodiff(),
+                        targets: batch.targets.clone().without_autodiff(),
                     };
                     let output = InferenceStep::step(&valid, batch);
                     assert_eq!(output.output.dims(), [64, 2]);
-                    output.loss.into_scalar().elem::<f32>()
+                    output.loss.into_scalar::<f32>()
                 })
                 .sum();
             total / batches.len() as f32

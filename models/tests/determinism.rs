@@ -1,32 +1,24 @@
-//! A model is a function of the backend seed alone.
+//! A model is a function of the device seed alone.
 //!
 //! Kept as the only test of its binary: `Flex`'s RNG is process-global, so a
 //! test drawing random numbers on another thread would interleave with it.
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{ModuleVisitor, Param};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use models::{with_model, Classifier, InputShape, ModelTask, MODEL_NAMES};
-
-type TestBackend = Autodiff<Flex>;
 
 /// Returns every float parameter's values, in visiting order.
 struct ParamValues;
 
-impl<B: AutodiffBackend> ModelTask<B> for ParamValues {
+impl ModelTask for ParamValues {
     type Output = Vec<Vec<f32>>;
 
-    fn run<M>(self, model: M) -> Self::Output
-    where
-        M: Classifier<B> + AutodiffModule<B> + 'static,
-        M::InnerModule: Classifier<B::InnerBackend>,
-    {
+    fn run<M: Classifier + 'static>(self, model: M) -> Self::Output {
         struct Collect(Vec<Vec<f32>>);
 
-        impl<B: Backend> ModuleVisitor<B> for Collect {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-                let values = param.val().into_data().to_vec::<f32>();
+        impl ModuleVisitor for Collect {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let values = param.val().into_data().try_to_vec::<f32>();
                 self.0.push(values.expect("float parameters hold f32"));
             }
         }
@@ -38,10 +30,10 @@ impl<B: AutodiffBackend> ModelTask<B> for ParamValues {
 }
 
 fn params(name: &str, seed: u64) -> Vec<Vec<f32>> {
-    let device = Default::default();
-    TestBackend::seed(&device, seed);
+    let device = Device::flex().autodiff();
+    device.seed(seed);
     let input = InputShape::image(8, 8, 10);
-    with_model::<TestBackend, _>(name, &toml::Table::new(), &input, &device, ParamValues)
+    with_model(name, &toml::Table::new(), &input, &device, ParamValues)
         .expect("default options are valid")
 }
 

@@ -1,4 +1,4 @@
-//! The models built outside the registry are functions of the backend seed
+//! The models built outside the registry are functions of the device seed
 //! alone too: `DigitsModel::from_options` gives exactly the parameters of
 //! `with_model`, and `RegressionConfig::init` / `TextClassifierConfig::init`
 //! draw every parameter eagerly.
@@ -6,25 +6,21 @@
 //! Kept as the only test of its binary: `Flex`'s RNG is process-global, so a
 //! test drawing random numbers on another thread would interleave with it.
 
-use burn::backend::{Autodiff, Flex};
-use burn::module::{AutodiffModule, ModuleVisitor, Param};
+use burn::module::{ModuleVisitor, Param};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{Device, Distribution};
+use burn::tensor::Distribution;
 use models::{
     with_model, Classifier, DigitsModel, InputShape, ModelTask, RegressionConfig,
     TextClassifierConfig, MODEL_NAMES,
 };
 
-type TestBackend = Autodiff<Flex>;
-
 /// Every float parameter's values, in visiting order.
-fn values<B: Backend, M: Module<B>>(model: &M) -> Vec<Vec<f32>> {
+fn values<M: Module>(model: &M) -> Vec<Vec<f32>> {
     struct Collect(Vec<Vec<f32>>);
 
-    impl<B: Backend> ModuleVisitor<B> for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            let values = param.val().into_data().to_vec::<f32>();
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let values = param.val().into_data().try_to_vec::<f32>();
             self.0.push(values.expect("float parameters hold f32"));
         }
     }
@@ -36,33 +32,25 @@ fn values<B: Backend, M: Module<B>>(model: &M) -> Vec<Vec<f32>> {
 
 struct ParamValues;
 
-impl<B: AutodiffBackend> ModelTask<B> for ParamValues {
+impl ModelTask for ParamValues {
     type Output = Vec<Vec<f32>>;
 
-    fn run<M>(self, model: M) -> Self::Output
-    where
-        M: Classifier<B> + AutodiffModule<B> + 'static,
-        M::InnerModule: Classifier<B::InnerBackend>,
-    {
+    fn run<M: Classifier + 'static>(self, model: M) -> Self::Output {
         values(&model)
     }
 }
 
-/// Seeds the backend, builds with `build`, and returns the parameters.
-fn seeded(seed: u64, build: impl FnOnce(&Device<TestBackend>) -> Vec<Vec<f32>>) -> Vec<Vec<f32>> {
-    let device = Default::default();
-    TestBackend::seed(&device, seed);
+/// Seeds the (autodiff CPU) device, builds with `build`, and returns the parameters.
+fn seeded(seed: u64, build: impl FnOnce(&Device) -> Vec<Vec<f32>>) -> Vec<Vec<f32>> {
+    let device = Device::flex().autodiff();
+    device.seed(seed);
     build(&device)
 }
 
 /// Draws unrelated random numbers, as a caller might between building a model
 /// and first using it: a lazily initialised parameter would then differ.
-fn interleave(device: &Device<TestBackend>) {
-    drop(Tensor::<TestBackend, 1>::random(
-        [16],
-        Distribution::Default,
-        device,
-    ));
+fn interleave(device: &Device) {
+    drop(Tensor::<1>::random([16], Distribution::Default, device));
 }
 
 #[test]
@@ -72,15 +60,13 @@ fn models_are_functions_of_the_seed() {
     for name in MODEL_NAMES {
         let registry = |seed| {
             seeded(seed, |device| {
-                with_model::<TestBackend, _>(name, &options, &input, device, ParamValues)
-                    .expect("defaults are valid")
+                with_model(name, &options, &input, device, ParamValues).expect("defaults are valid")
             })
         };
         let enum_model = |seed| {
             seeded(seed, |device| {
-                let model =
-                    DigitsModel::<TestBackend>::from_options(name, &options, &input, device)
-                        .expect("defaults are valid");
+                let model = DigitsModel::from_options(name, &options, &input, device)
+                    .expect("defaults are valid");
                 interleave(device);
                 values(&model)
             })
@@ -96,7 +82,7 @@ fn models_are_functions_of_the_seed() {
 
     let regression = |seed, interleaved| {
         seeded(seed, |device| {
-            let model = RegressionConfig::default().init::<TestBackend>(6, 2, device);
+            let model = RegressionConfig::default().init(6, 2, device);
             if interleaved {
                 interleave(device);
             }
@@ -112,7 +98,7 @@ fn models_are_functions_of_the_seed() {
 
     let text = |seed, interleaved| {
         seeded(seed, |device| {
-            let model = TextClassifierConfig::default().init::<TestBackend>(device);
+            let model = TextClassifierConfig::default().init(device);
             if interleaved {
                 interleave(device);
             }

@@ -365,7 +365,7 @@ fn damaged_checkpoints_are_detected_and_skipped() {
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x40;
     std::fs::write(&newest, bytes).unwrap();
-    let previous = root.join("step-00000020/optimizer.mpk");
+    let previous = root.join("step-00000020/optimizer.bpk");
     let bytes = std::fs::read(&previous).unwrap();
     std::fs::write(&previous, &bytes[..bytes.len() / 3]).unwrap();
 
@@ -388,7 +388,7 @@ fn damaged_checkpoints_are_detected_and_skipped() {
     );
     assert_says(
         &out.stderr,
-        &["step-00000020: optimizer.mpk is corrupted"],
+        &["step-00000020: optimizer.bpk is corrupted"],
         &out,
     );
 
@@ -418,15 +418,25 @@ fn a_checkpoint_of_another_format_version_is_refused_not_skipped() {
     let root = dir.join("run-ckpt");
     let manifest = root.join("step-00000030/manifest.json");
     let text = std::fs::read_to_string(&manifest).unwrap();
-    assert!(text.contains("\"burn_version\": \"0.21.0\""), "{text}");
-    let older = text.replace("\"format_version\": 2", "\"format_version\": 1");
+    assert!(text.contains("\"burn_version\": \"0.22.1\""), "{text}");
+    // What a build on Burn 0.21 wrote (format 2, MessagePack records).
+    let older = text
+        .replace("\"format_version\": 3", "\"format_version\": 2")
+        .replace(
+            "\"burn_version\": \"0.22.1\"",
+            "\"burn_version\": \"0.21.0\"",
+        );
     assert_ne!(older, text);
     std::fs::write(&manifest, &older).unwrap();
     let before = checkpoint_steps(&root);
 
     let out = train2(&config, &[], &[]);
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(&out.stderr, &["format version 1", "--no-resume"], &out);
+    assert_says(
+        &out.stderr,
+        &["format version 2", "Burn 0.21.0", "--no-resume"],
+        &out,
+    );
     assert_eq!(checkpoint_steps(&root), before, "nothing written or pruned");
     assert_eq!(std::fs::read_to_string(&manifest).unwrap(), older);
 

@@ -181,7 +181,8 @@ fn assert_stop_and_kill_are_invisible(workload: &Workload, world: usize, stage: 
 
 /// The newest checkpoints of runs `a` and `b` are at the same position and hold the same
 /// weights, bit for bit, and the same optimizer and scheduler records. (Not the same file
-/// bytes: Burn writes the safetensors metadata and the records' maps in hash order.)
+/// bytes: Burn writes the safetensors metadata and the optimizer's state tensors in hash
+/// order.)
 fn assert_same_checkpoints(dir: &Path, a: &str, b: &str, context: &str) {
     let (ckpt_a, ckpt_b) = (
         newest_checkpoint(&dir.join(format!("{a}-ckpt"))),
@@ -207,7 +208,7 @@ fn assert_same_checkpoints(dir: &Path, a: &str, b: &str, context: &str) {
         wa == wb,
         "{context}: weights differ from the uninterrupted run's (max |Δw| = {diff:e})"
     );
-    for file in ["optimizer.mpk", "scheduler.mpk"] {
+    for file in ["optimizer.bpk", "scheduler.bpk"] {
         let (ra, rb) = (record(&ckpt_a.join(file)), record(&ckpt_b.join(file)));
         assert!(
             ra == rb,
@@ -216,29 +217,43 @@ fn assert_same_checkpoints(dir: &Path, a: &str, b: &str, context: &str) {
     }
 }
 
-/// A MessagePack record (Burn's `NamedMpkBytesRecorder`), its maps sorted by key so that two
-/// records with the same entries compare equal whatever order they were written in.
-fn record(path: &Path) -> rmpv::Value {
-    fn canonical(value: rmpv::Value) -> rmpv::Value {
-        match value {
-            rmpv::Value::Map(entries) => {
-                let mut entries: Vec<(rmpv::Value, rmpv::Value)> = entries
-                    .into_iter()
-                    .map(|(k, v)| (canonical(k), canonical(v)))
-                    .collect();
-                entries.sort_by_key(|(k, _)| format!("{k:?}"));
-                rmpv::Value::Map(entries)
-            }
-            rmpv::Value::Array(items) => {
-                rmpv::Value::Array(items.into_iter().map(canonical).collect())
-            }
-            other => other,
-        }
-    }
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let value = rmpv::decode::read_value(&mut bytes.as_slice())
-        .unwrap_or_else(|e| panic!("{}: not MessagePack: {e}", path.display()));
-    canonical(value)
+/// A burnpack record (Burn's `ModuleOptimizer` / `LrSchedulerRecord` bytes) in a canonical
+/// form: its tensors sorted by name, each with its parameter id, dtype, shape and raw bytes,
+/// then its scalars and metadata (sorted maps), so that two records with the same entries
+/// compare equal whatever order they were written in (the optimizer's state is a hash map).
+fn record(path: &Path) -> Vec<String> {
+    let reader = burn_pack::Reader::from_file(path)
+        .unwrap_or_else(|e| panic!("{}: not a burnpack file: {e}", path.display()));
+    let scalars: Vec<String> = reader
+        .scalars()
+        .iter()
+        .map(|(k, v)| format!("scalar {k} = {v:?}"))
+        .collect();
+    let metadata: Vec<String> = reader
+        .metadata()
+        .iter()
+        .map(|(k, v)| format!("metadata {k} = {v}"))
+        .collect();
+    let mut tensors: Vec<String> = reader
+        .into_tensors()
+        .unwrap_or_else(|e| panic!("{}: unreadable tensors: {e}", path.display()))
+        .into_iter()
+        .map(|t| {
+            let bytes = t
+                .to_bytes()
+                .unwrap_or_else(|e| panic!("{}: tensor {}: {e}", path.display(), t.name));
+            format!(
+                "tensor {} (param {:?}) {:?} {:?} {:?}",
+                t.name,
+                t.param_id,
+                t.dtype,
+                t.shape,
+                &bytes[..]
+            )
+        })
+        .collect();
+    tensors.sort();
+    tensors.into_iter().chain(scalars).chain(metadata).collect()
 }
 
 /// The run resumed from the checkpoint of optimizer step `step` (the rank's "resumed from"

@@ -1,6 +1,6 @@
 //! A Burn user's `SupervisedTraining` program, written as Burn's guide writes one (model with
 //! `TrainStep` / `InferenceStep`, a batcher, `DataLoaderBuilder`, `LossMetric` /
-//! `AccuracyMetric`, a file checkpointer), made data-parallel across processes by changing two
+//! `AccuracyMetric`, the default checkpointers), made data-parallel across processes by changing two
 //! lines: the loader builder and the training strategy (marked `burn-ddp:` below).
 //!
 //! ```text
@@ -18,38 +18,34 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use burn::backend::{Autodiff, Flex};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamConfig, Optimizer, SgdConfig};
+use burn::optim::{AdamConfig, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
-use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder};
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
     TrainingStrategy,
 };
 use burn_ddp::learner::{DdpStrategy, DistributedDataLoaderBuilder};
-use burn_ddp::{DdpOptions, GradientTransport, TrainBackend};
+use burn_ddp::{DdpOptions, GradientTransport};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 const FEATURES: usize = 16;
 const CLASSES: usize = 4;
 
 #[derive(Module, Debug)]
-pub struct Model<B: Backend> {
-    fc1: Linear<B>,
-    fc2: Linear<B>,
+pub struct Model {
+    fc1: Linear,
+    fc2: Linear,
     activation: Relu,
 }
 
-impl<B: Backend> Model<B> {
-    pub fn new(device: &B::Device) -> Self {
+impl Model {
+    pub fn new(device: &Device) -> Self {
         Self {
             fc1: LinearConfig::new(FEATURES, 32).init(device),
             fc2: LinearConfig::new(32, CLASSES).init(device),
@@ -59,9 +55,9 @@ impl<B: Backend> Model<B> {
 
     pub fn forward_classification(
         &self,
-        inputs: Tensor<B, 2>,
-        targets: Tensor<B, 1, Int>,
-    ) -> ClassificationOutput<B> {
+        inputs: Tensor<2>,
+        targets: Tensor<1, Int>,
+    ) -> ClassificationOutput {
         let output = self
             .fc2
             .forward(self.activation.forward(self.fc1.forward(inputs)));
@@ -72,21 +68,21 @@ impl<B: Backend> Model<B> {
     }
 }
 
-impl<B: AutodiffBackend> TrainStep for Model<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
+impl TrainStep for Model {
+    type Input = Batch;
+    type Output = ClassificationOutput;
 
-    fn step(&self, batch: Batch<B>) -> TrainOutput<ClassificationOutput<B>> {
+    fn step(&self, batch: Batch) -> TrainOutput<ClassificationOutput> {
         let item = self.forward_classification(batch.inputs, batch.targets);
         TrainOutput::new(self, item.loss.backward(), item)
     }
 }
 
-impl<B: Backend> InferenceStep for Model<B> {
-    type Input = Batch<B>;
-    type Output = ClassificationOutput<B>;
+impl InferenceStep for Model {
+    type Input = Batch;
+    type Output = ClassificationOutput;
 
-    fn step(&self, batch: Batch<B>) -> ClassificationOutput<B> {
+    fn step(&self, batch: Batch) -> ClassificationOutput {
         self.forward_classification(batch.inputs, batch.targets)
     }
 }
@@ -98,16 +94,16 @@ pub struct Item {
 }
 
 #[derive(Clone, Debug)]
-pub struct Batch<B: Backend> {
-    inputs: Tensor<B, 2>,
-    targets: Tensor<B, 1, Int>,
+pub struct Batch {
+    inputs: Tensor<2>,
+    targets: Tensor<1, Int>,
 }
 
 #[derive(Clone, Default)]
 pub struct ItemBatcher;
 
-impl<B: Backend> Batcher<B, Item, Batch<B>> for ItemBatcher {
-    fn batch(&self, items: Vec<Item>, device: &B::Device) -> Batch<B> {
+impl Batcher<Item, Batch> for ItemBatcher {
+    fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
         let n = items.len();
         let features: Vec<f32> = items.iter().flat_map(|i| i.features).collect();
         let labels: Vec<i64> = items.iter().map(|i| i.label as i64).collect();
@@ -201,15 +197,10 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// The program for backend `B` and optimizer `O`. `B: TrainBackend` is burn-ddp's bound
-/// (bucket kernels, NCCL or not): Burn's `Flex`, `Wgpu` and `Cuda` under `Autodiff`.
-fn run<B: TrainBackend, O: Optimizer<Model<B>, B> + 'static>(
-    args: &Args,
-    device: B::Device,
-    optim: O,
-    lr: f64,
-) -> ExitCode {
-    B::seed(&device, 42);
+/// The program on `device` (an autodiff device: Burn's `Flex` CPU, or this rank's GPU) with
+/// optimizer `optim` at the constant rate `lr`.
+fn run(args: &Args, device: Device, optim: ModuleOptimizer, lr: f64) -> ExitCode {
+    device.seed(42);
     let dir = args.dir.display().to_string();
 
     let valid_data = dataset(130, 10_000);
@@ -276,9 +267,9 @@ fn run<B: TrainBackend, O: Optimizer<Model<B>, B> + 'static>(
     let training = if args.no_checkpointer {
         training
     } else {
-        training.with_file_checkpointer(NamedMpkFileRecorder::<FullPrecisionSettings>::new())
+        training.with_default_checkpointers()
     };
-    let result = training.launch(Learner::new(Model::<B>::new(&device), optim, lr));
+    let result = training.launch(Learner::new(Model::new(&device), optim, lr));
 
     // As with `torch.save` under DDP: one rank writes the final model.
     if rank == 0 {
@@ -294,49 +285,22 @@ fn run<B: TrainBackend, O: Optimizer<Model<B>, B> + 'static>(
     ExitCode::SUCCESS
 }
 
-/// Runs on Burn's CPU backend, or with `--cuda` on this rank's GPU (feature `cuda`).
-fn on_backend<O: OptimizerChoice>(args: &Args) -> ExitCode {
+/// The device: Burn's CPU backend (`Flex`), or with `--cuda` this rank's GPU (feature
+/// `cuda`); under autodiff.
+fn device(args: &Args) -> Result<Device, ExitCode> {
     if args.cuda {
         #[cfg(feature = "cuda")]
         {
-            type Gpu = Autodiff<burn::backend::Cuda>;
             let local_rank = burn_ddp::DistEnv::from_env().map_or(0, |env| env.local_rank);
-            let device =
-                burn::backend::cuda::CudaDevice::new(burn_ddp::cuda::local_device(local_rank));
-            let (optim, lr) = O::make::<Gpu>();
-            return run::<Gpu, _>(args, device, optim, lr);
+            return Ok(Device::cuda(burn_ddp::cuda::local_device(local_rank)).autodiff());
         }
         #[cfg(not(feature = "cuda"))]
         {
             eprintln!("burn_train_user: --cuda needs a build with `--features cuda`");
-            return ExitCode::from(2);
+            return Err(ExitCode::from(2));
         }
     }
-    type Cpu = Autodiff<Flex>;
-    let (optim, lr) = O::make::<Cpu>();
-    run::<Cpu, _>(args, Default::default(), optim, lr)
-}
-
-/// The optimizer and its learning rate, for any backend.
-trait OptimizerChoice {
-    type Optim<B: TrainBackend>: Optimizer<Model<B>, B> + 'static;
-    fn make<B: TrainBackend>() -> (Self::Optim<B>, f64);
-}
-
-struct Sgd;
-impl OptimizerChoice for Sgd {
-    type Optim<B: TrainBackend> = OptimizerAdaptor<burn::optim::Sgd<B::InnerBackend>, Model<B>, B>;
-    fn make<B: TrainBackend>() -> (Self::Optim<B>, f64) {
-        (SgdConfig::new().init(), 0.05)
-    }
-}
-
-struct Adam;
-impl OptimizerChoice for Adam {
-    type Optim<B: TrainBackend> = OptimizerAdaptor<burn::optim::Adam, Model<B>, B>;
-    fn make<B: TrainBackend>() -> (Self::Optim<B>, f64) {
-        (AdamConfig::new().init(), 1e-3)
-    }
+    Ok(Device::flex().autodiff())
 }
 
 fn main() -> ExitCode {
@@ -347,9 +311,15 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if args.adam {
-        on_backend::<Adam>(&args)
+    let device = match device(&args) {
+        Ok(device) => device,
+        Err(code) => return code,
+    };
+    // The optimizer and its learning rate: Adam (1e-3) or SGD (0.05).
+    let (optim, lr) = if args.adam {
+        (AdamConfig::new().init(), 1e-3)
     } else {
-        on_backend::<Sgd>(&args)
-    }
+        (SgdConfig::new().init(), 0.05)
+    };
+    run(&args, device, optim, lr)
 }

@@ -1,17 +1,16 @@
 //! What a user implements to train their own Burn model with this engine: an **app**.
 //!
-//! An app has two halves, so that the backend-independent half (config tables, data sets) is
-//! written once and the model half is generic over the Burn backend, exactly as Burn's own
-//! examples write `fn train<B: AutodiffBackend>(...)`:
+//! An app has two halves, so that the device-free half (config tables, data sets) can be
+//! checked before any rank starts:
 //!
 //! - [`App`]: the app's own `[model]` and `[data]` TOML tables (serde types of the user's; an
 //!   unknown or wrongly typed key is a usage error naming it), a cheap pre-flight check, and the
 //!   data sets (any burn-dataset [`Dataset`]).
-//! - [`Learn<B>`]: the model (burn-train's [`TrainStep`] on the autodiff model, [`InferenceStep`]
-//!   on its inner module), the [`Batcher`]s that turn items into the model's input types, and
-//!   the burn-train metrics to show ([`Metrics`]). Implement it for every `B: AutodiffBackend`
-//!   (`impl<B: AutodiffBackend> Learn<B> for MyApp`) and the engine picks the backend from
-//!   `output.device`.
+//! - [`Learn`]: the model (burn-train's [`TrainStep`] and [`InferenceStep`] on the same Burn
+//!   0.22 module type), the [`Batcher`]s that turn items into the model's input types, and the
+//!   burn-train metrics to show ([`Metrics`]). Burn 0.22 has no backend type parameter: the
+//!   engine picks the [`Device`] from `output.device` at run time, trains the model on its
+//!   autodiff form and validates `model.valid()` (the same type, without autodiff).
 //!
 //! Then `fn main() -> ExitCode { trainer::run::main_with(MyApp, trainer::program_info!()) }` is a complete `trainer` for the
 //! user's model: `--config`, `--nproc-per-node`, multi-node, `--max-restarts`, `eval`, resume,
@@ -22,9 +21,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
-use burn::module::{AutodiffModule, Module};
-use burn::tensor::backend::AutodiffBackend;
-use burn::train::{InferenceStep, ItemLazy, TrainStep};
+use burn::module::Module;
+use burn::tensor::Device;
+use burn::train::{InferenceStep, TrainStep};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -54,14 +53,14 @@ pub struct Datasets<I> {
     pub valid: Option<Arc<dyn Dataset<I>>>,
 }
 
-/// Why a `Dataset::get` of this process returned `None`, as its data set reported it.
+/// Why a `Dataset::get` of this process failed, as its data set reported it.
 static ITEM_ERROR: Mutex<Option<String>> = Mutex::new(None);
 
-/// For a data set whose `get` can fail for a reason it can name (a corrupt image, a file changed
-/// since it was opened): report the reason here, then return `None`. The engine then stops the
-/// run with that reason as a usage error (exit code 2) instead of its generic "returned no
-/// item". (`Dataset::get` has no error channel; this is one, per process.) The first reason not
-/// yet taken is kept.
+/// For a data set whose `get` fails for a reason it can say better than its error value does:
+/// report the reason here, then return `Err`. The engine then stops the run with that reason
+/// as a usage error (exit code 2). Since Burn 0.22, `Dataset::get` returns a `Result`, whose
+/// error is the reason when none was reported here: returning
+/// `Err(DatasetError::new(..))` alone is enough. The first reason not yet taken is kept.
 pub fn report_item_error(reason: impl Into<String>) {
     let mut slot = ITEM_ERROR.lock().unwrap_or_else(PoisonError::into_inner);
     if slot.is_none() {
@@ -70,7 +69,7 @@ pub fn report_item_error(reason: impl Into<String>) {
 }
 
 /// The reason given to [`report_item_error`] since the last call, if any. The engine calls it
-/// when a `get` returned `None`.
+/// when a `get` returned an error.
 pub fn take_item_error() -> Option<String> {
     ITEM_ERROR
         .lock()
@@ -78,7 +77,23 @@ pub fn take_item_error() -> Option<String> {
         .take()
 }
 
-/// The backend-independent half of an app (module docs).
+/// Item `index` of `dataset` (`set` names it in messages, e.g. "training set"), or why not: an
+/// index at or past `len()` (Burn's `Dataset::get` panics there, so it is checked first), or
+/// the error `get` returned (the reason given to [`report_item_error`] first, if any).
+pub(crate) fn read_item<I>(dataset: &dyn Dataset<I>, index: usize, set: &str) -> Result<I, String> {
+    let len = dataset.len();
+    if index >= len {
+        return Err(format!(
+            "the {set} has no item at index {index} (its len() is {len})"
+        ));
+    }
+    dataset.get(index).map_err(|error| {
+        let reason = take_item_error().unwrap_or_else(|| error.to_string());
+        format!("cannot read item {index} of the {set}: {reason}")
+    })
+}
+
+/// The device-free half of an app (module docs).
 pub trait App: Send + Sync + 'static {
     /// The `[model]` table. Use `#[serde(deny_unknown_fields)]` so a misspelt key is an error.
     type ModelConfig: Serialize + DeserializeOwned + Clone + Debug + Send + Sync + 'static;
@@ -120,54 +135,53 @@ pub trait App: Send + Sync + 'static {
     }
 }
 
-/// The model half of an app, for one backend `B` (module docs).
+/// The model half of an app (module docs).
 ///
 /// The engine calls [`TrainStep::step`] on each micro-batch (its loss is expected to be a mean
 /// over the micro-batch; the engine weights micro-batches by their share of the optimizer step),
 /// averages the gradients across ranks once per optimizer step, and steps with
-/// [`TrainStep::optimize`]. Validation runs [`InferenceStep::step`] on the inner module.
-pub trait Learn<B: AutodiffBackend>: App {
-    /// The trainable model.
-    type Model: AutodiffModule<B, InnerModule = Self::ValidModel> + TrainStep + Debug + 'static;
-    /// The model without autodiff, for validation.
-    type ValidModel: Module<B::InnerBackend> + InferenceStep + 'static;
+/// [`TrainStep::optimize`]. Validation runs [`InferenceStep::step`] on `model.valid()`, the same
+/// type without autodiff, with batches made on the device without autodiff.
+pub trait Learn: App {
+    /// The model: trained on the autodiff device, validated as `model.valid()`.
+    type Model: Module + TrainStep + InferenceStep + core::fmt::Display + Debug + 'static;
     /// Items to the training input.
-    type TrainBatcher: Batcher<B, Self::Item, <Self::Model as TrainStep>::Input> + 'static;
+    type TrainBatcher: Batcher<Self::Item, <Self::Model as TrainStep>::Input> + 'static;
     /// Items to the validation input.
-    type ValidBatcher: Batcher<B::InnerBackend, Self::Item, <Self::ValidModel as InferenceStep>::Input>
-        + 'static;
+    type ValidBatcher: Batcher<Self::Item, <Self::Model as InferenceStep>::Input> + 'static;
 
-    /// A freshly initialised model on `device`. The engine seeds `B` with `training.seed`
-    /// first and then broadcasts rank 0's parameters, so replicas start equal either way.
-    /// `data` is there for sizes that come from the data (features, classes, vocabulary).
+    /// A freshly initialised model on `device` (this rank's training device, with autodiff).
+    /// The engine seeds `device` with `training.seed` first and then broadcasts rank 0's
+    /// parameters, so replicas start equal either way. `data` is there for sizes that come from
+    /// the data (features, classes, vocabulary).
     fn model(
         &self,
         model: &Self::ModelConfig,
         data: &Self::DataConfig,
-        device: &B::Device,
+        device: &Device,
     ) -> Result<Self::Model, AppError>;
 
     /// The batchers for training and validation. They run on the training thread (which owns
     /// the device); `training.num_workers` threads read the items ahead through
-    /// `Dataset::get`. `device` is this rank's (its own GPU under CUDA), the device every
-    /// batch is also made on: a batcher that keeps a device keeps this one.
+    /// `Dataset::get`. `device` is this rank's training device (its own GPU under CUDA); each
+    /// batch is made on the device the engine passes to `Batcher::batch` (the training device
+    /// for training, the same device without autodiff for validation).
     fn batchers(
         &self,
         model: &Self::ModelConfig,
         data: &Self::DataConfig,
-        device: &B::Device,
+        device: &Device,
     ) -> (Self::TrainBatcher, Self::ValidBatcher);
 
     /// burn-train numeric metrics computed on the training outputs (after `ItemLazy::sync`),
     /// summed across ranks with their counts, logged every `training.log_every` steps.
-    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>>;
+    fn train_metrics(&self) -> Metrics<TrainItem<Self>>;
 
     /// The same for validation outputs, over every validation sample exactly once.
-    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>>;
+    fn valid_metrics(&self) -> Metrics<ValidItem<Self>>;
 }
 
-/// The synced training output of app `A` on backend `B` (what its training metrics read).
-pub type TrainSynced<A, B> = <<<A as Learn<B>>::Model as TrainStep>::Output as ItemLazy>::ItemSync;
-/// The synced validation output of app `A` on backend `B`.
-pub type ValidSynced<A, B> =
-    <<<A as Learn<B>>::ValidModel as InferenceStep>::Output as ItemLazy>::ItemSync;
+/// The training output of app `A` (what its training metrics read, after `ItemLazy::sync`).
+pub type TrainItem<A> = <<A as Learn>::Model as TrainStep>::Output;
+/// The validation output of app `A`.
+pub type ValidItem<A> = <<A as Learn>::Model as InferenceStep>::Output;

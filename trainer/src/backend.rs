@@ -1,79 +1,55 @@
 //! Every backend and cargo feature of the engine, in one place: which Burn backend each
 //! `output.device` runs, whether this build and machine can run it, and how gradients are
 //! averaged on it (through the host, or NCCL on CUDA), and what `trainer doctor` needs to know
-//! of the devices ([`device_facts`]; the doctor judges them). The training loop has no `cfg`.
+//! of the devices ([`device_facts`]; the doctor judges them). The training loop has no `cfg`:
+//! it runs on the [`Device`] [`train_device`] picks at run time.
 
-use burn::backend::{Autodiff, Flex};
+use burn::tensor::Device;
 
-use crate::app::Learn;
 use crate::config::{DeviceKind, GradientSyncMode};
 use crate::error::UsageError;
 
-/// The CPU backend: Burn's pure-Rust `Flex` under autodiff.
-pub type CpuBackend = Autodiff<Flex>;
-
-/// What the training loop needs of a backend: burn-ddp's (bucket kernels, NCCL or not).
-pub use burn_ddp::TrainBackend;
-
-/// An app that can train on every backend of this build. Implement [`Learn<B>`] for every
-/// `B: AutodiffBackend` and this holds.
-pub trait LearnAnywhere: Learn<CpuBackend> + LearnOnWgpu + LearnOnCuda {}
-impl<A: Learn<CpuBackend> + LearnOnWgpu + LearnOnCuda> LearnAnywhere for A {}
-
-/// [`Learn`] on the wgpu backend, in builds with `--features wgpu`.
-#[cfg(feature = "wgpu")]
-pub trait LearnOnWgpu: Learn<Autodiff<burn::backend::Wgpu>> {}
-#[cfg(feature = "wgpu")]
-impl<A: Learn<Autodiff<burn::backend::Wgpu>>> LearnOnWgpu for A {}
-/// Nothing to require in builds without `wgpu`.
-#[cfg(not(feature = "wgpu"))]
-pub trait LearnOnWgpu {}
-#[cfg(not(feature = "wgpu"))]
-impl<A> LearnOnWgpu for A {}
-
-/// [`Learn`] on the CUDA backend, in builds with `--features cuda`.
-#[cfg(feature = "cuda")]
-pub trait LearnOnCuda: Learn<Autodiff<burn::backend::Cuda>> {}
-#[cfg(feature = "cuda")]
-impl<A: Learn<Autodiff<burn::backend::Cuda>>> LearnOnCuda for A {}
-/// Nothing to require in builds without `cuda`.
-#[cfg(not(feature = "cuda"))]
-pub trait LearnOnCuda {}
-#[cfg(not(feature = "cuda"))]
-impl<A> LearnOnCuda for A {}
-
-/// Work to do on the backend of `output.device`, with app `A` ([`with_backend`]).
-pub trait OnBackend<A> {
-    type Output;
-    fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
-    where
-        A: Learn<B>;
-}
-
-/// Runs `task` on the backend of `device`, on the GPU of this rank's `local_rank`.
-pub fn with_backend<A: LearnAnywhere, T: OnBackend<A, Output = anyhow::Result<R>>, R>(
-    device: DeviceKind,
-    local_rank: usize,
-    task: T,
-) -> anyhow::Result<R> {
-    let _ = local_rank;
+/// The autodiff device this rank trains on for `output.device = device`: the CPU is Burn's
+/// pure-Rust Flex, wgpu the adapter wgpu picks (one per machine, shared by its ranks), CUDA the
+/// GPU of `local_rank`. The model is built and trained on it; validation runs on its
+/// non-autodiff twin (`device.clone().inner()`). A device this build lacks, or CUDA without a
+/// driver or GPU, is a usage error (exit code 2) naming the cargo feature or the problem
+/// ([`device_available`]). Never Burn's `Device::default()`, which prefers CUDA in CUDA builds.
+pub fn train_device(device: DeviceKind, local_rank: usize) -> anyhow::Result<Device> {
+    device_available(device, local_rank)?;
     match device {
-        DeviceKind::Cpu => task.run::<CpuBackend>(Default::default()),
-        // One adapter per rank when the machine has several; else everyone shares the default.
+        DeviceKind::Cpu => Ok(Device::flex().autodiff()),
+        // One adapter per machine: every local rank shares wgpu's default one.
         #[cfg(feature = "wgpu")]
-        DeviceKind::Wgpu => task
-            .run::<Autodiff<burn::backend::Wgpu>>(burn::backend::wgpu::WgpuDevice::DefaultDevice),
+        DeviceKind::Wgpu => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice).autodiff()),
         // The local rank is the device ordinal (as with torchrun), unless the launcher gave
         // each process one GPU through CUDA_VISIBLE_DEVICES (then it is 0): see
         // `burn_ddp::cuda::local_device`. The NCCL group uses the same ordinal.
         #[cfg(feature = "cuda")]
-        DeviceKind::Cuda => task.run::<Autodiff<burn::backend::Cuda>>(
-            burn::backend::cuda::CudaDevice::new(burn_ddp::cuda::local_device(local_rank)),
-        ),
+        DeviceKind::Cuda => Ok(Device::cuda(burn_ddp::cuda::local_device(local_rank)).autodiff()),
         #[allow(unreachable_patterns)]
-        other => Err(device_available(other, local_rank)
-            .err()
-            .unwrap_or_else(|| anyhow::anyhow!("device {other:?} is not available"))),
+        other => Err(UsageError(format!(
+            "output.device = \"{}\" is not available in this build",
+            device_name(other)
+        ))
+        .into()),
+    }
+}
+
+/// Points Burn's default device (`BURN_DEVICE`, unless the user set it) at the backend of
+/// `device` for the CPU and wgpu: Burn falls back to its default device where it is not told
+/// one, e.g. when it restores an optimizer state (`ModuleOptimizer::load_record`), and that
+/// default prefers CUDA in a CUDA build, even for a CPU job on a machine without a GPU. CUDA
+/// jobs keep Burn's default (GPU 0; the state moves to each rank's GPU on its next step). Call
+/// it before any thread starts: it sets an environment variable.
+pub fn pin_default_device(device: DeviceKind) {
+    let name = match device {
+        DeviceKind::Cpu => "flex",
+        DeviceKind::Wgpu => "wgpu",
+        DeviceKind::Cuda => return,
+    };
+    if std::env::var_os("BURN_DEVICE").is_none() && built_in(device) {
+        std::env::set_var("BURN_DEVICE", name);
     }
 }
 
@@ -227,7 +203,7 @@ fn cuda_facts(local_ranks: usize) -> Result<CudaFacts, CudaProblem> {
             device_count: info.device_count,
             first_device: info.name,
             visible: std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "<unset>".into()),
-            // Each local rank's device, as the engine picks it (`with_backend`).
+            // Each local rank's device, as the engine picks it (`train_device`).
             needed: (0..local_ranks.max(1))
                 .map(cuda::local_device)
                 .max()
@@ -244,6 +220,7 @@ fn cuda_facts(local_ranks: usize) -> Result<CudaFacts, CudaProblem> {
 #[cfg(feature = "wgpu")]
 fn wgpu_adapter() -> Result<WgpuAdapter, WgpuProblem> {
     use burn::backend::wgpu::{graphics::AutoGraphicsApi, init_setup, RuntimeOptions, WgpuDevice};
+    // The adapter `Device::wgpu(DeviceKind::DefaultDevice)` (what `train_device` uses) picks.
     const DEADLINE: std::time::Duration = std::time::Duration::from_secs(60);
     // CubeCL panics when it finds no adapter: search on a thread, with the panic caught and
     // its message kept out of the report.
@@ -252,10 +229,8 @@ fn wgpu_adapter() -> Result<WgpuAdapter, WgpuProblem> {
     std::panic::set_hook(Box::new(|_| {}));
     std::thread::spawn(move || {
         let found = std::panic::catch_unwind(|| {
-            let setup = init_setup::<AutoGraphicsApi>(
-                &WgpuDevice::DefaultDevice,
-                RuntimeOptions::default(),
-            );
+            let setup =
+                init_setup::<AutoGraphicsApi>(&WgpuDevice::default(), RuntimeOptions::default());
             let info = setup.adapter.get_info();
             let kind = format!("{:?}", info.device_type);
             let driver = [info.driver.as_str(), info.driver_info.as_str()]

@@ -25,15 +25,14 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use burn::data::dataloader::batcher::Batcher;
-use burn::module::AutodiffModule;
-use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use burn::module::Module;
+use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
+use burn::tensor::Device;
 use burn::train::TrainStep;
 use clap::Args;
 
 use crate::app::Learn;
-use crate::backend::{
-    device_name, with_backend, CpuBackend, LearnAnywhere, OnBackend, TrainBackend,
-};
+use crate::backend::{device_name, train_device};
 use crate::builtin::{self, WithApp};
 use crate::config::OptimizerName;
 use crate::config::{AppConfig, DeviceKind};
@@ -65,7 +64,7 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     struct Bench<'a>(&'a BenchTrainArgs);
     impl WithApp for Bench<'_> {
         type Output = anyhow::Result<ExitCode>;
-        fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output {
+        fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
             bench_app(app, self.0)
         }
     }
@@ -89,7 +88,7 @@ fn engine_runs(device: DeviceKind) -> &'static [(&'static str, usize, u8)] {
     }
 }
 
-fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
+fn bench_app<A: Learn>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let config = AppConfig::<A>::load(&args.config)?;
     crate::backend::device_available(args.device, 0)?;
     if args.plain_only {
@@ -123,8 +122,8 @@ fn bench_app<A: LearnAnywhere>(app: A, args: &BenchTrainArgs) -> anyhow::Result<
             100.0 * (plain.rate / waiting.rate - 1.0)
         );
     }
-    let device = Default::default();
-    let model = Learn::<CpuBackend>::model(&app, &config.model, &config.data, &device)?;
+    let device = Device::flex().autodiff();
+    let model = app.model(&config.model, &config.data, &device)?;
     print_state_and_bytes(&model, config.optimizer.name, config.optimizer.momentum);
     Ok(ExitCode::SUCCESS)
 }
@@ -209,11 +208,7 @@ fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: Device
 }
 
 /// Optimizer state per rank and bytes on the wire per step at world 2, stage 0 and 1.
-fn print_state_and_bytes<M: burn::module::Module<CpuBackend>>(
-    model: &M,
-    optimizer: OptimizerName,
-    momentum: f64,
-) {
+fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentum: f64) {
     let params = model.num_params();
     let stage1_own = zero::plan_for(model, 2).counts().to_vec();
     let state_copies = match optimizer {
@@ -375,49 +370,29 @@ fn run_trainer(
 /// (`TrainStep::step`, then the optimizer), with the configured optimizer at a constant rate:
 /// no sampler, no reducer, no metrics, no prefetching. With `waits`, it also waits for the
 /// device after every step, as the engine's step does (on a GPU, the queue then runs empty).
-fn plain_loop<A: LearnAnywhere>(
+fn plain_loop<A: Learn>(
     app: &A,
     config: &AppConfig<A>,
     device: DeviceKind,
     waits: bool,
 ) -> anyhow::Result<f64> {
-    struct Plain<'a, A: LearnAnywhere>(&'a A, &'a AppConfig<A>, bool);
-    impl<A: LearnAnywhere> OnBackend<A> for Plain<'_, A> {
-        type Output = anyhow::Result<f64>;
-        fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
-        where
-            A: Learn<B>,
-        {
-            let Plain(app, config, waits) = self;
-            match config.optimizer.name {
-                OptimizerName::Sgd => {
-                    plain_with::<A, B, _>(app, config, SgdConfig::new().init(), device, waits)
-                }
-                OptimizerName::Adam => {
-                    plain_with::<A, B, _>(app, config, AdamConfig::new().init(), device, waits)
-                }
-                OptimizerName::AdamW => {
-                    plain_with::<A, B, _>(app, config, AdamWConfig::new().init(), device, waits)
-                }
-            }
-        }
-    }
-    with_backend(device, 0, Plain(app, config, waits))
+    let device = train_device(device, 0)?;
+    let optim = match config.optimizer.name {
+        OptimizerName::Sgd => SgdConfig::new().init(),
+        OptimizerName::Adam => AdamConfig::new().init(),
+        OptimizerName::AdamW => AdamWConfig::new().init(),
+    };
+    plain_with(app, config, optim, device, waits)
 }
 
-fn plain_with<A, B, O>(
+fn plain_with<A: Learn>(
     app: &A,
     config: &AppConfig<A>,
-    mut optim: O,
-    device: B::Device,
+    mut optim: ModuleOptimizer,
+    device: Device,
     waits: bool,
-) -> anyhow::Result<f64>
-where
-    B: TrainBackend,
-    A: Learn<B>,
-    O: Optimizer<A::Model, B>,
-{
-    B::seed(&device, config.training.seed);
+) -> anyhow::Result<f64> {
+    device.seed(config.training.seed);
     let data = app.datasets(&config.data)?;
     let mut model = app.model(&config.model, &config.data, &device)?;
     let (batcher, _) = app.batchers(&config.model, &config.data, &device);
@@ -431,16 +406,24 @@ where
             start = Instant::now();
         }
         let items = (0..batch)
-            .filter_map(|i| data.train.get((step * batch + i) % len))
+            .filter_map(|i| data.train.get((step * batch + i) % len).ok())
             .collect();
-        let output = model.step(batcher.batch(items, &device));
-        model = model.optimize(&mut optim, config.optimizer.learning_rate, output.grads);
+        let output = TrainStep::step(&model, batcher.batch(items, &device));
+        model = model.optimize(
+            &mut optim,
+            config.optimizer.learning_rate.into(),
+            output.grads,
+        );
         if waits {
-            B::sync(&device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+            device
+                .sync()
+                .map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
         }
     }
     let _ = model.valid();
     // Queued device work belongs to the timed steps.
-    B::sync(&device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+    device
+        .sync()
+        .map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
     Ok((steps * batch) as f64 / start.elapsed().as_secs_f64())
 }

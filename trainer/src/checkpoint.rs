@@ -3,8 +3,8 @@
 //! ```text
 //! <checkpoint.dir>/step-00000120/
 //!     model.safetensors   the weights, named as in the plain model (loads in Python too)
-//!     optimizer.mpk       the optimizer state (Burn's recorder, full precision)
-//!     scheduler.mpk       the learning-rate scheduler's record (Burn's recorder)
+//!     optimizer.bpk       the optimizer state (Burn's `ModuleOptimizer` record, burnpack)
+//!     scheduler.bpk       the learning-rate scheduler's record (`LrSchedulerRecord`, burnpack)
 //!     manifest.json       format version, model name and fingerprint, config fingerprint,
 //!                         world size, training position, and a checksum of each file
 //! ```
@@ -22,22 +22,32 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use burn::module::AutodiffModule;
-use burn::optim::Optimizer;
-use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Bytes;
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
-/// Bumped when the layout or the manifest changes incompatibly.
-pub const FORMAT_VERSION: u32 = 2;
+/// Bumped when the layout or the manifest changes incompatibly (3: Burn 0.22's burnpack
+/// optimizer and scheduler records; 2: Burn 0.21's MessagePack ones).
+pub const FORMAT_VERSION: u32 = 3;
 const MODEL_FILE: &str = "model.safetensors";
-const OPTIMIZER_FILE: &str = "optimizer.mpk";
-const SCHEDULER_FILE: &str = "scheduler.mpk";
+const OPTIMIZER_FILE: &str = "optimizer.bpk";
+const SCHEDULER_FILE: &str = "scheduler.bpk";
 const MANIFEST_FILE: &str = "manifest.json";
 /// The Burn release this build trains with, recorded in every manifest: a build on another
 /// Burn that cannot read these files names it (`tests` checks it against `Cargo.lock`).
-pub const BURN_VERSION: &str = "0.21.0";
+pub const BURN_VERSION: &str = "0.22.1";
+
+/// The optimizer state a checkpoint saves (as `optimizer.bpk`).
+#[derive(Clone, Copy)]
+pub enum OptimizerState<'a> {
+    /// An optimizer holding every parameter's state (ZeRO stage 0), serialised on save.
+    Whole(&'a ModuleOptimizer),
+    /// Every rank's state merged (ZeRO stage 1), already serialised: what
+    /// `ModuleOptimizer::into_bytes` gives for the whole state.
+    Bytes(&'a [u8]),
+}
 
 /// Where training stands; everything needed to continue, independent of the world size.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -103,22 +113,17 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
-/// Writes a checkpoint of `model` and `optim` at `position` into `root` and prunes old ones to
-/// `keep_last`. Called on rank 0 only; returns the checkpoint's directory.
+/// Writes a checkpoint of `model` and `optim` (with the scheduler record `scheduler`) at
+/// `position` into `root` and prunes old ones to `keep_last`. Called on rank 0 only; returns the checkpoint's directory.
 #[allow(clippy::too_many_arguments)]
-pub fn save<B, M, O>(
+pub fn save<M: Module>(
     root: &Path,
     keep_last: usize,
     mut manifest: Manifest,
     model: &M,
-    optim: &O,
+    optim: OptimizerState<'_>,
     scheduler: &[u8],
-) -> anyhow::Result<PathBuf>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B> + ModuleSnapshot<B>,
-    O: Optimizer<M, B>,
-{
+) -> anyhow::Result<PathBuf> {
     fs::create_dir_all(root)
         .with_context(|| format!("cannot create checkpoint directory {}", root.display()))?;
     let name = step_dir_name(manifest.position.step);
@@ -148,16 +153,20 @@ where
             .checksums
             .insert(MODEL_FILE.to_string(), checksum(&weights));
         crate::fault_injection::crash_in_checkpoint_if_asked(manifest.position.step);
-        let optimizer = Recorder::<B>::record(
-            &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-            optim.to_record(),
-            (),
-        )
-        .map_err(|e| anyhow::anyhow!("cannot serialise the optimizer state: {e}"))?;
-        write_synced(&tmp.join(OPTIMIZER_FILE), &optimizer)?;
+        let whole;
+        let optimizer: &[u8] = match optim {
+            OptimizerState::Whole(optim) => {
+                whole = optim
+                    .into_bytes()
+                    .map_err(|e| anyhow::anyhow!("cannot serialise the optimizer state: {e}"))?;
+                &whole
+            }
+            OptimizerState::Bytes(bytes) => bytes,
+        };
+        write_synced(&tmp.join(OPTIMIZER_FILE), optimizer)?;
         manifest
             .checksums
-            .insert(OPTIMIZER_FILE.to_string(), checksum(&optimizer));
+            .insert(OPTIMIZER_FILE.to_string(), checksum(optimizer));
         write_synced(&tmp.join(SCHEDULER_FILE), scheduler)?;
         manifest
             .checksums
@@ -324,11 +333,7 @@ pub fn check_compatible(
 }
 
 /// Loads the weights of `ckpt` into `model`.
-pub fn load_model<B, M>(ckpt: &Checkpoint, mut model: M) -> anyhow::Result<M>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B> + ModuleSnapshot<B>,
-{
+pub fn load_model<M: Module>(ckpt: &Checkpoint, mut model: M) -> anyhow::Result<M> {
     let mut store = SafetensorsStore::from_file(ckpt.dir.join(MODEL_FILE));
     let result = model
         .load_from(&mut store)
@@ -359,29 +364,25 @@ pub fn scheduler_bytes(ckpt: &Checkpoint) -> anyhow::Result<Vec<u8>> {
     })
 }
 
-/// Loads the optimizer state of `ckpt` into `optim`.
-pub fn load_optimizer<B, M, O>(ckpt: &Checkpoint, optim: O, device: &B::Device) -> anyhow::Result<O>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-    O: Optimizer<M, B>,
-{
+/// Loads the optimizer state of `ckpt` into `optim`. Burn materialises the state on its
+/// default device and moves each parameter's state to that parameter's device on the next step.
+pub fn load_optimizer(
+    ckpt: &Checkpoint,
+    optim: ModuleOptimizer,
+) -> anyhow::Result<ModuleOptimizer> {
     let bytes = fs::read(ckpt.dir.join(OPTIMIZER_FILE)).with_context(|| {
         format!(
             "checkpoint {}: cannot read {OPTIMIZER_FILE}",
             ckpt.dir.display()
         )
     })?;
-    let record = Recorder::<B>::load(
-        &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-        bytes,
-        device,
-    )
-    .map_err(|e| CheckpointMismatch {
-        dir: ckpt.dir.clone(),
-        reason: format!("its optimizer state does not load: {e}"),
-    })?;
-    Ok(optim.load_record(record))
+    let optim = optim
+        .from_bytes(Bytes::from_bytes_vec(bytes))
+        .map_err(|e| CheckpointMismatch {
+            dir: ckpt.dir.clone(),
+            reason: format!("its optimizer state does not load: {e}"),
+        })?;
+    Ok(optim)
 }
 
 #[cfg(test)]
@@ -410,9 +411,20 @@ mod tests {
         assert!(e.contains("format version 1"), "{e}");
         assert!(e.contains("0.21.0 or older"), "{e}");
         assert!(e.contains("--no-resume"), "{e}");
-        let newer = r#"{"format_version": 3, "burn_version": "0.22.1"}"#;
+        // A checkpoint of the Burn 0.21 builds (format 2) is refused, not misread.
+        let burn_021 = r#"{"format_version": 2, "burn_version": "0.21.0"}"#;
+        let e = check_format_version(dir, burn_021).unwrap_err().to_string();
+        assert!(
+            e.contains("format version 2") && e.contains("Burn 0.21.0"),
+            "{e}"
+        );
+        assert!(
+            e.contains("this build (Burn 0.22.1) reads version 3"),
+            "{e}"
+        );
+        let newer = r#"{"format_version": 4, "burn_version": "0.23.0"}"#;
         let e = check_format_version(dir, newer).unwrap_err().to_string();
-        assert!(e.contains("Burn 0.22.1"), "{e}");
+        assert!(e.contains("Burn 0.23.0"), "{e}");
         let ours = format!(r#"{{"format_version": {FORMAT_VERSION}}}"#);
         assert!(check_format_version(dir, &ours).is_ok());
         assert!(check_format_version(dir, "not json").is_ok());

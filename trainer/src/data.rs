@@ -283,19 +283,19 @@ pub fn synthetic(
 
 /// A batch of [`ClassificationItem`]s as tensors: the input of the reference classifiers'
 /// `TrainStep` / `InferenceStep` (`inputs` `[batch, features]`, `targets` `[batch]`).
-pub type ClassificationBatch<B> = models::FeaturesBatch<B>;
+pub type ClassificationBatch = models::FeaturesBatch;
 
 /// Stacks items into a [`ClassificationBatch`], one `Tensor::from_data` per
 /// tensor, in item order.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ClassificationBatcher;
 
-impl<B: Backend> Batcher<B, ClassificationItem, ClassificationBatch<B>> for ClassificationBatcher {
+impl Batcher<ClassificationItem, ClassificationBatch> for ClassificationBatcher {
     /// # Panics
     ///
     /// If the items do not all have the same number of features (items from
     /// one loader always do).
-    fn batch(&self, items: Vec<ClassificationItem>, device: &B::Device) -> ClassificationBatch<B> {
+    fn batch(&self, items: Vec<ClassificationItem>, device: &Device) -> ClassificationBatch {
         let batch_size = items.len();
         let features = items.first().map_or(0, |item| item.features.len());
         let mut inputs = Vec::with_capacity(batch_size * features);
@@ -320,7 +320,6 @@ impl<B: Backend> Batcher<B, ClassificationItem, ClassificationBatch<B>> for Clas
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::Flex;
     use burn::data::dataset::Dataset;
     use std::io::Write;
 
@@ -577,19 +576,21 @@ mod tests {
     fn dataset_and_batcher_stack_items_in_order() {
         let dataset = ClassificationDataset::new(synthetic(5, 3, 4, 9));
         assert_eq!(dataset.len(), 5);
-        let items: Vec<_> = (0..dataset.len()).filter_map(|i| dataset.get(i)).collect();
-        let device = Default::default();
-        let batch: ClassificationBatch<Flex> = ClassificationBatcher.batch(items.clone(), &device);
+        let items: Vec<_> = (0..dataset.len())
+            .map(|i| dataset.get(i).expect("in memory"))
+            .collect();
+        let device = Device::flex();
+        let batch: ClassificationBatch = ClassificationBatcher.batch(items.clone(), &device);
         assert_eq!(batch.inputs.dims(), [5, 3]);
         assert_eq!(batch.targets.dims(), [5]);
-        let inputs = batch.inputs.into_data().to_vec::<f32>().expect("f32");
+        let inputs = batch.inputs.into_data().try_to_vec::<f32>().expect("f32");
         let expected: Vec<f32> = items.iter().flat_map(|i| i.features.clone()).collect();
         assert_eq!(inputs, expected);
         let targets = batch
             .targets
             .into_data()
             .convert::<i64>()
-            .to_vec::<i64>()
+            .try_to_vec::<i64>()
             .expect("i64");
         let expected: Vec<i64> = items.iter().map(|i| i.label as i64).collect();
         assert_eq!(targets, expected);

@@ -18,7 +18,8 @@
 //! then `end_of_epoch` (validation, checkpoint) → `finish` (time report, final checkpoint
 //! and validation).
 //!
-//! No `cfg(feature)` here: backends and their gradient paths live in [`crate::backend`].
+//! No `cfg(feature)` here: devices and their gradient paths live in [`crate::backend`]; the
+//! loop runs on the [`Device`] `backend::train_device` picks.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
@@ -27,26 +28,23 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{bail, Context};
 use burn::data::dataloader::Progress;
 use burn::data::dataset::Dataset;
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer, SgdConfig,
+    AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
 };
-use burn::prelude::*;
-use burn::record::Record as BurnRecord;
-use burn::tensor::backend::AutodiffBackend;
-use burn::train::{InferenceStep, ItemLazy, TrainStep};
-use burn_ddp::ddp::zero::StateMap;
+use burn::tensor::{Device, Tensor};
+use burn::train::{ItemLazy, TrainStep};
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::{DataParallel, Distributed};
 
-use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
-use crate::backend::{self, LearnAnywhere, OnBackend, TrainBackend};
-use crate::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
+use crate::backend;
+use crate::checkpoint::{self, Checkpoint, OptimizerState, TrainPosition};
 use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
 use crate::error::UsageError;
 use crate::fault_injection;
@@ -60,14 +58,11 @@ use crate::throughput::ThroughputWindow;
 use crate::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// `--config FILE` as one rank (or the only process): train app `A`.
-pub fn run<A: LearnAnywhere>(
-    app: A,
-    config_path: &Path,
-    no_resume: bool,
-) -> anyhow::Result<ExitCode> {
+pub fn run<A: Learn>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let config = preflight(&app, config_path, 1, world_size)?;
+    backend::pin_default_device(config.output.device);
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
         bail!(AppError(
@@ -77,85 +72,61 @@ pub fn run<A: LearnAnywhere>(
     let dist = Distributed::from_env_or_standalone(
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
-    let (device, local_rank) = (config.output.device, dist.env.local_rank);
-    backend::with_backend::<A, _, _>(
-        device,
-        local_rank,
-        TrainTask {
-            app,
-            config,
-            dist,
-            data,
-            no_resume,
-        },
-    )
+    let device = backend::train_device(config.output.device, dist.env.local_rank)?;
+    train(app, config, dist, data, device, no_resume)
 }
 
-struct TrainTask<A: App> {
+/// Trains app `A` on `device` (this rank's autodiff device) as one rank of the formed job.
+fn train<A: Learn>(
     app: A,
     config: AppConfig<A>,
     dist: Distributed,
     data: Datasets<A::Item>,
+    device: Device,
     no_resume: bool,
-}
-
-impl<A: App> OnBackend<A> for TrainTask<A> {
-    type Output = anyhow::Result<ExitCode>;
-
-    fn run<B: TrainBackend>(self, device: B::Device) -> Self::Output
-    where
-        A: Learn<B>,
-    {
-        let TrainTask {
-            app,
-            config,
-            dist,
-            data,
-            no_resume,
-        } = self;
-        let ddp = parallel::data_parallel::<B>(dist, &config.distributed, config.output.device)?;
-        let c = &config.checkpoint;
-        let checkpoints = c.dir.clone().map(|dir| CheckpointPolicy {
-            dir,
-            keep_last: c.keep_last,
-            timeout: Duration::from_secs(c.timeout_secs),
-            model_name: app.name(&config.model),
-            model_fingerprint: config.model_fingerprint(),
-            config_fingerprint: config.fingerprint(),
-            seed: config.training.seed,
-        });
-        let resume = c.resume && !no_resume;
-        let mut job = Job::<A, B> {
-            app,
-            config,
-            ddp,
-            data,
-            device,
-            checkpoints,
-            resume,
-        };
-        job.ddp.check_same(&job.config.fingerprint())?;
-        B::seed(
-            &job.device,
-            fault_injection::init_seed(job.config.training.seed, job.rank()),
-        );
-        let model = job
-            .app
-            .model(&job.config.model, &job.config.data, &job.device)?;
-        let summary = with_optimizer(&mut job, model)?;
-        if job.rank() == 0 {
-            println!("{}", summary.line(job.world_size()));
-            if let Some(time) = &summary.time {
-                println!("{time}");
-            }
-            if job.config.output.plots {
-                write_plots(&job.config.output.dir);
-            }
+) -> anyhow::Result<ExitCode> {
+    let ddp = parallel::data_parallel(dist, &config.distributed, config.output.device, &device)?;
+    let c = &config.checkpoint;
+    let checkpoints = c.dir.clone().map(|dir| CheckpointPolicy {
+        dir,
+        keep_last: c.keep_last,
+        timeout: Duration::from_secs(c.timeout_secs),
+        model_name: app.name(&config.model),
+        model_fingerprint: config.model_fingerprint(),
+        config_fingerprint: config.fingerprint(),
+        seed: config.training.seed,
+    });
+    let resume = c.resume && !no_resume;
+    let mut job = Job::<A> {
+        app,
+        config,
+        ddp,
+        data,
+        device,
+        checkpoints,
+        resume,
+    };
+    job.ddp.check_same(&job.config.fingerprint())?;
+    job.device.seed(fault_injection::init_seed(
+        job.config.training.seed,
+        job.rank(),
+    ));
+    let model = job
+        .app
+        .model(&job.config.model, &job.config.data, &job.device)?;
+    let summary = with_optimizer(&mut job, model)?;
+    if job.rank() == 0 {
+        println!("{}", summary.line(job.world_size()));
+        if let Some(time) = &summary.time {
+            println!("{time}");
         }
-        // Rank 0 may host the store: leave together.
-        job.ddp.barrier()?;
-        Ok(ExitCode::SUCCESS)
+        if job.config.output.plots {
+            write_plots(&job.config.output.dir);
+        }
     }
+    // Rank 0 may host the store: leave together.
+    job.ddp.barrier()?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// What a finished run reports.
@@ -206,19 +177,20 @@ pub struct Validation {
 }
 
 /// Everything one rank's training needs.
-struct Job<A: App, B: AutodiffBackend> {
+struct Job<A: App> {
     app: A,
     config: AppConfig<A>,
     ddp: DataParallel,
     data: Datasets<A::Item>,
-    device: B::Device,
+    /// This rank's autodiff training device.
+    device: Device,
     /// `None` without `checkpoint.dir`.
     checkpoints: Option<CheckpointPolicy>,
     /// Resume from the newest checkpoint (`checkpoint.resume`, not `--no-resume`).
     resume: bool,
 }
 
-impl<A: App, B: AutodiffBackend> Job<A, B> {
+impl<A: App> Job<A> {
     fn rank(&self) -> usize {
         self.ddp.rank()
     }
@@ -236,43 +208,34 @@ impl<A: App, B: AutodiffBackend> Job<A, B> {
     }
 
     /// Rank 0 writes; the others wait for it. Collective.
-    fn save_checkpoint<M, O, R>(
+    fn save_checkpoint<M: Module>(
         &mut self,
         position: TrainPosition,
         model: &M,
-        optim: &O,
+        optim: &ModuleOptimizer,
         schedule: &Schedule,
-    ) -> anyhow::Result<()>
-    where
-        M: AutodiffModule<B>,
-        O: Optimizer<M, B, Record = StateMap<ParamId, R>>,
-        R: BurnRecord<B>,
-    {
+    ) -> anyhow::Result<()> {
         let Some(policy) = &self.checkpoints else {
             return Ok(());
         };
-        let scheduler = schedule.to_bytes::<B>().map_err(anyhow::Error::msg)?;
-        // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged.
-        let full = self
-            .ddp
-            .gather_optimizer_state::<B, M, O, R>(optim, &self.device)?;
-        let optim = full.as_ref().unwrap_or(optim);
-        parallel::save_checkpoint::<B, M, O>(
+        let scheduler = schedule.to_bytes().map_err(anyhow::Error::msg)?;
+        // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged (collective).
+        let merged = self.ddp.gather_optimizer_state(optim)?;
+        parallel::save_checkpoint(
             &mut self.ddp,
             policy,
             position,
             model,
-            optim,
+            merged
+                .as_deref()
+                .map_or(OptimizerState::Whole(optim), OptimizerState::Bytes),
             &scheduler,
         )
     }
 }
 
-/// Picks the configured optimizer, then runs [`fit`] with the concrete optimizer type.
-fn with_optimizer<A: Learn<B>, B: TrainBackend>(
-    job: &mut Job<A, B>,
-    model: A::Model,
-) -> anyhow::Result<Summary> {
+/// Builds the configured optimizer, then runs [`fit`] with it.
+fn with_optimizer<A: Learn>(job: &mut Job<A>, model: A::Model) -> anyhow::Result<Summary> {
     let o = job.config.optimizer.clone();
     let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig::new(o.weight_decay as f32));
     match o.name {
@@ -304,14 +267,12 @@ fn with_optimizer<A: Learn<B>, B: TrainBackend>(
 
 /// The loop itself (module docs, steps 3 and 4): restore, set up, then each epoch's optimizer
 /// steps and its end, as the [`StepPlan`] says; then the finish.
-fn fit<A, B, O, R>(job: &mut Job<A, B>, model: A::Model, optim: O) -> anyhow::Result<Summary>
-where
-    A: Learn<B>,
-    B: TrainBackend,
-    O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
-    R: BurnRecord<B>,
-{
-    let (mut model, optim, restored) = restore::<A, B, O, R>(job, model, optim)?;
+fn fit<A: Learn>(
+    job: &mut Job<A>,
+    model: A::Model,
+    optim: ModuleOptimizer,
+) -> anyhow::Result<Summary> {
+    let (mut model, optim, restored) = restore(job, model, optim)?;
     let mut training = Training::set_up(job, optim, restored.as_ref())?;
     while training.plan.more_after(training.position) {
         model = training.train_epoch(model)?;
@@ -321,28 +282,22 @@ where
 
 /// Loads the newest checkpoint, if resuming, then makes the replicas equal (rank 0's weights,
 /// deterministic parameter ids) and keeps this rank's optimizer state. Collective.
-fn restore<A, B, O, R>(
-    job: &mut Job<A, B>,
+fn restore<A: Learn>(
+    job: &mut Job<A>,
     model: A::Model,
-    optim: O,
-) -> anyhow::Result<(A::Model, O, Option<Checkpoint>)>
-where
-    A: Learn<B>,
-    B: TrainBackend,
-    O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
-    R: BurnRecord<B>,
-{
+    optim: ModuleOptimizer,
+) -> anyhow::Result<(A::Model, ModuleOptimizer, Option<Checkpoint>)> {
     let restored = job.find_checkpoint()?;
     let mut model = model;
     let mut optim = optim;
     if let Some(ckpt) = &restored {
-        model = checkpoint::load_model::<B, A::Model>(ckpt, model)?;
+        model = checkpoint::load_model(ckpt, model)?;
     }
     let model = job.ddp.prepare(model)?;
     if let Some(ckpt) = &restored {
-        optim = checkpoint::load_optimizer::<B, A::Model, O>(ckpt, optim, &job.device)?;
+        optim = checkpoint::load_optimizer(ckpt, optim)?;
         // A checkpoint holds every parameter's state; under ZeRO stage 1 keep this rank's.
-        optim = job.ddp.keep_owned_state(&model, optim);
+        optim = job.ddp.keep_owned_state(&model, optim)?;
         let position = ckpt.manifest.position;
         tracing::info!(
             "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {})",
@@ -358,23 +313,23 @@ where
 }
 
 /// The state of one rank's training between its named steps (see [`fit`]).
-struct Training<'j, A: Learn<B>, B: TrainBackend, O> {
-    job: &'j mut Job<A, B>,
-    optim: O,
+struct Training<'j, A: Learn> {
+    job: &'j mut Job<A>,
+    optim: ModuleOptimizer,
     schedule: Schedule,
     plan: StepPlan,
     sampler: EpochSampler,
     train: Arc<dyn Dataset<A::Item>>,
     train_batcher: A::TrainBatcher,
     valid_batcher: A::ValidBatcher,
-    train_metrics: Metrics<TrainSynced<A, B>>,
-    valid_metrics: Metrics<ValidSynced<A, B>>,
+    train_metrics: Metrics<TrainItem<A>>,
+    valid_metrics: Metrics<ValidItem<A>>,
     reporter: Reporter,
     window: ThroughputWindow,
     clock: PhaseClock,
     /// Each micro-batch's output with its number of samples, until the next log line.
-    pending: Vec<(TrainSynced<A, B>, usize)>,
-    unsynced: Vec<(<A::Model as TrainStep>::Output, usize)>,
+    pending: Vec<(TrainItem<A>, usize)>,
+    unsynced: Vec<(TrainItem<A>, usize)>,
     position: TrainPosition,
     last_saved: Option<usize>,
     last_valid: Option<Validation>,
@@ -383,18 +338,12 @@ struct Training<'j, A: Learn<B>, B: TrainBackend, O> {
     slow_step: Option<Duration>,
 }
 
-impl<'j, A, B, O, R> Training<'j, A, B, O>
-where
-    A: Learn<B>,
-    B: TrainBackend,
-    O: Optimizer<A::Model, B, Record = StateMap<ParamId, R>>,
-    R: BurnRecord<B>,
-{
+impl<'j, A: Learn> Training<'j, A> {
     /// The sampler, the step plan from the restored position, the schedule (restored), the
     /// batchers, metrics and the metrics file with its `start` line.
     fn set_up(
-        job: &'j mut Job<A, B>,
-        optim: O,
+        job: &'j mut Job<A>,
+        optim: ModuleOptimizer,
         restored: Option<&Checkpoint>,
     ) -> anyhow::Result<Self> {
         let t = job.config.training.clone();
@@ -424,7 +373,7 @@ where
         let mut schedule = Schedule::new(&job.config.optimizer, world, plan.total_steps)?;
         if let Some(ckpt) = restored {
             schedule = schedule
-                .load_bytes::<B>(checkpoint::scheduler_bytes(ckpt)?, &job.device)
+                .load_bytes(checkpoint::scheduler_bytes(ckpt)?)
                 .map_err(|reason| checkpoint::CheckpointMismatch {
                     dir: ckpt.dir.clone(),
                     reason,
@@ -502,10 +451,9 @@ where
     ) -> anyhow::Result<A::Model> {
         // Seeded per step, so dropout masks are the same in a resumed run.
         let seed = self.job.config.training.seed;
-        B::seed(
-            &self.job.device,
-            seed.wrapping_add(self.position.step as u64 + 1),
-        );
+        self.job
+            .device
+            .seed(seed.wrapping_add(self.position.step as u64 + 1));
         let grads = self.accumulate(&model, batches, step_samples)?;
         let model = self.apply_gradients(model, grads)?;
         // Every rank's forward passes updated its own BatchNorm statistics: make them equal.
@@ -530,11 +478,11 @@ where
                 .clock
                 .time(Phase::Data, || batches.next_batch(batcher, device))?;
             let compute = Instant::now();
-            let output = model.step(batch);
+            let output = TrainStep::step(model, batch);
             let mut grads = output.grads;
             if weight != 1.0 {
                 // Each micro-batch's mean loss counts by its share.
-                scale_gradients::<B, A::Model>(model, &mut grads, weight);
+                scale_gradients(model, &mut grads, weight);
             }
             accumulator.accumulate(model, grads);
             self.unsynced.push((output.item, micro.len()));
@@ -547,7 +495,10 @@ where
         // On an asynchronous device the backward is still queued: wait for it here, so that
         // its time counts as compute, not as gradient communication (the sync needs the
         // gradients next anyway).
-        B::sync(&self.job.device).map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+        self.job
+            .device
+            .sync()
+            .map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
         self.clock.add(Phase::Compute, compute.elapsed());
         Ok(accumulator.grads())
     }
@@ -582,7 +533,7 @@ where
             };
         }
         let optimize = Instant::now();
-        let model = model.optimize(&mut self.optim, self.lr, grads);
+        let model = model.optimize(&mut self.optim, self.lr.into(), grads);
         self.clock.add(Phase::Optimizer, optimize.elapsed());
         // ZeRO stage 1: each rank stepped its own parameters; exchange them.
         let job = &mut *self.job;
@@ -622,15 +573,21 @@ where
     /// micro-batch.
     fn log_train(&mut self) -> anyhow::Result<()> {
         let position = self.position;
-        self.pending
-            .extend(self.unsynced.drain(..).map(|(item, n)| (item.sync(), n)));
+        for (item, n) in self.unsynced.drain(..) {
+            let item = item
+                .sync()
+                .context("training: the device failed to compute a batch")?;
+            self.pending.push((item, n));
+        }
         let progress = Progress {
             items_processed: position.consumed,
             items_total: self.train.len(),
+            unit: None,
         };
         for (item, n) in self.pending.drain(..) {
             self.train_metrics
-                .update(&item, n, progress.clone(), position.step, Some(self.lr));
+                .update(&item, n, progress.clone(), position.step, Some(self.lr))
+                .context("training: cannot read a metric's values from the device")?;
         }
         let values = self.train_metrics.global(self.job.ddp.group())?;
         let rate = self.window.rate();
@@ -726,7 +683,7 @@ where
         let report = time.describe(&ranks);
         let ours = [
             crate::memory::peak_resident_bytes().unwrap_or(0) as f64,
-            self.optim.to_record().len() as f64,
+            burn_ddp::ddp::zero::state_param_ids(&self.optim)?.len() as f64,
         ];
         let all = self.job.ddp.all_gather(&ours)?;
         self.reporter.record(&Record::Finish {
@@ -775,7 +732,7 @@ where
 
     /// Every validation sample once across the ranks. Collective.
     fn validate(&mut self, model: &A::Model) -> anyhow::Result<Option<Validation>> {
-        validate::<A, B>(
+        validate::<A>(
             self.job,
             model,
             &self.valid_batcher,
@@ -787,8 +744,8 @@ where
 
 /// Rank 0's progress bar and metrics file (and TensorBoard files), with the run's `start`
 /// line.
-fn open_reporter<A: App, B: AutodiffBackend>(
-    job: &Job<A, B>,
+fn open_reporter<A: App>(
+    job: &Job<A>,
     total_steps: usize,
     position: TrainPosition,
     resumed_from: Option<usize>,
@@ -864,18 +821,14 @@ fn record_validation(reporter: &mut Reporter, epoch: usize, v: &Validation) {
 }
 
 /// Multiplies every gradient of `model`'s float parameters in `grads` by `factor`.
-fn scale_gradients<B: AutodiffBackend, M: AutodiffModule<B>>(
-    model: &M,
-    grads: &mut GradientsParams,
-    factor: f32,
-) {
+fn scale_gradients<M: Module>(model: &M, grads: &mut GradientsParams, factor: f32) {
     struct Scale<'a> {
         grads: &'a mut GradientsParams,
         factor: f32,
     }
-    impl<B: AutodiffBackend> ModuleVisitor<B> for Scale<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-            if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
                 self.grads.register(param.id, g.mul_scalar(self.factor));
             }
         }
@@ -894,10 +847,7 @@ enum EpochSampler {
 impl EpochSampler {
     /// The job's sampler over `train`: weighted with the app's per-sample weights under
     /// `training.balance_classes`, else uniform.
-    fn for_job<A: App, B: AutodiffBackend>(
-        job: &Job<A, B>,
-        train: &dyn Dataset<A::Item>,
-    ) -> anyhow::Result<Self> {
+    fn for_job<A: App>(job: &Job<A>, train: &dyn Dataset<A::Item>) -> anyhow::Result<Self> {
         let t = &job.config.training;
         let weights = if t.balance_classes {
             let w = job.app.sample_weights(train).ok_or_else(|| {
@@ -946,29 +896,28 @@ impl EpochSampler {
 
 /// Evaluates every validation sample exactly once across the ranks (no padding) and sums the
 /// metrics with their real counts. Collective; `None` when the app has no validation set.
-fn validate<A, B>(
-    job: &mut Job<A, B>,
+fn validate<A: Learn>(
+    job: &mut Job<A>,
     model: &A::Model,
     batcher: &A::ValidBatcher,
-    metrics: &mut Metrics<<<A::ValidModel as InferenceStep>::Output as ItemLazy>::ItemSync>,
+    metrics: &mut Metrics<ValidItem<A>>,
     step: usize,
-) -> anyhow::Result<Option<Validation>>
-where
-    A: Learn<B>,
-    B: TrainBackend,
-{
+) -> anyhow::Result<Option<Validation>> {
     let Some(valid) = job.data.valid.clone() else {
         return Ok(None);
     };
+    // The model without autodiff, fed batches made on the device without autodiff (as
+    // burn-train's own validation does).
     let inner = model.valid();
-    let samples = crate::eval::evaluate_shard::<B::InnerBackend, _, _, _>(
+    let device = job.device.clone().inner();
+    let samples = crate::eval::evaluate_shard(
         &inner,
         &*valid,
         batcher,
         metrics,
         job.rank(),
         job.world_size(),
-        &job.device,
+        &device,
         job.config.training.batch_size,
     )?;
     let values = metrics.global(job.ddp.group())?;

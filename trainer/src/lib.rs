@@ -9,7 +9,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn<B>` (model, batchers, metrics) |
+//! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn` (model, batchers, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
 //! | [`parallel`] | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
 //! | [`fit`] | the training loop, for any app |
@@ -18,7 +18,7 @@
 //! | [`plan`] | the step plan (pure): steps, logs, checkpoints, validations |
 //! | [`schedule`] | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
 //! | [`loader`] | items read ahead of the training thread (`training.num_workers`) |
-//! | [`backend`] | every backend and cargo feature: devices, gradient paths (host, NCCL) |
+//! | [`backend`] | every device and cargo feature: the run-time training device, gradient paths (host, NCCL) |
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
 //! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
 //! | [`metrics`] | burn-train metrics summed across ranks with counts, progress bar, metrics file |

@@ -2,7 +2,7 @@
 //! `Dataset::get` on this rank's indices, in order, while the training thread computes
 //! (PyTorch's `DataLoader(num_workers=N)`). Only the indices given are read.
 //!
-//! The app's batcher runs on the training thread, which owns the device: on CubeCL backends
+//! The app's batcher runs on the training thread, which owns the device: on CubeCL devices
 //! (wgpu, CUDA) each thread submits to its own stream, and a tensor uploaded by another thread
 //! was seen here to be read before its upload finished (wrong weights on wgpu/lavapipe). Reading
 //! and decoding items is the part worth doing ahead; the upload then stays in order.
@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
-use burn::tensor::backend::Backend;
+use burn::tensor::Device;
 
 /// How many micro-batches of items each worker may have ready before it waits.
 const READY_PER_WORKER: usize = 2;
@@ -36,20 +36,12 @@ enum Source<I> {
     Workers(Vec<Receiver<Result<Vec<I>, String>>>),
 }
 
-/// The items at `indices`; the error gives the reason the data set reported
-/// ([`crate::app::report_item_error`]), else names the index it did not have.
+/// The items at `indices`; the error gives the reason the data set reported (its `get` error,
+/// or [`crate::app::report_item_error`]), or names an index past its `len()`.
 fn read<I>(dataset: &dyn Dataset<I>, indices: &[usize]) -> Result<Vec<I>, String> {
     indices
         .iter()
-        .map(|&i| {
-            dataset.get(i).ok_or_else(|| match crate::app::take_item_error() {
-                Some(reason) => format!("cannot read item {i} of the training set: {reason}"),
-                None => format!(
-                    "the data set returned no item for index {i} (its len() is {}): `get` must return Some for every index below `len`",
-                    dataset.len()
-                ),
-            })
-        })
+        .map(|&i| crate::app::read_item(dataset, i, "training set"))
         .collect()
 }
 
@@ -95,10 +87,9 @@ impl<I: Send + Sync + 'static> BatchStream<I> {
     /// The next micro-batch in order, batched by `batcher` on `device` on this thread. An
     /// error says which index the data set lacked, or that a worker stopped (a panic in the
     /// data set: its message is on stderr).
-    pub fn next_batch<B, O, Bt>(&mut self, batcher: &Bt, device: &B::Device) -> anyhow::Result<O>
+    pub fn next_batch<O, Bt>(&mut self, batcher: &Bt, device: &Device) -> anyhow::Result<O>
     where
-        B: Backend,
-        Bt: Batcher<B, I, O>,
+        Bt: Batcher<I, O>,
     {
         if self.next >= self.len {
             anyhow::bail!("internal: asked for batch {} of {}", self.next, self.len);
@@ -135,12 +126,11 @@ impl<I> Drop for BatchStream<I> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::Flex;
     use burn::data::dataset::InMemDataset;
 
     struct Sum;
-    impl Batcher<Flex, u32, u64> for Sum {
-        fn batch(&self, items: Vec<u32>, _device: &burn::backend::flex::FlexDevice) -> u64 {
+    impl Batcher<u32, u64> for Sum {
+        fn batch(&self, items: Vec<u32>, _device: &Device) -> u64 {
             items.iter().map(|&i| u64::from(i)).sum()
         }
     }
@@ -151,7 +141,7 @@ mod tests {
     }
 
     fn next(s: &mut BatchStream<u32>) -> anyhow::Result<u64> {
-        s.next_batch::<Flex, u64, Sum>(&Sum, &Default::default())
+        s.next_batch::<u64, Sum>(&Sum, &Device::flex())
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::path::Path;
 
 use anyhow::Context;
 use burn::data::dataloader::Progress;
+use burn::tensor::TensorReadError;
 use burn::train::metric::{
     Adaptor, Metric, MetricAttributes, MetricMetadata, Numeric, NumericEntry,
 };
@@ -35,8 +36,13 @@ pub fn global_sum<const N: usize>(
 trait NumericSlot<I>: Send {
     fn name(&self) -> String;
     fn unit(&self) -> Option<String>;
-    /// Feeds one batch of `samples` samples.
-    fn update(&mut self, item: &I, samples: usize, metadata: &MetricMetadata);
+    /// Feeds one batch of `samples` samples; an error is a failed read of the item's tensors.
+    fn update(
+        &mut self,
+        item: &I,
+        samples: usize,
+        metadata: &MetricMetadata,
+    ) -> Result<(), TensorReadError>;
     /// (value x count, count) since the last clear.
     fn weighted(&self) -> (f64, f64);
     fn clear(&mut self);
@@ -63,12 +69,17 @@ where
             MetricAttributes::None => None,
         }
     }
-    fn update(&mut self, item: &I, samples: usize, metadata: &MetricMetadata) {
-        self.metric.update(&item.adapt(), metadata);
-        if let NumericEntry::Aggregated {
+    fn update(
+        &mut self,
+        item: &I,
+        samples: usize,
+        metadata: &MetricMetadata,
+    ) -> Result<(), TensorReadError> {
+        self.metric.update(&item.adapt(), metadata)?;
+        if let Some(NumericEntry::Aggregated {
             aggregated_value,
             count,
-        } = self.metric.value()
+        }) = self.metric.value()
         {
             // A metric that counts a batch once gave the batch's mean (burn-train's
             // `LossMetric` gets the mean loss as a one-element tensor): weigh it by the batch's
@@ -80,13 +91,16 @@ where
                 self.weight += weight as f64;
             }
         }
+        Ok(())
     }
     fn weighted(&self) -> (f64, f64) {
         match self.metric.running_value() {
+            // No value yet (a metric computed only at the end of an epoch): nothing counted.
+            None => (0.0, 0.0),
             // A metric without counts (e.g. a learning rate) counts once per rank.
-            NumericEntry::Value(v) if v.is_nan() => (0.0, 0.0),
-            NumericEntry::Value(v) => (v, 1.0),
-            NumericEntry::Aggregated { .. } => (self.weighted_sum, self.weight),
+            Some(NumericEntry::Value(v) | NumericEntry::Final(v)) if v.is_nan() => (0.0, 0.0),
+            Some(NumericEntry::Value(v) | NumericEntry::Final(v)) => (v, 1.0),
+            Some(NumericEntry::Aggregated { .. }) => (self.weighted_sum, self.weight),
         }
     }
     fn clear(&mut self) {
@@ -106,11 +120,10 @@ where
 /// per-rank means, so unequal shards weigh by their samples.
 ///
 /// ```
-/// use burn::backend::Flex;
 /// use burn::train::metric::LossMetric;
 /// use burn::train::RegressionOutput;
 /// use trainer::metrics::Metrics;
-/// let metrics = Metrics::<RegressionOutput<Flex>>::new().with(LossMetric::<Flex>::new());
+/// let metrics = Metrics::<RegressionOutput>::new().with(LossMetric::new());
 /// assert_eq!(metrics.names(), ["Loss"]);
 /// ```
 ///
@@ -118,11 +131,10 @@ where
 /// for an accuracy):
 ///
 /// ```compile_fail
-/// use burn::backend::Flex;
 /// use burn::train::metric::AccuracyMetric;
 /// use burn::train::RegressionOutput;
 /// use trainer::metrics::Metrics;
-/// let _ = Metrics::<RegressionOutput<Flex>>::new().with(AccuracyMetric::<Flex>::new());
+/// let _ = Metrics::<RegressionOutput>::new().with(AccuracyMetric::new());
 /// ```
 pub struct Metrics<I> {
     slots: Vec<Box<dyn NumericSlot<I>>>,
@@ -173,6 +185,11 @@ impl<I> Metrics<I> {
     /// Feeds one synced output, of a batch of `samples` samples, to every metric (local, no
     /// communication). A metric that reports one value per batch (burn-train's `LossMetric`:
     /// the batch's mean loss) is weighted by `samples`, so every result is a mean over samples.
+    ///
+    /// # Errors
+    ///
+    /// A metric could not read the item's tensors from the device (Burn's
+    /// [`TensorReadError`]); the metrics may then hold part of this update.
     pub fn update(
         &mut self,
         item: &I,
@@ -180,19 +197,16 @@ impl<I> Metrics<I> {
         progress: Progress,
         iteration: usize,
         lr: Option<f64>,
-    ) {
+    ) -> Result<(), TensorReadError> {
         let metadata = MetricMetadata {
-            global_progress: Progress {
-                items_processed: progress.items_processed,
-                items_total: progress.items_total,
-            },
             progress,
             iteration: Some(iteration),
-            lr,
+            lr: lr.map(Into::into),
         };
         for slot in &mut self.slots {
-            slot.update(item, samples, &metadata);
+            slot.update(item, samples, &metadata)?;
         }
+        Ok(())
     }
 
     /// Every metric's global value since the last call, then clears them. Collective: every
@@ -353,8 +367,7 @@ impl Reporter {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::backend::Flex;
-    use burn::tensor::{Int, Tensor};
+    use burn::tensor::{Device, Int, Tensor};
     use burn::train::metric::{AccuracyMetric, LossMetric};
     use burn::train::ClassificationOutput;
     use burn_ddp::store::{MemoryStore, Store};
@@ -362,12 +375,12 @@ mod tests {
     use std::sync::Arc;
 
     /// `hits` correct predictions out of `n` (class 0 predicted, targets 0 for hits).
-    fn output(hits: usize, n: usize) -> ClassificationOutput<Flex> {
-        let device = Default::default();
-        let scores = Tensor::<Flex, 2>::from_floats([[1.0, 0.0]], &device).repeat_dim(0, n);
+    fn output(hits: usize, n: usize) -> ClassificationOutput {
+        let device = Device::flex();
+        let scores = Tensor::<2>::from_floats([[1.0, 0.0]], &device).repeat_dim(0, n);
         let targets: Vec<i64> = (0..n).map(|i| i64::from(i >= hits)).collect();
-        let targets = Tensor::<Flex, 1, Int>::from_ints(targets.as_slice(), &device);
-        let loss = Tensor::<Flex, 1>::from_floats([0.0], &device);
+        let targets = Tensor::<1, Int>::from_ints(targets.as_slice(), &device);
+        let loss = Tensor::<1>::from_floats([0.0], &device);
         ClassificationOutput::new(loss, scores, targets)
     }
 
@@ -384,13 +397,16 @@ mod tests {
                     let mut group =
                         TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
                     let mut metrics =
-                        Metrics::<ClassificationOutput<Flex>>::new().with(AccuracyMetric::new());
+                        Metrics::<ClassificationOutput>::new().with(AccuracyMetric::new());
                     let (hits, n) = shards[rank];
                     let progress = Progress {
                         items_processed: n,
                         items_total: n,
+                        unit: None,
                     };
-                    metrics.update(&output(hits, n), n, progress, 0, None);
+                    metrics
+                        .update(&output(hits, n), n, progress, 0, None)
+                        .unwrap();
                     metrics.global(&mut group).unwrap()
                 })
             })
@@ -409,21 +425,26 @@ mod tests {
         // burn-train's LossMetric sees one mean per batch. Batches of 7 (mean loss 1.0) and
         // 1 (mean 9.0): the mean over the 8 samples is 2.0 (a mean of the batch means: 5.0).
         let mut group = burn_ddp::Distributed::standalone().group;
-        let device = Default::default();
+        let device = Device::flex();
         let with_loss = |loss: f32, n: usize| {
             let mut o = output(n, n);
-            o.loss = Tensor::<Flex, 1>::from_floats([loss], &device);
+            o.loss = Tensor::<1>::from_floats([loss], &device);
             o
         };
-        let mut metrics = Metrics::<ClassificationOutput<Flex>>::new()
+        let mut metrics = Metrics::<ClassificationOutput>::new()
             .with(LossMetric::new())
             .with(AccuracyMetric::new());
         let progress = || Progress {
             items_processed: 0,
             items_total: 8,
+            unit: None,
         };
-        metrics.update(&with_loss(1.0, 7), 7, progress(), 0, None);
-        metrics.update(&with_loss(9.0, 1), 1, progress(), 1, None);
+        metrics
+            .update(&with_loss(1.0, 7), 7, progress(), 0, None)
+            .unwrap();
+        metrics
+            .update(&with_loss(9.0, 1), 1, progress(), 1, None)
+            .unwrap();
         let values = metrics.global(&mut group).unwrap();
         assert_eq!(values[0].name, "Loss");
         assert!((values[0].value - 2.0).abs() < 1e-9, "{values:?}");
@@ -434,7 +455,7 @@ mod tests {
     #[test]
     fn a_metric_with_nothing_counted_is_nan_not_zero() {
         let mut group = burn_ddp::Distributed::standalone().group;
-        let mut metrics = Metrics::<ClassificationOutput<Flex>>::new().with(AccuracyMetric::new());
+        let mut metrics = Metrics::<ClassificationOutput>::new().with(AccuracyMetric::new());
         let values = metrics.global(&mut group).unwrap();
         assert!(values[0].value.is_nan() && values[0].count == 0.0);
     }

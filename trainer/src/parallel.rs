@@ -10,13 +10,14 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::bail;
-use burn::module::AutodiffModule;
-use burn::optim::Optimizer;
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::Module;
+use burn::tensor::Device;
 use burn_ddp::ddp::BufferSync;
-use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport, TrainBackend};
+use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport};
 
-use crate::checkpoint::{self, Checkpoint, Manifest, TrainPosition, FORMAT_VERSION};
+use crate::checkpoint::{
+    self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
+};
 use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
 use crate::worker_env;
 
@@ -59,15 +60,17 @@ pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
 }
 
 /// The DDP handle of this rank over the formed job `dist`, as `[distributed]` says, for a
-/// model on `device` trained by backend `B`. Collective when the options choose NCCL.
-pub fn data_parallel<B: TrainBackend>(
+/// model trained on `device` (of `output.device = kind`), which decides how gradients travel
+/// (through the host, or NCCL on CUDA). Collective when the options choose NCCL.
+pub fn data_parallel(
     dist: Distributed,
     options: &DistributedConfig,
-    device: DeviceKind,
+    kind: DeviceKind,
+    device: &Device,
 ) -> anyhow::Result<DataParallel> {
     // Validation keeps "nccl" to `output.device = "cuda"`; a CPU or wgpu job never asks.
-    debug_assert!(options.gradient_sync != GradientSyncMode::Nccl || device == DeviceKind::Cuda);
-    Ok(DataParallel::new::<B>(dist, ddp_options(options))?)
+    debug_assert!(options.gradient_sync != GradientSyncMode::Nccl || kind == DeviceKind::Cuda);
+    Ok(DataParallel::new(dist, ddp_options(options), device)?)
 }
 
 /// The newest usable checkpoint under `policy.dir` (damaged ones are skipped with a
@@ -101,20 +104,15 @@ pub fn latest_checkpoint(
 ///
 /// Refuses (on every rank alike, without writing or pruning anything) a model whose
 /// weights hold a NaN or an infinity: a diverged run never rotates good checkpoints out.
-pub fn save_checkpoint<B, M, O>(
+pub fn save_checkpoint<M: Module>(
     ddp: &mut DataParallel,
     policy: &CheckpointPolicy,
     position: TrainPosition,
     model: &M,
-    optim: &O,
+    optim: OptimizerState<'_>,
     scheduler: &[u8],
-) -> anyhow::Result<()>
-where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
-    O: Optimizer<M, B>,
-{
-    if !burn_ddp::ddp::finite::module_is_finite::<B, M>(model)? {
+) -> anyhow::Result<()> {
+    if !burn_ddp::ddp::finite::module_is_finite(model)? {
         bail!(
             "refusing to write a checkpoint of non-finite weights (NaN or Inf) at optimizer step {}: the checkpoints already in {} are kept",
             position.step,
@@ -134,7 +132,7 @@ where
     };
     let key = worker_env::checkpoint_key(position.step);
     let written = ddp.run_on_rank_zero("to write a checkpoint", &key, policy.timeout, || {
-        checkpoint::save::<B, M, O>(
+        checkpoint::save(
             &policy.dir,
             policy.keep_last,
             manifest,

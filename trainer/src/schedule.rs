@@ -9,14 +9,17 @@
 //!
 //! `lr_scaling` multiplies whichever rate the scheduler gives.
 
-use burn::optim::lr_scheduler::noam::{NoamLrScheduler, NoamLrSchedulerConfig};
-use burn::optim::lr_scheduler::LrScheduler;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::optim::lr_scheduler::noam::NoamLrSchedulerConfig;
+use burn::optim::lr_scheduler::{LrScheduler, LrSchedulerRecord};
 use burn::optim::LearningRate;
-use burn::record::{FullPrecisionSettings, NamedMpkBytesRecorder, Recorder};
-use burn::tensor::backend::Backend;
+use burn::tensor::Bytes;
 
 use crate::config::{LrSchedule, OptimizerConfig};
 use crate::error::UsageError;
+
+/// The key of [`PlannedSchedule`]'s one scalar in its record.
+const STEP_KEY: &str = "step";
 
 /// [`OptimizerConfig::learning_rate`] as a Burn scheduler whose record is the step count.
 #[derive(Debug, Clone)]
@@ -27,8 +30,6 @@ pub struct PlannedSchedule {
 }
 
 impl LrScheduler for PlannedSchedule {
-    type Record<B: Backend> = usize;
-
     fn step(&mut self) -> LearningRate {
         // Unscaled: `Schedule` applies `lr_scaling` to every scheduler alike.
         let lr = self.config.learning_rate(1, self.step, self.total_steps);
@@ -36,27 +37,42 @@ impl LrScheduler for PlannedSchedule {
         lr
     }
 
-    fn to_record<B: Backend>(&self) -> usize {
-        self.step
+    fn to_record(&self) -> LrSchedulerRecord {
+        LrSchedulerRecord::new().with_scalar(STEP_KEY, self.step)
     }
 
-    fn load_record<B: Backend>(mut self, record: usize) -> Self {
-        self.step = record;
-        self
+    fn load_record(&mut self, record: LrSchedulerRecord) {
+        if let Some(step) = record.scalar::<usize>(STEP_KEY) {
+            self.step = step;
+        }
     }
 }
 
 /// The configured scheduler and the world-size scale.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Schedule {
     kind: Kind,
     scale: f64,
 }
 
-#[derive(Debug, Clone)]
+impl std::fmt::Debug for Schedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.kind {
+            Kind::Planned(s) => format!("{s:?}"),
+            Kind::Noam(_) => "Noam".to_string(),
+        };
+        f.debug_struct("Schedule")
+            .field("kind", &kind)
+            .field("scale", &self.scale)
+            .finish()
+    }
+}
+
+#[derive(Clone)]
 enum Kind {
     Planned(PlannedSchedule),
-    Noam(NoamLrScheduler),
+    /// Burn builds its Noam scheduler only wrapped, as a (one-group) module scheduler.
+    Noam(ModuleLrScheduler),
 }
 
 impl Schedule {
@@ -95,63 +111,45 @@ impl Schedule {
     pub fn next_lr(&mut self) -> f64 {
         let lr = match &mut self.kind {
             Kind::Planned(s) => s.step(),
-            Kind::Noam(s) => s.step(),
+            Kind::Noam(s) => s.step().base(),
         };
         lr * self.scale
     }
 
-    /// The scheduler's record, serialised with Burn's recorder (for checkpoints).
-    pub fn to_bytes<B: Backend>(&self) -> Result<Vec<u8>, String> {
-        match &self.kind {
-            Kind::Planned(s) => record_bytes::<B, _>(s),
-            Kind::Noam(s) => record_bytes::<B, _>(s),
-        }
+    /// The scheduler's record ([`LrSchedulerRecord`], burnpack bytes), for checkpoints.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, String> {
+        let record = match &self.kind {
+            Kind::Planned(s) => s.to_record(),
+            Kind::Noam(s) => s.to_record(),
+        };
+        record
+            .into_bytes()
+            .map(|bytes| bytes.to_vec())
+            .map_err(|e| format!("cannot serialise the learning-rate scheduler: {e}"))
     }
 
     /// Restores the scheduler from [`to_bytes`](Self::to_bytes)' output.
-    pub fn load_bytes<B: Backend>(
-        self,
-        bytes: Vec<u8>,
-        device: &B::Device,
-    ) -> Result<Self, String> {
+    pub fn load_bytes(self, bytes: Vec<u8>) -> Result<Self, String> {
+        let record = LrSchedulerRecord::from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| format!("its learning-rate scheduler state does not load: {e}"))?;
+        if record.is_empty() {
+            return Err("its learning-rate scheduler state is empty".into());
+        }
         let kind = match self.kind {
-            Kind::Planned(s) => Kind::Planned(load_record::<B, _>(s, bytes, device)?),
-            Kind::Noam(s) => Kind::Noam(load_record::<B, _>(s, bytes, device)?),
+            Kind::Planned(mut s) => {
+                s.load_record(record);
+                Kind::Planned(s)
+            }
+            Kind::Noam(s) => Kind::Noam(s.load_record(record)),
         };
         Ok(Self { kind, ..self })
     }
-}
-
-/// Any Burn scheduler's record as bytes.
-fn record_bytes<B: Backend, S: LrScheduler>(s: &S) -> Result<Vec<u8>, String> {
-    Recorder::<B>::record(
-        &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-        s.to_record::<B>(),
-        (),
-    )
-    .map_err(|e| format!("cannot serialise the learning-rate scheduler: {e}"))
-}
-
-/// Any Burn scheduler restored from [`record_bytes`].
-fn load_record<B: Backend, S: LrScheduler>(
-    s: S,
-    bytes: Vec<u8>,
-    device: &B::Device,
-) -> Result<S, String> {
-    let record = Recorder::<B>::load(
-        &NamedMpkBytesRecorder::<FullPrecisionSettings>::new(),
-        bytes,
-        device,
-    )
-    .map_err(|e| format!("its learning-rate scheduler state does not load: {e}"))?;
-    Ok(s.load_record::<B>(record))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::LrScaling;
-    use burn::backend::Flex;
 
     fn noam() -> OptimizerConfig {
         OptimizerConfig {
@@ -179,11 +177,9 @@ mod tests {
             for lr in &expected[..17] {
                 assert_eq!(first.next_lr(), *lr);
             }
-            let bytes = first.to_bytes::<Flex>().unwrap();
+            let bytes = first.to_bytes().unwrap();
             let resumed = Schedule::new(&config, 2, 40).unwrap();
-            let mut resumed = resumed
-                .load_bytes::<Flex>(bytes, &Default::default())
-                .unwrap();
+            let mut resumed = resumed.load_bytes(bytes).unwrap();
             for lr in &expected[17..] {
                 assert_eq!(resumed.next_lr(), *lr, "{:?}", config.schedule);
             }

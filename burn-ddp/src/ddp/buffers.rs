@@ -15,8 +15,7 @@
 //! A buffer is recognised by what Burn tells apart: a float tensor of the (autodiff) model that
 //! does not require a gradient.
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::AutodiffBackend;
+use burn::module::Module;
 
 use super::module::{read_floats, write_floats, FloatSlot};
 use crate::error::DdpError;
@@ -34,10 +33,9 @@ pub enum BufferSync {
 /// Makes every buffer of `module` equal across ranks, as `rule` says. Collective (one
 /// broadcast or all-reduce of all buffers together, none when the model has no buffers); the
 /// model must have the same architecture on every rank. Parameters are left as they are.
-pub fn sync_buffers<B, M, G>(module: M, group: &mut G, rule: BufferSync) -> Result<M, DdpError>
+pub fn sync_buffers<M, G>(module: M, group: &mut G, rule: BufferSync) -> Result<M, DdpError>
 where
-    B: AutodiffBackend,
-    M: AutodiffModule<B>,
+    M: Module,
     G: ProcessGroup,
 {
     if group.world_size() == 1 {
@@ -60,7 +58,7 @@ where
 }
 
 /// How many buffer elements `module` has (0: nothing to sync). Local.
-pub fn buffer_elements<B: AutodiffBackend, M: AutodiffModule<B>>(module: &M) -> usize {
+pub fn buffer_elements<M: Module>(module: &M) -> usize {
     let mut values = Vec::new();
     read_floats(module, &mut values, buffers_in_order());
     values.len()
@@ -85,7 +83,6 @@ mod tests {
     //! its own input: the running statistics differ until synced, then follow the rule.
     use std::sync::Arc;
 
-    use burn::backend::{Autodiff, Flex};
     use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
     use burn::prelude::*;
     use burn::tensor::TensorData;
@@ -95,20 +92,18 @@ mod tests {
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};
 
-    type B = Autodiff<Flex>;
-
     #[derive(Module, Debug)]
-    struct Net<B: Backend> {
-        fc: Linear<B>,
-        norm: BatchNorm<B>,
+    struct Net {
+        fc: Linear,
+        norm: BatchNorm,
     }
 
-    fn running_mean(net: &Net<B>) -> Vec<f32> {
+    fn running_mean(net: &Net) -> Vec<f32> {
         net.norm
             .running_mean
             .value_sync()
             .into_data()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .unwrap()
     }
 
@@ -121,23 +116,23 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut group =
                         TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
-                    let device = Default::default();
-                    let net = Net::<B> {
+                    let device = Device::flex().autodiff();
+                    let net = Net {
                         fc: LinearConfig::new(3, 4).init(&device),
                         norm: BatchNormConfig::new(4).init(&device),
                     };
                     let net = prepare_module(net, &mut group, 0).unwrap();
-                    let weights = param_checksum::<B, _>(&net.fc);
+                    let weights = param_checksum(&net.fc);
                     let x: Vec<f32> = (0..12).map(|i| (i * (rank + 1)) as f32 * 0.3).collect();
-                    let x = Tensor::<B, 2>::from_data(TensorData::new(x, [4, 3]), &device);
+                    let x = Tensor::<2>::from_data(TensorData::new(x, [4, 3]), &device);
                     let _ = net.norm.forward(net.fc.forward(x));
                     let before = running_mean(&net);
                     let net = match rule {
                         Some(rule) => sync_buffers(net, &mut group, rule).unwrap(),
                         None => net,
                     };
-                    let after_weights = param_checksum::<B, _>(&net.fc);
-                    assert_eq!(buffer_elements::<B, _>(&net), 8);
+                    let after_weights = param_checksum(&net.fc);
+                    assert_eq!(buffer_elements(&net), 8);
                     (before, running_mean(&net), weights, after_weights)
                 })
             })

@@ -9,14 +9,16 @@
 //! The reducer packs gradients on the device first ([`BucketOps`]), so host staging reads one
 //! buffer per bucket (half the bytes when compressed), not one per gradient.
 
-use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Int, Shape, Tensor, TensorData, TensorMetadata, TensorPrimitive};
+use burn::backend::ops::{FloatTensorOps, IntTensorOps};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Dispatch, DispatchDevice, TensorMetadata};
+use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
 
 use super::finite::FiniteScan;
 use super::host_pieces::{F32Pieces, HalfPieces, HostBucket};
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
-use crate::kernels::{host16, BucketOps, BucketOpsError, HalfFormat};
+use crate::kernels::{host16, host_memory, BucketOps, BucketOpsError, HalfFormat};
 
 /// Sums packed gradient buckets across the ranks of a group.
 ///
@@ -25,7 +27,7 @@ use crate::kernels::{host16, BucketOps, BucketOpsError, HalfFormat};
 /// rank. They block until the sum is complete (the result may be read or overwritten by the
 /// next device operation at once) or until the group's timeout, and an error aborts the group as
 /// its collectives do.
-pub trait BucketComm<B: BucketOps> {
+pub trait BucketComm {
     /// Number of ranks whose buckets are summed.
     fn world_size(&self) -> usize;
 
@@ -40,9 +42,9 @@ pub trait BucketComm<B: BucketOps> {
     /// (where they already pass: the host copy, or a device reduction).
     fn all_reduce_f32(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError>;
+    ) -> Result<FloatTensor<Dispatch>, DdpError>;
 
     /// Sums a 1-D `f32` bucket like [`all_reduce_f32`](Self::all_reduce_f32) and multiplies
     /// each sum by `scale` (one `f32` multiply: the `1 / world` of the mean). The default
@@ -50,23 +52,23 @@ pub trait BucketComm<B: BucketOps> {
     /// that writes the bucket back. Same bits either way.
     fn all_reduce_f32_scaled(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
         let sum = self.all_reduce_f32(bucket, scan)?;
-        Ok(B::float_mul_scalar(sum, scale.into()))
+        Ok(Dispatch::float_mul_scalar(sum, scale.into()))
     }
 
     /// Sums a compressed bucket: `len` values of `format` packed two per `u32` word (the layout
     /// of [`wire16`](crate::kernels::wire16)), reduced as 16-bit floats. `scan` as above.
     fn all_reduce_half(
         &mut self,
-        words: IntTensor<B>,
+        words: IntTensor<Dispatch>,
         len: usize,
         format: HalfFormat,
         scan: &mut FiniteScan,
-    ) -> Result<IntTensor<B>, DdpError>;
+    ) -> Result<IntTensor<Dispatch>, DdpError>;
 
     /// Sums a 1-D `f32` bucket in `format` and returns the sum widened to a new 1-D `f32`
     /// tensor: each value multiplied by `scale` and rounded
@@ -78,11 +80,11 @@ pub trait BucketComm<B: BucketOps> {
     /// path on a host backend, [`HostStaging`]) but must give the same bits.
     fn all_reduce_compressed(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         format: HalfFormat,
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
         compressed_in_steps(self, bucket, format, scale, scan)
     }
 
@@ -102,60 +104,60 @@ pub trait BucketComm<B: BucketOps> {
     /// pieces are on the wire (`host_pieces.rs`); same bits.
     fn mean_of_bucket(
         &mut self,
-        grads: Vec<FloatTensor<B>>,
+        grads: Vec<FloatTensor<Dispatch>>,
         shapes: &[Shape],
         compression: Option<HalfFormat>,
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<Vec<FloatTensor<B>>, DdpError> {
+    ) -> Result<Vec<FloatTensor<Dispatch>>, DdpError> {
         mean_by_packing(self, grads, shapes, compression, scale, scan)
     }
 }
 
 /// [`BucketComm::mean_of_bucket`] as device steps: pack, sum (compressed or not), unpack.
-fn mean_by_packing<B: BucketOps, C: BucketComm<B> + ?Sized>(
+fn mean_by_packing<C: BucketComm + ?Sized>(
     comm: &mut C,
-    grads: Vec<FloatTensor<B>>,
+    grads: Vec<FloatTensor<Dispatch>>,
     shapes: &[Shape],
     compression: Option<HalfFormat>,
     scale: f32,
     scan: &mut FiniteScan,
-) -> Result<Vec<FloatTensor<B>>, DdpError> {
+) -> Result<Vec<FloatTensor<Dispatch>>, DdpError> {
     let Some(first) = grads.first() else {
         return Ok(Vec::new());
     };
-    let device = B::float_device(first);
-    let packed = B::pack_bucket(grads, &device);
+    let device = first.device();
+    let packed = Dispatch::pack_bucket(grads, &device);
     Ok(match compression {
         // In host memory the 1/world multiply rides on the pass that writes the sum back; on a
         // device it is fused into the unpack kernel.
-        None if B::HOST_MEMORY => {
+        None if host_memory(&device) => {
             let mean = comm.all_reduce_f32_scaled(packed, scale, scan)?;
-            B::unpack_bucket(mean, shapes, 1.0)
+            Dispatch::unpack_bucket(mean, shapes, 1.0)
         }
         None => {
             let sum = comm.all_reduce_f32(packed, scan)?;
-            B::unpack_bucket(sum, shapes, scale)
+            Dispatch::unpack_bucket(sum, shapes, scale)
         }
         Some(format) => {
             let mean = comm.all_reduce_compressed(packed, format, scale, scan)?;
-            B::unpack_bucket(mean, shapes, 1.0)
+            Dispatch::unpack_bucket(mean, shapes, 1.0)
         }
     })
 }
 
 /// [`BucketComm::all_reduce_compressed`] as three steps on the device and the communicator.
-fn compressed_in_steps<B: BucketOps, C: BucketComm<B> + ?Sized>(
+fn compressed_in_steps<C: BucketComm + ?Sized>(
     comm: &mut C,
-    bucket: FloatTensor<B>,
+    bucket: FloatTensor<Dispatch>,
     format: HalfFormat,
     scale: f32,
     scan: &mut FiniteScan,
-) -> Result<FloatTensor<B>, DdpError> {
+) -> Result<FloatTensor<Dispatch>, DdpError> {
     let len = bucket.shape().num_elements();
-    let words = B::compress_bucket(bucket, format, scale).map_err(device_error)?;
+    let words = Dispatch::compress_bucket(bucket, format, scale).map_err(device_error)?;
     let words = comm.all_reduce_half(words, len, format, scan)?;
-    B::decompress_bucket(words, len, format).map_err(device_error)
+    Dispatch::decompress_bucket(words, len, format).map_err(device_error)
 }
 
 fn device_error(e: BucketOpsError) -> DdpError {
@@ -168,37 +170,37 @@ fn device_error(e: BucketOpsError) -> DdpError {
 #[derive(Debug)]
 pub struct HostStaging<'a, G>(pub &'a mut G);
 
-impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
+impl<G: ProcessGroup> BucketComm for HostStaging<'_, G> {
     fn world_size(&self) -> usize {
         self.0.world_size()
     }
 
     fn all_reduce_f32(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
-        self.sum_f32_on_host::<B>(bucket, None, scan)
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
+        self.sum_f32_on_host(bucket, None, scan)
     }
 
     fn all_reduce_f32_scaled(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
-        self.sum_f32_on_host::<B>(bucket, Some(scale), scan)
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
+        self.sum_f32_on_host(bucket, Some(scale), scan)
     }
 
     fn all_reduce_half(
         &mut self,
-        words: IntTensor<B>,
+        words: IntTensor<Dispatch>,
         len: usize,
         format: HalfFormat,
         scan: &mut FiniteScan,
-    ) -> Result<IntTensor<B>, DdpError> {
-        let device = B::int_device(&words);
-        let mut data = Tensor::<B, 1, Int>::from_primitive(words)
+    ) -> Result<IntTensor<Dispatch>, DdpError> {
+        let device = words.device();
+        let mut data = Tensor::<1, Int>::from_dispatch(words)
             .try_into_data()
             .map_err(read_error)?;
         let words = host_slice::<u32>(&mut data)?;
@@ -213,10 +215,10 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         };
         scan.host_half(values, format);
         sum_halves(self.0, values, format)?;
-        Ok(B::int_from_data(data, &device))
+        Ok(Dispatch::int_from_data(data, &device))
     }
 
-    /// On a backend in host memory ([`BucketOps::HOST_MEMORY`]: Burn's CPU backend) the three
+    /// On a backend in host memory ([`host_memory`]: Burn's CPU backend) the three
     /// steps run on one host copy of the bucket: read it once, round it
     /// ([`host16::round_scaled`], the rounding of `compress_bucket`), sum the 16-bit values
     /// with the group, widen them back in place ([`host16::widen`]), write it once — instead of
@@ -224,29 +226,29 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
     /// (half the bytes to read) in the three steps of the default.
     fn all_reduce_compressed(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         format: HalfFormat,
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
-        if !B::HOST_MEMORY {
-            return compressed_in_steps::<B, Self>(self, bucket, format, scale, scan);
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
+        if !host_memory(&bucket.device()) {
+            return compressed_in_steps::<Self>(self, bucket, format, scale, scan);
         }
-        let (device, mut data) = read_float::<B>(bucket)?;
+        let (device, mut data) = read_float(bucket)?;
         let values = host_slice::<f32>(&mut data)?;
         let mut halves = vec![0u16; values.len()];
         host16::round_scaled(format, values, scale, &mut halves);
         scan.host_half(&halves, format);
         sum_halves(self.0, &mut halves, format)?;
         host16::widen(format, &halves, values);
-        Ok(B::float_from_data(data, &device))
+        Ok(Dispatch::float_from_data(data, &device))
     }
 
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
         gather_flags(self.0, local)
     }
 
-    /// On a backend in host memory ([`BucketOps::HOST_MEMORY`]) with `f32` gradients: no
+    /// On a backend in host memory ([`host_memory`]) with `f32` gradients: no
     /// packed copy on the device. Each gradient is read as it is (Burn's CPU backend hands over
     /// its buffer), the ring's pieces are filled from them and drained back into them
     /// ([`ProcessGroup::all_reduce_staged`]), so the copies, roundings, checks and multiplies
@@ -254,20 +256,23 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
     /// case takes.
     fn mean_of_bucket(
         &mut self,
-        grads: Vec<FloatTensor<B>>,
+        grads: Vec<FloatTensor<Dispatch>>,
         shapes: &[Shape],
         compression: Option<HalfFormat>,
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<Vec<FloatTensor<B>>, DdpError> {
+    ) -> Result<Vec<FloatTensor<Dispatch>>, DdpError> {
         let all_f32 = grads.iter().all(|g| g.dtype() == DType::F32);
-        let Some(first) = grads.first().filter(|_| B::HOST_MEMORY && all_f32) else {
-            return mean_by_packing::<B, Self>(self, grads, shapes, compression, scale, scan);
+        let Some(first) = grads
+            .first()
+            .filter(|g| all_f32 && host_memory(&g.device()))
+        else {
+            return mean_by_packing::<Self>(self, grads, shapes, compression, scale, scan);
         };
-        let device = B::float_device(first);
+        let device = first.device();
         let mut datas = grads
             .into_iter()
-            .map(|g| read_float::<B>(g).map(|(_, data)| data))
+            .map(|g| read_float(g).map(|(_, data)| data))
             .collect::<Result<Vec<_>, _>>()?;
         let slices = datas
             .iter_mut()
@@ -300,7 +305,7 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
         }
         Ok(datas
             .into_iter()
-            .map(|data| B::float_from_data(data, &device))
+            .map(|data| Dispatch::float_from_data(data, &device))
             .collect())
     }
 }
@@ -308,13 +313,13 @@ impl<B: BucketOps, G: ProcessGroup> BucketComm<B> for HostStaging<'_, G> {
 impl<G: ProcessGroup> HostStaging<'_, G> {
     /// Reads an `f32` bucket to the host, sums it with the group, multiplies it by `scale`
     /// (when given) on the same copy, and writes it back.
-    fn sum_f32_on_host<B: BucketOps>(
+    fn sum_f32_on_host(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         scale: Option<f32>,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
-        let (device, mut data) = read_float::<B>(bucket)?;
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
+        let (device, mut data) = read_float(bucket)?;
         let values = host_slice::<f32>(&mut data)?;
         // The copy just read is still in cache: the scan costs one pass at memory speed.
         scan.host_f32(values);
@@ -324,16 +329,14 @@ impl<G: ProcessGroup> HostStaging<'_, G> {
                 *x *= scale;
             }
         }
-        Ok(B::float_from_data(data, &device))
+        Ok(Dispatch::float_from_data(data, &device))
     }
 }
 
 /// A 1-D float bucket read into host memory (one device-to-host copy), and its device.
-fn read_float<B: BucketOps>(
-    bucket: FloatTensor<B>,
-) -> Result<(burn::tensor::Device<B>, TensorData), DdpError> {
-    let device = B::float_device(&bucket);
-    let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(bucket))
+fn read_float(bucket: FloatTensor<Dispatch>) -> Result<(DispatchDevice, TensorData), DdpError> {
+    let device = bucket.device();
+    let data = Tensor::<1>::from_dispatch(bucket)
         .try_into_data()
         .map_err(read_error)?;
     Ok((device, data))
@@ -376,7 +379,7 @@ pub(crate) fn gather_flags<G: ProcessGroup>(
 pub(crate) fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
     data: &mut TensorData,
 ) -> Result<&mut [T], DdpError> {
-    let dtype = data.dtype;
+    let dtype = data.dtype();
     data.as_mut_slice::<T>().map_err(|e| {
         DdpError::Unsupported(format!(
             "a gradient bucket read back as {dtype:?}, not {}: {e:?}",
@@ -390,8 +393,7 @@ mod tests {
     //! Real sockets on loopback, threads as ranks: the bucket round trip through the host.
     use std::sync::Arc;
 
-    use burn::backend::Flex;
-    use burn::tensor::ops::{FloatTensorOps, IntTensorOps};
+    use burn::tensor::Device;
 
     use super::*;
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
@@ -408,37 +410,35 @@ mod tests {
                     let mut group =
                         TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
                     let mut comm = HostStaging(&mut group);
-                    let device = Default::default();
+                    let device = Device::flex().as_dispatch().clone();
                     let r = rank as f32;
                     let values: Vec<f32> = (0..5).map(|i| i as f32 + 10.0 * r).collect();
                     let bucket =
-                        Flex::float_from_data(TensorData::new(values.clone(), [5]), &device);
+                        Dispatch::float_from_data(TensorData::new(values.clone(), [5]), &device);
                     let mut scan = FiniteScan::new(true);
-                    let sum =
-                        BucketComm::<Flex>::all_reduce_f32(&mut comm, bucket, &mut scan).unwrap();
-                    let sum = Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(sum))
+                    let sum = BucketComm::all_reduce_f32(&mut comm, bucket, &mut scan).unwrap();
+                    let sum = Tensor::<1>::from_dispatch(sum)
                         .into_data()
-                        .to_vec::<f32>()
+                        .try_to_vec::<f32>()
                         .unwrap();
 
                     let mut halves = Vec::new();
                     for format in [HalfFormat::Bf16, HalfFormat::F16] {
                         let words = wire16::compress(&values, format, 0.5);
-                        let words = Flex::int_from_data(TensorData::new(words, [3]), &device);
-                        let words = BucketComm::<Flex>::all_reduce_half(
-                            &mut comm, words, 5, format, &mut scan,
-                        )
-                        .unwrap();
-                        let words = Tensor::<Flex, 1, Int>::from_primitive(words)
+                        let words = Dispatch::int_from_data(TensorData::new(words, [3]), &device);
+                        let words =
+                            BucketComm::all_reduce_half(&mut comm, words, 5, format, &mut scan)
+                                .unwrap();
+                        let words = Tensor::<1, Int>::from_dispatch(words)
                             .into_data()
-                            .to_vec::<u32>()
+                            .try_to_vec::<u32>()
                             .unwrap();
                         assert_eq!(words[2] >> 16, 0, "the padding stays 0");
                         halves.push(wire16::decompress(&words, 5, format));
                     }
                     assert!(!scan.found_nonfinite());
                     // Rank 1 says it saw a NaN: both ranks learn it, in rank order.
-                    let flags = BucketComm::<Flex>::gather_flags(&mut comm, rank == 1).unwrap();
+                    let flags = BucketComm::gather_flags(&mut comm, rank == 1).unwrap();
                     assert_eq!(flags, vec![false, true]);
                     (sum, halves)
                 })
@@ -476,7 +476,7 @@ mod tests {
                     };
                     let mut group = TcpProcessGroup::new(store, rank, 3, options).unwrap();
                     let mut comm = HostStaging(&mut group);
-                    let device = Default::default();
+                    let device = Device::flex().as_dispatch().clone();
                     let mut rng = SplitMix64::new(0x5eed_0040 + rank as u64);
                     let values: Vec<Vec<f32>> = shapes
                         .iter()
@@ -490,12 +490,12 @@ mod tests {
                     if rank == 1 {
                         values[4][100] = f32::NAN;
                     }
-                    let tensors = || -> Vec<FloatTensor<Flex>> {
+                    let tensors = || -> Vec<FloatTensor<Dispatch>> {
                         values
                             .iter()
                             .zip(&shapes)
                             .map(|(v, s)| {
-                                Flex::float_from_data(
+                                Dispatch::float_from_data(
                                     TensorData::new(v.clone(), s.clone()),
                                     &device,
                                 )
@@ -505,7 +505,7 @@ mod tests {
                     let mut results = Vec::new();
                     for format in [None, Some(HalfFormat::Bf16), Some(HalfFormat::F16)] {
                         let mut scan = FiniteScan::new(true);
-                        let staged = BucketComm::<Flex>::mean_of_bucket(
+                        let staged = BucketComm::mean_of_bucket(
                             &mut comm,
                             tensors(),
                             &shapes,
@@ -516,7 +516,7 @@ mod tests {
                         .unwrap();
                         let staged_verdict = scan.found_nonfinite();
                         let mut scan = FiniteScan::new(true);
-                        let packed = mean_by_packing::<Flex, _>(
+                        let packed = mean_by_packing::<_>(
                             &mut comm,
                             tensors(),
                             &shapes,
@@ -546,10 +546,10 @@ mod tests {
         assert_eq!(results[0], results[2]);
     }
 
-    fn bits_of(t: FloatTensor<Flex>) -> Vec<u32> {
-        Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(t))
+    fn bits_of(t: FloatTensor<Dispatch>) -> Vec<u32> {
+        Tensor::<1>::from_dispatch(t)
             .into_data()
-            .to_vec::<f32>()
+            .try_to_vec::<f32>()
             .unwrap()
             .iter()
             .map(|x| x.to_bits())
@@ -561,10 +561,10 @@ mod tests {
     #[test]
     fn fused_compressed_all_reduce_equals_the_three_steps() {
         use crate::kernels::fallback::conformance::{special_values, SplitMix64};
-        fn bits(t: FloatTensor<Flex>) -> Vec<u32> {
-            Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(t))
+        fn bits(t: FloatTensor<Dispatch>) -> Vec<u32> {
+            Tensor::<1>::from_dispatch(t)
                 .into_data()
-                .to_vec::<f32>()
+                .try_to_vec::<f32>()
                 .unwrap()
                 .iter()
                 .map(|x| x.to_bits())
@@ -578,7 +578,7 @@ mod tests {
                     let mut group =
                         TcpProcessGroup::new(store, rank, 2, TcpGroupOptions::default()).unwrap();
                     let mut comm = HostStaging(&mut group);
-                    let device = Default::default();
+                    let device = Device::flex().as_dispatch().clone();
                     let mut rng = SplitMix64::new(0x5eed_0020 + rank as u64);
                     let mut results = Vec::new();
                     for len in [1usize, 7, 4099, 70_001] {
@@ -595,13 +595,13 @@ mod tests {
                         }
                         for format in [HalfFormat::Bf16, HalfFormat::F16] {
                             let tensor = || {
-                                Flex::float_from_data(
+                                Dispatch::float_from_data(
                                     TensorData::new(values.clone(), [len]),
                                     &device,
                                 )
                             };
                             let mut scan = FiniteScan::new(true);
-                            let fused = BucketComm::<Flex>::all_reduce_compressed(
+                            let fused = BucketComm::all_reduce_compressed(
                                 &mut comm,
                                 tensor(),
                                 format,
@@ -609,7 +609,7 @@ mod tests {
                                 &mut scan,
                             )
                             .unwrap();
-                            let steps = compressed_in_steps::<Flex, _>(
+                            let steps = compressed_in_steps::<_>(
                                 &mut comm,
                                 tensor(),
                                 format,
@@ -623,10 +623,13 @@ mod tests {
                         }
                         // f32: the scaled sum is the sum, then one multiply per element.
                         let tensor = || {
-                            Flex::float_from_data(TensorData::new(values.clone(), [len]), &device)
+                            Dispatch::float_from_data(
+                                TensorData::new(values.clone(), [len]),
+                                &device,
+                            )
                         };
                         let mut scan = FiniteScan::new(true);
-                        let scaled = BucketComm::<Flex>::all_reduce_f32_scaled(
+                        let scaled = BucketComm::all_reduce_f32_scaled(
                             &mut comm,
                             tensor(),
                             1.0 / 3.0,
@@ -634,16 +637,14 @@ mod tests {
                         )
                         .unwrap();
                         let sum =
-                            BucketComm::<Flex>::all_reduce_f32(&mut comm, tensor(), &mut scan)
-                                .unwrap();
-                        let want: Vec<u32> =
-                            Tensor::<Flex, 1>::from_primitive(TensorPrimitive::Float(sum))
-                                .into_data()
-                                .to_vec::<f32>()
-                                .unwrap()
-                                .iter()
-                                .map(|x| (x * (1.0 / 3.0)).to_bits())
-                                .collect();
+                            BucketComm::all_reduce_f32(&mut comm, tensor(), &mut scan).unwrap();
+                        let want: Vec<u32> = Tensor::<1>::from_dispatch(sum)
+                            .into_data()
+                            .try_to_vec::<f32>()
+                            .unwrap()
+                            .iter()
+                            .map(|x| (x * (1.0 / 3.0)).to_bits())
+                            .collect();
                         assert_eq!(bits(scaled), want, "f32 len {len}");
                     }
                     results

@@ -1,13 +1,14 @@
 //! NCCL for gradient buckets (feature `cuda`): [`NcclBuckets`], the [`BucketComm`] that sums
-//! buckets without leaving the GPU, and [`CudaBuffers`], the device addresses it needs.
+//! buckets without leaving the GPU, the device addresses it needs, [`cuda_ordinal`] (whether a
+//! training device is a CUDA one) and `sync_with_nccl` (the DDP step's NCCL path).
 //!
 //! The [`Reducer`](super::Reducer) does the rest, as for every other device; per bucket:
 //!
 //! ```text
 //!   1. pack      BucketOps::pack_bucket: one fresh contiguous f32 buffer, on Burn's stream
 //!                [BucketOps::compress_bucket: a fresh buffer of packed bf16 / fp16]
-//!   2. address   client.get_resource(handle) ─▶ CUdeviceptr (pool offset + view offset)
-//!   3. fence     B::sync(device): this thread's CubeCL stream has finished the pack
+//!   2. address   client.get_resource::<Server>(handle) ─▶ CUdeviceptr (pool + view offset)
+//!   3. fence     Cube::sync(device): Burn's CubeCL stream has finished the pack
 //!   4. reduce    NcclProcessGroup::all_reduce_device(ptr, n, F32 | BF16 | F16, Sum), in place,
 //!                on the group's own stream; it returns once that stream is idle
 //!   5. unpack    BucketOps::unpack_bucket(bucket, shapes, 1/world) on Burn's stream
@@ -15,7 +16,9 @@
 //!                applied by compress_bucket]
 //! ```
 //!
-//! # Why this ordering is enough (read from burn-cubecl 0.21.0, cubecl 0.10.0)
+//! # Why this ordering is enough (read from burn-cubecl 0.21.0 and cubecl 0.10.0; the calls
+//! used are the same in burn-cubecl 0.22.1 / cubecl 0.11.3, where `get_resource` also checks that
+//! the client is the CUDA runtime's and fails otherwise instead of panicking)
 //! - **Addresses.** `ComputeClient::get_resource` (cubecl-runtime `src/client.rs`) runs the
 //!   CUDA server's `get_resource` (cubecl-cuda `src/compute/server.rs`), which asks the memory
 //!   manager for the handle's slice with the handle's `offset_start`/`offset_end`
@@ -34,12 +37,18 @@
 //!   server handles a client's requests in order, so the pack launches submitted before it are
 //!   covered. The fence comes after `get_resource` so that it also covers anything the address
 //!   lookup may have enqueued.
+//! - **Under fusion.** Where a crate of the build turns on `burn-cubecl`'s `fusion` feature,
+//!   `burn_cubecl::Cube` is `Fusion<CubeBackend>`: the bucket is a fusion handle, resolved to its
+//!   CUDA tensor from a clone (which drains the fusion stream; the fusion server then keeps the
+//!   tensor registered, so the handle still names the buffer NCCL writes). The fence is then
+//!   `Fusion::sync`, which runs `CubeBackend::sync` on the fusion server's thread, whose stream
+//!   ran the fused work. This configuration has not run on a GPU yet.
 //! - **After NCCL.** [`NcclProcessGroup::all_reduce_device`] returns only after its stream has
 //!   finished the all-reduce (it polls `cuStreamQuery`), so the result is complete in device
 //!   memory before the unpack kernel is even enqueued on Burn's stream.
-//! - **Threads.** Everything happens on the calling thread: the CubeCL stream synchronised in
-//!   step 3 is the one the training loop's kernels ran on. The NCCL group binds the same primary
-//!   context to the thread before each call.
+//! - **Threads.** Without fusion everything happens on the calling thread: the CubeCL stream
+//!   synchronised in step 3 is the one the training loop's kernels ran on. The NCCL group binds
+//!   the same primary context to the thread before each call.
 //!
 //! # Differences from host staging
 //! - A job of one rank still runs every step above ([`BucketComm::reduces_alone`]), which is
@@ -52,182 +61,157 @@
 //!   `pack_bucket` and `compress_bucket` always return a fresh buffer that no other tensor shares.
 //! - bf16 needs NCCL ≥ 2.10 (and a GPU of compute capability 8.0 or newer for fast reductions).
 
-use burn::prelude::*;
-use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, TensorMetadata};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{
+    Backend, BackendTensor, BackendTypes, DType, Dispatch, DispatchAutodiffContext, DispatchDevice,
+    DispatchTensor, DispatchTensorKind, TensorMetadata,
+};
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeBackend, FloatElement, IntElement};
-use cubecl::cuda::{CudaDevice, CudaRuntime};
+use burn_cubecl::{Cube, CubeBackend, CubeDevice};
+use cubecl::cuda::CudaRuntime;
+use cubecl_runtime::runtime::Runtime;
 
 use super::comm::BucketComm;
 use super::finite::{FiniteScan, GradientCheck};
+use super::Reducer;
 use crate::error::DdpError;
 use crate::group::nccl::NcclProcessGroup;
 use crate::group::{DataType, ReduceOp};
-use crate::kernels::{BucketOps, HalfFormat};
+use crate::kernels::HalfFormat;
 
-/// A backend whose tensors live in CUDA device memory that NCCL can address: what
-/// [`NcclBuckets`] needs on top of [`BucketOps`].
+/// The CUDA ordinal of `device` (in the numbering `CUDA_VISIBLE_DEVICES` leaves) when it is a
+/// device of Burn's CUDA runtime, autodiff or not; `None` for every other device. Where the DDP
+/// step may average gradients with NCCL.
+pub fn cuda_ordinal(device: &Device) -> Option<usize> {
+    dispatch_cuda_ordinal(device.as_dispatch())
+}
+
+fn dispatch_cuda_ordinal(device: &DispatchDevice) -> Option<usize> {
+    match device {
+        DispatchDevice::Cube(CubeDevice::Cuda(cuda)) => Some(cuda.index),
+        DispatchDevice::Autodiff(device) => dispatch_cuda_ordinal(device),
+        _ => None,
+    }
+}
+
+/// [`Reducer::sync`] through [`NcclBuckets`]: averages `grads` over `group` without leaving the
+/// GPU. Collective. The DDP step calls it only for a CUDA training device ([`cuda_ordinal`]).
 ///
-/// Implemented for Burn's plain CUDA backend, `CubeBackend<CudaRuntime, F, I, BT>` (what
-/// `burn::backend::Cuda` is with this workspace's features), and for it under Burn's fusion
-/// backend (`Fusion<CubeBackend<..>>`, what it is with Burn's default features): there the
-/// fused tensor is first resolved to its plain CUDA tensor, which drains the fusion stream.
-/// Burn-version-specific code stays in this file.
-pub trait CudaBuffers: BucketOps {
-    /// The CUDA device ordinal of `device` (in the numbering `CUDA_VISIBLE_DEVICES` leaves).
-    fn cuda_ordinal(device: &Self::Device) -> usize;
-
-    /// Calls `f` with the device address of `bucket`'s first element, at a point where every
-    /// device operation this thread enqueued on the backend (the one that wrote `bucket`
-    /// included) has finished. The memory stays allocated, and is not handed to another tensor,
-    /// until `f` returns.
-    ///
-    /// Local (not collective). `f` may read and write the `numel × 4` bytes at the address (the
-    /// caller must then not have given `bucket` to anything else).
-    ///
-    /// # Errors
-    /// [`DdpError::Device`] when `bucket` is not a contiguous `f32` tensor, when the backend
-    /// cannot give its address, or when device work failed before this point; otherwise what
-    /// `f` returns.
-    fn with_float_ptr<T>(
-        bucket: &FloatTensor<Self>,
-        f: impl FnOnce(u64) -> Result<T, DdpError>,
-    ) -> Result<T, DdpError>;
-
-    /// [`with_float_ptr`](CudaBuffers::with_float_ptr) for a compressed bucket: a contiguous
-    /// `u32` tensor of packed 16-bit values.
-    fn with_int_ptr<T>(
-        words: &IntTensor<Self>,
-        f: impl FnOnce(u64) -> Result<T, DdpError>,
-    ) -> Result<T, DdpError>;
+/// # Errors
+/// What the reducer reports; [`DdpError::Device`] for gradients that are not CUDA tensors of
+/// the group's device.
+pub(crate) fn sync_with_nccl<M: Module>(
+    reducer: &mut Reducer,
+    group: &mut NcclProcessGroup,
+    model: &M,
+    grads: &mut GradientsParams,
+) -> Result<GradientCheck, DdpError> {
+    reducer.sync(&mut NcclBuckets(group), model, grads)
 }
 
-impl<F, I, BT> CudaBuffers for CubeBackend<CudaRuntime, F, I, BT>
-where
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    fn cuda_ordinal(device: &CudaDevice) -> usize {
-        device.index
+/// The plain CubeCL tensor behind a primitive of `burn_cubecl::Cube`, whichever type that is in
+/// this build (module docs, "Under fusion"). Both share the bucket's buffer.
+trait CubeBuffers: BackendTypes {
+    fn plain_float(tensor: &FloatTensor<Self>) -> CubeTensor;
+    fn plain_int(tensor: &IntTensor<Self>) -> CubeTensor;
+}
+
+impl CubeBuffers for CubeBackend {
+    fn plain_float(tensor: &CubeTensor) -> CubeTensor {
+        tensor.clone()
     }
 
-    fn with_float_ptr<T>(
-        bucket: &CubeTensor<CudaRuntime>,
-        f: impl FnOnce(u64) -> Result<T, DdpError>,
-    ) -> Result<T, DdpError> {
-        with_cube_ptr::<Self, T>(bucket, DType::F32, f)
-    }
-
-    fn with_int_ptr<T>(
-        words: &CubeTensor<CudaRuntime>,
-        f: impl FnOnce(u64) -> Result<T, DdpError>,
-    ) -> Result<T, DdpError> {
-        with_cube_ptr::<Self, T>(words, DType::U32, f)
+    fn plain_int(tensor: &CubeTensor) -> CubeTensor {
+        tensor.clone()
     }
 }
 
-/// Burn's CUDA backend under its fusion backend.
-type FusedCuda<F, I, BT> = burn_fusion::Fusion<CubeBackend<CudaRuntime, F, I, BT>>;
-
-impl<F, I, BT> CudaBuffers for FusedCuda<F, I, BT>
+impl<B> CubeBuffers for burn_fusion::Fusion<B>
 where
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
+    B: burn_fusion::FusionBackend
+        + BackendTypes<FloatTensorPrimitive = CubeTensor, IntTensorPrimitive = CubeTensor>,
 {
-    fn cuda_ordinal(device: &CudaDevice) -> usize {
-        device.index
-    }
-
-    fn with_float_ptr<T>(
-        bucket: &FloatTensor<Self>,
-        f: impl FnOnce(u64) -> Result<T, DdpError>,
-    ) -> Result<T, DdpError> {
+    fn plain_float(tensor: &FloatTensor<Self>) -> CubeTensor {
         // Resolved from a clone: the fusion server then keeps the tensor registered (read-only
-        // status) instead of handing its buffer over, so `bucket` still names that buffer and
+        // status) instead of handing its buffer over, so `tensor` still names that buffer and
         // sees what NCCL writes into it. Resolving drains the fusion stream first.
-        let cube = bucket
-            .client
-            .resolve_tensor_float::<CubeBackend<CudaRuntime, F, I, BT>>(bucket.clone());
-        with_cube_ptr::<CubeBackend<CudaRuntime, F, I, BT>, T>(&cube, DType::F32, f)
+        tensor.client.resolve_tensor_float::<B>(tensor.clone())
     }
 
-    fn with_int_ptr<T>(
-        words: &IntTensor<Self>,
-        f: impl FnOnce(u64) -> Result<T, DdpError>,
-    ) -> Result<T, DdpError> {
-        // As in `with_float_ptr`.
-        let cube = words
-            .client
-            .resolve_tensor_int::<CubeBackend<CudaRuntime, F, I, BT>>(words.clone());
-        with_cube_ptr::<CubeBackend<CudaRuntime, F, I, BT>, T>(&cube, DType::U32, f)
+    fn plain_int(tensor: &IntTensor<Self>) -> CubeTensor {
+        // As in `plain_float`.
+        tensor.client.resolve_tensor_int::<B>(tensor.clone())
     }
 }
 
-/// What `burn::backend::Cuda` is in the user's build — Burn's plain CUDA backend
-/// (`CubeBackend<CudaRuntime, ..>`, this workspace) or, with Burn's default features,
-/// `Fusion<CubeBackend<..>>` — handing its gradient buckets to NCCL in place.
-pub trait NcclBackend: BucketOps {
-    /// [`Reducer::sync`](super::Reducer::sync) through [`NcclBuckets`]. Collective.
-    ///
-    /// # Errors
-    /// What the reducer reports.
-    fn sync_nccl<B, M>(
-        reducer: &mut super::Reducer,
-        group: &mut NcclProcessGroup,
-        model: &M,
-        grads: &mut burn::optim::GradientsParams,
-    ) -> Result<GradientCheck, DdpError>
-    where
-        B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
-        M: burn::module::AutodiffModule<B>;
-}
-
-impl<F, I, BT> NcclBackend for CubeBackend<CudaRuntime, F, I, BT>
-where
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    fn sync_nccl<B, M>(
-        reducer: &mut super::Reducer,
-        group: &mut NcclProcessGroup,
-        model: &M,
-        grads: &mut burn::optim::GradientsParams,
-    ) -> Result<GradientCheck, DdpError>
-    where
-        B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
-        M: burn::module::AutodiffModule<B>,
-    {
-        reducer.sync::<B, M, _>(&mut NcclBuckets(group), model, grads)
+/// The `Cube` primitive of a bucket, or why NCCL cannot take it.
+fn cube_primitive<'a>(
+    tensor: &'a DispatchTensor,
+    what: &str,
+) -> Result<&'a BackendTensor<Cube>, DdpError> {
+    match tensor {
+        DispatchTensor {
+            kind: DispatchTensorKind::Cube(primitive),
+            autodiff: DispatchAutodiffContext::Disabled,
+        } => Ok(primitive),
+        other => Err(DdpError::Device(format!(
+            "NCCL sums {what} of Burn's CUDA backend, got a tensor on {:?}",
+            other.device()
+        ))),
     }
 }
 
-impl<F, I, BT> NcclBackend for FusedCuda<F, I, BT>
-where
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    fn sync_nccl<B, M>(
-        reducer: &mut super::Reducer,
-        group: &mut NcclProcessGroup,
-        model: &M,
-        grads: &mut burn::optim::GradientsParams,
-    ) -> Result<GradientCheck, DdpError>
-    where
-        B: burn::tensor::backend::AutodiffBackend<InnerBackend = Self>,
-        M: burn::module::AutodiffModule<B>,
-    {
-        reducer.sync::<B, M, _>(&mut NcclBuckets(group), model, grads)
-    }
+/// Calls `f` with the device address of the first element of `bucket` (a contiguous `f32`
+/// tensor of Burn's CUDA backend), at a point where every device operation enqueued on Burn's
+/// stream (the one that wrote `bucket` included) has finished. The memory stays allocated, and
+/// is not handed to another tensor, until `f` returns.
+///
+/// Local (not collective). `f` may read and write the `numel × 4` bytes at the address (the
+/// caller must then not have given `bucket` to anything else).
+///
+/// # Errors
+/// [`DdpError::Device`] when `bucket` is not a contiguous `f32` CUDA tensor, when the backend
+/// cannot give its address, or when device work failed before this point; otherwise what `f`
+/// returns.
+pub(crate) fn with_float_ptr<T>(
+    bucket: &FloatTensor<Dispatch>,
+    f: impl FnOnce(u64) -> Result<T, DdpError>,
+) -> Result<T, DdpError> {
+    let cube = match cube_primitive(bucket, "float buckets")? {
+        BackendTensor::Float(tensor) => Cube::plain_float(tensor),
+        other => {
+            return Err(DdpError::Device(format!(
+                "a gradient bucket must be a float tensor, got {}",
+                other.name()
+            )))
+        }
+    };
+    with_cube_ptr(&cube, DType::F32, f)
 }
 
-/// [`CudaBuffers::with_float_ptr`] for a `CubeTensor` of the 4-byte `dtype`.
-fn with_cube_ptr<B: Backend<Device = <CudaRuntime as cubecl::Runtime>::Device>, T>(
-    tensor: &CubeTensor<CudaRuntime>,
+/// [`with_float_ptr`] for a compressed bucket: a contiguous `u32` tensor of packed 16-bit values.
+pub(crate) fn with_int_ptr<T>(
+    words: &IntTensor<Dispatch>,
+    f: impl FnOnce(u64) -> Result<T, DdpError>,
+) -> Result<T, DdpError> {
+    let cube = match cube_primitive(words, "compressed buckets")? {
+        BackendTensor::Int(tensor) => Cube::plain_int(tensor),
+        other => {
+            return Err(DdpError::Device(format!(
+                "a compressed bucket must be an int tensor, got {}",
+                other.name()
+            )))
+        }
+    };
+    with_cube_ptr(&cube, DType::U32, f)
+}
+
+/// [`with_float_ptr`] for a `CubeTensor` of the 4-byte `dtype`.
+fn with_cube_ptr<T>(
+    tensor: &CubeTensor,
     dtype: DType,
     f: impl FnOnce(u64) -> Result<T, DdpError>,
 ) -> Result<T, DdpError> {
@@ -239,10 +223,11 @@ fn with_cube_ptr<B: Backend<Device = <CudaRuntime as cubecl::Runtime>::Device>, 
         tensor.handle.size_in_used(),
     )
     .map_err(DdpError::Device)?;
-    // Pins the allocation for as long as `resource` lives (module docs, "Lifetimes").
+    // Pins the allocation for as long as `resource` lives (module docs, "Lifetimes"). Fails,
+    // without panicking, for a tensor of another CubeCL runtime.
     let resource = tensor
         .client
-        .get_resource(tensor.handle.clone())
+        .get_resource::<<CudaRuntime as Runtime>::Server>(tensor.handle.clone())
         .map_err(|e| DdpError::Device(format!("cannot get the device address of a bucket: {e}")))?;
     let gpu = resource.resource();
     if gpu.size < bytes as u64 {
@@ -252,8 +237,8 @@ fn with_cube_ptr<B: Backend<Device = <CudaRuntime as cubecl::Runtime>::Device>, 
         )));
     }
     let ptr = gpu.ptr;
-    // Module docs, "Before NCCL": waits for this thread's CubeCL stream.
-    B::sync(&tensor.device).map_err(|e| {
+    // Module docs, "Before NCCL" / "Under fusion": waits for Burn's CubeCL stream.
+    <Cube as Backend>::sync(&tensor.device).map_err(|e| {
         DdpError::Device(format!(
             "device work before the gradient all-reduce failed: {e:?}"
         ))
@@ -297,8 +282,14 @@ pub struct NcclBuckets<'a>(pub &'a mut NcclProcessGroup);
 
 impl NcclBuckets<'_> {
     /// NCCL may only be handed memory of the group's own GPU.
-    fn check_device<B: CudaBuffers>(&self, device: &B::Device) -> Result<(), DdpError> {
-        let (bucket, group) = (B::cuda_ordinal(device), self.0.device());
+    fn check_device(&self, device: &DispatchDevice) -> Result<(), DdpError> {
+        let group = self.0.device();
+        let Some(bucket) = dispatch_cuda_ordinal(device) else {
+            return Err(DdpError::Device(format!(
+                "the gradients are on {device:?}, not a CUDA device: NCCL (CUDA device {group}) \
+                 cannot sum them"
+            )));
+        };
         if bucket != group {
             return Err(DdpError::Device(format!(
                 "the gradients are on CUDA device {bucket} but the NCCL group was formed on \
@@ -309,7 +300,7 @@ impl NcclBuckets<'_> {
     }
 }
 
-impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
+impl BucketComm for NcclBuckets<'_> {
     fn world_size(&self) -> usize {
         crate::group::ProcessGroup::world_size(&*self.0)
     }
@@ -321,14 +312,14 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
 
     fn all_reduce_f32(
         &mut self,
-        bucket: FloatTensor<B>,
+        bucket: FloatTensor<Dispatch>,
         scan: &mut FiniteScan,
-    ) -> Result<FloatTensor<B>, DdpError> {
-        self.check_device::<B>(&B::float_device(&bucket))?;
+    ) -> Result<FloatTensor<Dispatch>, DdpError> {
+        self.check_device(&bucket.device())?;
         // The bucket never leaves the GPU: check it there (one reduction, one value read).
-        scan.device_f32::<B>(&bucket)?;
+        scan.device_f32(&bucket)?;
         let count = bucket.shape().num_elements();
-        B::with_float_ptr(&bucket, |ptr| {
+        with_float_ptr(&bucket, |ptr| {
             // SAFETY: `ptr` addresses `bucket`, a contiguous f32 tensor of `count` elements
             // (checked by `with_float_ptr`), in a buffer of the group's CUDA device (checked
             // above) that `with_float_ptr` keeps allocated until this closure returns. Nothing
@@ -346,13 +337,13 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
 
     fn all_reduce_half(
         &mut self,
-        words: IntTensor<B>,
+        words: IntTensor<Dispatch>,
         len: usize,
         format: HalfFormat,
         scan: &mut FiniteScan,
-    ) -> Result<IntTensor<B>, DdpError> {
-        self.check_device::<B>(&B::int_device(&words))?;
-        scan.device_half::<B>(&words, format)?;
+    ) -> Result<IntTensor<Dispatch>, DdpError> {
+        self.check_device(&words.device())?;
+        scan.device_half(&words, format)?;
         let capacity = words.shape().num_elements() * 2;
         if len > capacity {
             return Err(DdpError::Unsupported(format!(
@@ -364,7 +355,7 @@ impl<B: CudaBuffers> BucketComm<B> for NcclBuckets<'_> {
             HalfFormat::Bf16 => DataType::BF16,
             HalfFormat::F16 => DataType::F16,
         };
-        B::with_int_ptr(&words, |ptr| {
+        with_int_ptr(&words, |ptr| {
             // SAFETY: as in `all_reduce_f32`, for the fresh buffer `compress_bucket` returned:
             // `len` 16-bit values fit in its `capacity / 2` u32 words (checked above).
             unsafe { self.0.all_reduce_device(ptr, len, dtype, ReduceOp::Sum) }
@@ -385,17 +376,19 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use burn::backend::cuda::CudaDevice;
-    use burn::backend::{Autodiff, Cuda};
+    use burn::backend::ops::FloatTensorOps;
+    use burn::backend::{FlexDevice, Shape, TensorData};
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::GradientsParams;
-    use burn::tensor::ops::FloatTensorOps;
-    use burn::tensor::{Shape, TensorPrimitive};
+    use burn::prelude::*;
+    use cubecl::device::CudaDevice;
 
     use super::*;
     use crate::cuda::{check_cuda_available, check_nccl_available};
     use crate::ddp::bucket::plan_buckets;
-    use crate::ddp::{Reducer, ReducerStats};
+    use crate::ddp::{HostStaging, ReducerStats};
+    use crate::host_values::host_values;
+    use crate::kernels::BucketOps;
     use crate::store::{MemoryStore, Store};
     use crate::testing::Needs;
 
@@ -417,10 +410,27 @@ mod tests {
         assert!(check_buffer(f32, f32, true, usize::MAX, u64::MAX).is_err());
     }
 
-    /// The CUDA device 0, or why these tests cannot run here.
-    fn cuda_device() -> Option<CudaDevice> {
+    #[test]
+    fn cuda_ordinal_names_cuda_devices_only() {
+        assert_eq!(cuda_ordinal(&Device::flex()), None);
+        assert_eq!(cuda_ordinal(&Device::flex().autodiff()), None);
+        // Naming a device opens nothing: no GPU needed.
+        assert_eq!(cuda_ordinal(&Device::cuda(3)), Some(3));
+        assert_eq!(cuda_ordinal(&Device::cuda(1).autodiff()), Some(1));
+    }
+
+    #[test]
+    fn a_host_tensor_has_no_device_address() {
+        let flex = DispatchDevice::Flex(FlexDevice);
+        let bucket = Dispatch::float_from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &flex);
+        let e = with_float_ptr(&bucket, |_| Ok(())).unwrap_err();
+        assert!(e.to_string().contains("CUDA"), "{e}");
+    }
+
+    /// CUDA device 0 (as a bucket's device), or why these tests cannot run here.
+    fn cuda_device() -> Option<DispatchDevice> {
         match check_cuda_available(0) {
-            Ok(_) => Some(CudaDevice::new(0)),
+            Ok(_) => Some(DispatchDevice::Cube(CubeDevice::Cuda(CudaDevice::new(0)))),
             Err(e) => {
                 crate::testing::skip(Needs::Gpu, &format!("no usable CUDA device: {e}"));
                 None
@@ -428,29 +438,34 @@ mod tests {
         }
     }
 
+    fn read_f32(tensor: FloatTensor<Dispatch>) -> Vec<f32> {
+        let data = burn::tensor::read_sync(Dispatch::float_into_data(tensor)).expect("read");
+        host_values::<f32>(data).expect("f32")
+    }
+
     /// The address from `with_float_ptr` is the tensor's first element — for a view at a
     /// non-zero offset too — and writes through it are what Burn reads afterwards.
     #[test]
     fn device_ptr_addresses_the_tensor_and_writes_are_seen_by_burn() {
-        type B = Cuda;
         let Some(device) = cuda_device() else { return };
         let values: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5).collect();
-        let bucket = B::float_from_data(
-            burn::tensor::TensorData::new(values.clone(), [1000]),
-            &device,
-        );
-        // Views at an aligned, non-zero offset into one buffer.
+        let bucket = Dispatch::float_from_data(TensorData::new(values.clone(), [1000]), &device);
+        // Views at an aligned, non-zero offset into one buffer (the kernel's outputs).
         let shapes = [Shape::new([3]), Shape::new([997])];
-        let mut views = B::unpack_bucket(bucket, &shapes, 1.0);
+        let mut views = Dispatch::unpack_bucket(bucket, &shapes, 1.0);
         let second = views.pop().expect("two views");
-        assert!(
-            second.handle.offset_start.unwrap_or(0) > 0,
-            "the second view should start at an offset: {:?}",
-            second.handle
-        );
+        if let Ok(BackendTensor::Float(primitive)) = cube_primitive(&second, "test") {
+            if let Some(plain) = (primitive as &dyn std::any::Any).downcast_ref::<CubeTensor>() {
+                assert!(
+                    plain.handle.offset_start.unwrap_or(0) > 0,
+                    "the second view should start at an offset: {:?}",
+                    plain.handle
+                );
+            }
+        }
         let ctx = cudarc::driver::CudaContext::new(0).expect("CUDA context");
         let replacement: Vec<f32> = (0..997).map(|i| -(i as f32)).collect();
-        B::with_float_ptr(&second, |ptr| {
+        with_float_ptr(&second, |ptr| {
             ctx.bind_to_thread().expect("bind");
             let mut read = vec![0f32; 997];
             // SAFETY: `ptr` addresses 997 f32 of the live view on device 0 (the contract of
@@ -466,26 +481,23 @@ mod tests {
             Ok(())
         })
         .expect("with_float_ptr");
-        let seen = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(second))
-            .into_data()
-            .to_vec::<f32>()
-            .expect("f32");
         assert_eq!(
-            seen, replacement,
+            read_f32(second),
+            replacement,
             "Burn sees what was written at the address"
         );
     }
 
     #[derive(Module, Debug)]
-    struct Net<B: Backend> {
-        a: Linear<B>,
-        b: Linear<B>,
-        c: Linear<B>,
+    struct Net {
+        a: Linear,
+        b: Linear,
+        c: Linear,
     }
 
-    impl<B: Backend> Net<B> {
+    impl Net {
         /// 16 → 32 → 8 → 3: six gradients of 512, 32, 256, 8, 24 and 3 elements.
-        fn new(device: &B::Device) -> Self {
+        fn new(device: &Device) -> Self {
             Self {
                 a: LinearConfig::new(16, 32).init(device),
                 b: LinearConfig::new(32, 8).init(device),
@@ -494,11 +506,11 @@ mod tests {
         }
     }
 
-    /// The CUDA device 0 where NCCL can run too, or why these tests cannot run here.
-    fn nccl_device() -> Option<CudaDevice> {
-        let device = cuda_device()?;
+    /// The autodiff CUDA device 0 where NCCL can run too, or why these tests cannot run here.
+    fn nccl_device() -> Option<Device> {
+        cuda_device()?;
         match check_nccl_available() {
-            Ok(_) => Some(device),
+            Ok(_) => Some(Device::cuda(0).autodiff()),
             Err(e) => {
                 crate::testing::skip(Needs::Gpu, &format!("no usable NCCL: {e}"));
                 None
@@ -506,47 +518,43 @@ mod tests {
         }
     }
 
+    /// The weights' gradients of `net` in `grads`, as host values.
+    fn read_weights(net: &Net, grads: &GradientsParams) -> Vec<Vec<f32>> {
+        [net.a.weight.id, net.b.weight.id, net.c.weight.id]
+            .iter()
+            .map(|&id| {
+                let grad = grads.get::<2>(id).expect("gradient");
+                host_values::<f32>(grad.into_data()).expect("f32")
+            })
+            .collect()
+    }
+
     /// A one-rank NCCL group: the mean over one rank is the gradient itself, bit for bit, and
     /// every bucket of the plan goes through pack → address → NCCL → unpack; compressed, it is
     /// the gradient rounded to bf16 / fp16.
     #[test]
     fn one_rank_nccl_reducer_leaves_gradients_unchanged_or_rounded() {
-        type B = Autodiff<Cuda>;
         let Some(device) = nccl_device() else { return };
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let mut group = NcclProcessGroup::new(store, 0, 1, 0, Duration::from_secs(60))
             .expect("a one-rank NCCL group");
-        let net = Net::<B>::new(&device);
-        let ids = [net.a.weight.id, net.b.weight.id, net.c.weight.id];
-        let read = |grads: &GradientsParams| -> Vec<Vec<f32>> {
-            ids.iter()
-                .map(|&id| {
-                    grads
-                        .get::<Cuda, 2>(id)
-                        .expect("gradient")
-                        .into_data()
-                        .to_vec::<f32>()
-                        .expect("f32")
-                })
-                .collect()
-        };
+        let net = Net::new(&device);
 
         for compression in [None, Some(HalfFormat::Bf16), Some(HalfFormat::F16)] {
-            let x = Tensor::<B, 2>::random(
+            let x = Tensor::<2>::random(
                 [5, 16],
                 burn::tensor::Distribution::Normal(0.0, 1.0),
                 &device,
             );
             let y = net.c.forward(net.b.forward(net.a.forward(x)));
             let mut grads = GradientsParams::from_grads(y.powi_scalar(2).sum().backward(), &net);
-            let before = read(&grads);
+            let before = read_weights(&net, &grads);
             let count = grads.len();
 
             // 300 elements per bucket: several buckets, and a weight (512) alone in its own.
             let mut reducer = Reducer::new(300.0 * 4.0 / (1u64 << 20) as f64, compression);
-            let check = reducer
-                .sync::<B, _, _>(&mut NcclBuckets(&mut group), &net, &mut grads)
-                .expect("NCCL sync");
+            let check =
+                sync_with_nccl(&mut reducer, &mut group, &net, &mut grads).expect("NCCL sync");
             assert!(check.all_finite(), "{check:?}");
             let numels = [512, 32, 256, 8, 24, 3];
             let element_bytes = if compression.is_some() { 2 } else { 4 };
@@ -566,39 +574,39 @@ mod tests {
                     .map(|g| g.iter().map(|&x| format.widen(format.round(x))).collect())
                     .collect(),
             };
-            assert_eq!(read(&grads), want, "{compression:?}");
+            assert_eq!(read_weights(&net, &grads), want, "{compression:?}");
         }
     }
 
     /// Host staging forced through its whole path at world size 1 (the reducer skips a
     /// one-rank job otherwise), to compare with NCCL bit for bit.
-    struct Alone<'a, G>(crate::ddp::HostStaging<'a, G>);
+    struct Alone<'a, G>(HostStaging<'a, G>);
 
-    impl<B: BucketOps, G: crate::group::ProcessGroup> BucketComm<B> for Alone<'_, G> {
+    impl<G: crate::group::ProcessGroup> BucketComm for Alone<'_, G> {
         fn world_size(&self) -> usize {
-            BucketComm::<B>::world_size(&self.0)
+            self.0.world_size()
         }
         fn reduces_alone(&self) -> bool {
             true
         }
         fn all_reduce_f32(
             &mut self,
-            bucket: FloatTensor<B>,
+            bucket: FloatTensor<Dispatch>,
             scan: &mut FiniteScan,
-        ) -> Result<FloatTensor<B>, DdpError> {
-            BucketComm::<B>::all_reduce_f32(&mut self.0, bucket, scan)
+        ) -> Result<FloatTensor<Dispatch>, DdpError> {
+            self.0.all_reduce_f32(bucket, scan)
         }
         fn all_reduce_half(
             &mut self,
-            words: IntTensor<B>,
+            words: IntTensor<Dispatch>,
             len: usize,
             format: HalfFormat,
             scan: &mut FiniteScan,
-        ) -> Result<IntTensor<B>, DdpError> {
-            BucketComm::<B>::all_reduce_half(&mut self.0, words, len, format, scan)
+        ) -> Result<IntTensor<Dispatch>, DdpError> {
+            self.0.all_reduce_half(words, len, format, scan)
         }
         fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
-            BucketComm::<B>::gather_flags(&mut self.0, local)
+            self.0.gather_flags(local)
         }
     }
 
@@ -606,19 +614,17 @@ mod tests {
     /// bf16, fp16), and both find a NaN the same way (device check vs host scan).
     #[test]
     fn host_staging_and_nccl_agree_bit_for_bit_on_cuda() {
-        use crate::ddp::HostStaging;
         use crate::group::{TcpGroupOptions, TcpProcessGroup};
-        type B = Autodiff<Cuda>;
         let Some(device) = nccl_device() else { return };
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let mut nccl = NcclProcessGroup::new(store.clone(), 0, 1, 0, Duration::from_secs(60))
             .expect("a one-rank NCCL group");
         let mut tcp = TcpProcessGroup::new(store, 0, 1, TcpGroupOptions::default())
             .expect("a one-rank TCP group");
-        let net = Net::<B>::new(&device);
+        let net = Net::new(&device);
         let grads_for = |poison: f32| {
-            B::seed(&device, 3);
-            let x = Tensor::<B, 2>::random(
+            device.seed(3);
+            let x = Tensor::<2>::random(
                 [5, 16],
                 burn::tensor::Distribution::Normal(0.0, 1.0),
                 &device,
@@ -627,33 +633,29 @@ mod tests {
             let y = net.c.forward(net.b.forward(net.a.forward(x)));
             GradientsParams::from_grads(y.powi_scalar(2).sum().backward(), &net)
         };
-        let read = |grads: &GradientsParams| -> Vec<Vec<u32>> {
-            [net.a.weight.id, net.b.weight.id, net.c.weight.id]
+        let bits = |grads: &GradientsParams| -> Vec<Vec<u32>> {
+            read_weights(&net, grads)
                 .iter()
-                .map(|&id| {
-                    let values = grads.get::<Cuda, 2>(id).expect("gradient").into_data();
-                    let values = values.to_vec::<f32>().expect("f32");
-                    values.iter().map(|v| v.to_bits()).collect()
-                })
+                .map(|values| values.iter().map(|v| v.to_bits()).collect())
                 .collect()
         };
         for compression in [None, Some(HalfFormat::Bf16), Some(HalfFormat::F16)] {
             let mut reducer = Reducer::new(300.0 * 4.0 / (1u64 << 20) as f64, compression);
             let (mut on_gpu, mut via_host) = (grads_for(0.0), grads_for(0.0));
             reducer
-                .sync::<B, _, _>(&mut NcclBuckets(&mut nccl), &net, &mut on_gpu)
+                .sync(&mut NcclBuckets(&mut nccl), &net, &mut on_gpu)
                 .expect("NCCL sync");
             reducer
-                .sync::<B, _, _>(&mut Alone(HostStaging(&mut tcp)), &net, &mut via_host)
+                .sync(&mut Alone(HostStaging(&mut tcp)), &net, &mut via_host)
                 .expect("host sync");
-            assert_eq!(read(&on_gpu), read(&via_host), "{compression:?}");
+            assert_eq!(bits(&on_gpu), bits(&via_host), "{compression:?}");
 
             let (mut on_gpu, mut via_host) = (grads_for(f32::NAN), grads_for(f32::NAN));
             let gpu_check = reducer
-                .sync::<B, _, _>(&mut NcclBuckets(&mut nccl), &net, &mut on_gpu)
+                .sync(&mut NcclBuckets(&mut nccl), &net, &mut on_gpu)
                 .expect("NCCL sync");
             let host_check = reducer
-                .sync::<B, _, _>(&mut Alone(HostStaging(&mut tcp)), &net, &mut via_host)
+                .sync(&mut Alone(HostStaging(&mut tcp)), &net, &mut via_host)
                 .expect("host sync");
             assert_eq!(gpu_check.nonfinite_ranks, [0], "{compression:?}");
             assert_eq!(host_check.nonfinite_ranks, [0], "{compression:?}");

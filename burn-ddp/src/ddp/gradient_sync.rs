@@ -2,10 +2,10 @@
 //! host over the job's TCP group, or on the GPU over an NCCL group formed beside it (as
 //! PyTorch keeps a gloo group beside its NCCL group) — with one [`Reducer`] either way.
 
-use burn::module::AutodiffModule;
+use burn::module::Module;
 use burn::optim::GradientsParams;
+use burn::tensor::Device;
 
-use super::TrainBackend;
 use super::{DdpOptions, GradientCheck, GradientTransport, HostStaging, Reducer, ReducerStats};
 use crate::error::DdpError;
 #[cfg(feature = "cuda")]
@@ -23,7 +23,8 @@ pub struct GradientSync {
 }
 
 impl GradientSync {
-    /// The path `options` asks for on backend `B`. For NCCL this forms the group through the
+    /// The path `options` asks for on the training `device` (autodiff or not: NCCL needs a
+    /// CUDA device of Burn's CUDA backend). For NCCL this forms the group through the
     /// job's store: collective, every rank calls it at the same point with the same options,
     /// bounded by `options.timeout`.
     ///
@@ -31,14 +32,16 @@ impl GradientSync {
     /// [`DdpError::Options`] for a combination that cannot work (NCCL asked for with ZeRO
     /// stage 1, or in a build without feature `cuda`); what forming
     /// the NCCL group reports.
-    pub fn new<B: TrainBackend>(
+    pub fn new(
         options: &DdpOptions,
         dist: &Distributed,
+        device: &Device,
     ) -> Result<Self, DdpError> {
         let reducer = Reducer::new(options.bucket_cap_mb, options.compression);
         let asked = options.transport == GradientTransport::Nccl;
+        let cuda = is_cuda(device);
         let mut use_nccl =
-            options.resolved_transport(B::CUDA, dist.env.world_size) == GradientTransport::Nccl;
+            options.resolved_transport(cuda, dist.env.world_size) == GradientTransport::Nccl;
         if use_nccl && options.zero_stage == 1 {
             // Stage 1 needs a reduce-scatter and an all-gather over blocks of different sizes
             // (one per owner), which NCCL lacks: it runs over the TCP group.
@@ -55,7 +58,7 @@ impl GradientSync {
                     .into(),
             ));
         }
-        if use_nccl && !B::CUDA {
+        if use_nccl && !cuda {
             return Err(DdpError::Options(
                 "gradient transport NCCL needs Burn's CUDA backend; use the automatic or host transport on this device".into(),
             ));
@@ -81,7 +84,7 @@ impl GradientSync {
 
     /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer
     /// step ([`Reducer::sync`]).
-    pub fn sync<B: TrainBackend, M: AutodiffModule<B>>(
+    pub fn sync<M: Module>(
         &mut self,
         tcp: &mut TcpProcessGroup,
         model: &M,
@@ -89,14 +92,25 @@ impl GradientSync {
     ) -> Result<GradientCheck, DdpError> {
         #[cfg(feature = "cuda")]
         if let Some(group) = &mut self.nccl {
-            return B::sync_with_nccl(&mut self.reducer, group, model, grads);
+            return super::device::sync_with_nccl(&mut self.reducer, group, model, grads);
         }
-        self.reducer
-            .sync::<B, M, _>(&mut HostStaging(tcp), model, grads)
+        self.reducer.sync(&mut HostStaging(tcp), model, grads)
     }
 
     pub fn stats(&self) -> ReducerStats {
         self.reducer.stats()
+    }
+}
+
+/// Whether `device` is a CUDA device that NCCL can reduce on (always `false` without feature
+/// `cuda`).
+fn is_cuda(device: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    return super::device::cuda_ordinal(device).is_some();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        false
     }
 }
 

@@ -16,7 +16,8 @@
 //! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stage 1 (pure).
 //! - [`zero`]: [`ShardedSync`], ZeRO stage 1: gradients reduced to their owner, parameters
 //!   gathered back from it; the optimizer-state helpers for checkpoints.
-//! - `device` (feature `cuda`): `NcclBuckets` and the device addresses NCCL needs.
+//! - `device` (feature `cuda`): `NcclBuckets`, the device addresses NCCL needs, and
+//!   [`cuda_ordinal`](device::cuda_ordinal): whether a training device is a CUDA device.
 
 pub mod bucket;
 pub mod buffers;
@@ -30,18 +31,16 @@ pub mod module;
 pub mod options;
 pub mod reducer;
 pub mod shard_plan;
-pub mod train_backend;
 pub mod zero;
 
 pub use buffers::{sync_buffers, BufferSync};
 pub use comm::{BucketComm, HostStaging};
 #[cfg(feature = "cuda")]
-pub use device::{CudaBuffers, NcclBackend, NcclBuckets};
+pub use device::{cuda_ordinal, NcclBuckets};
 pub use finite::GradientCheck;
 pub use gradient_sync::GradientSync;
 pub use module::{param_checksum, parameter_count, prepare_module};
 pub use options::{DdpOptions, GradientTransport};
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;
-pub use train_backend::TrainBackend;
 pub use zero::ShardedSync;

@@ -21,7 +21,7 @@ use crate::host_values::host_values;
 /// Why ids: Burn draws `ParamId`s at random per process, and optimizer state and gradients are
 /// keyed by them. Ids from the visit order are the same on every rank and in every run, so a
 /// checkpoint's optimizer state matches the model it is loaded into.
-pub fn prepare_module<B: Backend, M: Module<B>, G: ProcessGroup>(
+pub fn prepare_module<M: Module, G: ProcessGroup>(
     module: M,
     group: &mut G,
     root: usize,
@@ -40,10 +40,10 @@ pub fn prepare_module<B: Backend, M: Module<B>, G: ProcessGroup>(
 /// declared with. Burn initialises parameters lazily, so a model built but never used counts
 /// its parameters without allocating them: what a memory pre-flight needs, which must not
 /// allocate what it is about to refuse. Local; equal to Burn's `num_params` on a drawn model.
-pub fn parameter_count<B: Backend, M: Module<B>>(model: &M) -> u64 {
+pub fn parameter_count<M: Module>(model: &M) -> u64 {
     struct Count(u64);
-    impl<B: Backend> ModuleVisitor<B> for Count {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             self.0 += param.lazy_shape().num_elements() as u64;
         }
     }
@@ -54,7 +54,7 @@ pub fn parameter_count<B: Backend, M: Module<B>>(model: &M) -> u64 {
 
 /// A checksum of every float parameter's bits, in visit order. Equal replicas have equal
 /// checksums; compare them across ranks to detect drift.
-pub fn param_checksum<B: Backend, M: Module<B>>(module: &M) -> u64 {
+pub fn param_checksum<M: Module>(module: &M) -> u64 {
     let mut values = Vec::new();
     read_floats(module, &mut values, in_order());
     // A hash of the f32 bit patterns: cheap, order-sensitive, and exact (no float tolerance).
@@ -77,22 +77,19 @@ impl AssignIds {
     }
 }
 
-impl<B: Backend> ModuleMapper<B> for AssignIds {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl ModuleMapper for AssignIds {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let (_, tensor, mapper) = param.consume();
         Param::from_mapped_value(self.id(), tensor, mapper)
     }
-    fn map_int<const D: usize>(
-        &mut self,
-        param: Param<Tensor<B, D, Int>>,
-    ) -> Param<Tensor<B, D, Int>> {
+    fn map_int<const D: usize>(&mut self, param: Param<Tensor<D, Int>>) -> Param<Tensor<D, Int>> {
         let (_, tensor, mapper) = param.consume();
         Param::from_mapped_value(self.id(), tensor, mapper)
     }
     fn map_bool<const D: usize>(
         &mut self,
-        param: Param<Tensor<B, D, Bool>>,
-    ) -> Param<Tensor<B, D, Bool>> {
+        param: Param<Tensor<D, Bool>>,
+    ) -> Param<Tensor<D, Bool>> {
         let (_, tensor, mapper) = param.consume();
         Param::from_mapped_value(self.id(), tensor, mapper)
     }
@@ -119,21 +116,13 @@ pub(crate) fn in_order() -> impl FloatSlot {
 ///
 /// # Panics
 /// When a parameter's data cannot be converted to f32 (a quantized parameter).
-pub(crate) fn read_floats<B: Backend, M: Module<B>>(
-    module: &M,
-    flat: &mut Vec<f32>,
-    slot: impl FloatSlot,
-) {
+pub(crate) fn read_floats<M: Module>(module: &M, flat: &mut Vec<f32>, slot: impl FloatSlot) {
     module.visit(&mut ReadFloats { flat, slot });
 }
 
 /// Replaces the values of the float parameters `slot` places with their range of `flat`,
 /// keeping each one's id, dtype and whether it requires a gradient. Local.
-pub(crate) fn write_floats<B: Backend, M: Module<B>>(
-    module: M,
-    flat: &[f32],
-    slot: impl FloatSlot,
-) -> M {
+pub(crate) fn write_floats<M: Module>(module: M, flat: &[f32], slot: impl FloatSlot) -> M {
     module.map(&mut WriteFloats { flat, slot })
 }
 
@@ -142,8 +131,8 @@ struct ReadFloats<'a, F> {
     slot: F,
 }
 
-impl<B: Backend, F: FloatSlot> ModuleVisitor<B> for ReadFloats<'_, F> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl<F: FloatSlot> ModuleVisitor for ReadFloats<'_, F> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let value = param.val();
         let n = value.shape().num_elements();
         let Some(range) = (self.slot)(param.id, value.is_require_grad(), n) else {
@@ -173,8 +162,8 @@ struct WriteFloats<'a, F> {
     slot: F,
 }
 
-impl<B: Backend, F: FloatSlot> ModuleMapper<B> for WriteFloats<'_, F> {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+impl<F: FloatSlot> ModuleMapper for WriteFloats<'_, F> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let (id, tensor, mapper) = param.consume();
         let shape = tensor.shape();
         let require_grad = tensor.is_require_grad();
@@ -183,8 +172,7 @@ impl<B: Backend, F: FloatSlot> ModuleMapper<B> for WriteFloats<'_, F> {
             return Param::from_mapped_value(id, tensor, mapper);
         };
         let data = TensorData::new(values.to_vec(), shape).convert_dtype(tensor.dtype());
-        let fresh =
-            Tensor::<B, D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
+        let fresh = Tensor::<D>::from_data(data, &tensor.device()).set_require_grad(require_grad);
         Param::from_mapped_value(id, fresh, mapper)
     }
 }

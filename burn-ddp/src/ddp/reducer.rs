@@ -10,7 +10,7 @@
 //!     [widen]     BucketOps::decompress_bucket
 //!     unpack      BucketOps::unpack_bucket(scale 1/world, or 1 when compressed)
 //!   (BucketComm::mean_of_bucket runs these steps for one bucket. On a backend in host
-//!   memory, BucketOps::HOST_MEMORY, the host communicator packs, compresses, checks, sums,
+//!   memory, kernels::host_memory, the host communicator packs, compresses, checks, sums,
 //!   widens, scales and unpacks piece by piece inside the ring instead, each piece while
 //!   others are on the wire: ProcessGroup::all_reduce_staged; same bits)
 //!   ─▶ register the averaged gradients back ─▶ optimizer.step()
@@ -29,18 +29,19 @@
 //! therefore be the same on every rank (a difference is reported as a length mismatch by the
 //! TCP ring, and by NCCL when its header check is on).
 
-use burn::module::{AutodiffModule, ModuleVisitor, Param, ParamId};
+use burn::backend::ops::FloatTensorOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::Dispatch;
+use burn::module::{ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::ops::{FloatTensor, FloatTensorOps};
-use burn::tensor::{DType, FloatDType, TensorPrimitive};
+use burn::tensor::{DType, FloatDType};
 
 use super::bucket::{plan_buckets, Bucket};
 use super::comm::BucketComm;
 use super::finite::{probe, FiniteScan, GradientCheck};
 use crate::error::DdpError;
-use crate::kernels::{BucketOps, HalfFormat, MAX_BUCKET_LEN};
+use crate::kernels::{HalfFormat, MAX_BUCKET_LEN};
 
 /// Counters a test or a metrics line can read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -105,25 +106,23 @@ impl Reducer {
     /// device read that failed, or a parameter of more than 2^31 - 1 elements (the kernels
     /// index with 32 bits; found before anything is sent, on every rank alike). `grads` may then
     /// have lost gradients: stop training.
-    pub fn sync<B, M, C>(
+    pub fn sync<M, C>(
         &mut self,
         comm: &mut C,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError>
     where
-        B: AutodiffBackend,
-        B::InnerBackend: BucketOps,
-        M: AutodiffModule<B>,
-        C: BucketComm<B::InnerBackend>,
+        M: Module,
+        C: BucketComm + ?Sized,
     {
         self.stats.syncs += 1;
         let world = comm.world_size();
         let mut scan = FiniteScan::new(self.check_finite);
         if world == 1 && !comm.reduces_alone() {
-            return self.check_alone::<B, M>(model, grads, scan);
+            return self.check_alone(model, grads, scan);
         }
-        let mut taker = TakeGrads::<B> {
+        let mut taker = TakeGrads {
             grads,
             taken: Vec::new(),
         };
@@ -133,10 +132,10 @@ impl Reducer {
         let scale = 1.0 / world as f32;
         let numels: Vec<usize> = taken.iter().map(|g| g.shape.num_elements()).collect();
         for bucket in plan_buckets(&numels, self.bucket_cap_elems) {
-            self.reduce_bucket::<B, C>(comm, &bucket, &mut taken, scale, &mut scan)?;
+            self.reduce_bucket(comm, &bucket, &mut taken, scale, &mut scan)?;
         }
 
-        let mut putter = PutGrads::<B> {
+        let mut putter = PutGrads {
             grads,
             taken: taken.into_iter().peekable(),
         };
@@ -156,19 +155,14 @@ impl Reducer {
     /// through the loss reaches every gradient, so the smallest one tells (a bias, as a rule):
     /// one small reduction and one read. The weights are checked in full before every
     /// checkpoint.
-    fn check_alone<B, M>(
+    fn check_alone<M: Module>(
         &self,
         model: &M,
         grads: &GradientsParams,
         mut scan: FiniteScan,
-    ) -> Result<GradientCheck, DdpError>
-    where
-        B: AutodiffBackend,
-        B::InnerBackend: BucketOps,
-        M: AutodiffModule<B>,
-    {
+    ) -> Result<GradientCheck, DdpError> {
         if self.check_finite {
-            let mut sentinel = SmallestGrad::<B> {
+            let mut sentinel = SmallestGrad {
                 grads,
                 smallest: None,
             };
@@ -187,19 +181,14 @@ impl Reducer {
 
     /// Replaces the gradients of `bucket`'s parameters in `taken` by their mean over the ranks
     /// (in their own dtype again). Collective.
-    fn reduce_bucket<B, C>(
+    fn reduce_bucket<C: BucketComm + ?Sized>(
         &mut self,
         comm: &mut C,
         bucket: &Bucket,
-        taken: &mut [TakenGrad<B::InnerBackend>],
+        taken: &mut [TakenGrad],
         scale: f32,
         scan: &mut FiniteScan,
-    ) -> Result<(), DdpError>
-    where
-        B: AutodiffBackend,
-        B::InnerBackend: BucketOps,
-        C: BucketComm<B::InnerBackend>,
-    {
+    ) -> Result<(), DdpError> {
         if bucket.numel > MAX_BUCKET_LEN {
             // Only a single parameter can exceed the (capped) bucket size.
             return Err(DdpError::Unsupported(format!(
@@ -223,7 +212,7 @@ impl Reducer {
             let out = if taken[p].dtype == DType::F32 {
                 out
             } else {
-                B::InnerBackend::float_cast(out, FloatDType::from(taken[p].dtype))
+                Dispatch::float_cast(out, FloatDType::from(taken[p].dtype))
             };
             taken[p].tensor = Some(out);
         }
@@ -236,14 +225,14 @@ impl Reducer {
 
 /// A gradient taken out of `GradientsParams`, still on its device.
 /// The float gradient with the fewest elements in `grads` (flattened; nothing computed).
-struct SmallestGrad<'a, B: AutodiffBackend> {
+struct SmallestGrad<'a> {
     grads: &'a GradientsParams,
-    smallest: Option<(usize, Tensor<B::InnerBackend, 1>)>,
+    smallest: Option<(usize, Tensor<1>)>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for SmallestGrad<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+impl ModuleVisitor for SmallestGrad<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(g) = self.grads.get::<D>(param.id) {
             let n = g.shape().num_elements();
             if self.smallest.as_ref().is_none_or(|(m, _)| n < *m) {
                 self.smallest = Some((n, g.reshape([n])));
@@ -252,28 +241,28 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for SmallestGrad<'_, B> {
     }
 }
 
-struct TakenGrad<B: Backend> {
+struct TakenGrad {
     id: ParamId,
     /// `None` only while its bucket is being reduced.
-    tensor: Option<FloatTensor<B>>,
+    tensor: Option<FloatTensor<Dispatch>>,
     shape: Shape,
     dtype: DType,
 }
 
 /// Removes every float parameter's gradient, in visit order.
-struct TakeGrads<'a, B: AutodiffBackend> {
+struct TakeGrads<'a> {
     grads: &'a mut GradientsParams,
-    taken: Vec<TakenGrad<B::InnerBackend>>,
+    taken: Vec<TakenGrad>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(grad) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+impl ModuleVisitor for TakeGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = self.grads.remove::<D>(param.id) {
             let shape = grad.shape();
             let dtype = grad.dtype();
             self.taken.push(TakenGrad {
                 id: param.id,
-                tensor: Some(grad.into_primitive().tensor()),
+                tensor: Some(grad.into_dispatch()),
                 shape,
                 dtype,
             });
@@ -282,21 +271,20 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_, B> {
 }
 
 /// Puts the (averaged) gradients back, matching them to parameters by visit order.
-struct PutGrads<'a, B: AutodiffBackend> {
+struct PutGrads<'a> {
     grads: &'a mut GradientsParams,
-    taken: std::iter::Peekable<std::vec::IntoIter<TakenGrad<B::InnerBackend>>>,
+    taken: std::iter::Peekable<std::vec::IntoIter<TakenGrad>>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_, B> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+impl ModuleVisitor for PutGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if self.taken.peek().is_some_and(|g| g.id == param.id) {
             if let Some(TakenGrad {
                 tensor: Some(tensor),
                 ..
             }) = self.taken.next()
             {
-                let tensor =
-                    Tensor::<B::InnerBackend, D>::from_primitive(TensorPrimitive::Float(tensor));
+                let tensor = Tensor::<D>::from_dispatch(tensor);
                 self.grads.register(param.id, tensor);
             }
         }
@@ -310,7 +298,6 @@ mod tests {
     //! ranks' gradients computed on the host.
     use std::sync::Arc;
 
-    use burn::backend::{Autodiff, Flex};
     use burn::nn::{Linear, LinearConfig};
     use burn::tensor::TensorData;
 
@@ -319,41 +306,39 @@ mod tests {
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};
 
-    type B = Autodiff<Flex>;
-
     #[derive(Module, Debug)]
-    struct Net<B: Backend> {
-        a: Linear<B>,
-        b: Linear<B>,
+    struct Net {
+        a: Linear,
+        b: Linear,
     }
 
     /// The same weights on every rank (`seed`), an input that depends on the rank.
-    fn gradients(rank: usize) -> (Net<B>, GradientsParams, Vec<Vec<f32>>) {
+    fn gradients(rank: usize) -> (Net, GradientsParams, Vec<Vec<f32>>) {
         gradients_of(rank, 0.0)
     }
 
     /// As [`gradients`], with `poison` added to one input value (NaN or Inf poisons every
     /// gradient that depends on it; 0 changes nothing).
-    fn gradients_of(rank: usize, poison: f32) -> (Net<B>, GradientsParams, Vec<Vec<f32>>) {
-        let device = Default::default();
-        B::seed(&device, 7);
-        let net = Net::<B> {
+    fn gradients_of(rank: usize, poison: f32) -> (Net, GradientsParams, Vec<Vec<f32>>) {
+        let device = Device::flex().autodiff();
+        device.seed(7);
+        let net = Net {
             a: LinearConfig::new(6, 40).init(&device),
             b: LinearConfig::new(40, 3).init(&device),
         };
         let x: Vec<f32> = (0..12)
             .map(|i| (i as f32 - 5.0) * (rank as f32 + 1.0) + if i == 0 { poison } else { 0.0 })
             .collect();
-        let x = Tensor::<B, 2>::from_data(TensorData::new(x, [2, 6]), &device);
+        let x = Tensor::<2>::from_data(TensorData::new(x, [2, 6]), &device);
         let y = net.b.forward(net.a.forward(x));
         let grads = GradientsParams::from_grads(y.powi_scalar(2).sum().backward(), &net);
         let values = read_all(&net, &grads);
         (net, grads, values)
     }
 
-    fn read_all(net: &Net<B>, grads: &GradientsParams) -> Vec<Vec<f32>> {
-        let read = |g: Option<Tensor<Flex, 2>>| g.unwrap().into_data().to_vec::<f32>().unwrap();
-        let read1 = |g: Option<Tensor<Flex, 1>>| g.unwrap().into_data().to_vec::<f32>().unwrap();
+    fn read_all(net: &Net, grads: &GradientsParams) -> Vec<Vec<f32>> {
+        let read = |g: Option<Tensor<2>>| g.unwrap().into_data().try_to_vec::<f32>().unwrap();
+        let read1 = |g: Option<Tensor<1>>| g.unwrap().into_data().try_to_vec::<f32>().unwrap();
         vec![
             read(grads.get(net.a.weight.id)),
             read1(grads.get(net.a.bias.as_ref().unwrap().id)),
@@ -374,7 +359,7 @@ mod tests {
                     let (net, mut grads, before) = gradients(rank);
                     let mut reducer = Reducer::new(bucket_cap_mb, compression);
                     reducer
-                        .sync::<B, _, _>(&mut HostStaging(&mut group), &net, &mut grads)
+                        .sync(&mut HostStaging(&mut group), &net, &mut grads)
                         .unwrap();
                     (before, read_all(&net, &grads), reducer.stats())
                 })
@@ -399,7 +384,7 @@ mod tests {
                             .unwrap();
                     let (net, mut grads, _) = gradients_of(rank, poison);
                     Reducer::new(25.0, compression)
-                        .sync::<B, _, _>(&mut HostStaging(&mut group), &net, &mut grads)
+                        .sync(&mut HostStaging(&mut group), &net, &mut grads)
                         .unwrap()
                 })
             })
@@ -502,7 +487,7 @@ mod tests {
         let (net, mut grads, before) = gradients(0);
         let mut reducer = Reducer::new(25.0, Some(HalfFormat::Bf16));
         reducer
-            .sync::<B, _, _>(&mut HostStaging(&mut group), &net, &mut grads)
+            .sync(&mut HostStaging(&mut group), &net, &mut grads)
             .unwrap();
         assert_eq!(read_all(&net, &grads), before);
         assert_eq!(

@@ -2,8 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use burn::tensor::backend::ExecutionError;
-use burn::tensor::{Distribution, FloatDType, Shape};
+use burn::backend::{Distribution, ExecutionError, FloatDType, Shape};
 
 use super::BucketOps;
 
@@ -24,7 +23,8 @@ pub struct PackUnpackThroughput {
 }
 
 /// Times `iterations` rounds of `pack_bucket` + `unpack_bucket` (scale 0.5) of `bytes` of `f32`
-/// split into `tensors` near-equal 1-D tensors on `device`, synchronising before and after.
+/// split into `tensors` near-equal 1-D tensors on `device`, synchronising before and after
+/// (`B` is [`Dispatch`](burn::backend::Dispatch) for a training device's `as_dispatch()`).
 ///
 /// The inputs are created once; each round allocates its bucket and outputs, as the reducer does.
 ///
@@ -86,13 +86,14 @@ pub fn measure_pack_unpack<B: BucketOps>(
 
 #[cfg(test)]
 mod tests {
-    use burn::backend::Flex;
+    use burn::backend::{Dispatch, DispatchDevice, FlexDevice};
 
     use super::*;
 
     #[test]
     fn measures_something_on_flex() {
-        let result = measure_pack_unpack::<Flex>(&Default::default(), 1 << 16, 7, 2).expect("sync");
+        let device = DispatchDevice::Flex(FlexDevice);
+        let result = measure_pack_unpack::<Dispatch>(&device, 1 << 16, 7, 2).expect("sync");
         assert_eq!(result.bytes, 1 << 16);
         assert_eq!(result.tensors, 7);
         assert!(result.gb_per_s > 0.0);

@@ -1,5 +1,6 @@
-//! The CubeCL kernels behind [`BucketOps`], and its implementations for `CubeBackend` (any CubeCL
-//! runtime: wgpu, CUDA, ...) and for `Fusion`.
+//! The CubeCL kernels behind [`BucketOps`]: its implementations for `CubeBackend` (any CubeCL
+//! runtime: wgpu, CUDA, ...) and for `Fusion`, and the routing of [`Dispatch`] tensors to
+//! whichever of the two `burn_cubecl::Cube` is in this build.
 //!
 //! ## The kernels
 //! - [`pack_kernel`]: a group of inputs, each its own buffer binding, copied into the bucket.
@@ -19,13 +20,27 @@
 //!
 //! All launches are the checked kind (`launch`, not `launch_unchecked`): the bounds checks cost
 //! little in kernels that are pure memory traffic, and no `unsafe` is needed.
+//!
+//! ## Fusion
+//! `burn_cubecl::Cube` is `CubeBackend` unless a crate of the build turns on `burn-cubecl`'s
+//! `fusion` feature (Burn's default features do; this crate does not), and then
+//! `Fusion<CubeBackend>`. Both implement [`BucketOps`] here, so the routing below compiles and
+//! works either way: plain tensors get the kernels, fused ones the [`fallback`] ops, which the
+//! fusion stream records lazily (running the kernels there would take registering a fusion
+//! custom operation, with Burn's IR types).
+//!
+//! [`Dispatch`]: burn::backend::Dispatch
 
-use burn::tensor::ops::FloatTensorOps;
-use burn::tensor::ops::IntTensorOps;
-use burn::tensor::{DType, FloatDType, IntDType, Shape, TensorMetadata};
+use burn::backend::ops::{FloatTensorOps, IntTensorOps};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{
+    BackendTensor, DType, DispatchAutodiffContext, DispatchDevice, DispatchTensor,
+    DispatchTensorKind, FloatDType, IntDType, Shape, TensorMetadata,
+};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
-use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+use burn_cubecl::{Cube, CubeBackend, CubeDevice};
+use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
@@ -48,8 +63,8 @@ const RESERVED_BINDINGS: usize = 3;
 /// Copies input `y` of the group (`CUBE_POS_Y`) into `bucket[starts[y]..starts[y] + lens[y]]`.
 #[cube(launch)]
 fn pack_kernel(
-    inputs: &Sequence<Array<f32>>,
-    bucket: &mut Array<f32>,
+    inputs: &Sequence<Box<[f32]>>,
+    bucket: &mut [f32],
     starts: Sequence<usize>,
     lens: Sequence<usize>,
 ) {
@@ -75,10 +90,10 @@ fn pack_kernel(
 /// `k < bucket_starts[t + 1] - bucket_starts[t]`; one thread per bucket element.
 #[cube(launch)]
 fn unpack_scale_kernel(
-    bucket: &Array<f32>,
-    bucket_starts: &Array<u32>,
-    out_starts: &Array<u32>,
-    out: &mut Array<f32>,
+    bucket: &[f32],
+    bucket_starts: &[u32],
+    out_starts: &[u32],
+    out: &mut [f32],
     num_tensors: usize,
     scale: f32,
 ) {
@@ -212,7 +227,7 @@ fn round_to_half(x: f32, scale: f32, #[comptime] f16: bool) -> u32 {
 
 /// `words[w]` = half(bucket[2w] × scale) | half(bucket[2w + 1] × scale) << 16 (0 past the end).
 #[cube(launch)]
-fn compress_kernel(bucket: &Array<f32>, words: &mut Array<u32>, scale: f32, #[comptime] f16: bool) {
+fn compress_kernel(bucket: &[f32], words: &mut [u32], scale: f32, #[comptime] f16: bool) {
     let w = ABSOLUTE_POS;
     if w >= words.len() {
         terminate!();
@@ -227,7 +242,7 @@ fn compress_kernel(bucket: &Array<f32>, words: &mut Array<u32>, scale: f32, #[co
 
 /// `out[i]` = the f16 (`f16 = true`) or bf16 in half `i % 2` of `words[i / 2]`, widened.
 #[cube(launch)]
-fn decompress_kernel(words: &Array<u32>, out: &mut Array<f32>, #[comptime] f16: bool) {
+fn decompress_kernel(words: &[u32], out: &mut [f32], #[comptime] f16: bool) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
         terminate!();
@@ -243,7 +258,7 @@ fn decompress_kernel(words: &Array<u32>, out: &mut Array<f32>, #[comptime] f16: 
 }
 
 /// How many inputs one pack launch may bind on this client's device.
-fn max_inputs_per_launch<R: Runtime>(client: &ComputeClient<R>) -> usize {
+fn max_inputs_per_launch(client: &Client) -> usize {
     let max_bindings = client.properties().hardware.max_bindings as usize;
     max_bindings
         .saturating_sub(RESERVED_BINDINGS)
@@ -305,12 +320,7 @@ fn to_u32s(offsets: &[usize]) -> Vec<u32> {
 }
 
 /// A new contiguous tensor of `len` elements of `dtype` (4 bytes each), uninitialised.
-fn new_1d<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    device: &R::Device,
-    len: usize,
-    dtype: DType,
-) -> CubeTensor<R> {
+fn new_1d(client: &Client, device: &CubeDevice, len: usize, dtype: DType) -> CubeTensor {
     CubeTensor::new_contiguous(
         client.clone(),
         device.clone(),
@@ -324,15 +334,10 @@ fn cube_dim_1d() -> CubeDim {
     CubeDim::new_1d(CUBE_SIZE)
 }
 
-impl<R, F, I, BT> BucketOps for CubeBackend<R, F, I, BT>
-where
-    R: CubeRuntime,
-    F: FloatElement,
-    I: IntElement,
-    BT: BoolElement,
-{
-    fn pack_bucket(tensors: Vec<CubeTensor<R>>, device: &R::Device) -> CubeTensor<R> {
-        let inputs: Vec<CubeTensor<R>> = tensors
+/// The kernels, on a plain CubeCL tensor of any runtime.
+impl BucketOps for CubeBackend {
+    fn pack_bucket(tensors: Vec<CubeTensor>, device: &CubeDevice) -> CubeTensor {
+        let inputs: Vec<CubeTensor> = tensors
             .into_iter()
             .filter(|tensor| tensor.shape().num_elements() > 0)
             .map(|tensor| into_contiguous(fallback::to_f32::<Self>(tensor)))
@@ -343,18 +348,18 @@ where
             return Self::float_empty(Shape::new([0]), device, FloatDType::F32);
         }
 
-        let client = R::client(device);
+        let client = device.client();
         let bucket = new_1d(&client, device, total, DType::F32);
         let mut start = 0;
         for group in inputs.chunks(max_inputs_per_launch(&client)) {
-            let mut arrays = SequenceArg::<R, Array<f32>>::new();
-            let mut starts = SequenceArg::<R, usize>::new();
-            let mut lens = SequenceArg::<R, usize>::new();
+            let mut arrays = SequenceArg::<Box<[f32]>>::new();
+            let mut starts = SequenceArg::<usize>::new();
+            let mut lens = SequenceArg::<usize>::new();
             let mut longest = 0;
             for input in group {
                 input.assert_is_on_same_device(&bucket);
                 let len = input.shape().num_elements();
-                arrays.push(input.clone().into_array_arg());
+                arrays.push(input.clone().into_buffer_arg());
                 starts.push(start);
                 lens.push(len);
                 start += len;
@@ -365,12 +370,12 @@ where
                 .min(MAX_CUBES_PER_INPUT);
             // Both fit in u32: cubes_x <= MAX_CUBES_PER_INPUT, the group <= MAX_INPUTS_PER_LAUNCH.
             let cube_count = CubeCount::Static(cubes_x as u32, group.len() as u32, 1);
-            pack_kernel::launch::<R>(
+            pack_kernel::launch(
                 &client,
                 cube_count,
                 cube_dim_1d(),
                 arrays,
-                bucket.clone().into_array_arg(),
+                bucket.clone().into_buffer_arg(),
                 starts,
                 lens,
             );
@@ -378,7 +383,7 @@ where
         bucket
     }
 
-    fn unpack_bucket(bucket: CubeTensor<R>, shapes: &[Shape], scale: f32) -> Vec<CubeTensor<R>> {
+    fn unpack_bucket(bucket: CubeTensor, shapes: &[Shape], scale: f32) -> Vec<CubeTensor> {
         let len = check_bucket("unpack_bucket", &bucket, shapes);
         let device = bucket.device.clone();
         if len == 0 {
@@ -407,17 +412,18 @@ where
         let num_tensors = layout.out_starts.len();
 
         let cube_dim = cube_dim_1d();
-        unpack_scale_kernel::launch::<R>(
+        unpack_scale_kernel::launch(
             &client,
             calculate_cube_count_elemwise(&client, len, cube_dim),
             cube_dim,
-            bucket.into_array_arg(),
+            bucket.into_buffer_arg(),
             // The handles hold exactly these many u32 values.
             new_from_handle(&client, &device, bucket_starts, num_tensors + 1, DType::U32)
-                .into_array_arg(),
-            new_from_handle(&client, &device, out_starts, num_tensors, DType::U32).into_array_arg(),
+                .into_buffer_arg(),
+            new_from_handle(&client, &device, out_starts, num_tensors, DType::U32)
+                .into_buffer_arg(),
             new_from_handle(&client, &device, out.clone(), layout.out_len, DType::F32)
-                .into_array_arg(),
+                .into_buffer_arg(),
             num_tensors,
             scale,
         );
@@ -445,10 +451,10 @@ where
     }
 
     fn compress_bucket(
-        bucket: CubeTensor<R>,
+        bucket: CubeTensor,
         format: HalfFormat,
         scale: f32,
-    ) -> Result<CubeTensor<R>, BucketOpsError> {
+    ) -> Result<CubeTensor, BucketOpsError> {
         let len = check_bucket_1d("compress_bucket", &bucket);
         let device = bucket.device.clone();
         if len == 0 {
@@ -459,12 +465,12 @@ where
         let words = new_1d(&client, &device, wire16::packed_len(len), DType::U32);
 
         let cube_dim = cube_dim_1d();
-        compress_kernel::launch::<R>(
+        compress_kernel::launch(
             &client,
             calculate_cube_count_elemwise(&client, wire16::packed_len(len), cube_dim),
             cube_dim,
-            bucket.into_array_arg(),
-            words.clone().into_array_arg(),
+            bucket.into_buffer_arg(),
+            words.clone().into_buffer_arg(),
             scale,
             format == HalfFormat::F16,
         );
@@ -472,10 +478,10 @@ where
     }
 
     fn decompress_bucket(
-        words: CubeTensor<R>,
+        words: CubeTensor,
         len: usize,
         format: HalfFormat,
-    ) -> Result<CubeTensor<R>, BucketOpsError> {
+    ) -> Result<CubeTensor, BucketOpsError> {
         check_len("decompress_bucket", len);
         check_words("decompress_bucket", &words, len);
         let device = words.device.clone();
@@ -487,12 +493,12 @@ where
         let out = new_1d(&client, &device, len, DType::F32);
 
         let cube_dim = cube_dim_1d();
-        decompress_kernel::launch::<R>(
+        decompress_kernel::launch(
             &client,
             calculate_cube_count_elemwise(&client, len, cube_dim),
             cube_dim,
-            words.into_array_arg(),
-            out.clone().into_array_arg(),
+            words.into_buffer_arg(),
+            out.clone().into_buffer_arg(),
             format == HalfFormat::F16,
         );
         Ok(out)
@@ -500,13 +506,13 @@ where
 }
 
 /// Wraps a raw handle of `len` elements of `dtype` as a 1-D tensor (to bind it as an array).
-fn new_from_handle<R: CubeRuntime>(
-    client: &ComputeClient<R>,
-    device: &R::Device,
+fn new_from_handle(
+    client: &Client,
+    device: &CubeDevice,
     handle: cubecl::server::Handle,
     len: usize,
     dtype: DType,
-) -> CubeTensor<R> {
+) -> CubeTensor {
     CubeTensor::new_contiguous(
         client.clone(),
         device.clone(),
@@ -516,10 +522,122 @@ fn new_from_handle<R: CubeRuntime>(
     )
 }
 
-// `Wgpu` / `Cuda` with Burn's `fusion` feature on: the [`fallback`] ops, which the fusion stream
+// `Cube` with `burn-cubecl`'s `fusion` feature on: the [`fallback`] ops, which the fusion stream
 // records lazily (and may fuse). Running our kernels here would take registering a fusion custom
 // operation, which needs `burn_ir` types this crate does not depend on (Burn's `ir` feature).
 fallback::fallback_bucket_ops!(impl[B: burn_fusion::FusionBackend] for burn_fusion::Fusion<B>);
+
+// ---- Routing of `Dispatch` tensors (module docs, "Fusion") ----
+//
+// The `Err` of these functions is the caller's own tensor handed back, moved once, for the
+// fallback path: its size is the size of a tensor handle, not a copy of the data.
+
+/// Whether `tensor` is a float tensor of Burn's CubeCL backend that autodiff does not track.
+fn is_cube_float(tensor: &DispatchTensor) -> bool {
+    matches!(
+        tensor,
+        DispatchTensor {
+            kind: DispatchTensorKind::Cube(BackendTensor::Float(_)),
+            autodiff: DispatchAutodiffContext::Disabled,
+        }
+    )
+}
+
+#[allow(clippy::result_large_err)]
+/// The `Cube` primitive of `tensor` (see [`is_cube_float`]), or `tensor` back.
+fn cube_float(tensor: DispatchTensor) -> Result<FloatTensor<Cube>, DispatchTensor> {
+    match tensor {
+        DispatchTensor {
+            kind: DispatchTensorKind::Cube(BackendTensor::Float(tensor)),
+            autodiff: DispatchAutodiffContext::Disabled,
+        } => Ok(tensor),
+        other => Err(other),
+    }
+}
+
+#[allow(clippy::result_large_err)]
+/// The `Cube` primitive of an int `tensor` of Burn's CubeCL backend, or `tensor` back.
+fn cube_int(tensor: DispatchTensor) -> Result<IntTensor<Cube>, DispatchTensor> {
+    match tensor {
+        DispatchTensor {
+            kind: DispatchTensorKind::Cube(BackendTensor::Int(tensor)),
+            autodiff: DispatchAutodiffContext::Disabled,
+        } => Ok(tensor),
+        other => Err(other),
+    }
+}
+
+fn dispatch_float(tensor: FloatTensor<Cube>) -> DispatchTensor {
+    DispatchTensor {
+        kind: DispatchTensorKind::Cube(BackendTensor::Float(tensor)),
+        autodiff: DispatchAutodiffContext::Disabled,
+    }
+}
+
+fn dispatch_int(tensor: IntTensor<Cube>) -> DispatchTensor {
+    DispatchTensor {
+        kind: DispatchTensorKind::Cube(BackendTensor::Int(tensor)),
+        autodiff: DispatchAutodiffContext::Disabled,
+    }
+}
+
+/// [`BucketOps::pack_bucket`] for [`Dispatch`](burn::backend::Dispatch) when `device` is a CubeCL
+/// device and every tensor a CubeCL float tensor; the tensors back otherwise.
+pub(super) fn pack_bucket(
+    tensors: Vec<DispatchTensor>,
+    device: &DispatchDevice,
+) -> Result<DispatchTensor, Vec<DispatchTensor>> {
+    let DispatchDevice::Cube(device) = device else {
+        return Err(tensors);
+    };
+    if !tensors.iter().all(is_cube_float) {
+        return Err(tensors);
+    }
+    let inputs = tensors
+        .into_iter()
+        .map(|tensor| match cube_float(tensor) {
+            Ok(tensor) => tensor,
+            Err(_) => unreachable!("every tensor was checked to be a CubeCL float tensor"),
+        })
+        .collect();
+    Ok(dispatch_float(Cube::pack_bucket(inputs, device)))
+}
+
+#[allow(clippy::result_large_err)]
+/// [`BucketOps::unpack_bucket`] for a CubeCL `bucket`; the bucket back otherwise.
+pub(super) fn unpack_bucket(
+    bucket: DispatchTensor,
+    shapes: &[Shape],
+    scale: f32,
+) -> Result<Vec<DispatchTensor>, DispatchTensor> {
+    let bucket = cube_float(bucket)?;
+    Ok(Cube::unpack_bucket(bucket, shapes, scale)
+        .into_iter()
+        .map(dispatch_float)
+        .collect())
+}
+
+#[allow(clippy::result_large_err)]
+/// [`BucketOps::compress_bucket`] for a CubeCL `bucket`; the bucket back otherwise.
+pub(super) fn compress_bucket(
+    bucket: DispatchTensor,
+    format: HalfFormat,
+    scale: f32,
+) -> Result<Result<DispatchTensor, BucketOpsError>, DispatchTensor> {
+    let bucket = cube_float(bucket)?;
+    Ok(Cube::compress_bucket(bucket, format, scale).map(dispatch_int))
+}
+
+#[allow(clippy::result_large_err)]
+/// [`BucketOps::decompress_bucket`] for CubeCL `words`; the words back otherwise.
+pub(super) fn decompress_bucket(
+    words: DispatchTensor,
+    len: usize,
+    format: HalfFormat,
+) -> Result<Result<DispatchTensor, BucketOpsError>, DispatchTensor> {
+    let words = cube_int(words)?;
+    Ok(Cube::decompress_bucket(words, len, format).map(dispatch_float))
+}
 
 #[cfg(test)]
 mod tests {
@@ -553,19 +671,21 @@ mod tests {
 /// The conformance suite on Burn's wgpu runtime (Mesa's lavapipe where there is no GPU).
 #[cfg(all(test, feature = "wgpu"))]
 mod wgpu_tests {
-    use burn::backend::wgpu::{WgpuDevice, WgpuRuntime};
+    use burn::backend::Dispatch;
+    use cubecl::device::WgpuDevice;
 
     use super::super::fallback::conformance::*;
     use super::*;
 
-    /// The plain CubeBackend, whatever Burn's `fusion` feature makes of `burn::backend::Wgpu`.
-    type Wgpu = CubeBackend<WgpuRuntime, f32, i32, u32>;
+    /// The plain CubeBackend (the kernels), whatever `burn-cubecl`'s `fusion` feature makes of
+    /// `burn_cubecl::Cube`.
+    type Wgpu = CubeBackend;
 
     /// The default device, failing loudly (not skipping) when there is no adapter.
-    fn device() -> WgpuDevice {
-        let device = WgpuDevice::default();
+    fn device() -> CubeDevice {
+        let device = CubeDevice::Wgpu(WgpuDevice::default());
         let probe = device.clone();
-        match std::panic::catch_unwind(move || WgpuRuntime::client(&probe)) {
+        match std::panic::catch_unwind(move || probe.client()) {
             Ok(client) => {
                 let properties = client.properties();
                 eprintln!(
@@ -582,6 +702,47 @@ mod wgpu_tests {
             ),
         }
         device
+    }
+
+    /// The same device, as the runtime backend the crate's callers use.
+    fn dispatch_device() -> DispatchDevice {
+        DispatchDevice::Cube(device())
+    }
+
+    /// Through [`Dispatch`]: the routing to `Cube` (the kernels, or the fallback under fusion).
+    #[test]
+    fn wgpu_dispatch_pack_unpack_round_trip() {
+        pack_unpack_round_trip::<Dispatch>(&dispatch_device());
+        pack_non_contiguous::<Dispatch>(&dispatch_device());
+    }
+
+    #[test]
+    fn wgpu_dispatch_compress_bit_exact() {
+        compress_bit_exact::<Dispatch>(&dispatch_device(), HalfFormat::Bf16);
+        decompress_every_pattern::<Dispatch>(&dispatch_device(), HalfFormat::F16);
+    }
+
+    /// Where `Cube` is the plain CubeBackend (no `fusion` in this build), a [`Dispatch`] unpack
+    /// runs the kernel: its outputs are views at aligned offsets into one buffer, which the
+    /// fallback (a multiply, then slices) does not produce for a 3-element first tensor.
+    #[test]
+    fn wgpu_dispatch_runs_the_kernels_on_plain_tensors() {
+        let device = dispatch_device();
+        let values: Vec<f32> = (0..10).map(|i| i as f32).collect();
+        let bucket = float_tensor::<Dispatch>(values, Shape::new([10]), &device);
+        let mut outs = Dispatch::unpack_bucket(bucket, &[Shape::new([3]), Shape::new([7])], 2.0);
+        let second = outs.pop().expect("two outputs");
+        let Ok(second) = cube_float(second) else {
+            panic!("a CubeCL bucket unpacks to CubeCL tensors");
+        };
+        match (&second as &dyn std::any::Any).downcast_ref::<CubeTensor>() {
+            Some(plain) => assert!(
+                plain.handle.offset_start.unwrap_or(0) > 0,
+                "the kernel's outputs are views into one buffer: {:?}",
+                plain.handle
+            ),
+            None => eprintln!("burn_cubecl::Cube is fused in this build: the fallback ran"),
+        }
     }
 
     #[test]
@@ -646,6 +807,14 @@ mod wgpu_tests {
     fn wgpu_bench_helper_runs() {
         let result = crate::kernels::bench::measure_pack_unpack::<Wgpu>(&device(), 1 << 20, 9, 3)
             .expect("sync");
+        assert!(result.gb_per_s > 0.0);
+        let result = crate::kernels::bench::measure_pack_unpack::<Dispatch>(
+            &dispatch_device(),
+            1 << 20,
+            9,
+            3,
+        )
+        .expect("sync");
         eprintln!("wgpu pack+unpack: {result:?}");
         assert!(result.gb_per_s > 0.0);
     }
@@ -656,25 +825,35 @@ mod wgpu_tests {
 /// a skip a failure. The benchmark beside it is `#[ignore]`d: run it by name on a GPU.
 #[cfg(all(test, feature = "cuda"))]
 mod cuda_tests {
-    use cubecl::cuda::{CudaDevice, CudaRuntime};
+    use cubecl::device::CudaDevice;
 
     use super::super::fallback::conformance::*;
     use super::*;
     use crate::cuda::check_cuda_available;
     use crate::testing::{skip, Needs};
 
-    /// The plain CubeBackend, whatever Burn's `fusion` feature makes of `burn::backend::Cuda`.
-    type Cuda = CubeBackend<CudaRuntime, f32, i32, u8>;
+    /// The plain CubeBackend (the kernels), whatever `burn-cubecl`'s `fusion` feature makes of
+    /// `burn_cubecl::Cube`.
+    type Cuda = CubeBackend;
 
     /// CUDA device 0, or `None` after recording why these tests cannot run here.
-    fn device() -> Option<CudaDevice> {
+    fn device() -> Option<CubeDevice> {
         match check_cuda_available(0) {
-            Ok(_) => Some(CudaDevice::new(0)),
+            Ok(_) => Some(CubeDevice::Cuda(CudaDevice::new(0))),
             Err(e) => {
                 skip(Needs::Gpu, &format!("no usable CUDA device: {e}"));
                 None
             }
         }
+    }
+
+    /// Through [`Dispatch`](burn::backend::Dispatch): the routing to `Cube`.
+    #[test]
+    fn cuda_dispatch_pack_unpack_round_trip() {
+        let Some(device) = device() else { return };
+        let device = DispatchDevice::Cube(device);
+        pack_unpack_round_trip::<burn::backend::Dispatch>(&device);
+        compress_bit_exact::<burn::backend::Dispatch>(&device, HalfFormat::Bf16);
     }
 
     #[test]

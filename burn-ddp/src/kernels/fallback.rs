@@ -1,23 +1,27 @@
-//! [`BucketOps`] with plain Burn tensor ops, for backends without kernels of ours.
+//! [`BucketOps`] with plain Burn backend ops, for tensors without kernels of ours.
 //!
-//! Each function is generic over any [`Backend`], so another backend gets [`BucketOps`] with one
-//! line, `fallback_bucket_ops!` (as [`Flex`] does below). Costs, per call:
+//! Each function is generic over any [`Backend`]: [`BucketOps`] for [`Dispatch`] calls them for
+//! every tensor that is not a plain CubeCL one ([`Flex`] above all), and a backend type gets
+//! [`BucketOps`] from them with one line, `fallback_bucket_ops!` (as `Fusion` does in `cube.rs`).
+//! Costs, per call:
 //! - pack: a reshape per tensor and one `cat` (which most backends run as a copy per tensor);
 //! - unpack: one multiply over the whole bucket, then a slice + reshape per tensor (views);
 //! - compress / decompress: a round trip through host memory (Burn has no op that reinterprets float bits), which
 //!   is free on a CPU backend and slow on a GPU one.
 //!
 //! [`Flex`]: burn::backend::Flex
+//! [`Dispatch`]: burn::backend::Dispatch
+//! [`BucketOps`]: super::BucketOps
 
-use burn::tensor::backend::Backend;
-use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::{DType, FloatDType, Int, Shape, Slice, Tensor, TensorData, TensorMetadata};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Backend, DType, FloatDType, Shape, Slice, TensorData, TensorMetadata};
+use burn::tensor::read_sync;
 
 use crate::host_values::host_values;
 
-use super::{check_len, wire16, BucketOps, BucketOpsError, HalfFormat};
+use super::{check_len, wire16, BucketOpsError, HalfFormat};
 
-/// [`BucketOps::pack_bucket`] with Burn ops.
+/// [`BucketOps::pack_bucket`](super::BucketOps::pack_bucket) with Burn ops.
 pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device) -> FloatTensor<B> {
     let mut flat: Vec<FloatTensor<B>> = tensors
         .into_iter()
@@ -36,14 +40,14 @@ pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device)
     }
 }
 
-/// [`BucketOps::unpack_bucket`] with Burn ops.
+/// [`BucketOps::unpack_bucket`](super::BucketOps::unpack_bucket) with Burn ops.
 pub fn unpack_bucket<B: Backend>(
     bucket: FloatTensor<B>,
     shapes: &[Shape],
     scale: f32,
 ) -> Vec<FloatTensor<B>> {
     let total = check_bucket("unpack_bucket", &bucket, shapes);
-    let device = B::float_device(&bucket);
+    let device = bucket.device();
     // A scale of 1 is no multiply: the values are already what `x * 1` gives (a signalling
     // NaN, which the multiply would quiet, is the one bit pattern that passes unchanged).
     let scaled = if total == 0 || scale == 1.0 {
@@ -67,7 +71,7 @@ pub fn unpack_bucket<B: Backend>(
         .collect()
 }
 
-/// [`BucketOps::compress_bucket`] on the host: reads the bucket, scales and rounds with
+/// [`BucketOps::compress_bucket`](super::BucketOps::compress_bucket) on the host: reads the bucket, scales and rounds with
 /// [`wire16::compress`], uploads the words.
 pub fn compress_bucket<B: Backend>(
     bucket: FloatTensor<B>,
@@ -76,9 +80,8 @@ pub fn compress_bucket<B: Backend>(
 ) -> Result<IntTensor<B>, BucketOpsError> {
     const OP: &str = "compress_bucket";
     let len = check_bucket_1d(OP, &bucket);
-    let device = B::float_device(&bucket);
-    let data = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(bucket))
-        .try_into_data()
+    let device = bucket.device();
+    let data = read_sync(B::float_into_data(bucket))
         .map_err(|source| BucketOpsError::Read { op: OP, source })?;
     let values = host_values::<f32>(data).map_err(|err| BucketOpsError::Data {
         op: OP,
@@ -89,7 +92,7 @@ pub fn compress_bucket<B: Backend>(
     Ok(B::int_from_data(data, &device))
 }
 
-/// [`BucketOps::decompress_bucket`] on the host: reads the words, widens with
+/// [`BucketOps::decompress_bucket`](super::BucketOps::decompress_bucket) on the host: reads the words, widens with
 /// [`wire16::decompress`], uploads the `f32` values.
 pub fn decompress_bucket<B: Backend>(
     words: IntTensor<B>,
@@ -99,9 +102,8 @@ pub fn decompress_bucket<B: Backend>(
     const OP: &str = "decompress_bucket";
     check_len(OP, len);
     check_words(OP, &words, len);
-    let device = B::int_device(&words);
-    let data = Tensor::<B, 1, Int>::from_primitive(words)
-        .try_into_data()
+    let device = words.device();
+    let data = read_sync(B::int_into_data(words))
         .map_err(|source| BucketOpsError::Read { op: OP, source })?;
     let words = host_values::<u32>(data).map_err(|err| BucketOpsError::Data {
         op: OP,
@@ -133,7 +135,7 @@ pub(crate) fn check_bucket_1d<T: TensorMetadata>(op: &str, bucket: &T) -> usize 
     len
 }
 
-/// Checks the [`BucketOps::unpack_bucket`] contract and returns the bucket length.
+/// Checks the [`BucketOps::unpack_bucket`](super::BucketOps::unpack_bucket) contract and returns the bucket length.
 pub(crate) fn check_bucket<T: TensorMetadata>(op: &str, bucket: &T, shapes: &[Shape]) -> usize {
     let len = check_bucket_1d(op, bucket);
     let expected: usize = shapes.iter().map(Shape::num_elements).sum();
@@ -146,7 +148,7 @@ pub(crate) fn check_bucket<T: TensorMetadata>(op: &str, bucket: &T, shapes: &[Sh
     len
 }
 
-/// Checks the [`BucketOps::decompress_bucket`] contract on the packed words.
+/// Checks the [`BucketOps::decompress_bucket`](super::BucketOps::decompress_bucket) contract on the packed words.
 pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
     let shape = words.shape();
     assert!(
@@ -161,39 +163,38 @@ pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
 
 /// `impl BucketOps for $backend` with the generic ops of this module, for backends without
 /// kernels of ours: `fallback_bucket_ops!(impl[generics] for Type);` (with `BucketOps` in scope).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 macro_rules! fallback_bucket_ops {
-    (impl[$($generics:tt)*] for $backend:ty $(, host_memory: $host:expr)?) => {
+    (impl[$($generics:tt)*] for $backend:ty) => {
         impl<$($generics)*> BucketOps for $backend {
-            $(const HOST_MEMORY: bool = $host;)?
-
             fn pack_bucket(
-                tensors: Vec<burn::tensor::ops::FloatTensor<Self>>,
+                tensors: Vec<burn::backend::tensor::FloatTensor<Self>>,
                 device: &Self::Device,
-            ) -> burn::tensor::ops::FloatTensor<Self> {
+            ) -> burn::backend::tensor::FloatTensor<Self> {
                 $crate::kernels::fallback::pack_bucket::<Self>(tensors, device)
             }
 
             fn unpack_bucket(
-                bucket: burn::tensor::ops::FloatTensor<Self>,
-                shapes: &[burn::tensor::Shape],
+                bucket: burn::backend::tensor::FloatTensor<Self>,
+                shapes: &[burn::backend::Shape],
                 scale: f32,
-            ) -> Vec<burn::tensor::ops::FloatTensor<Self>> {
+            ) -> Vec<burn::backend::tensor::FloatTensor<Self>> {
                 $crate::kernels::fallback::unpack_bucket::<Self>(bucket, shapes, scale)
             }
 
             fn compress_bucket(
-                bucket: burn::tensor::ops::FloatTensor<Self>,
+                bucket: burn::backend::tensor::FloatTensor<Self>,
                 format: $crate::kernels::HalfFormat,
                 scale: f32,
-            ) -> Result<burn::tensor::ops::IntTensor<Self>, $crate::kernels::BucketOpsError> {
+            ) -> Result<burn::backend::tensor::IntTensor<Self>, $crate::kernels::BucketOpsError> {
                 $crate::kernels::fallback::compress_bucket::<Self>(bucket, format, scale)
             }
 
             fn decompress_bucket(
-                words: burn::tensor::ops::IntTensor<Self>,
+                words: burn::backend::tensor::IntTensor<Self>,
                 len: usize,
                 format: $crate::kernels::HalfFormat,
-            ) -> Result<burn::tensor::ops::FloatTensor<Self>, $crate::kernels::BucketOpsError> {
+            ) -> Result<burn::backend::tensor::FloatTensor<Self>, $crate::kernels::BucketOpsError> {
                 $crate::kernels::fallback::decompress_bucket::<Self>(words, len, format)
             }
         }
@@ -202,15 +203,13 @@ macro_rules! fallback_bucket_ops {
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 pub(crate) use fallback_bucket_ops;
 
-// Burn's CPU backend: the generic ops above are already what it would do.
-fallback_bucket_ops!(impl[] for burn::backend::Flex, host_memory: true);
-
 /// The conformance suite every [`BucketOps`] implementation runs (see the `tests` modules here and
 /// in `cube.rs`): random data from a seeded generator, against plain-Rust references, bit for bit.
 #[cfg(test)]
 pub(crate) mod conformance {
-    use burn::tensor::{Distribution, TensorPrimitive};
+    use burn::backend::Distribution;
 
+    pub use super::super::BucketOps;
     use super::*;
 
     /// The tests' seeded generator, so failures replay exactly.
@@ -268,18 +267,15 @@ pub(crate) mod conformance {
         if tensor.shape().num_elements() == 0 {
             return Vec::new();
         }
-        let data = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(B::float_reshape(
-            tensor.clone(),
-            Shape::new([tensor.shape().num_elements()]),
-        )))
-        .into_data();
-        assert_eq!(data.dtype, DType::F32);
+        let flat = B::float_reshape(tensor.clone(), Shape::new([tensor.shape().num_elements()]));
+        let data = read_sync(B::float_into_data(flat)).expect("read f32");
+        assert_eq!(data.dtype(), DType::F32);
         crate::host_values::host_values::<f32>(data).expect("f32 data")
     }
 
     pub fn read_u32<B: Backend>(tensor: IntTensor<B>) -> Vec<u32> {
-        let data = Tensor::<B, 1, Int>::from_primitive(tensor).into_data();
-        assert_eq!(data.dtype, DType::U32);
+        let data = read_sync(B::int_into_data(tensor)).expect("read u32");
+        assert_eq!(data.dtype(), DType::U32);
         crate::host_values::host_values::<u32>(data).expect("u32 data")
     }
 
@@ -619,49 +615,62 @@ pub(crate) mod conformance {
 
 #[cfg(test)]
 mod tests {
-    use burn::backend::Flex;
+    use burn::backend::{Dispatch, DispatchDevice, FlexDevice};
 
     use super::conformance::*;
     use super::*;
 
+    /// Burn's CPU backend, through the runtime backend the crate uses.
+    fn flex() -> DispatchDevice {
+        DispatchDevice::Flex(FlexDevice)
+    }
+
     #[test]
     fn flex_pack_unpack_round_trip() {
-        pack_unpack_round_trip::<Flex>(&Default::default());
+        pack_unpack_round_trip::<Dispatch>(&flex());
     }
 
     #[test]
     fn flex_pack_non_contiguous() {
-        pack_non_contiguous::<Flex>(&Default::default());
+        pack_non_contiguous::<Dispatch>(&flex());
     }
 
     #[test]
     fn flex_pack_converts_other_float_dtypes() {
-        pack_converts_other_float_dtypes::<Flex>(&Default::default(), FloatDType::F16);
+        pack_converts_other_float_dtypes::<Dispatch>(&flex(), FloatDType::F16);
     }
 
     #[test]
     fn flex_compress_bit_exact() {
-        compress_bit_exact::<Flex>(&Default::default(), HalfFormat::Bf16);
-        compress_bit_exact::<Flex>(&Default::default(), HalfFormat::F16);
+        compress_bit_exact::<Dispatch>(&flex(), HalfFormat::Bf16);
+        compress_bit_exact::<Dispatch>(&flex(), HalfFormat::F16);
     }
 
     #[test]
     fn flex_decompress_every_pattern() {
-        decompress_every_pattern::<Flex>(&Default::default(), HalfFormat::Bf16);
-        decompress_every_pattern::<Flex>(&Default::default(), HalfFormat::F16);
+        decompress_every_pattern::<Dispatch>(&flex(), HalfFormat::Bf16);
+        decompress_every_pattern::<Dispatch>(&flex(), HalfFormat::F16);
     }
 
     #[test]
     fn flex_compress_round_trip_error() {
-        compress_round_trip_error::<Flex>(&Default::default(), HalfFormat::Bf16);
-        compress_round_trip_error::<Flex>(&Default::default(), HalfFormat::F16);
+        compress_round_trip_error::<Dispatch>(&flex(), HalfFormat::Bf16);
+        compress_round_trip_error::<Dispatch>(&flex(), HalfFormat::F16);
+    }
+
+    #[test]
+    fn flex_is_host_memory() {
+        assert!(crate::kernels::host_memory(&flex()));
+        assert!(crate::kernels::host_memory(
+            burn::tensor::Device::flex().autodiff().as_dispatch()
+        ));
     }
 
     #[test]
     #[should_panic(expected = "the bucket holds 4 elements but the 1 shapes need 6")]
     fn unpack_rejects_a_bucket_of_the_wrong_length() {
-        let device = Default::default();
-        let bucket = float_tensor::<Flex>(vec![0.0; 4], Shape::new([4]), &device);
-        Flex::unpack_bucket(bucket, &[Shape::new([2, 3])], 1.0);
+        let device = flex();
+        let bucket = float_tensor::<Dispatch>(vec![0.0; 4], Shape::new([4]), &device);
+        Dispatch::unpack_bucket(bucket, &[Shape::new([2, 3])], 1.0);
     }
 }

@@ -12,18 +12,21 @@
 //! | `mod.rs` | the [`BucketOps`] trait and its contracts, [`BucketOpsError`] |
 //! | [`wire16`] | the 16-bit wire formats ([`HalfFormat`]): rounding on the host, packing two per `u32` (pure) |
 //! | [`host16`] | 16-bit rounding, widening and sums over host slices, vectorised, bit for bit the `half` crate's (pure) |
-//! | [`fallback`] | a generic implementation with Burn tensor ops; [`BucketOps`] for [`Flex`] |
+//! | [`fallback`] | a generic implementation with Burn backend ops (any [`Backend`]) |
 //! | `cube` (features `wgpu` / `cuda`) | the `#[cube]` kernels; [`BucketOps`] for `CubeBackend` and `Fusion` |
 //! | [`bench`] | [`bench::measure_pack_unpack`]: pack + unpack throughput on a device |
 //!
-//! ## Which backend gets what
-//! - `burn_cubecl::CubeBackend<R, ..>` for any CubeCL runtime `R` (wgpu, CUDA, ...): the kernels.
-//!   With this workspace's features `burn::backend::Wgpu` and `burn::backend::Cuda` *are* this type
-//!   (Burn's `fusion` feature is off).
-//! - `burn_fusion::Fusion<B>` (what `Wgpu` / `Cuda` become when Burn's `fusion` feature is on): the
-//!   [`fallback`] ops, recorded lazily by the fusion stream. The kernels cannot be registered as a
-//!   fusion custom op without naming `burn_ir` types, which this crate does not depend on.
-//! - [`Flex`]: the [`fallback`].
+//! ## Which tensor gets what
+//! Burn 0.22 has one runtime backend, [`Dispatch`]; callers write `Dispatch::pack_bucket(..)`.
+//! [`BucketOps`] for [`Dispatch`] looks at the primitives at run time:
+//! - tensors of Burn's CubeCL backend (wgpu, CUDA, ...; features `wgpu` / `cuda`), not tracked
+//!   by autodiff: handed to `burn_cubecl::Cube`'s [`BucketOps`]. That type is the plain
+//!   `CubeBackend` (the kernels) unless some crate of the build turns on `burn-cubecl`'s `fusion`
+//!   feature (Burn's default features do); it is then `Fusion<CubeBackend>`, which gets the
+//!   [`fallback`] ops, recorded lazily by the fusion stream (the kernels cannot be registered as
+//!   a fusion operation without Burn's IR types).
+//! - everything else ([`Flex`], Burn's CPU backend, above all): the [`fallback`] over
+//!   [`Dispatch`].
 //!
 //! ## The 16-bit wire formats
 //! [`BucketOps::compress_bucket`] returns a 1-D int tensor of dtype `U32` holding two bf16 or
@@ -33,6 +36,8 @@
 //! CubeCL runtime.
 //!
 //! [`Flex`]: burn::backend::Flex
+//! [`Dispatch`]: burn::backend::Dispatch
+//! [`Backend`]: burn::backend::Backend
 
 pub mod bench;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -43,15 +48,14 @@ pub mod wire16;
 
 pub use wire16::HalfFormat;
 
-use burn::tensor::backend::{Backend, ExecutionError};
-use burn::tensor::ops::{FloatTensor, IntTensor};
-use burn::tensor::Shape;
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Backend, Dispatch, DispatchDevice, ExecutionError, Shape};
 
 /// Gradient-bucket operations, one launch each on CubeCL backends (pack: see its launch count).
 ///
 /// All of them are local (not collective): they touch only this process's device. None of them
 /// blocks: like any Burn op they enqueue work, and errors of the device surface at the next
-/// synchronisation (`B::sync`, a read) — except where a method says it reads back to the host.
+/// synchronisation (`Device::sync`, a read) — except where a method says it reads back to the host.
 ///
 /// Buckets are always `f32`: inputs of another float dtype are converted by
 /// [`pack_bucket`](BucketOps::pack_bucket), and [`unpack_bucket`](BucketOps::unpack_bucket)
@@ -59,12 +63,6 @@ use burn::tensor::Shape;
 /// kernels index with 32 bits; a bucket is megabytes, so going past that is a bug of the caller
 /// and panics.
 pub trait BucketOps: Backend {
-    /// Whether this backend's tensors live in host memory (Burn's CPU backend): reading one to
-    /// the host is a copy, not a transfer, so a host communicator may as well do the 16-bit
-    /// rounding itself on the way ([`crate::ddp::BucketComm::all_reduce_compressed`]), which
-    /// saves the copies in and out of the device between the steps. `false` by default.
-    const HOST_MEMORY: bool = false;
-
     /// Concatenates the flattened `tensors`, in order, into one new 1-D `f32` tensor whose length
     /// is the sum of their element counts.
     ///
@@ -144,6 +142,73 @@ pub trait BucketOps: Backend {
         len: usize,
         format: HalfFormat,
     ) -> Result<FloatTensor<Self>, BucketOpsError>;
+}
+
+/// Whether tensors on `device` live in host memory (Burn's CPU backend, [`Flex`]): reading one
+/// to the host is a copy, not a transfer, so a host communicator may as well do the 16-bit
+/// rounding itself on the way ([`crate::ddp::BucketComm::all_reduce_compressed`]), which saves the
+/// copies in and out of the device between the steps. `false` for every other device.
+///
+/// [`Flex`]: burn::backend::Flex
+pub fn host_memory(device: &DispatchDevice) -> bool {
+    match device {
+        DispatchDevice::Flex(_) => true,
+        DispatchDevice::Autodiff(device) => host_memory(device),
+        #[allow(unreachable_patterns)]
+        _ => false,
+    }
+}
+
+/// The one implementation callers use: routes each call by the primitives it is given (module
+/// docs, "Which tensor gets what").
+impl BucketOps for Dispatch {
+    fn pack_bucket(tensors: Vec<FloatTensor<Self>>, device: &DispatchDevice) -> FloatTensor<Self> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        let tensors = match cube::pack_bucket(tensors, device) {
+            Ok(bucket) => return bucket,
+            Err(tensors) => tensors,
+        };
+        fallback::pack_bucket::<Self>(tensors, device)
+    }
+
+    fn unpack_bucket(
+        bucket: FloatTensor<Self>,
+        shapes: &[Shape],
+        scale: f32,
+    ) -> Vec<FloatTensor<Self>> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        let bucket = match cube::unpack_bucket(bucket, shapes, scale) {
+            Ok(tensors) => return tensors,
+            Err(bucket) => bucket,
+        };
+        fallback::unpack_bucket::<Self>(bucket, shapes, scale)
+    }
+
+    fn compress_bucket(
+        bucket: FloatTensor<Self>,
+        format: HalfFormat,
+        scale: f32,
+    ) -> Result<IntTensor<Self>, BucketOpsError> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        let bucket = match cube::compress_bucket(bucket, format, scale) {
+            Ok(words) => return words,
+            Err(bucket) => bucket,
+        };
+        fallback::compress_bucket::<Self>(bucket, format, scale)
+    }
+
+    fn decompress_bucket(
+        words: IntTensor<Self>,
+        len: usize,
+        format: HalfFormat,
+    ) -> Result<FloatTensor<Self>, BucketOpsError> {
+        #[cfg(any(feature = "wgpu", feature = "cuda"))]
+        let words = match cube::decompress_bucket(words, len, format) {
+            Ok(bucket) => return bucket,
+            Err(words) => words,
+        };
+        fallback::decompress_bucket::<Self>(words, len, format)
+    }
 }
 
 /// Why a bucket operation failed. Only host-side fallbacks fail; kernels report device errors at

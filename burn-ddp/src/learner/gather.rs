@@ -29,17 +29,23 @@ pub trait GatherOutput: Sized {
 
 /// Rows of a 2-D float tensor from every rank (a rank without rows passes `None`); on `root`,
 /// the concatenation in rank order.
-pub fn gather_rows<B: Backend, G: ProcessGroup>(
-    ours: Option<Tensor<B, 2>>,
+///
+/// The rows come back on the device of `root`'s own rows (without autodiff), or on Burn's CPU
+/// device (`Device::flex()`) when `root` had none.
+pub fn gather_rows<G: ProcessGroup>(
+    ours: Option<Tensor<2>>,
     group: &mut G,
     root: usize,
-) -> Result<Option<Tensor<B, 2>>, DdpError> {
+) -> Result<Option<Tensor<2>>, DdpError> {
     let world = group.world_size();
     let (rows, cols, values, device) = match ours {
         Some(t) => {
             let [rows, cols] = t.dims();
-            let device = t.device();
-            let values = host_values::<f32>(t.into_data()).map_err(|e| {
+            let device = t.device().without_autodiff();
+            let data = t
+                .try_into_data()
+                .map_err(|e| DdpError::Device(format!("reading a model output failed: {e:?}")))?;
+            let values = host_values::<f32>(data).map_err(|e| {
                 DdpError::Mismatch(format!("model outputs must be float tensors: {e:?}"))
             })?;
             (rows, cols, values, Some(device))
@@ -67,21 +73,24 @@ pub fn gather_rows<B: Backend, G: ProcessGroup>(
         let start = r * max_rows * cols;
         joined.extend_from_slice(&all[start..start + n * cols]);
     }
-    let device = device.unwrap_or_default();
+    let device = device.unwrap_or_else(Device::flex);
     let tensor = Tensor::from_data(TensorData::new(joined, [total, cols]), &device);
     Ok(Some(tensor))
 }
 
 /// The loss as the mean over every rank's rows: each rank's (mean) loss weighted by its rows.
-fn weighted_loss<B: Backend, G: ProcessGroup>(
-    loss: Option<(Tensor<B, 1>, usize)>,
+fn weighted_loss<G: ProcessGroup>(
+    loss: Option<(Tensor<1>, usize)>,
     group: &mut G,
-    device: &B::Device,
-) -> Result<Tensor<B, 1>, DdpError> {
+    device: &Device,
+) -> Result<Tensor<1>, DdpError> {
     let world = group.world_size();
     let (value, rows) = match loss {
         Some((loss, rows)) => {
-            let v = host_values::<f64>(loss.into_data()).map_err(|e| {
+            let data = loss
+                .try_into_data()
+                .map_err(|e| DdpError::Device(format!("reading the loss failed: {e:?}")))?;
+            let v = host_values::<f64>(data).map_err(|e| {
                 DdpError::Mismatch(format!("the loss must be a float tensor: {e:?}"))
             })?;
             (v.first().copied().unwrap_or(0.0), rows)
@@ -101,14 +110,14 @@ fn weighted_loss<B: Backend, G: ProcessGroup>(
 
 /// A gathered output's parts: the loss over every rank's rows, and the outputs and targets
 /// (as 2-D float rows) concatenated, on `root` when any rank had rows.
-type Parts<B> = (Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 2>);
+type Parts = (Tensor<1>, Tensor<2>, Tensor<2>);
 
 /// Gathers one output given as its parts (`None`: this rank has no rows). Collective.
-fn gather_parts<B: Backend, G: ProcessGroup>(
-    ours: Option<(Tensor<B, 1>, Tensor<B, 2>, Tensor<B, 2>)>,
+fn gather_parts<G: ProcessGroup>(
+    ours: Option<Parts>,
     group: &mut G,
     root: usize,
-) -> Result<Option<Parts<B>>, DdpError> {
+) -> Result<Option<Parts>, DdpError> {
     let (loss, output, targets) = match ours {
         Some((loss, output, targets)) => {
             let rows = output.dims()[0];
@@ -116,7 +125,10 @@ fn gather_parts<B: Backend, G: ProcessGroup>(
         }
         None => (None, None, None),
     };
-    let device = output.as_ref().map(|t| t.device()).unwrap_or_default();
+    let device = output
+        .as_ref()
+        .map(|t| t.device().without_autodiff())
+        .unwrap_or_else(Device::flex);
     let loss = weighted_loss(loss, group, &device)?;
     let output = gather_rows(output, group, root)?;
     let targets = gather_rows(targets, group, root)?;
@@ -126,7 +138,7 @@ fn gather_parts<B: Backend, G: ProcessGroup>(
     })
 }
 
-impl<B: Backend> GatherOutput for ClassificationOutput<B> {
+impl GatherOutput for ClassificationOutput {
     fn gather<G: ProcessGroup>(
         ours: Option<Self>,
         group: &mut G,
@@ -150,7 +162,7 @@ impl<B: Backend> GatherOutput for ClassificationOutput<B> {
     }
 }
 
-impl<B: Backend> GatherOutput for MultiLabelClassificationOutput<B> {
+impl GatherOutput for MultiLabelClassificationOutput {
     fn gather<G: ProcessGroup>(
         ours: Option<Self>,
         group: &mut G,
@@ -170,7 +182,7 @@ impl<B: Backend> GatherOutput for MultiLabelClassificationOutput<B> {
     }
 }
 
-impl<B: Backend> GatherOutput for RegressionOutput<B> {
+impl GatherOutput for RegressionOutput {
     fn gather<G: ProcessGroup>(
         ours: Option<Self>,
         group: &mut G,
@@ -192,13 +204,10 @@ mod tests {
     //! Three ranks as threads over real loopback sockets, with 2, 0 and 3 rows.
     use std::sync::Arc;
 
-    use burn::backend::Flex;
-
     use super::*;
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};
 
-    type B = Flex;
     const ROWS: [usize; 3] = [2, 0, 3];
 
     fn on_three_ranks<R: Send + 'static>(
@@ -221,12 +230,12 @@ mod tests {
 
     /// Rank `rank`'s rows: output `[rank, row]`, labels `row % 2`, `(row + rank) % 2`; loss
     /// `rank + 1`.
-    fn multi_label(rank: usize) -> Option<MultiLabelClassificationOutput<B>> {
+    fn multi_label(rank: usize) -> Option<MultiLabelClassificationOutput> {
         let rows = ROWS[rank];
         if rows == 0 {
             return None;
         }
-        let device = Default::default();
+        let device = Device::flex();
         let output: Vec<f32> = (0..rows).flat_map(|r| [rank as f32, r as f32]).collect();
         let targets: Vec<i64> = (0..rows)
             .flat_map(|r| [(r % 2) as i64, ((r + rank) % 2) as i64])
@@ -245,13 +254,13 @@ mod tests {
                 .unwrap()
                 .map(|o| {
                     (
-                        o.loss.into_data().to_vec::<f32>().unwrap(),
+                        o.loss.into_data().try_to_vec::<f32>().unwrap(),
                         o.output.dims(),
-                        o.output.into_data().to_vec::<f32>().unwrap(),
+                        o.output.into_data().try_to_vec::<f32>().unwrap(),
                         o.targets
                             .into_data()
                             .convert::<i64>()
-                            .to_vec::<i64>()
+                            .try_to_vec::<i64>()
                             .unwrap(),
                     )
                 })
@@ -272,8 +281,8 @@ mod tests {
     fn classification_outputs_keep_their_class_indices() {
         let results = on_three_ranks(|rank, group| {
             let rows = ROWS[rank];
-            let device = Default::default();
-            let ours = (rows > 0).then(|| ClassificationOutput::<B> {
+            let device = Device::flex();
+            let ours = (rows > 0).then(|| ClassificationOutput {
                 loss: Tensor::from_data(TensorData::new(vec![1.0f32], [1]), &device),
                 output: Tensor::zeros([rows, 4], &device),
                 targets: Tensor::from_data(
@@ -290,7 +299,7 @@ mod tests {
                     o.targets
                         .into_data()
                         .convert::<i64>()
-                        .to_vec::<i64>()
+                        .try_to_vec::<i64>()
                         .unwrap()
                 })
         });

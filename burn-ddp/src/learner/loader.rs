@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderIterator, Progress};
-use burn::data::dataset::Dataset;
+use burn::data::dataset::{Dataset, DatasetError};
 use burn::prelude::*;
 
 use crate::env::DistEnv;
@@ -27,22 +27,24 @@ use crate::sampler::DistributedSampler;
 /// `DataLoaderBuilder`; the rank and world size come from the launcher's environment
 /// (`RANK`, `WORLD_SIZE`: this project's launcher, torchrun, Slurm, Open MPI), or 0 of 1 when
 /// there is none.
-pub struct DistributedDataLoaderBuilder<B: Backend, I, O> {
-    batcher: Arc<dyn Batcher<B, I, O>>,
+///
+/// Items are `Result`s, as burn's loaders yield them: a data-set item that cannot be read
+/// ends its batch as `Err` (the strategy stops the job with it).
+pub struct DistributedDataLoaderBuilder<I, O> {
+    batcher: Arc<dyn Batcher<I, O>>,
     batch_size: usize,
     shuffle: Option<u64>,
     drop_last: bool,
-    device: Option<B::Device>,
+    device: Option<Device>,
     rank: Option<(usize, usize)>,
 }
 
-impl<B, I, O> DistributedDataLoaderBuilder<B, I, O>
+impl<I, O> DistributedDataLoaderBuilder<I, O>
 where
-    B: Backend,
     I: Send + Sync + Clone + 'static,
     O: Send + 'static,
 {
-    pub fn new<Bt: Batcher<B, I, O> + 'static>(batcher: Bt) -> Self {
+    pub fn new<Bt: Batcher<I, O> + 'static>(batcher: Bt) -> Self {
         Self {
             batcher: Arc::new(batcher),
             batch_size: 1,
@@ -70,7 +72,9 @@ where
         self
     }
 
-    pub fn set_device(mut self, device: B::Device) -> Self {
+    /// The device batches are made on (as burn's builder: its default device without one;
+    /// `DdpStrategy` moves the loader to the rank's device).
+    pub fn set_device(mut self, device: Device) -> Self {
         self.device = Some(device);
         self
     }
@@ -87,7 +91,7 @@ where
         self
     }
 
-    pub fn build<D: Dataset<I> + 'static>(self, dataset: D) -> Arc<dyn DataLoader<B, O>> {
+    pub fn build<D: Dataset<I> + 'static>(self, dataset: D) -> Arc<dyn DataLoader<O>> {
         let (rank, world) = self.rank.unwrap_or_else(rank_from_env);
         let world = world.max(1);
         let sampler = DistributedSampler::new(dataset.len(), world, rank.min(world - 1))
@@ -96,7 +100,7 @@ where
             .with_drop_last(self.drop_last);
         let epoch = Arc::new(AtomicU64::new(0));
         let registration = Arc::new(());
-        let loader: Arc<dyn DataLoader<B, O>> = Arc::new(ShardedDataLoader {
+        let loader: Arc<dyn DataLoader<O>> = Arc::new(ShardedDataLoader {
             dataset: Arc::new(dataset),
             batcher: self.batcher,
             batch_size: self.batch_size,
@@ -174,12 +178,12 @@ fn rank_from_env() -> (usize, usize) {
 }
 
 /// This rank's shard of the data set, batched. See [`DistributedDataLoaderBuilder`].
-pub struct ShardedDataLoader<B: Backend, I, O> {
+pub struct ShardedDataLoader<I, O> {
     dataset: Arc<dyn Dataset<I>>,
-    batcher: Arc<dyn Batcher<B, I, O>>,
+    batcher: Arc<dyn Batcher<I, O>>,
     batch_size: usize,
     sampler: DistributedSampler,
-    device: B::Device,
+    device: Device,
     /// Shared by the loaders `to_device` and `slice` derive, so they count epochs together.
     epoch: Arc<AtomicU64>,
     /// Positions of this rank's shard to keep (`slice`); `None`: all.
@@ -189,8 +193,8 @@ pub struct ShardedDataLoader<B: Backend, I, O> {
     _registration: Option<Arc<()>>,
 }
 
-impl<B: Backend, I, O> ShardedDataLoader<B, I, O> {
-    fn derive(&self, device: B::Device, window: Option<(usize, usize)>) -> Self {
+impl<I, O> ShardedDataLoader<I, O> {
+    fn derive(&self, device: Device, window: Option<(usize, usize)>) -> Self {
         Self {
             dataset: self.dataset.clone(),
             batcher: self.batcher.clone(),
@@ -212,9 +216,8 @@ impl<B: Backend, I, O> ShardedDataLoader<B, I, O> {
     }
 }
 
-impl<B, I, O> DataLoader<B, O> for ShardedDataLoader<B, I, O>
+impl<I, O> DataLoader<O> for ShardedDataLoader<I, O>
 where
-    B: Backend,
     I: Send + Sync + Clone + 'static,
     O: Send + 'static,
 {
@@ -236,42 +239,42 @@ where
         self.shard_len()
     }
 
-    fn to_device(&self, device: &B::Device) -> Arc<dyn DataLoader<B, O>> {
+    fn to_device(&self, device: &Device) -> Arc<dyn DataLoader<O>> {
         Arc::new(self.derive(device.clone(), self.window))
     }
 
-    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<B, O>> {
+    fn slice(&self, start: usize, end: usize) -> Arc<dyn DataLoader<O>> {
         let base = self.window.map_or(0, |(s, _)| s);
         Arc::new(self.derive(self.device.clone(), Some((base + start, base + end))))
     }
 }
 
-struct ShardIter<'a, B: Backend, I, O> {
-    loader: &'a ShardedDataLoader<B, I, O>,
+struct ShardIter<'a, I, O> {
+    loader: &'a ShardedDataLoader<I, O>,
     indices: Vec<usize>,
     next: usize,
 }
 
-impl<B: Backend, I, O> Iterator for ShardIter<'_, B, I, O> {
-    type Item = O;
+impl<I, O> Iterator for ShardIter<'_, I, O> {
+    type Item = Result<O, DatasetError>;
 
-    fn next(&mut self) -> Option<O> {
+    fn next(&mut self) -> Option<Self::Item> {
         let end = (self.next + self.loader.batch_size).min(self.indices.len());
-        let items: Vec<I> = self.indices[self.next..end]
-            .iter()
-            .filter_map(|&i| self.loader.dataset.get(i))
-            .collect();
-        self.next = end;
-        if items.is_empty() {
+        if end <= self.next {
             return None;
         }
-        Some(self.loader.batcher.batch(items, &self.loader.device))
+        let items: Result<Vec<I>, DatasetError> = self.indices[self.next..end]
+            .iter()
+            .map(|&i| self.loader.dataset.get(i))
+            .collect();
+        self.next = end;
+        Some(items.map(|items| self.loader.batcher.batch(items, &self.loader.device)))
     }
 }
 
-impl<B: Backend, I, O> DataLoaderIterator<O> for ShardIter<'_, B, I, O> {
+impl<I, O> DataLoaderIterator<O> for ShardIter<'_, I, O> {
     fn progress(&self) -> Progress {
-        Progress::new(self.next, self.indices.len())
+        Progress::new(self.next, self.indices.len(), Some("items".to_string()))
     }
 }
 
@@ -279,7 +282,6 @@ impl<B: Backend, I, O> DataLoaderIterator<O> for ShardIter<'_, B, I, O> {
 mod tests {
     use std::collections::BTreeSet;
 
-    use burn::backend::Flex;
     use burn::data::dataset::InMemDataset;
 
     use super::*;
@@ -287,20 +289,20 @@ mod tests {
     /// Batches of data-set items, as they are.
     #[derive(Clone)]
     struct Items;
-    impl Batcher<Flex, usize, Vec<usize>> for Items {
-        fn batch(&self, items: Vec<usize>, _: &burn::tensor::Device<Flex>) -> Vec<usize> {
+    impl Batcher<usize, Vec<usize>> for Items {
+        fn batch(&self, items: Vec<usize>, _: &Device) -> Vec<usize> {
             items
         }
     }
 
     fn epoch_of(rank: usize, world: usize, loader_epochs: usize) -> Vec<Vec<usize>> {
-        let loader = DistributedDataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+        let loader = DistributedDataLoaderBuilder::<usize, Vec<usize>>::new(Items)
             .batch_size(4)
             .shuffle(9)
             .rank(rank, world)
             .build(InMemDataset::new((0..23).collect::<Vec<usize>>()));
         (0..loader_epochs)
-            .map(|_| loader.iter().flatten().collect())
+            .map(|_| loader.iter().flat_map(Result::unwrap).collect())
             .collect()
     }
 
@@ -326,7 +328,7 @@ mod tests {
     #[test]
     fn a_loader_started_at_an_epoch_iterates_what_the_uninterrupted_one_did_then() {
         let build = || {
-            DistributedDataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+            DistributedDataLoaderBuilder::<usize, Vec<usize>>::new(Items)
                 .batch_size(4)
                 .shuffle(9)
                 .rank(1, 3)
@@ -336,9 +338,9 @@ mod tests {
         let resumed = build();
         assert!(start_at_epoch(&resumed, 2), "a distributed loader");
         // Loaders derived from it (burn-train moves loaders to devices) share the counter.
-        let on_device = resumed.to_device(&Default::default());
+        let on_device = resumed.to_device(&Device::flex());
         let epochs: Vec<Vec<usize>> = (0..2)
-            .map(|_| on_device.iter().flatten().collect())
+            .map(|_| on_device.iter().flat_map(Result::unwrap).collect())
             .collect();
         assert_eq!(epochs, straight[2..]);
         assert_ne!(
@@ -346,22 +348,21 @@ mod tests {
             "epochs differ, so the test can fail"
         );
 
-        let plain =
-            burn::data::dataloader::DataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
-                .batch_size(4)
-                .build(InMemDataset::new(vec![1, 2]));
+        let plain = burn::data::dataloader::DataLoaderBuilder::<usize, Vec<usize>>::new(Items)
+            .batch_size(4)
+            .build(InMemDataset::new(vec![1, 2]));
         assert!(!start_at_epoch(&plain, 2), "other loaders are left alone");
         assert!(is_distributed(&resumed) && !is_distributed(&plain));
     }
 
     #[test]
     fn a_dropped_loader_is_forgotten_so_its_address_cannot_vouch_for_another() {
-        let loader = DistributedDataLoaderBuilder::<Flex, usize, Vec<usize>>::new(Items)
+        let loader = DistributedDataLoaderBuilder::<usize, Vec<usize>>::new(Items)
             .rank(0, 2)
             .build(InMemDataset::new(vec![1, 2, 3]));
         let at = address(&loader);
         // A derived loader outliving the one the builder made does not keep it registered.
-        let derived = loader.to_device(&Default::default());
+        let derived = loader.to_device(&Device::flex());
         assert!(is_distributed(&loader));
         drop(loader);
         let entry_alive = built_loaders()

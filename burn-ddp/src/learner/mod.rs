@@ -7,7 +7,7 @@
 //!    SupervisedTraining::new(dir, loader, valid_loader)
 //!  +     .with_training_strategy(TrainingStrategy::Custom(Arc::new(DdpStrategy::from_env()?)))
 //!        .metrics((AccuracyMetric::new(), LossMetric::new()))
-//!        .with_file_checkpointer(CompactRecorder::new())
+//!        .with_default_checkpointers()
 //!        .num_epochs(10)
 //!        .launch(learner);
 //! ```

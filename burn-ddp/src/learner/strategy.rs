@@ -12,7 +12,8 @@
 //!                       ─▶ buffers (BatchNorm statistics) broadcast from rank 0
 //!  per iteration:       the step's outputs gathered on rank 0 ─▶ burn-train's event processor
 //!                       (metrics of the global batch, renderer, metric logs: rank 0 only)
-//!  per epoch:           validation of every rank's shard, gathered likewise; rank 0 writes
+//!  per epoch:           validation of every rank's shard, gathered likewise (burn-train's
+//!                       split and epoch events on rank 0); rank 0 writes
 //!                       burn-train's checkpoint, the others wait for it (barrier, with the
 //!                       group's deadline); early stopping as rank 0 decides
 //! ```
@@ -23,41 +24,46 @@
 //! own multi-device split), the tail that does not divide by the world size dropped so every
 //! rank runs as many iterations; shuffling then happens within each rank's slice only.
 //!
-//! **Resume** is burn-train's: `.checkpoint(epoch)` on the builder makes every rank load rank
-//! 0's checkpoint of that epoch (a directory all ranks can read) and continue with the next
-//! epoch. Unlike the `trainer` engine it is per epoch, not per step, and does not re-shard a
+//! **Resume** is burn-train's: `.checkpoint(epoch)` on the builder makes `launch` load rank
+//! 0's checkpoint of that epoch on every rank (a directory all ranks can read) before the
+//! strategy runs, and the strategy continues with the next epoch. Unlike the `trainer` engine it is per epoch, not per step, and does not re-shard a
 //! partly consumed epoch; the world size may change between runs (the state is the same on
 //! every rank). A distributed loader resumed after epoch `e` iterates epoch `e + 1`'s order, so
 //! a run resumed at the same world size trains as the uninterrupted one did.
 //!
+//! **Device.** The strategy puts the model and the loaders on this rank's training device
+//! ([`DdpStrategy::with_device`]; by default the model's own device, or for a model on a CUDA
+//! device the GPU of this rank's local rank), autodiff for training and plain for validation,
+//! as burn-train's single-device strategy does.
+//!
 //! **Options** ([`DdpOptions`], [`DdpStrategy::with_options`]): the engine's — gradient
-//! transport (NCCL on Burn's plain CUDA backend), ZeRO stage 1, bf16/fp16 compression,
+//! transport (NCCL on Burn's CUDA backend), ZeRO stage 1, bf16/fp16 compression,
 //! bucket size, buffer rule, deadlines. Under ZeRO stage 1 each rank keeps the optimizer state
 //! of the parameters it owns; burn-train's `Learner` does not let a strategy read that state,
 //! so rank 0 could not write it whole: stage 1 with a checkpointer is refused at the start
 //! (exit code 2) instead of writing checkpoints that would resume with other ranks' state lost.
 //!
 //! **Failure.** The strategy trait cannot return errors: a collective that fails or times out
-//! (a rank died, a rank's loader ran out early) ends this process with exit code 1 after
-//! printing the error, as an exception would end a PyTorch DDP rank; the launcher reports it
+//! (a rank died, a rank's loader ran out early) or a data-set item that cannot be read ends
+//! this process with exit code 1 after printing the error, as an exception would end a PyTorch DDP rank; the launcher reports it
 //! and stops the others.
 
 use std::sync::Mutex;
 
-use burn::data::dataloader::Progress;
-use burn::module::{AutodiffModule, Module};
+use burn::data::dataloader::{DataLoader, Progress};
 use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::Device;
 use burn::train::{
-    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearningComponentsTypes,
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
     LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
-    TrainStep, TrainingComponents, TrainingItem, TrainingModel, ValidLoader,
+    TrainStep, TrainingComponents, TrainingItem, ValidLoader,
 };
 
 use super::gather::GatherOutput;
 use super::loader;
 use crate::data_parallel::DataParallel;
 use crate::ddp::buffers::{self, BufferSync};
-use crate::ddp::{DdpOptions, TrainBackend};
+use crate::ddp::DdpOptions;
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
 use crate::init::Distributed;
@@ -66,11 +72,14 @@ use crate::init::Distributed;
 pub struct DdpStrategy {
     member: Mutex<Member>,
     options: DdpOptions,
+    /// The training device, when chosen ([`DdpStrategy::with_device`]).
+    device: Option<Device>,
     rank: usize,
+    local_rank: usize,
     world_size: usize,
 }
 
-/// This rank's membership: joined, then (once the backend is known, in `fit`) the DDP handle.
+/// This rank's membership: joined, then (once the device is known, in `fit`) the DDP handle.
 enum Member {
     Joined(Box<Distributed>),
     Training(Box<DataParallel>),
@@ -97,14 +106,17 @@ impl DdpStrategy {
 
     /// The strategy over an already formed job, with the default options.
     pub fn new(dist: Distributed) -> Self {
-        let (rank, world_size) = (dist.env.rank, dist.env.world_size);
+        let (rank, local_rank, world_size) =
+            (dist.env.rank, dist.env.local_rank, dist.env.world_size);
         if rank != 0 {
             quiet_logger();
         }
         Self {
             member: Mutex::new(Member::Joined(Box::new(dist))),
             options: DdpOptions::default(),
+            device: None,
             rank,
+            local_rank,
             world_size,
         }
     }
@@ -114,6 +126,15 @@ impl DdpStrategy {
     /// formed with.
     pub fn with_options(mut self, options: DdpOptions) -> Self {
         self.options = options;
+        self
+    }
+
+    /// The device this rank trains on (made autodiff when it is not; validation runs on its
+    /// plain form). Without it: the device of the learner's model, except that a model on a
+    /// CUDA device trains on the GPU of this rank's local rank
+    /// ([`crate::cuda::local_device`], feature `cuda`).
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = Some(device);
         self
     }
 
@@ -132,17 +153,43 @@ impl DdpStrategy {
         self.world_size
     }
 
-    /// The DDP handle for backend `B`, made on first use (collective when it forms an NCCL
-    /// group: every rank reaches `fit` together).
-    fn data_parallel<'a, B: TrainBackend>(
+    /// The autodiff device this rank trains on (see [`with_device`](Self::with_device)).
+    fn training_device(&self, model_device: Option<Device>) -> Device {
+        let device = match (&self.device, model_device) {
+            (Some(device), _) => device.clone(),
+            (None, Some(device)) => self.rank_device(device),
+            // A model without parameters: nothing decides; the CPU.
+            (None, None) => Device::flex(),
+        };
+        if device.is_autodiff() {
+            device
+        } else {
+            device.autodiff()
+        }
+    }
+
+    /// The model's device, or this rank's GPU for a model on a CUDA device.
+    fn rank_device(&self, model_device: Device) -> Device {
+        #[cfg(feature = "cuda")]
+        if crate::ddp::cuda_ordinal(&model_device).is_some() {
+            return Device::cuda(crate::cuda::local_device(self.local_rank)).autodiff();
+        }
+        let _ = self.local_rank;
+        model_device
+    }
+
+    /// The DDP handle for the training `device`, made on first use (collective when it forms
+    /// an NCCL group: every rank reaches `fit` together).
+    fn data_parallel<'a>(
         &self,
         member: &'a mut Member,
+        device: &Device,
     ) -> Result<&'a mut DataParallel, DdpError> {
         if let Member::Joined(_) = member {
             let Member::Joined(dist) = std::mem::replace(member, Member::Gone) else {
                 unreachable!("matched above")
             };
-            *member = Member::Training(Box::new(DataParallel::new::<B>(*dist, self.options)?));
+            *member = Member::Training(Box::new(DataParallel::new(*dist, self.options, device)?));
         }
         match member {
             Member::Training(ddp) => Ok(&mut **ddp),
@@ -210,23 +257,22 @@ fn any_has<G: ProcessGroup>(group: &mut G, ours: bool) -> Result<bool, DdpError>
     Ok(all.contains(&1))
 }
 
-type TrainOut<LC> = <<LC as LearningComponentsTypes>::TrainingModel as TrainStep>::Output;
-type ValidOut<LC> = <<LC as LearningComponentsTypes>::InferenceModel as InferenceStep>::Output;
+type TrainOut<M> = <M as TrainStep>::Output;
+type ValidOut<M> = <M as InferenceStep>::Output;
 
-impl<LC> SupervisedLearningStrategy<LC> for DdpStrategy
+impl<M> SupervisedLearningStrategy<M> for DdpStrategy
 where
-    LC: LearningComponentsTypes,
-    LC::Backend: TrainBackend,
-    TrainOut<LC>: GatherOutput,
-    ValidOut<LC>: GatherOutput,
+    M: LearnerModel,
+    TrainOut<M>: GatherOutput,
+    ValidOut<M>: GatherOutput,
 {
     fn train(
         &self,
-        mut learner: Learner<LC>,
-        dataloader_train: TrainLoader<LC>,
-        dataloader_valid: ValidLoader<LC>,
-        mut components: TrainingComponents<LC>,
-    ) -> LearningResult<LC::InferenceModel> {
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        components: TrainingComponents<M>,
+    ) -> LearningResult<M> {
         if self.options.zero_stage == 1 && components.checkpointer.is_some() {
             refuse(
                 self.rank,
@@ -235,13 +281,14 @@ where
         }
         // burn-train's epochs count from 1; a distributed loader's from 0. Its order in a
         // resumed epoch is then the uninterrupted run's (other loaders keep their own state).
+        // `launch` has loaded the checkpoint on every rank already.
         let starting_epoch = components.checkpoint.map_or(1, |epoch| epoch + 1);
         let loader_epoch = starting_epoch as u64 - 1;
         loader::start_at_epoch(&dataloader_train, loader_epoch);
         loader::start_at_epoch(&dataloader_valid, loader_epoch);
         if self.rank == 0 {
-            // burn-train's own `train` around this strategy's `fit`: its resume, its start and
-            // end events and the summary with its model block, as a one-process run has them.
+            // burn-train's own `train` around this strategy's `fit`: its start and end events
+            // and the summary with its model block, as a one-process run has them.
             return WithBurnTrainEvents(self).train(
                 learner,
                 dataloader_train,
@@ -249,12 +296,8 @@ where
                 components,
             );
         }
-        // Other ranks: the same resume (rank 0's files, module docs), no events.
-        if let (Some(epoch), Some(checkpointer)) =
-            (components.checkpoint, &mut components.checkpointer)
-        {
-            learner = checkpointer.load_checkpoint(learner, &Default::default(), epoch);
-        }
+        // Other ranks: no events.
+        let interrupter = components.interrupter.clone();
         let (model, processor) = self.fit(
             components,
             learner,
@@ -265,29 +308,35 @@ where
         LearningResult {
             model: model.valid(),
             renderer: processor.renderer(),
+            interrupted: interrupter.interruption(),
+            error: interrupter.error(),
         }
     }
 
     fn fit(
         &self,
-        components: TrainingComponents<LC>,
-        mut learner: Learner<LC>,
-        dataloader_train: TrainLoader<LC>,
-        dataloader_valid: ValidLoader<LC>,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
         starting_epoch: usize,
-    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
         let rank = self.rank;
+        let device = self.training_device(learner.model().devices().into_iter().next());
         let mut member = match self.member.lock() {
             Ok(member) => member,
             Err(poisoned) => poisoned.into_inner(),
         };
-        let ddp = match self.data_parallel::<LC::Backend>(&mut member) {
+        let ddp = match self.data_parallel(&mut member, &device) {
             Ok(ddp) => ddp,
             Err(e) if e.is_usage() => refuse(rank, e),
             Err(e) => fail(rank, "setting up the DDP step", e),
         };
-        let train = shard(dataloader_train, rank, self.world_size);
-        let valid = shard(dataloader_valid, rank, self.world_size);
+        // This rank's shard (decided on the loaders as built), on this rank's device.
+        let train = shard(dataloader_train, rank, self.world_size).to_device(&device);
+        let valid =
+            shard(dataloader_valid, rank, self.world_size).to_device(&device.clone().inner());
+        learner.fork(&device);
 
         // Replicas equal: rank 0's weights and deterministic parameter ids everywhere.
         let prepared = ddp
@@ -295,6 +344,7 @@ where
             .unwrap_or_else(|e| fail(rank, "making the replicas equal", e));
         learner.load_model(prepared.into_record());
 
+        let interrupter = components.interrupter.clone();
         let mut processor = components.event_processor;
         let mut checkpointer = components.checkpointer;
         let mut early_stopping = components.early_stopping;
@@ -304,8 +354,11 @@ where
                 || (self.options.buffers.is_some()
                     && buffers::buffer_elements(&learner.model()) > 0),
         };
+        let events = Events {
+            rank,
+            interrupter: &interrupter,
+        };
         for epoch in starting_epoch..=components.num_epochs {
-            let global = Progress::new(epoch, components.num_epochs);
             if rank == 0 {
                 tracing::info!(
                     "epoch {epoch}/{}: training on {} rank(s)",
@@ -313,21 +366,38 @@ where
                     self.world_size
                 );
             }
-            self.train_epoch(ddp, &mut learner, &train, &mut processor, steps, &global);
+            events.train::<M>(
+                &mut processor,
+                LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: train.num_items() * self.world_size,
+                },
+            );
+            self.train_epoch(ddp, &mut learner, &train, &mut processor, steps, &events);
+            events.train::<M>(&mut processor, LearnerEvent::EndSplit(epoch));
+            events.valid::<M>(
+                &mut processor,
+                LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: valid.num_items() * self.world_size,
+                },
+            );
+            self.validate_epoch(ddp, &learner, &valid, &mut processor, &events);
+            events.valid::<M>(&mut processor, LearnerEvent::EndSplit(epoch));
+            events.train::<M>(&mut processor, LearnerEvent::EndEpoch(epoch));
             if rank == 0 {
-                processor.process_train(LearnerEvent::EndEpoch(epoch));
-            }
-            self.validate_epoch(ddp, &learner, &valid, &mut processor, &global);
-            if rank == 0 {
-                processor.process_valid(LearnerEvent::EndEpoch(epoch));
+                if checkpointer.is_some() || early_stopping.is_some() {
+                    interrupter.fail_on_error(processor.flush());
+                }
                 if let Some(checkpointer) = &mut checkpointer {
                     checkpointer.checkpoint(&learner, epoch, &components.event_store);
                 }
             }
             // Rank 0's verdict on stopping (early stopping reads its event store; an
-            // interrupt on rank 0 stops every rank), and the others wait for its checkpoint.
+            // interrupt or an error of its event processor stops every rank), and the others
+            // wait for its checkpoint.
             let stop = rank == 0
-                && (components.interrupter.should_stop()
+                && (interrupter.should_stop()
                     || early_stopping
                         .as_mut()
                         .is_some_and(|s| s.should_stop(epoch, &components.event_store)));
@@ -344,26 +414,25 @@ where
     }
 }
 
-/// Rank 0's view of the strategy: burn-train's default `train` (checkpoint load, `Start`,
-/// `fit`, `End` with the summary and its model block — the block a strategy cannot fill
-/// itself) around [`DdpStrategy`]'s `fit`.
+/// Rank 0's view of the strategy: burn-train's default `train` (`Start`, `fit`, `End` with the
+/// summary and its model block — the block a strategy cannot fill itself) around
+/// [`DdpStrategy`]'s `fit`.
 struct WithBurnTrainEvents<'a>(&'a DdpStrategy);
 
-impl<LC> SupervisedLearningStrategy<LC> for WithBurnTrainEvents<'_>
+impl<M> SupervisedLearningStrategy<M> for WithBurnTrainEvents<'_>
 where
-    LC: LearningComponentsTypes,
-    LC::Backend: TrainBackend,
-    TrainOut<LC>: GatherOutput,
-    ValidOut<LC>: GatherOutput,
+    M: LearnerModel,
+    TrainOut<M>: GatherOutput,
+    ValidOut<M>: GatherOutput,
 {
     fn fit(
         &self,
-        components: TrainingComponents<LC>,
-        learner: Learner<LC>,
-        dataloader_train: TrainLoader<LC>,
-        dataloader_valid: ValidLoader<LC>,
+        components: TrainingComponents<M>,
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
         starting_epoch: usize,
-    ) -> (TrainingModel<LC>, SupervisedTrainingEventProcessor<LC>) {
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
         self.0.fit(
             components,
             learner,
@@ -371,6 +440,37 @@ where
             dataloader_valid,
             starting_epoch,
         )
+    }
+}
+
+/// burn-train's events, sent on rank 0 only; an error of the event processor is recorded in
+/// the interrupter (which stops every rank at the end of the epoch), as burn-train does.
+struct Events<'a> {
+    rank: usize,
+    interrupter: &'a Interrupter,
+}
+
+impl Events<'_> {
+    fn train<M: LearnerModel>(
+        &self,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        event: LearnerEvent<TrainOut<M>>,
+    ) {
+        if self.rank == 0 {
+            self.interrupter
+                .fail_on_error(processor.process_train(event));
+        }
+    }
+
+    fn valid<M: LearnerModel>(
+        &self,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        event: LearnerEvent<ValidOut<M>>,
+    ) {
+        if self.rank == 0 {
+            self.interrupter
+                .fail_on_error(processor.process_valid(event));
+        }
     }
 }
 
@@ -385,20 +485,21 @@ struct StepRule {
 }
 
 impl DdpStrategy {
-    /// One epoch of training on this rank's shard: micro-batches accumulated, the DDP step
-    /// once per optimizer step, the outputs gathered on rank 0 for burn-train's metrics.
-    fn train_epoch<LC>(
+    /// One epoch of training on this rank's shard: micro-batches accumulated, the learning
+    /// rate scheduler and the DDP step once per optimizer step (an epoch's last, partial
+    /// accumulation steps too, as burn-train's single-device epoch does), the outputs
+    /// gathered on rank 0 for burn-train's metrics.
+    fn train_epoch<M>(
         &self,
         ddp: &mut DataParallel,
-        learner: &mut Learner<LC>,
-        train: &TrainLoader<LC>,
-        processor: &mut SupervisedTrainingEventProcessor<LC>,
+        learner: &mut Learner<M>,
+        train: &TrainLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
         steps: StepRule,
-        global: &Progress,
+        events: &Events<'_>,
     ) where
-        LC: LearningComponentsTypes,
-        LC::Backend: TrainBackend,
-        TrainOut<LC>: GatherOutput,
+        M: LearnerModel,
+        TrainOut<M>: GatherOutput,
     {
         let rank = self.rank;
         let mut iter = train.iter();
@@ -412,15 +513,19 @@ impl DdpStrategy {
                 Ok(false) => break,
                 Err(e) => fail(rank, "training", e),
             }
-            let Some(batch) = batch else { break };
+            let batch = match batch {
+                Some(Ok(batch)) => batch,
+                Some(Err(e)) => fail(rank, "reading the training data", e),
+                None => break,
+            };
             iteration += 1;
-            learner.lr_step();
             let progress = iter.progress();
             let output = learner.train_step(batch);
             accumulator.accumulate(&learner.model(), output.grads);
             accumulated += 1;
-            if accumulated == steps.accumulation {
+            if accumulated == steps.accumulation || progress.is_completed() {
                 let grads: GradientsParams = accumulator.grads();
+                learner.lr_step();
                 optimizer_step(ddp, learner, grads, steps.reload, iteration)
                     .unwrap_or_else(|e| fail(rank, "the DDP step", e));
                 accumulated = 0;
@@ -429,36 +534,35 @@ impl DdpStrategy {
                 .unwrap_or_else(|e| fail(rank, "gathering training outputs", e));
             if let Some(item) = gathered {
                 let progress = scaled(&progress, self.world_size);
-                let item = TrainingItem::new(
-                    item,
-                    progress,
-                    global.clone(),
-                    Some(iteration),
-                    Some(learner.lr_current()),
-                );
-                processor.process_train(LearnerEvent::ProcessedItem(item));
+                let item =
+                    TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
+                events.train::<M>(processor, LearnerEvent::ProcessedItem(item));
             }
         }
     }
 
     /// Validation of every rank's shard, the outputs gathered on rank 0.
-    fn validate_epoch<LC>(
+    fn validate_epoch<M>(
         &self,
         ddp: &mut DataParallel,
-        learner: &Learner<LC>,
-        valid: &ValidLoader<LC>,
-        processor: &mut SupervisedTrainingEventProcessor<LC>,
-        global: &Progress,
+        learner: &Learner<M>,
+        valid: &ValidLoader<M>,
+        processor: &mut SupervisedTrainingEventProcessor<M>,
+        events: &Events<'_>,
     ) where
-        LC: LearningComponentsTypes,
-        ValidOut<LC>: GatherOutput,
+        M: LearnerModel,
+        ValidOut<M>: GatherOutput,
     {
         let rank = self.rank;
         let model = learner.model().valid();
         let mut iter = valid.iter();
         let mut iteration = 0;
         loop {
-            let batch = iter.next();
+            let batch = match iter.next() {
+                Some(Ok(batch)) => Some(batch),
+                Some(Err(e)) => fail(rank, "reading the validation data", e),
+                None => None,
+            };
             match any_has(ddp.group(), batch.is_some()) {
                 Ok(true) => {}
                 Ok(false) => break,
@@ -466,12 +570,12 @@ impl DdpStrategy {
             }
             iteration += 1;
             let progress = scaled(&iter.progress(), self.world_size);
-            let output = batch.map(|b| model.step(b));
+            let output = batch.map(|b| InferenceStep::step(&model, b));
             let gathered = GatherOutput::gather(output, ddp.group(), 0)
                 .unwrap_or_else(|e| fail(rank, "gathering validation outputs", e));
             if let Some(item) = gathered {
-                let item = TrainingItem::new(item, progress, global.clone(), Some(iteration), None);
-                processor.process_valid(LearnerEvent::ProcessedItem(item));
+                let item = TrainingItem::new(item, progress, Some(iteration), None);
+                events.valid::<M>(processor, LearnerEvent::ProcessedItem(item));
             }
         }
     }
@@ -480,18 +584,14 @@ impl DdpStrategy {
 /// The DDP step around burn-train's optimizer step: gradients synchronised as the ZeRO stage
 /// says, the step (refused on non-finite gradients, on every rank alike), then stage 1's
 /// parameter gather and the buffer sync. Collective.
-fn optimizer_step<LC>(
+fn optimizer_step<M: LearnerModel>(
     ddp: &mut DataParallel,
-    learner: &mut Learner<LC>,
+    learner: &mut Learner<M>,
     mut grads: GradientsParams,
     reload: bool,
     iteration: usize,
-) -> Result<(), DdpError>
-where
-    LC: LearningComponentsTypes,
-    LC::Backend: TrainBackend,
-{
-    let check = ddp.sync_gradients::<LC::Backend, _>(&learner.model(), &mut grads)?;
+) -> Result<(), DdpError> {
+    let check = ddp.sync_gradients(&learner.model(), &mut grads)?;
     if !check.all_finite() {
         return Err(DdpError::Unsupported(format!(
             "non-finite gradients (NaN or Inf) at iteration {iteration}, first on rank(s) {:?}",
@@ -512,19 +612,17 @@ fn scaled(progress: &Progress, world: usize) -> Progress {
     Progress::new(
         progress.items_processed * world,
         progress.items_total * world,
+        progress.unit.clone(),
     )
 }
 
 /// This rank's part of `loader`: a loader from [`super::DistributedDataLoaderBuilder`] as it
 /// is; any other as an equal contiguous slice (module docs).
-fn shard<B, O>(
-    loader: std::sync::Arc<dyn burn::data::dataloader::DataLoader<B, O>>,
+fn shard<O>(
+    loader: std::sync::Arc<dyn DataLoader<O>>,
     rank: usize,
     world: usize,
-) -> std::sync::Arc<dyn burn::data::dataloader::DataLoader<B, O>>
-where
-    B: burn::tensor::backend::Backend,
-{
+) -> std::sync::Arc<dyn DataLoader<O>> {
     if world == 1 || loader::is_distributed(&loader) {
         return loader;
     }

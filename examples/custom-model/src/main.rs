@@ -14,31 +14,32 @@ use std::sync::Arc;
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
+use burn::data::dataset::DatasetError;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
-use burn::tensor::backend::AutodiffBackend;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
-use trainer::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
+use trainer::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
 use trainer::metrics::Metrics;
 
-/// The model: a two-layer perceptron on 2-D points.
+/// The model: a two-layer perceptron on 2-D points (Burn 0.22: no backend type parameter; the
+/// engine puts it on the device `output.device` names).
 #[derive(Module, Debug)]
-pub struct CirclesNet<B: Backend> {
-    hidden: Linear<B>,
-    output: Linear<B>,
+pub struct CirclesNet {
+    hidden: Linear,
+    output: Linear,
     activation: Relu,
 }
 
-impl<B: Backend> CirclesNet<B> {
-    fn forward(&self, points: Tensor<B, 2>) -> Tensor<B, 2> {
+impl CirclesNet {
+    fn forward(&self, points: Tensor<2>) -> Tensor<2> {
         let x = self.activation.forward(self.hidden.forward(points));
         self.output.forward(x)
     }
 
-    fn classify(&self, batch: PointsBatch<B>) -> ClassificationOutput<B> {
+    fn classify(&self, batch: PointsBatch) -> ClassificationOutput {
         let logits = self.forward(batch.points);
         let loss = CrossEntropyLossConfig::new()
             .init(&logits.device())
@@ -47,22 +48,24 @@ impl<B: Backend> CirclesNet<B> {
     }
 }
 
-/// burn-train's contract: a training step returns the gradients and an output for metrics.
-impl<B: AutodiffBackend> TrainStep for CirclesNet<B> {
-    type Input = PointsBatch<B>;
-    type Output = ClassificationOutput<B>;
+/// burn-train's contract: a training step (on the autodiff device) returns the gradients and an
+/// output for metrics.
+impl TrainStep for CirclesNet {
+    type Input = PointsBatch;
+    type Output = ClassificationOutput;
 
-    fn step(&self, batch: PointsBatch<B>) -> TrainOutput<ClassificationOutput<B>> {
+    fn step(&self, batch: PointsBatch) -> TrainOutput<ClassificationOutput> {
         let output = self.classify(batch);
         TrainOutput::new(self, output.loss.backward(), output)
     }
 }
 
-impl<B: Backend> InferenceStep for CirclesNet<B> {
-    type Input = PointsBatch<B>;
-    type Output = ClassificationOutput<B>;
+/// Validation runs this on `model.valid()`, the same type without autodiff.
+impl InferenceStep for CirclesNet {
+    type Input = PointsBatch;
+    type Output = ClassificationOutput;
 
-    fn step(&self, batch: PointsBatch<B>) -> ClassificationOutput<B> {
+    fn step(&self, batch: PointsBatch) -> ClassificationOutput {
         self.classify(batch)
     }
 }
@@ -76,16 +79,16 @@ pub struct Point {
 
 /// The user's own batch type.
 #[derive(Clone, Debug)]
-pub struct PointsBatch<B: Backend> {
-    pub points: Tensor<B, 2>,
-    pub labels: Tensor<B, 1, Int>,
+pub struct PointsBatch {
+    pub points: Tensor<2>,
+    pub labels: Tensor<1, Int>,
 }
 
 #[derive(Clone, Debug)]
 pub struct PointsBatcher;
 
-impl<B: Backend> Batcher<B, Point, PointsBatch<B>> for PointsBatcher {
-    fn batch(&self, items: Vec<Point>, device: &B::Device) -> PointsBatch<B> {
+impl Batcher<Point, PointsBatch> for PointsBatcher {
+    fn batch(&self, items: Vec<Point>, device: &Device) -> PointsBatch {
         let n = items.len();
         let xy: Vec<f32> = items.iter().flat_map(|p| p.xy).collect();
         let labels: Vec<i64> = items.iter().map(|p| i64::from(p.outer)).collect();
@@ -108,10 +111,13 @@ pub struct Circles {
 }
 
 impl Dataset<Point> for Circles {
-    fn get(&self, index: usize) -> Option<Point> {
-        if index >= self.len {
-            return None;
-        }
+    /// Computed, so never an error.
+    ///
+    /// # Panics
+    ///
+    /// If `index >= len()` (Burn's `Dataset::get` contract).
+    fn get(&self, index: usize) -> Result<Point, DatasetError> {
+        assert!(index < self.len, "Circles: index {index} >= {}", self.len);
         self.reads.fetch_add(1, Ordering::Relaxed);
         let mut h = splitmix(self.seed ^ (self.first + index) as u64);
         let mut unit = || {
@@ -121,7 +127,7 @@ impl Dataset<Point> for Circles {
         let outer = unit() < 0.5;
         let angle = unit() * std::f32::consts::TAU;
         let radius = if outer { 1.0 } else { 0.5 } + self.noise * (2.0 * unit() - 1.0);
-        Some(Point {
+        Ok(Point {
             xy: [radius * angle.cos(), radius * angle.sin()],
             outer,
         })
@@ -228,9 +234,8 @@ impl App for CirclesApp {
     }
 }
 
-impl<B: AutodiffBackend> Learn<B> for CirclesApp {
-    type Model = CirclesNet<B>;
-    type ValidModel = CirclesNet<B::InnerBackend>;
+impl Learn for CirclesApp {
+    type Model = CirclesNet;
     type TrainBatcher = PointsBatcher;
     type ValidBatcher = PointsBatcher;
 
@@ -238,8 +243,8 @@ impl<B: AutodiffBackend> Learn<B> for CirclesApp {
         &self,
         model: &ModelConfig,
         _data: &DataConfig,
-        device: &B::Device,
-    ) -> Result<CirclesNet<B>, AppError> {
+        device: &Device,
+    ) -> Result<CirclesNet, AppError> {
         Ok(CirclesNet {
             hidden: LinearConfig::new(2, model.hidden).init(device),
             output: LinearConfig::new(model.hidden, 2).init(device),
@@ -251,18 +256,18 @@ impl<B: AutodiffBackend> Learn<B> for CirclesApp {
         &self,
         _: &ModelConfig,
         _: &DataConfig,
-        _: &B::Device,
+        _: &Device,
     ) -> (PointsBatcher, PointsBatcher) {
         (PointsBatcher, PointsBatcher)
     }
 
-    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
+    fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
         Metrics::new()
             .with(LossMetric::new())
             .with(AccuracyMetric::new())
     }
 
-    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
+    fn valid_metrics(&self) -> Metrics<ValidItem<Self>> {
         Metrics::new()
             .with(LossMetric::new())
             .with(AccuracyMetric::new())

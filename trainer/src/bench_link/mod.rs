@@ -31,12 +31,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use burn::module::Module;
+use burn::tensor::Device;
 use clap::Args;
 
 use self::bounds::{LinkRate, StepModel};
 use self::net::{Network, Shaping};
 use crate::app::Learn;
-use crate::backend::{CpuBackend, LearnAnywhere};
 use crate::builtin::{self, WithApp};
 use crate::config::AppConfig;
 use crate::error::UsageError;
@@ -89,7 +89,7 @@ pub fn bench_link(args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
     struct Bench<'a>(&'a BenchLinkArgs);
     impl WithApp for Bench<'_> {
         type Output = anyhow::Result<ExitCode>;
-        fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output {
+        fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
             bench_app(app, self.0)
         }
     }
@@ -124,12 +124,12 @@ fn checked_rates(args: &BenchLinkArgs) -> anyhow::Result<Vec<LinkRate>> {
         .collect::<Result<Vec<_>, _>>()?)
 }
 
-fn bench_app<A: LearnAnywhere>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
+fn bench_app<A: Learn>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
     let rates = checked_rates(args)?;
     let config = AppConfig::<A>::load(&args.config)?;
-    let params =
-        Learn::<CpuBackend>::model(&app, &config.model, &config.data, &Default::default())?
-            .num_params();
+    let params = app
+        .model(&config.model, &config.data, &Device::flex().autodiff())?
+        .num_params();
     let batch = config.training.batch_size;
     let steps = args
         .steps

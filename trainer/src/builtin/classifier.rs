@@ -5,13 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use burn::backend::Flex;
 use burn::data::dataset::{Dataset, InMemDataset};
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
 use models::{DigitsModel, InputShape};
 use serde::{Deserialize, Serialize};
 
-use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
+use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
 use crate::data::{self, ClassificationBatcher, ClassificationItem};
 use crate::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
@@ -386,7 +385,7 @@ impl App for ClassifierApp {
     /// Inversely proportional to the class's frequency (`training.balance_classes`).
     fn sample_weights(&self, train: &dyn Dataset<ClassificationItem>) -> Option<Vec<f64>> {
         let labels: Vec<usize> = (0..train.len())
-            .filter_map(|i| train.get(i).map(|item| item.label))
+            .filter_map(|i| train.get(i).ok().map(|item| item.label))
             .collect();
         let mut counts = vec![0usize; labels.iter().map(|l| l + 1).max().unwrap_or(0)];
         for &label in &labels {
@@ -396,15 +395,15 @@ impl App for ClassifierApp {
     }
 
     fn parameter_count(&self, model: &ModelSection, data: &DataConfig) -> Option<u64> {
-        let device = Default::default();
-        let lazy = DigitsModel::<Flex>::lazy(&model.name, &model.options, &data.input(), &device);
+        // Lazy parameters: nothing of the model's size is allocated.
+        let device = Device::flex();
+        let lazy = DigitsModel::lazy(&model.name, &model.options, &data.input(), &device);
         lazy.ok().map(|m| burn_ddp::parameter_count(&m))
     }
 }
 
-impl<B: AutodiffBackend> Learn<B> for ClassifierApp {
-    type Model = DigitsModel<B>;
-    type ValidModel = DigitsModel<B::InnerBackend>;
+impl Learn for ClassifierApp {
+    type Model = DigitsModel;
     type TrainBatcher = ClassificationBatcher;
     type ValidBatcher = ClassificationBatcher;
 
@@ -412,8 +411,8 @@ impl<B: AutodiffBackend> Learn<B> for ClassifierApp {
         &self,
         model: &ModelSection,
         data: &DataConfig,
-        device: &B::Device,
-    ) -> Result<DigitsModel<B>, AppError> {
+        device: &Device,
+    ) -> Result<DigitsModel, AppError> {
         DigitsModel::from_options(&model.name, &model.options, &data.input(), device)
             .map_err(|e| AppError(e.to_string()))
     }
@@ -422,16 +421,16 @@ impl<B: AutodiffBackend> Learn<B> for ClassifierApp {
         &self,
         _model: &ModelSection,
         _data: &DataConfig,
-        _device: &B::Device,
+        _device: &Device,
     ) -> (ClassificationBatcher, ClassificationBatcher) {
         (ClassificationBatcher, ClassificationBatcher)
     }
 
-    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
+    fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
         super::loss_and_accuracy()
     }
 
-    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
+    fn valid_metrics(&self) -> Metrics<ValidItem<Self>> {
         super::loss_and_accuracy()
     }
 }

@@ -14,22 +14,21 @@ pub mod text;
 use std::path::Path;
 use std::sync::Arc;
 
-use burn::backend::Flex;
 use burn::data::dataset::transform::PartialDataset;
 use burn::data::dataset::Dataset;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::ClassificationOutput;
 
-use crate::app::Datasets;
+use crate::app::{Datasets, Learn};
 use crate::metrics::Metrics;
 
-use crate::backend::LearnAnywhere;
 use crate::config::ConfigError;
 
-/// Work to do with the app a config file names ([`with_app`]).
+/// Work to do with the app a config file names ([`with_app`]): a generic function over the
+/// app type (the device is chosen at run time, inside).
 pub trait WithApp {
     type Output;
-    fn run<A: LearnAnywhere + Clone>(self, app: A) -> Self::Output;
+    fn run<A: Learn + Clone>(self, app: A) -> Self::Output;
 }
 
 /// Every `[model] name` the built-in apps know.
@@ -91,7 +90,7 @@ where
 }
 
 /// burn-train's loss and accuracy, for classifiers' outputs.
-pub fn loss_and_accuracy() -> Metrics<ClassificationOutput<Flex>> {
+pub fn loss_and_accuracy() -> Metrics<ClassificationOutput> {
     Metrics::new()
         .with(LossMetric::new())
         .with(AccuracyMetric::new())

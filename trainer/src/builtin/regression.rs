@@ -5,8 +5,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use burn::backend::Flex;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
 use burn::train::metric::LossMetric;
 use models::{
     RegressionBatcher, RegressionConfig, RegressionItem, RegressionModel, SyntheticRegression,
@@ -14,7 +13,7 @@ use models::{
 use serde::{Deserialize, Serialize};
 
 use super::{split_by_index, Named};
-use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
+use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::schema::{self, Features, Targets, ValueColumns};
@@ -217,16 +216,13 @@ impl App for RegressionApp {
 
     fn parameter_count(&self, model: &Self::ModelConfig, d: &RegressionData) -> Option<u64> {
         let (features, targets) = d.shape();
-        let lazy = model
-            .config
-            .init_lazy::<Flex>(features, targets, &Default::default());
+        let lazy = model.config.init_lazy(features, targets, &Device::flex());
         Some(burn_ddp::parameter_count(&lazy))
     }
 }
 
-impl<B: AutodiffBackend> Learn<B> for RegressionApp {
-    type Model = RegressionModel<B>;
-    type ValidModel = RegressionModel<B::InnerBackend>;
+impl Learn for RegressionApp {
+    type Model = RegressionModel;
     type TrainBatcher = RegressionBatcher;
     type ValidBatcher = RegressionBatcher;
 
@@ -234,8 +230,8 @@ impl<B: AutodiffBackend> Learn<B> for RegressionApp {
         &self,
         model: &Self::ModelConfig,
         data: &RegressionData,
-        device: &B::Device,
-    ) -> Result<RegressionModel<B>, AppError> {
+        device: &Device,
+    ) -> Result<RegressionModel, AppError> {
         let (features, targets) = data.shape();
         Ok(model.config.init(features, targets, device))
     }
@@ -244,16 +240,16 @@ impl<B: AutodiffBackend> Learn<B> for RegressionApp {
         &self,
         _model: &Self::ModelConfig,
         _data: &RegressionData,
-        _device: &B::Device,
+        _device: &Device,
     ) -> (RegressionBatcher, RegressionBatcher) {
         (RegressionBatcher, RegressionBatcher)
     }
 
-    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
-        Metrics::new().with(LossMetric::<Flex>::new())
+    fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
+        Metrics::new().with(LossMetric::new())
     }
 
-    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
-        Metrics::new().with(LossMetric::<Flex>::new())
+    fn valid_metrics(&self) -> Metrics<ValidItem<Self>> {
+        Metrics::new().with(LossMetric::new())
     }
 }

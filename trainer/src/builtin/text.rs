@@ -4,13 +4,12 @@
 
 use std::sync::Arc;
 
-use burn::backend::Flex;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::Device;
 use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextItem};
 use serde::{Deserialize, Serialize};
 
 use super::{loss_and_accuracy, split_by_index, Named};
-use crate::app::{App, AppError, Datasets, Learn, TrainSynced, ValidSynced};
+use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 
 /// The `[model] name` of this app.
@@ -93,14 +92,13 @@ impl App for TextApp {
     }
 
     fn parameter_count(&self, model: &Self::ModelConfig, _data: &TextData) -> Option<u64> {
-        let lazy = model.config.init_lazy::<Flex>(&Default::default());
+        let lazy = model.config.init_lazy(&Device::flex());
         Some(burn_ddp::parameter_count(&lazy))
     }
 }
 
-impl<B: AutodiffBackend> Learn<B> for TextApp {
-    type Model = TextClassifier<B>;
-    type ValidModel = TextClassifier<B::InnerBackend>;
+impl Learn for TextApp {
+    type Model = TextClassifier;
     type TrainBatcher = TextBatcher;
     type ValidBatcher = TextBatcher;
 
@@ -108,8 +106,8 @@ impl<B: AutodiffBackend> Learn<B> for TextApp {
         &self,
         model: &Self::ModelConfig,
         _data: &TextData,
-        device: &B::Device,
-    ) -> Result<TextClassifier<B>, AppError> {
+        device: &Device,
+    ) -> Result<TextClassifier, AppError> {
         Ok(model.config.init(device))
     }
 
@@ -117,17 +115,17 @@ impl<B: AutodiffBackend> Learn<B> for TextApp {
         &self,
         _model: &Self::ModelConfig,
         _data: &TextData,
-        _device: &B::Device,
+        _device: &Device,
     ) -> (TextBatcher, TextBatcher) {
         let batcher = TextBatcher { pad_token: 0 };
         (batcher, batcher)
     }
 
-    fn train_metrics(&self) -> Metrics<TrainSynced<Self, B>> {
+    fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
         loss_and_accuracy()
     }
 
-    fn valid_metrics(&self) -> Metrics<ValidSynced<Self, B>> {
+    fn valid_metrics(&self) -> Metrics<ValidItem<Self>> {
         loss_and_accuracy()
     }
 }

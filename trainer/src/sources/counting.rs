@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use burn::data::dataset::Dataset;
+use burn::data::dataset::{Dataset, DatasetError};
 
 use crate::app::{AppError, Datasets};
 use crate::worker_env::RANK_VAR;
@@ -33,7 +33,7 @@ impl<I> CountingDataset<I> {
 }
 
 impl<I: Send + Sync> Dataset<I> for CountingDataset<I> {
-    fn get(&self, index: usize) -> Option<I> {
+    fn get(&self, index: usize) -> Result<I, DatasetError> {
         {
             // Unbuffered: every line is on disk however the process ends.
             let mut log = self.log.lock().unwrap_or_else(PoisonError::into_inner);
@@ -85,10 +85,12 @@ mod tests {
         let inner: Arc<dyn Dataset<u8>> = Arc::new(InMemDataset::new(vec![10, 11, 12]));
         let counted = CountingDataset::new(inner, &path).unwrap();
         assert_eq!(counted.len(), 3);
-        assert_eq!(counted.get(2), Some(12));
-        assert_eq!(counted.get(0), Some(10));
-        assert_eq!(counted.get(2), Some(12));
-        assert_eq!(counted.get(5), None);
+        assert_eq!(counted.get(2).unwrap(), 12);
+        assert_eq!(counted.get(0).unwrap(), 10);
+        assert_eq!(counted.get(2).unwrap(), 12);
+        // Past the end, Burn's data sets panic; the read is logged first.
+        let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| counted.get(5)));
+        assert!(past.is_err());
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "2\n0\n2\n5\n");
         let _ = std::fs::remove_file(path);
     }

@@ -273,7 +273,9 @@ mod tests {
         assert_eq!((item(2).features, item(2).label), (vec![4.0, 2.0], 1));
         assert_eq!((item(0).features, item(0).label), (vec![2.0, 0.5], 1));
         assert_eq!((item(1).features, item(1).label), (vec![-3.0, 1.5], 0));
-        assert!(data.get(3).is_none());
+        // Past the end, Burn's `Dataset::get` panics.
+        let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| data.get(3)));
+        assert!(past.is_err(), "index 3 of 3 rows");
     }
 
     #[test]

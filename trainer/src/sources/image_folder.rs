@@ -17,7 +17,7 @@
 
 use std::path::{Path, PathBuf};
 
-use burn::data::dataset::Dataset;
+use burn::data::dataset::{Dataset, DatasetError};
 use image::imageops::FilterType;
 use image::ImageReader;
 
@@ -187,15 +187,18 @@ fn is_image(path: &Path) -> bool {
 }
 
 impl Dataset<ClassificationItem> for ImageFolder {
-    /// The image, or `None` after reporting why it cannot be decoded
-    /// ([`crate::app::report_item_error`]).
-    fn get(&self, index: usize) -> Option<ClassificationItem> {
-        if index >= self.images.len() {
-            return None;
-        }
-        self.read(index)
-            .map_err(|e| crate::app::report_item_error(e.to_string()))
-            .ok()
+    /// The image, or why it cannot be decoded (a [`SourceError`] naming the file).
+    ///
+    /// # Panics
+    ///
+    /// If `index >= len()` (Burn's `Dataset::get` contract).
+    fn get(&self, index: usize) -> Result<ClassificationItem, DatasetError> {
+        let len = self.images.len();
+        assert!(
+            index < len,
+            "image folder: index {index} out of range (it has {len} images)"
+        );
+        self.read(index).map_err(DatasetError::new)
     }
 
     fn len(&self) -> usize {

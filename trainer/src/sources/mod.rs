@@ -85,7 +85,7 @@ mod tests {
         let (train, valid) = split_train_validation(items.clone(), 0.2, 9);
         let sets = split(InMemDataset::new(items), 0.2, 9);
         let all = |d: &dyn Dataset<ClassificationItem>| {
-            (0..d.len()).filter_map(|i| d.get(i)).collect::<Vec<_>>()
+            (0..d.len()).map(|i| d.get(i).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(all(&*sets.train), train);
         assert_eq!(sets.valid.as_deref().map(all), Some(valid));

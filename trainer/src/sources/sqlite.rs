@@ -243,12 +243,17 @@ impl Rows for SqliteRows {
             table: self.table.clone(),
             row_id: index as i64 + 1,
         };
-        let Some(mut row) = self.dataset.get(index) else {
-            return Err(format(
-                &self.path,
-                Some(place),
-                "no such row (has the table changed since it was opened?)",
-            ));
+        let mut row = match self.dataset.get(index) {
+            Ok(row) => row,
+            Err(error) => {
+                return Err(format(
+                    &self.path,
+                    Some(place),
+                    format!(
+                        "cannot read the row: {error} (has the table changed since it was opened?)"
+                    ),
+                ))
+            }
         };
         let cells = self
             .columns
@@ -290,7 +295,8 @@ fn format(path: &Path, place: Option<Place>, message: impl Into<String>) -> Sour
     }
 }
 
-/// Any SQLite value, as `SqliteDataset` hands it over (through serde_rusqlite): never an error.
+/// Any SQLite value, as `SqliteDataset` hands it over (burn-dataset's row deserializer over
+/// turso; a blob comes as a sequence of bytes): never an error.
 impl<'de> Deserialize<'de> for Cell {
     fn deserialize<De: Deserializer<'de>>(deserializer: De) -> Result<Self, De::Error> {
         deserializer.deserialize_any(CellVisitor)
@@ -385,7 +391,9 @@ mod tests {
         let item = data.get(1).unwrap();
         assert_eq!((item.features, item.label), (vec![-1.5, 3.0], 0));
         assert_eq!(data.get(2).unwrap().features, vec![4.0, 5.0]);
-        assert!(data.get(3).is_none());
+        // Past the end, Burn's `Dataset::get` panics.
+        let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| data.get(3)));
+        assert!(past.is_err(), "index 3 of 3 rows");
 
         let labels = Some(vec!["three".to_owned(), "one".into(), "two".into()]);
         let by_name = ClassColumns::new(vec!["a".into()], "name".into(), 3, labels);

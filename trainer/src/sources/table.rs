@@ -4,7 +4,7 @@
 use std::marker::PhantomData;
 use std::path::Path;
 
-use burn::data::dataset::Dataset;
+use burn::data::dataset::{Dataset, DatasetError};
 
 use super::error::{Place, SourceError};
 use super::schema::{Cell, Decode};
@@ -25,8 +25,8 @@ pub trait Rows: Send + Sync + 'static {
 }
 
 /// Rows `R` decoded into items `I` by `D`. Every row was checked when the table was opened, so
-/// `get` fails only if the file changed since; it then reports why
-/// ([`crate::app::report_item_error`]) and returns `None`.
+/// `get` fails only if the file changed since; its error (a [`SourceError`] in Burn's
+/// [`DatasetError`]) then says why, naming the file and the place.
 pub struct TableDataset<R, D, I> {
     rows: R,
     decoder: D,
@@ -67,13 +67,17 @@ impl<R: Rows, D, I> std::fmt::Debug for TableDataset<R, D, I> {
 }
 
 impl<R: Rows, D: Decode<I>, I: Send + Sync> Dataset<I> for TableDataset<R, D, I> {
-    fn get(&self, index: usize) -> Option<I> {
-        if index >= self.rows.len() {
-            return None;
-        }
-        self.read(index)
-            .map_err(|e| crate::app::report_item_error(e.to_string()))
-            .ok()
+    /// # Panics
+    ///
+    /// If `index >= len()` (Burn's `Dataset::get` contract).
+    fn get(&self, index: usize) -> Result<I, DatasetError> {
+        let len = self.rows.len();
+        assert!(
+            index < len,
+            "{}: index {index} out of range (the table has {len} rows)",
+            self.rows.path().display()
+        );
+        self.read(index).map_err(DatasetError::new)
     }
 
     fn len(&self) -> usize {
