@@ -1,7 +1,7 @@
 //! Every backend and cargo feature of the engine, in one place: which Burn backend each
-//! `output.device` runs, whether this build and machine can run it, and how gradients are
-//! averaged on it (through the host, or NCCL on CUDA), and what `trainer doctor` needs to know
-//! of the devices ([`device_facts`]; the doctor judges them). The training loop has no `cfg`:
+//! `output.device` runs, whether this build and machine can run it, and what `trainer doctor`
+//! needs to know of the devices ([`device_facts`]; the doctor judges them). How gradients are
+//! averaged on a device (host staging, or NCCL on CUDA) is `burn_ddp::DataParallel`'s choice. The training loop has no `cfg`:
 //! it runs on the [`Device`] [`train_device`] picks at run time.
 
 use burn::tensor::Device;
@@ -36,21 +36,16 @@ pub fn train_device(device: DeviceKind, local_rank: usize) -> anyhow::Result<Dev
     }
 }
 
-/// Points Burn's default device (`BURN_DEVICE`, unless the user set it) at the backend of
-/// `device` for the CPU and wgpu: Burn falls back to its default device where it is not told
-/// one, e.g. when it restores an optimizer state (`ModuleOptimizer::load_record`), and that
-/// default prefers CUDA in a CUDA build, even for a CPU job on a machine without a GPU. CUDA
-/// jobs keep Burn's default (GPU 0; the state moves to each rank's GPU on its next step). Call
-/// it before any thread starts: it sets an environment variable.
-pub fn pin_default_device(device: DeviceKind) {
-    let name = match device {
-        DeviceKind::Cpu => "flex",
-        DeviceKind::Wgpu => "wgpu",
-        DeviceKind::Cuda => return,
-    };
-    if std::env::var_os("BURN_DEVICE").is_none() && built_in(device) {
-        std::env::set_var("BURN_DEVICE", name);
-    }
+/// Points Burn's default device (`BURN_DEVICE`) at host memory (Flex) for every job. The engine
+/// names the device of everything it builds; Burn falls back to its default device only where
+/// it is not told one: when it restores an optimizer state (`ModuleOptimizer::load_record`
+/// materialises it there and moves each parameter's state to that parameter's device on the
+/// next step). Burn's own default prefers CUDA in a CUDA build, which would put the whole state
+/// of every local rank on GPU 0 at resume (or panic on a CPU job on a machine without a GPU),
+/// and a user's `BURN_DEVICE` naming a backend this build lacks would panic inside Burn: so the
+/// value is always replaced. Called at the start of a rank's run, before Burn reads it.
+pub fn pin_default_device() {
+    std::env::set_var("BURN_DEVICE", "flex");
 }
 
 /// Whether this build has the backend of `device` (cargo features `wgpu`, `cuda`).

@@ -376,12 +376,28 @@ pub fn load_optimizer(
             ckpt.dir.display()
         )
     })?;
+    let mismatch = |reason: String| CheckpointMismatch {
+        dir: ckpt.dir.clone(),
+        reason,
+    };
+    let saved = burn_ddp::ddp::zero::state_param_ids_of(Bytes::from_bytes_vec(bytes.clone()))
+        .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
     let optim = optim
         .from_bytes(Bytes::from_bytes_vec(bytes))
-        .map_err(|e| CheckpointMismatch {
-            dir: ckpt.dir.clone(),
-            reason: format!("its optimizer state does not load: {e}"),
-        })?;
+        .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
+    // Burn skips, without a word, the state it cannot rebuild for the configured optimizer
+    // (e.g. Adam's moments into SGD with momentum): a resume would silently start them over.
+    let loaded = burn_ddp::ddp::zero::state_param_ids(&optim)
+        .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
+    if loaded != saved {
+        return Err(mismatch(format!(
+            "its optimizer state (of {} parameters) is not the configured optimizer's ({} \
+             parameters restored): resume with the [training] optimizer that wrote it",
+            saved.len(),
+            loaded.len()
+        ))
+        .into());
+    }
     Ok(optim)
 }
 

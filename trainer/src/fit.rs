@@ -18,8 +18,9 @@
 //! then `end_of_epoch` (validation, checkpoint) → `finish` (time report, final checkpoint
 //! and validation).
 //!
-//! No `cfg(feature)` here: devices and their gradient paths live in [`crate::backend`]; the
-//! loop runs on the [`Device`] `backend::train_device` picks.
+//! No `cfg(feature)` here: devices live in [`crate::backend`] (the loop runs on the [`Device`]
+//! `backend::train_device` picks), the gradient path in `burn_ddp::DataParallel`, which chooses
+//! host staging or NCCL from that device.
 
 use std::fs::{self, OpenOptions};
 use std::io::Write;
@@ -62,7 +63,7 @@ pub fn run<A: Learn>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Res
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let config = preflight(&app, config_path, 1, world_size)?;
-    backend::pin_default_device(config.output.device);
+    backend::pin_default_device();
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
         bail!(AppError(

@@ -18,7 +18,7 @@
 //! | [`plan`] | the step plan (pure): steps, logs, checkpoints, validations |
 //! | [`schedule`] | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
 //! | [`loader`] | items read ahead of the training thread (`training.num_workers`) |
-//! | [`backend`] | every device and cargo feature: the run-time training device, gradient paths (host, NCCL) |
+//! | [`backend`] | every device and cargo feature: the run-time training device, what the doctor needs to know of the devices |
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
 //! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
 //! | [`metrics`] | burn-train metrics summed across ranks with counts, progress bar, metrics file |

@@ -135,6 +135,16 @@ impl Schedule {
         if record.is_empty() {
             return Err("its learning-rate scheduler state is empty".into());
         }
+        // Each schedule ignores keys it does not know: a record of the other kind would start
+        // the schedule over without a word. Only the planned schedule writes `STEP_KEY`.
+        let planned_record = record.scalar::<usize>(STEP_KEY).is_some();
+        if planned_record != matches!(self.kind, Kind::Planned(_)) {
+            return Err(
+                "its learning-rate scheduler state is of another schedule than the \
+                 config's [training] schedule: resume with the schedule that wrote it"
+                    .into(),
+            );
+        }
         let kind = match self.kind {
             Kind::Planned(mut s) => {
                 s.load_record(record);

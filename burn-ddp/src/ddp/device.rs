@@ -57,8 +57,11 @@
 //! - Each bucket costs one host wait for Burn's stream (step 3) and one for NCCL's (step 4):
 //!   communication does not overlap computation yet. Overlap needs CUDA events between the two
 //!   streams, or Burn's `distributed` autodiff hooks (see the notes on the GPU path).
-//! - NCCL writes into the packed buffer, never into a gradient: on CubeCL backends
-//!   `pack_bucket` and `compress_bucket` always return a fresh buffer that no other tensor shares.
+//! - NCCL writes into the packed buffer: on unfused CubeCL backends `pack_bucket` and
+//!   `compress_bucket` always return a fresh buffer that no other tensor shares. Under fusion
+//!   (Burn ops) a bucket of a single gradient may be that gradient's own buffer; the reducer has
+//!   taken the gradient out of `GradientsParams` and never reads it again, so the write is
+//!   seen only through the bucket.
 //! - bf16 needs NCCL ≥ 2.10 (and a GPU of compute capability 8.0 or newer for fast reductions).
 
 use burn::backend::tensor::{FloatTensor, IntTensor};

@@ -67,7 +67,7 @@ impl GradientSync {
             reducer,
             #[cfg(feature = "cuda")]
             nccl: if use_nccl {
-                Some(nccl_group(options, dist)?)
+                Some(nccl_group(options, dist, device)?)
             } else {
                 None
             },
@@ -114,17 +114,22 @@ fn is_cuda(device: &Device) -> bool {
     }
 }
 
-/// Forms the NCCL group for gradients on this rank's GPU (the local rank's ordinal, the one
-/// Burn's CUDA device of the same rank uses).
+/// Forms the NCCL group for gradients on the GPU of the training `device` (a CUDA device: the
+/// buckets NCCL sums live there).
 #[cfg(feature = "cuda")]
-fn nccl_group(options: &DdpOptions, dist: &Distributed) -> Result<Box<NcclProcessGroup>, DdpError> {
+fn nccl_group(
+    options: &DdpOptions,
+    dist: &Distributed,
+    device: &Device,
+) -> Result<Box<NcclProcessGroup>, DdpError> {
     let (rank, world) = (dist.env.rank, dist.env.world_size);
     let nccl_options = NcclGroupOptions {
         timeout: options.timeout,
         stall_warning: options.stall_warning,
         ..Default::default()
     };
-    let device = crate::cuda::local_device(dist.env.local_rank);
+    let device = super::device::cuda_ordinal(device)
+        .unwrap_or_else(|| crate::cuda::local_device(dist.env.local_rank));
     let group =
         NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, nccl_options)
             .map_err(|e| {

@@ -241,6 +241,7 @@ impl ModuleVisitor for SmallestGrad<'_> {
     }
 }
 
+/// A gradient taken out of `GradientsParams`, still on its device.
 struct TakenGrad {
     id: ParamId,
     /// `None` only while its bucket is being reduced.

@@ -803,7 +803,7 @@ impl NcclProcessGroup {
     /// # Ordering contract
     /// - **Before**: the bytes at `ptr` must be final. Burn/CubeCL write them on their own
     ///   streams, which this group's stream does not wait for: synchronise Burn's stream first
-    ///   (`B::sync(&device)`, which also drains Fusion's queue).
+    ///   (`Device::sync`, or the backend's `sync`, which also drains Fusion's queue).
     /// - **After `Ok`**: the result is in the buffer and this group's stream has finished with
     ///   it (this call waits for its stream before returning), so Burn may read or write the
     ///   buffer right away.

@@ -24,7 +24,8 @@ pub struct PackUnpackThroughput {
 
 /// Times `iterations` rounds of `pack_bucket` + `unpack_bucket` (scale 0.5) of `bytes` of `f32`
 /// split into `tensors` near-equal 1-D tensors on `device`, synchronising before and after
-/// (`B` is [`Dispatch`](burn::backend::Dispatch) for a training device's `as_dispatch()`).
+/// (`B` is [`Dispatch`](burn::backend::Dispatch) for the `as_dispatch()` of a device without
+/// autodiff: tensors an autodiff device tracks take the fallback ops, not the kernels).
 ///
 /// The inputs are created once; each round allocates its bucket and outputs, as the reducer does.
 ///

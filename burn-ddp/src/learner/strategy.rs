@@ -44,9 +44,9 @@
 //! (exit code 2) instead of writing checkpoints that would resume with other ranks' state lost.
 //!
 //! **Failure.** The strategy trait cannot return errors: a collective that fails or times out
-//! (a rank died, a rank's loader ran out early) or a data-set item that cannot be read ends
-//! this process with exit code 1 after printing the error, as an exception would end a PyTorch DDP rank; the launcher reports it
-//! and stops the others.
+//! (a rank died, a rank's loader ran out early) ends this process with exit code 1 after
+//! printing the error, as an exception would end a PyTorch DDP rank; a data-set item that
+//! cannot be read is bad input: exit code 2. The launcher reports either and stops the others.
 
 use std::sync::Mutex;
 
@@ -515,7 +515,7 @@ impl DdpStrategy {
             }
             let batch = match batch {
                 Some(Ok(batch)) => batch,
-                Some(Err(e)) => fail(rank, "reading the training data", e),
+                Some(Err(e)) => refuse(rank, format!("reading the training data: {e}")),
                 None => break,
             };
             iteration += 1;
@@ -560,7 +560,7 @@ impl DdpStrategy {
         loop {
             let batch = match iter.next() {
                 Some(Ok(batch)) => Some(batch),
-                Some(Err(e)) => fail(rank, "reading the validation data", e),
+                Some(Err(e)) => refuse(rank, format!("reading the validation data: {e}")),
                 None => None,
             };
             match any_has(ddp.group(), batch.is_some()) {
