@@ -1,16 +1,18 @@
 //! What a user implements to train their own Burn model with this engine: an **app**.
 //!
-//! An app has two halves, so that the device-free half (config tables, data sets) can be
-//! checked before any rank starts:
+//! An app is one trait, [`App`], in which the user names everything the engine cannot know:
 //!
-//! - [`App`]: the app's own `[model]` and `[data]` TOML tables (serde types of the user's; an
-//!   unknown or wrongly typed key is a usage error naming it), a cheap pre-flight check, and the
-//!   data sets (any burn-dataset [`Dataset`]).
-//! - [`Learn`]: the model (burn-train's [`TrainStep`] and [`InferenceStep`] on the same Burn
-//!   0.22 module type), the [`Batcher`]s that turn items into the model's input types, and the
-//!   burn-train metrics to show ([`Metrics`]). Burn 0.22 has no backend type parameter: the
-//!   engine picks the [`Device`] from `output.device` at run time, trains the model on its
-//!   autodiff form and validates `model.valid()` (the same type, without autodiff).
+//! - the app's own `[model]` and `[data]` TOML tables (serde types of the user's; an unknown or
+//!   wrongly typed key is a usage error naming it) and a cheap pre-flight check of them;
+//! - the data sets (any burn-dataset [`Dataset`]) and their item type;
+//! - the model (burn-train's [`TrainStep`] and [`InferenceStep`] on the same Burn 0.22 module
+//!   type), the [`Batcher`] that turns items into the model's input, and the burn-train metrics
+//!   to show ([`Metrics`]).
+//!
+//! Burn 0.22 has no backend type parameter: the engine picks the [`Device`] from
+//! `output.device` at run time, trains the model on its autodiff form and validates
+//! `model.valid()` (the same type, without autodiff). The launcher uses only the device-free
+//! methods (`check`, `parameter_count`), so a bad table is refused before any rank starts.
 //!
 //! Then `fn main() -> ExitCode { trainer::run::main_with(MyApp, trainer::program_info!()) }` is a complete `trainer` for the
 //! user's model: `--config`, `--nproc-per-node`, multi-node, `--max-restarts`, `eval`, resume,
@@ -93,7 +95,16 @@ pub(crate) fn read_item<I>(dataset: &dyn Dataset<I>, index: usize, set: &str) ->
     })
 }
 
-/// The device-free half of an app (module docs).
+/// An app: the user's model, data and config tables, for the engine (module docs).
+///
+/// Required: the two tables, the item, the model and batcher types, and `datasets`, `model`,
+/// `batcher`, `train_metrics`, `valid_metrics`. The rest has defaults.
+///
+/// The engine calls [`TrainStep::step`] on each micro-batch (its loss is expected to be a mean
+/// over the micro-batch; the engine weights micro-batches by their share of the optimizer step),
+/// averages the gradients across ranks once per optimizer step, and steps with
+/// [`TrainStep::optimize`]. Validation runs [`InferenceStep::step`] on `model.valid()`, the same
+/// type without autodiff, with batches made on the device without autodiff.
 pub trait App: Send + Sync + 'static {
     /// The `[model]` table. Use `#[serde(deny_unknown_fields)]` so a misspelt key is an error.
     type ModelConfig: Serialize + DeserializeOwned + Clone + Debug + Send + Sync + 'static;
@@ -101,9 +112,20 @@ pub trait App: Send + Sync + 'static {
     type DataConfig: Serialize + DeserializeOwned + Clone + Debug + Send + Sync + 'static;
     /// One sample of the data sets.
     type Item: Clone + Send + Sync + 'static;
+    /// The model: trained on the autodiff device, validated as `model.valid()`.
+    type Model: Module + TrainStep + InferenceStep + core::fmt::Display + Debug + 'static;
+    /// Items to the model's training and validation inputs (one type; when the two inputs are
+    /// the same type, as in most models, one `Batcher` implementation serves both).
+    type Batcher: Batcher<Self::Item, <Self::Model as TrainStep>::Input>
+        + Batcher<Self::Item, <Self::Model as InferenceStep>::Input>
+        + 'static;
 
-    /// A short name for messages and checkpoint manifests (e.g. the model's name).
-    fn name(&self, model: &Self::ModelConfig) -> String;
+    /// A short name for messages and checkpoint manifests. The default is the model type's
+    /// name (`CirclesNet` for `my_crate::CirclesNet`).
+    fn name(&self, model: &Self::ModelConfig) -> String {
+        let _ = model;
+        short_type_name(std::any::type_name::<Self::Model>()).to_string()
+    }
 
     /// Checks the tables against each other before any rank starts. Must be cheap: it runs in
     /// the launcher and in every rank, and must not load or iterate the data set.
@@ -116,40 +138,6 @@ pub trait App: Send + Sync + 'static {
     /// but only `Dataset::get` on this rank's shard is called during training.
     fn datasets(&self, data: &Self::DataConfig) -> Result<Datasets<Self::Item>, AppError>;
 
-    /// Per-sample weights for `training.balance_classes` (weighted sampling with
-    /// replacement), or `None` when the app has no notion of classes (then that setting is an
-    /// error). The default is `None`.
-    fn sample_weights(&self, train: &dyn Dataset<Self::Item>) -> Option<Vec<f64>> {
-        let _ = train;
-        None
-    }
-
-    /// How many float parameter values the model of these tables has, found without
-    /// allocating them — e.g. build it with Burn's lazily initialised parameters and count with
-    /// [`parameter_count`] (burn-ddp's, re-exported here), or use a formula. The pre-flight uses it to refuse, with the
-    /// numbers, a model that cannot fit in memory before any rank starts. `None` (the default)
-    /// skips that check.
-    fn parameter_count(&self, model: &Self::ModelConfig, data: &Self::DataConfig) -> Option<u64> {
-        let _ = (model, data);
-        None
-    }
-}
-
-/// The model half of an app (module docs).
-///
-/// The engine calls [`TrainStep::step`] on each micro-batch (its loss is expected to be a mean
-/// over the micro-batch; the engine weights micro-batches by their share of the optimizer step),
-/// averages the gradients across ranks once per optimizer step, and steps with
-/// [`TrainStep::optimize`]. Validation runs [`InferenceStep::step`] on `model.valid()`, the same
-/// type without autodiff, with batches made on the device without autodiff.
-pub trait Learn: App {
-    /// The model: trained on the autodiff device, validated as `model.valid()`.
-    type Model: Module + TrainStep + InferenceStep + core::fmt::Display + Debug + 'static;
-    /// Items to the training input.
-    type TrainBatcher: Batcher<Self::Item, <Self::Model as TrainStep>::Input> + 'static;
-    /// Items to the validation input.
-    type ValidBatcher: Batcher<Self::Item, <Self::Model as InferenceStep>::Input> + 'static;
-
     /// A freshly initialised model on `device` (this rank's training device, with autodiff).
     /// The engine seeds `device` with `training.seed` first and then broadcasts rank 0's
     /// parameters, so replicas start equal either way. `data` is there for sizes that come from
@@ -161,17 +149,17 @@ pub trait Learn: App {
         device: &Device,
     ) -> Result<Self::Model, AppError>;
 
-    /// The batchers for training and validation. They run on the training thread (which owns
-    /// the device); `training.num_workers` threads read the items ahead through
-    /// `Dataset::get`. `device` is this rank's training device (its own GPU under CUDA); each
-    /// batch is made on the device the engine passes to `Batcher::batch` (the training device
-    /// for training, the same device without autodiff for validation).
-    fn batchers(
+    /// The batcher for training and validation. It runs on the training thread (which owns the
+    /// device); `training.num_workers` threads read the items ahead through `Dataset::get`.
+    /// `device` is this rank's training device (its own GPU under CUDA); each batch is made on
+    /// the device the engine passes to `Batcher::batch` (the training device for training, the
+    /// same device without autodiff for validation).
+    fn batcher(
         &self,
         model: &Self::ModelConfig,
         data: &Self::DataConfig,
         device: &Device,
-    ) -> (Self::TrainBatcher, Self::ValidBatcher);
+    ) -> Self::Batcher;
 
     /// burn-train numeric metrics computed on the training outputs (after `ItemLazy::sync`),
     /// summed across ranks with their counts, logged every `training.log_every` steps.
@@ -179,9 +167,46 @@ pub trait Learn: App {
 
     /// The same for validation outputs, over every validation sample exactly once.
     fn valid_metrics(&self) -> Metrics<ValidItem<Self>>;
+
+    /// Per-sample weights for `training.balance_classes` (weighted sampling with
+    /// replacement), or `None` when the app has no notion of classes (then that setting is an
+    /// error). The default is `None`.
+    fn sample_weights(&self, train: &dyn Dataset<Self::Item>) -> Option<Vec<f64>> {
+        let _ = train;
+        None
+    }
+
+    /// How many float parameter values the model of these tables has, found without
+    /// allocating them — e.g. build it with Burn's lazily initialised parameters and count with
+    /// [`parameter_count`] (burn-ddp's, re-exported here), or use a formula. The pre-flight uses
+    /// it to refuse, with the numbers, a model that cannot fit in memory before any rank starts.
+    /// `None` (the default) skips that check.
+    fn parameter_count(&self, model: &Self::ModelConfig, data: &Self::DataConfig) -> Option<u64> {
+        let _ = (model, data);
+        None
+    }
+}
+
+/// The last path segment of a type name, without generic arguments:
+/// `my_crate::nets::CirclesNet<f32>` → `CirclesNet`.
+fn short_type_name(full: &str) -> &str {
+    let path = full.split('<').next().unwrap_or(full);
+    path.rsplit("::").next().unwrap_or(path)
 }
 
 /// The training output of app `A` (what its training metrics read, after `ItemLazy::sync`).
-pub type TrainItem<A> = <<A as Learn>::Model as TrainStep>::Output;
+pub type TrainItem<A> = <<A as App>::Model as TrainStep>::Output;
 /// The validation output of app `A`.
-pub type ValidItem<A> = <<A as Learn>::Model as InferenceStep>::Output;
+pub type ValidItem<A> = <<A as App>::Model as InferenceStep>::Output;
+
+#[cfg(test)]
+mod tests {
+    use super::short_type_name;
+
+    #[test]
+    fn the_default_app_name_is_the_model_type_without_its_path() {
+        assert_eq!(short_type_name("my_crate::nets::CirclesNet"), "CirclesNet");
+        assert_eq!(short_type_name("a::Net<b::Inner<c::D>>"), "Net");
+        assert_eq!(short_type_name("Plain"), "Plain");
+    }
+}

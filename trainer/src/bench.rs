@@ -31,7 +31,7 @@ use burn::tensor::Device;
 use burn::train::TrainStep;
 use clap::Args;
 
-use crate::app::Learn;
+use crate::app::App;
 use crate::backend::{device_name, train_device};
 use crate::builtin::{self, WithApp};
 use crate::config::OptimizerName;
@@ -64,7 +64,7 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     struct Bench<'a>(&'a BenchTrainArgs);
     impl WithApp for Bench<'_> {
         type Output = anyhow::Result<ExitCode>;
-        fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
+        fn run<A: App + Clone>(self, app: A) -> Self::Output {
             bench_app(app, self.0)
         }
     }
@@ -88,7 +88,7 @@ fn engine_runs(device: DeviceKind) -> &'static [(&'static str, usize, u8)] {
     }
 }
 
-fn bench_app<A: Learn>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
+fn bench_app<A: App>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let config = AppConfig::<A>::load(&args.config)?;
     crate::backend::device_available(args.device, 0)?;
     if args.plain_only {
@@ -370,7 +370,7 @@ fn run_trainer(
 /// (`TrainStep::step`, then the optimizer), with the configured optimizer at a constant rate:
 /// no sampler, no reducer, no metrics, no prefetching. With `waits`, it also waits for the
 /// device after every step, as the engine's step does (on a GPU, the queue then runs empty).
-fn plain_loop<A: Learn>(
+fn plain_loop<A: App>(
     app: &A,
     config: &AppConfig<A>,
     device: DeviceKind,
@@ -385,7 +385,7 @@ fn plain_loop<A: Learn>(
     plain_with(app, config, optim, device, waits)
 }
 
-fn plain_with<A: Learn>(
+fn plain_with<A: App>(
     app: &A,
     config: &AppConfig<A>,
     mut optim: ModuleOptimizer,
@@ -395,7 +395,7 @@ fn plain_with<A: Learn>(
     device.seed(config.training.seed);
     let data = app.datasets(&config.data)?;
     let mut model = app.model(&config.model, &config.data, &device)?;
-    let (batcher, _) = app.batchers(&config.model, &config.data, &device);
+    let batcher = app.batcher(&config.model, &config.data, &device);
     let batch = config.training.batch_size;
     let steps = config.training.max_steps.unwrap_or(100);
     let warmup = config.training.log_every;

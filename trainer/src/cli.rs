@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::app::Learn;
+use crate::app::App;
 use crate::builtin::{self, WithApp};
 use crate::error::UsageError;
 use crate::launch::{self, Program};
@@ -71,7 +71,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             struct Eval(EvalArgs);
             impl WithApp for Eval {
                 type Output = anyhow::Result<ExitCode>;
-                fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
+                fn run<A: App + Clone>(self, app: A) -> Self::Output {
                     crate::eval::evaluate(app, &self.0.config, &self.0.checkpoint)
                 }
             }
@@ -106,7 +106,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             struct Train(PathBuf, TrainArgs);
             impl WithApp for Train {
                 type Output = anyhow::Result<ExitCode>;
-                fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
+                fn run<A: App + Clone>(self, app: A) -> Self::Output {
                     run::train_or_launch(app, &self.0, &self.1)
                 }
             }

@@ -13,7 +13,7 @@ use burn::tensor::Device;
 use burn::train::{InferenceStep, ItemLazy};
 use burn_ddp::sampler::DistributedSampler;
 
-use crate::app::{AppError, Learn};
+use crate::app::{App, AppError};
 use crate::backend;
 use crate::checkpoint;
 use crate::error::UsageError;
@@ -63,7 +63,7 @@ where
 
 /// `eval --config FILE --checkpoint DIR`: loads a checkpoint into app `A`'s model and validates
 /// it on the configured device (one process).
-pub fn evaluate<A: Learn>(
+pub fn evaluate<A: App>(
     app: A,
     config_path: &Path,
     checkpoint_path: &Path,
@@ -90,7 +90,7 @@ pub fn evaluate<A: Learn>(
     let device = backend::train_device(config.output.device, 0)?;
     let model = app.model(&config.model, &config.data, &device)?;
     let model = checkpoint::load_model(&ckpt, model)?.valid();
-    let (_, batcher) = app.batchers(&config.model, &config.data, &device);
+    let batcher = app.batcher(&config.model, &config.data, &device);
     let mut metrics = app.valid_metrics();
     let n = evaluate_shard(
         &model,

@@ -43,7 +43,7 @@ use burn::train::{ItemLazy, TrainStep};
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
 use burn_ddp::{DataParallel, Distributed};
 
-use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
+use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::backend;
 use crate::checkpoint::{self, Checkpoint, OptimizerState, TrainPosition};
 use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
@@ -59,7 +59,7 @@ use crate::throughput::ThroughputWindow;
 use crate::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// `--config FILE` as one rank (or the only process): train app `A`.
-pub fn run<A: Learn>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
+pub fn run<A: App>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let config = preflight(&app, config_path, 1, world_size)?;
@@ -78,7 +78,7 @@ pub fn run<A: Learn>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Res
 }
 
 /// Trains app `A` on `device` (this rank's autodiff device) as one rank of the formed job.
-fn train<A: Learn>(
+fn train<A: App>(
     app: A,
     config: AppConfig<A>,
     dist: Distributed,
@@ -236,7 +236,7 @@ impl<A: App> Job<A> {
 }
 
 /// Builds the configured optimizer, then runs [`fit`] with it.
-fn with_optimizer<A: Learn>(job: &mut Job<A>, model: A::Model) -> anyhow::Result<Summary> {
+fn with_optimizer<A: App>(job: &mut Job<A>, model: A::Model) -> anyhow::Result<Summary> {
     let o = job.config.optimizer.clone();
     let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig::new(o.weight_decay as f32));
     match o.name {
@@ -268,7 +268,7 @@ fn with_optimizer<A: Learn>(job: &mut Job<A>, model: A::Model) -> anyhow::Result
 
 /// The loop itself (module docs, steps 3 and 4): restore, set up, then each epoch's optimizer
 /// steps and its end, as the [`StepPlan`] says; then the finish.
-fn fit<A: Learn>(
+fn fit<A: App>(
     job: &mut Job<A>,
     model: A::Model,
     optim: ModuleOptimizer,
@@ -283,7 +283,7 @@ fn fit<A: Learn>(
 
 /// Loads the newest checkpoint, if resuming, then makes the replicas equal (rank 0's weights,
 /// deterministic parameter ids) and keeps this rank's optimizer state. Collective.
-fn restore<A: Learn>(
+fn restore<A: App>(
     job: &mut Job<A>,
     model: A::Model,
     optim: ModuleOptimizer,
@@ -314,15 +314,14 @@ fn restore<A: Learn>(
 }
 
 /// The state of one rank's training between its named steps (see [`fit`]).
-struct Training<'j, A: Learn> {
+struct Training<'j, A: App> {
     job: &'j mut Job<A>,
     optim: ModuleOptimizer,
     schedule: Schedule,
     plan: StepPlan,
     sampler: EpochSampler,
     train: Arc<dyn Dataset<A::Item>>,
-    train_batcher: A::TrainBatcher,
-    valid_batcher: A::ValidBatcher,
+    batcher: A::Batcher,
     train_metrics: Metrics<TrainItem<A>>,
     valid_metrics: Metrics<ValidItem<A>>,
     reporter: Reporter,
@@ -339,9 +338,9 @@ struct Training<'j, A: Learn> {
     slow_step: Option<Duration>,
 }
 
-impl<'j, A: Learn> Training<'j, A> {
+impl<'j, A: App> Training<'j, A> {
     /// The sampler, the step plan from the restored position, the schedule (restored), the
-    /// batchers, metrics and the metrics file with its `start` line.
+    /// batcher, metrics and the metrics file with its `start` line.
     fn set_up(
         job: &'j mut Job<A>,
         optim: ModuleOptimizer,
@@ -380,9 +379,9 @@ impl<'j, A: Learn> Training<'j, A> {
                     reason,
                 })?;
         }
-        let (train_batcher, valid_batcher) =
-            job.app
-                .batchers(&job.config.model, &job.config.data, &job.device);
+        let batcher = job
+            .app
+            .batcher(&job.config.model, &job.config.data, &job.device);
         let resumed_from = restored.map(|c| c.manifest.position.step);
         let reporter = open_reporter(job, plan.total_steps, position, resumed_from)?;
         Ok(Self {
@@ -394,8 +393,7 @@ impl<'j, A: Learn> Training<'j, A> {
             plan,
             sampler,
             train,
-            train_batcher,
-            valid_batcher,
+            batcher,
             reporter,
             window: ThroughputWindow::new(),
             clock: PhaseClock::new(),
@@ -474,7 +472,7 @@ impl<'j, A: Learn> Training<'j, A> {
     ) -> anyhow::Result<GradientsParams> {
         let mut accumulator = GradientsAccumulator::<A::Model>::new();
         for (micro, weight) in self.plan.micro_batches(step_samples) {
-            let (batcher, device) = (&self.train_batcher, &self.job.device);
+            let (batcher, device) = (&self.batcher, &self.job.device);
             let batch = self
                 .clock
                 .time(Phase::Data, || batches.next_batch(batcher, device))?;
@@ -736,7 +734,7 @@ impl<'j, A: Learn> Training<'j, A> {
         validate::<A>(
             self.job,
             model,
-            &self.valid_batcher,
+            &self.batcher,
             &mut self.valid_metrics,
             self.position.step,
         )
@@ -897,10 +895,10 @@ impl EpochSampler {
 
 /// Evaluates every validation sample exactly once across the ranks (no padding) and sums the
 /// metrics with their real counts. Collective; `None` when the app has no validation set.
-fn validate<A: Learn>(
+fn validate<A: App>(
     job: &mut Job<A>,
     model: &A::Model,
-    batcher: &A::ValidBatcher,
+    batcher: &A::Batcher,
     metrics: &mut Metrics<ValidItem<A>>,
     step: usize,
 ) -> anyhow::Result<Option<Validation>> {

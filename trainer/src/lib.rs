@@ -2,14 +2,14 @@
 //! process per CPU rank or GPU.
 //!
 //! **Bring your own model** (three ways in, see README "Bring your own model"):
-//! 1. your own binary, the whole CLI: implement [`app::App`] + [`app::Learn`] and call
+//! 1. your own binary, the whole CLI: implement the one trait [`app::App`] and call
 //!    [`run::main_with`] with [`program_info!`] (its `--help` and `--version` name your binary) (compiled example: `examples/custom-model/`);
 //! 2. your own loop: [`burn_ddp::DataParallel`] (compiled example: `burn-ddp/examples/own_loop.rs`);
 //! 3. the built-in models: `trainer --config configs/digits-mlp.toml`.
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`app`] | the user's contract: `App` (config tables, data sets) and `Learn` (model, batchers, metrics) |
+//! | [`app`] | the user's contract, one trait: `App` (config tables, data sets, model, batcher, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
 //! | [`parallel`] | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
 //! | [`fit`] | the training loop, for any app |

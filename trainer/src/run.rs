@@ -17,7 +17,7 @@ use std::process::ExitCode;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
-use crate::app::Learn;
+use crate::app::App;
 use crate::error::{describe_error, UsageError};
 use crate::fit;
 use crate::launch::{self, LaunchArgs, Program};
@@ -88,7 +88,7 @@ macro_rules! program_info {
 /// The whole CLI for `app`, named after this binary's file and without `--version` (use
 /// [`main_with`] and [`program_info!`](crate::program_info) to give yours). Call it from
 /// `fn main() -> ExitCode`.
-pub fn main<A: Learn>(app: A) -> ExitCode {
+pub fn main<A: App>(app: A) -> ExitCode {
     let name = std::env::args_os()
         .next()
         .map(PathBuf::from)
@@ -101,7 +101,7 @@ pub fn main<A: Learn>(app: A) -> ExitCode {
 /// The whole CLI for `app`, as `info` names it: parses the command line, sets up logging, and
 /// trains, launches or evaluates. Call it from `fn main() -> ExitCode` as
 /// `trainer::run::main_with(MyApp, trainer::program_info!())`.
-pub fn main_with<A: Learn>(app: A, info: ProgramInfo) -> ExitCode {
+pub fn main_with<A: App>(app: A, info: ProgramInfo) -> ExitCode {
     let command = AppCli::command()
         .name(info.name)
         .bin_name(info.name)
@@ -109,7 +109,7 @@ pub fn main_with<A: Learn>(app: A, info: ProgramInfo) -> ExitCode {
     run_app(app, command)
 }
 
-fn run_app<A: Learn>(app: A, command: clap::Command) -> ExitCode {
+fn run_app<A: App>(app: A, command: clap::Command) -> ExitCode {
     // clap prints usage errors itself and exits with 2.
     let cli = AppCli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     init_logging();
@@ -124,7 +124,7 @@ fn run_app<A: Learn>(app: A, command: clap::Command) -> ExitCode {
 
 /// With `--nproc-per-node` (and not already a rank): check the config once, then start and
 /// supervise the local ranks, each running this same program. Otherwise: train as one rank.
-pub fn train_or_launch<A: Learn>(
+pub fn train_or_launch<A: App>(
     app: A,
     config: &Path,
     args: &TrainArgs,

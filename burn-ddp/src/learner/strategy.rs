@@ -354,10 +354,6 @@ where
                 || (self.options.buffers.is_some()
                     && buffers::buffer_elements(&learner.model()) > 0),
         };
-        let events = Events {
-            rank,
-            interrupter: &interrupter,
-        };
         for epoch in starting_epoch..=components.num_epochs {
             if rank == 0 {
                 tracing::info!(
@@ -366,24 +362,13 @@ where
                     self.world_size
                 );
             }
-            events.train::<M>(
-                &mut processor,
-                LearnerEvent::StartSplit {
-                    epoch_number: epoch,
-                    total_items: train.num_items() * self.world_size,
-                },
-            );
+            let events = Events {
+                rank,
+                epoch,
+                interrupter: &interrupter,
+            };
             self.train_epoch(ddp, &mut learner, &train, &mut processor, steps, &events);
-            events.train::<M>(&mut processor, LearnerEvent::EndSplit(epoch));
-            events.valid::<M>(
-                &mut processor,
-                LearnerEvent::StartSplit {
-                    epoch_number: epoch,
-                    total_items: valid.num_items() * self.world_size,
-                },
-            );
             self.validate_epoch(ddp, &learner, &valid, &mut processor, &events);
-            events.valid::<M>(&mut processor, LearnerEvent::EndSplit(epoch));
             events.train::<M>(&mut processor, LearnerEvent::EndEpoch(epoch));
             if rank == 0 {
                 if checkpointer.is_some() || early_stopping.is_some() {
@@ -447,6 +432,8 @@ where
 /// the interrupter (which stops every rank at the end of the epoch), as burn-train does.
 struct Events<'a> {
     rank: usize,
+    /// The epoch the events are of.
+    epoch: usize,
     interrupter: &'a Interrupter,
 }
 
@@ -502,6 +489,13 @@ impl DdpStrategy {
         TrainOut<M>: GatherOutput,
     {
         let rank = self.rank;
+        events.train::<M>(
+            processor,
+            LearnerEvent::StartSplit {
+                epoch_number: events.epoch,
+                total_items: train.num_items() * self.world_size,
+            },
+        );
         let mut iter = train.iter();
         let mut iteration = 0;
         let mut accumulator = GradientsAccumulator::new();
@@ -539,6 +533,7 @@ impl DdpStrategy {
                 events.train::<M>(processor, LearnerEvent::ProcessedItem(item));
             }
         }
+        events.train::<M>(processor, LearnerEvent::EndSplit(events.epoch));
     }
 
     /// Validation of every rank's shard, the outputs gathered on rank 0.
@@ -554,6 +549,13 @@ impl DdpStrategy {
         ValidOut<M>: GatherOutput,
     {
         let rank = self.rank;
+        events.valid::<M>(
+            processor,
+            LearnerEvent::StartSplit {
+                epoch_number: events.epoch,
+                total_items: valid.num_items() * self.world_size,
+            },
+        );
         let model = learner.model().valid();
         let mut iter = valid.iter();
         let mut iteration = 0;
@@ -578,6 +580,7 @@ impl DdpStrategy {
                 events.valid::<M>(processor, LearnerEvent::ProcessedItem(item));
             }
         }
+        events.valid::<M>(processor, LearnerEvent::EndSplit(events.epoch));
     }
 }
 

@@ -21,7 +21,7 @@ use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
-use trainer::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
+use trainer::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use trainer::metrics::Metrics;
 
 /// The model: a two-layer perceptron on 2-D points (Burn 0.22: no backend type parameter; the
@@ -188,28 +188,16 @@ pub struct DataConfig {
     pub seed: u64,
 }
 
-/// The app: what the engine needs to know about this model and data.
+/// The app: everything the engine needs to know about this model and data, in one trait.
 #[derive(Clone, Copy)]
 pub struct CirclesApp;
 
 impl App for CirclesApp {
-    type ModelConfig = ModelConfig;
-    type DataConfig = DataConfig;
+    type ModelConfig = ModelConfig; // the [model] table
+    type DataConfig = DataConfig; // the [data] table
     type Item = Point;
-
-    fn name(&self, _model: &ModelConfig) -> String {
-        "circles".into()
-    }
-
-    fn check(&self, model: &ModelConfig, data: &DataConfig) -> Result<(), AppError> {
-        if model.hidden == 0 {
-            return Err(AppError::key("model.hidden", "must be at least 1"));
-        }
-        if data.train_points == 0 {
-            return Err(AppError::key("data.train_points", "must be at least 1"));
-        }
-        Ok(())
-    }
+    type Model = CirclesNet;
+    type Batcher = PointsBatcher;
 
     fn datasets(&self, d: &DataConfig) -> Result<Datasets<Point>, AppError> {
         data_log("opened the data sets");
@@ -226,39 +214,21 @@ impl App for CirclesApp {
         })
     }
 
-    /// Optional: lets the pre-flight refuse a model too big for memory before any rank starts
-    /// (a formula here; `trainer::app::parameter_count` counts a lazily built model instead).
-    fn parameter_count(&self, model: &ModelConfig, _data: &DataConfig) -> Option<u64> {
-        let h = model.hidden as u64;
-        Some((2 * h + h) + (h * 2 + 2))
-    }
-}
-
-impl Learn for CirclesApp {
-    type Model = CirclesNet;
-    type TrainBatcher = PointsBatcher;
-    type ValidBatcher = PointsBatcher;
-
     fn model(
         &self,
-        model: &ModelConfig,
-        _data: &DataConfig,
+        m: &ModelConfig,
+        _: &DataConfig,
         device: &Device,
     ) -> Result<CirclesNet, AppError> {
         Ok(CirclesNet {
-            hidden: LinearConfig::new(2, model.hidden).init(device),
-            output: LinearConfig::new(model.hidden, 2).init(device),
+            hidden: LinearConfig::new(2, m.hidden).init(device),
+            output: LinearConfig::new(m.hidden, 2).init(device),
             activation: Relu::new(),
         })
     }
 
-    fn batchers(
-        &self,
-        _: &ModelConfig,
-        _: &DataConfig,
-        _: &Device,
-    ) -> (PointsBatcher, PointsBatcher) {
-        (PointsBatcher, PointsBatcher)
+    fn batcher(&self, _: &ModelConfig, _: &DataConfig, _: &Device) -> PointsBatcher {
+        PointsBatcher
     }
 
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
@@ -271,6 +241,31 @@ impl Learn for CirclesApp {
         Metrics::new()
             .with(LossMetric::new())
             .with(AccuracyMetric::new())
+    }
+
+    // Optional from here on.
+
+    /// For messages and checkpoint manifests (the default is the model type's name).
+    fn name(&self, _model: &ModelConfig) -> String {
+        "circles".into()
+    }
+
+    /// Refuses bad tables in the launcher, before any rank starts.
+    fn check(&self, model: &ModelConfig, data: &DataConfig) -> Result<(), AppError> {
+        if model.hidden == 0 {
+            return Err(AppError::key("model.hidden", "must be at least 1"));
+        }
+        if data.train_points == 0 {
+            return Err(AppError::key("data.train_points", "must be at least 1"));
+        }
+        Ok(())
+    }
+
+    /// Lets the pre-flight refuse a model too big for memory before any rank starts (a
+    /// formula here; `trainer::app::parameter_count` counts a lazily built model instead).
+    fn parameter_count(&self, model: &ModelConfig, _data: &DataConfig) -> Option<u64> {
+        let h = model.hidden as u64;
+        Some((2 * h + h) + (h * 2 + 2))
     }
 }
 

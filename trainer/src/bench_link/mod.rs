@@ -36,7 +36,7 @@ use clap::Args;
 
 use self::bounds::{LinkRate, StepModel};
 use self::net::{Network, Shaping};
-use crate::app::Learn;
+use crate::app::App;
 use crate::builtin::{self, WithApp};
 use crate::config::AppConfig;
 use crate::error::UsageError;
@@ -89,7 +89,7 @@ pub fn bench_link(args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
     struct Bench<'a>(&'a BenchLinkArgs);
     impl WithApp for Bench<'_> {
         type Output = anyhow::Result<ExitCode>;
-        fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
+        fn run<A: App + Clone>(self, app: A) -> Self::Output {
             bench_app(app, self.0)
         }
     }
@@ -124,7 +124,7 @@ fn checked_rates(args: &BenchLinkArgs) -> anyhow::Result<Vec<LinkRate>> {
         .collect::<Result<Vec<_>, _>>()?)
 }
 
-fn bench_app<A: Learn>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
+fn bench_app<A: App>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
     let rates = checked_rates(args)?;
     let config = AppConfig::<A>::load(&args.config)?;
     let params = app

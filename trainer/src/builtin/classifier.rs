@@ -10,7 +10,7 @@ use burn::tensor::Device;
 use models::{DigitsModel, InputShape};
 use serde::{Deserialize, Serialize};
 
-use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
+use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::data::{self, ClassificationBatcher, ClassificationItem};
 use crate::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
@@ -322,6 +322,8 @@ impl App for ClassifierApp {
     type ModelConfig = ModelSection;
     type DataConfig = DataConfig;
     type Item = ClassificationItem;
+    type Model = DigitsModel;
+    type Batcher = ClassificationBatcher;
 
     fn name(&self, model: &ModelSection) -> String {
         model.name.clone()
@@ -400,12 +402,6 @@ impl App for ClassifierApp {
         let lazy = DigitsModel::lazy(&model.name, &model.options, &data.input(), &device);
         lazy.ok().map(|m| burn_ddp::parameter_count(&m))
     }
-}
-
-impl Learn for ClassifierApp {
-    type Model = DigitsModel;
-    type TrainBatcher = ClassificationBatcher;
-    type ValidBatcher = ClassificationBatcher;
 
     fn model(
         &self,
@@ -417,13 +413,13 @@ impl Learn for ClassifierApp {
             .map_err(|e| AppError(e.to_string()))
     }
 
-    fn batchers(
+    fn batcher(
         &self,
         _model: &ModelSection,
         _data: &DataConfig,
         _device: &Device,
-    ) -> (ClassificationBatcher, ClassificationBatcher) {
-        (ClassificationBatcher, ClassificationBatcher)
+    ) -> ClassificationBatcher {
+        ClassificationBatcher
     }
 
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {

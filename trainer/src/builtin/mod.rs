@@ -19,7 +19,7 @@ use burn::data::dataset::Dataset;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::ClassificationOutput;
 
-use crate::app::{Datasets, Learn};
+use crate::app::{App, Datasets};
 use crate::metrics::Metrics;
 
 use crate::config::ConfigError;
@@ -28,7 +28,7 @@ use crate::config::ConfigError;
 /// app type (the device is chosen at run time, inside).
 pub trait WithApp {
     type Output;
-    fn run<A: Learn + Clone>(self, app: A) -> Self::Output;
+    fn run<A: App + Clone>(self, app: A) -> Self::Output;
 }
 
 /// Every `[model] name` the built-in apps know.

@@ -13,7 +13,7 @@ use models::{
 use serde::{Deserialize, Serialize};
 
 use super::{split_by_index, Named};
-use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
+use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::schema::{self, Features, Targets, ValueColumns};
@@ -172,6 +172,8 @@ impl App for RegressionApp {
     type ModelConfig = Named<RegressionConfig>;
     type DataConfig = RegressionData;
     type Item = RegressionItem;
+    type Model = RegressionModel;
+    type Batcher = RegressionBatcher;
 
     fn name(&self, model: &Self::ModelConfig) -> String {
         model.name.clone()
@@ -219,12 +221,6 @@ impl App for RegressionApp {
         let lazy = model.config.init_lazy(features, targets, &Device::flex());
         Some(burn_ddp::parameter_count(&lazy))
     }
-}
-
-impl Learn for RegressionApp {
-    type Model = RegressionModel;
-    type TrainBatcher = RegressionBatcher;
-    type ValidBatcher = RegressionBatcher;
 
     fn model(
         &self,
@@ -236,13 +232,13 @@ impl Learn for RegressionApp {
         Ok(model.config.init(features, targets, device))
     }
 
-    fn batchers(
+    fn batcher(
         &self,
         _model: &Self::ModelConfig,
         _data: &RegressionData,
         _device: &Device,
-    ) -> (RegressionBatcher, RegressionBatcher) {
-        (RegressionBatcher, RegressionBatcher)
+    ) -> RegressionBatcher {
+        RegressionBatcher
     }
 
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {

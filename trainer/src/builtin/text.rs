@@ -9,7 +9,7 @@ use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, T
 use serde::{Deserialize, Serialize};
 
 use super::{loss_and_accuracy, split_by_index, Named};
-use crate::app::{App, AppError, Datasets, Learn, TrainItem, ValidItem};
+use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 
 /// The `[model] name` of this app.
@@ -49,6 +49,8 @@ impl App for TextApp {
     type ModelConfig = Named<TextClassifierConfig>;
     type DataConfig = TextData;
     type Item = TextItem;
+    type Model = TextClassifier;
+    type Batcher = TextBatcher;
 
     fn name(&self, model: &Self::ModelConfig) -> String {
         model.name.clone()
@@ -95,12 +97,6 @@ impl App for TextApp {
         let lazy = model.config.init_lazy(&Device::flex());
         Some(burn_ddp::parameter_count(&lazy))
     }
-}
-
-impl Learn for TextApp {
-    type Model = TextClassifier;
-    type TrainBatcher = TextBatcher;
-    type ValidBatcher = TextBatcher;
 
     fn model(
         &self,
@@ -111,14 +107,13 @@ impl Learn for TextApp {
         Ok(model.config.init(device))
     }
 
-    fn batchers(
+    fn batcher(
         &self,
         _model: &Self::ModelConfig,
         _data: &TextData,
         _device: &Device,
-    ) -> (TextBatcher, TextBatcher) {
-        let batcher = TextBatcher { pad_token: 0 };
-        (batcher, batcher)
+    ) -> TextBatcher {
+        TextBatcher { pad_token: 0 }
     }
 
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {

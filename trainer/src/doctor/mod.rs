@@ -47,7 +47,7 @@ use clap::Args;
 
 use self::checks::{AllReduceRun, CoreFacts, PortProbe, RouteFacts, ShmFacts, ThreadsFrom};
 use self::finding::Finding;
-use crate::app::Learn;
+use crate::app::App;
 use crate::backend::{self, DeviceJob};
 use crate::builtin::{self, WithApp};
 use crate::config::{AppConfig, DeviceKind, DistributedConfig, TrainingConfig};
@@ -230,7 +230,7 @@ struct LoadSettings(PathBuf);
 impl WithApp for LoadSettings {
     type Output = anyhow::Result<Settings>;
 
-    fn run<A: Learn + Clone>(self, app: A) -> Self::Output {
+    fn run<A: App + Clone>(self, app: A) -> Self::Output {
         let config = AppConfig::<A>::load(&self.0)?;
         app.check(&config.model, &config.data)?;
         let estimate = if config.output.device != DeviceKind::Cpu {
