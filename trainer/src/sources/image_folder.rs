@@ -61,23 +61,7 @@ impl ImageFolder {
         height: u32,
         width: u32,
     ) -> Result<Self, SourceError> {
-        let entries = std::fs::read_dir(root).map_err(|error| SourceError::Open {
-            path: root.to_owned(),
-            error,
-        })?;
-        let mut folders = Vec::new();
-        for entry in entries {
-            let entry = entry.map_err(|error| SourceError::Read {
-                path: root.to_owned(),
-                error,
-            })?;
-            let name = entry.file_name().to_string_lossy().into_owned();
-            // `metadata` follows links: a linked class folder counts.
-            if !name.starts_with('.') && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir()) {
-                folders.push(name);
-            }
-        }
-        folders.sort();
+        let folders = sub_folders(root)?;
         let empty = |what: String| SourceError::Empty {
             path: root.to_owned(),
             what,
@@ -108,33 +92,7 @@ impl ImageFolder {
         };
         let mut images = Vec::new();
         for (class, name) in classes.iter().enumerate() {
-            let folder = root.join(name);
-            let listing = std::fs::read_dir(&folder).map_err(|error| SourceError::Read {
-                path: folder.clone(),
-                error,
-            })?;
-            let mut files = Vec::new();
-            for entry in listing {
-                let path = entry
-                    .map_err(|error| SourceError::Read {
-                        path: folder.clone(),
-                        error,
-                    })?
-                    .path();
-                if is_image(&path) {
-                    files.push(path);
-                }
-            }
-            if files.is_empty() {
-                return Err(SourceError::Empty {
-                    path: folder,
-                    what: format!(
-                        "(class {class}) holds no images ({})",
-                        IMAGE_EXTENSIONS.map(|e| format!(".{e}")).join(", ")
-                    ),
-                });
-            }
-            files.sort();
+            let files = class_images(&root.join(name), class)?;
             images.extend(files.into_iter().map(|path| (path, class)));
         }
         Ok(Self {
@@ -204,6 +162,59 @@ impl Dataset<ClassificationItem> for ImageFolder {
     fn len(&self) -> usize {
         self.images.len()
     }
+}
+
+/// The visible sub-folders of `root` (links followed), sorted.
+fn sub_folders(root: &Path) -> Result<Vec<String>, SourceError> {
+    let entries = std::fs::read_dir(root).map_err(|error| SourceError::Open {
+        path: root.to_owned(),
+        error,
+    })?;
+    let mut folders = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|error| SourceError::Read {
+            path: root.to_owned(),
+            error,
+        })?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // `metadata` follows links: a linked class folder counts.
+        if !name.starts_with('.') && std::fs::metadata(entry.path()).is_ok_and(|m| m.is_dir()) {
+            folders.push(name);
+        }
+    }
+    folders.sort();
+    Ok(folders)
+}
+
+/// The image files of class `class`'s folder, sorted; a folder without any is an error.
+fn class_images(folder: &Path, class: usize) -> Result<Vec<PathBuf>, SourceError> {
+    let listing = std::fs::read_dir(folder).map_err(|error| SourceError::Read {
+        path: folder.to_owned(),
+        error,
+    })?;
+    let mut files = Vec::new();
+    for entry in listing {
+        let path = entry
+            .map_err(|error| SourceError::Read {
+                path: folder.to_owned(),
+                error,
+            })?
+            .path();
+        if is_image(&path) {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        return Err(SourceError::Empty {
+            path: folder.to_owned(),
+            what: format!(
+                "(class {class}) holds no images ({})",
+                IMAGE_EXTENSIONS.map(|e| format!(".{e}")).join(", ")
+            ),
+        });
+    }
+    files.sort();
+    Ok(files)
 }
 
 #[cfg(test)]
