@@ -17,7 +17,7 @@
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
 //! | [`data_parallel`] | [`DataParallel`], the one home of the DDP step: join, prepare, sync gradients (host ring or NCCL; ZeRO stage 1), buffers, shard, sums, rank-0 actions, barrier — used by the engine, the burn-train strategy and own loops |
 //! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
-//! | [`pipeline`] | pipeline parallelism's pure plans (so far): the stages × replicas layout, GPipe and 1F1B schedules with a simulation of their bubble |
+//! | [`pipeline`] | pipeline parallelism (so far): the stages × replicas layout, GPipe and 1F1B schedules with a simulation of their bubble, the point-to-point links between neighbouring stages |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
 //! | [`error`] | typed errors per layer |

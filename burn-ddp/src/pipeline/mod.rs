@@ -9,15 +9,21 @@
 //! | module | owns |
 //! |---|---|
 //! | [`layout`] | which rank runs which stage of which replica; a stage's neighbours and its replica group (pure) |
+//! | [`frame`] | the bytes of one activation or gradient between neighbouring stages (pure) |
+//! | [`link`] | [`StageLinks`]: a stage's TCP connections to its neighbours — plan check at set-up, sends that never wait for the receiver, receives with a deadline that name a lost or silent neighbour |
 //! | [`schedule`] | the order of forward and backward passes on each stage, GPipe or 1F1B, and a simulation that proves a schedule runs to the end and measures its bubble (pure) |
 //!
-//! Not built yet: the point-to-point transport of activations, the stage runner, the
-//! engine's `[distributed] pipeline_stages`, stage checkpoints.
+//! Not built yet: shared memory and NCCL send/recv for the links, the stage runner (a model
+//! split into stages, trained with a schedule), the engine's `[distributed] pipeline_stages`,
+//! stage checkpoints.
 
+pub mod frame;
 pub mod layout;
+pub mod link;
 pub mod schedule;
 
-pub use layout::{PipelineLayout, StagePosition};
+pub use layout::{LayoutError, PipelineLayout, StagePosition};
+pub use link::{LinkError, StageLinks};
 pub use schedule::{
     simulate, stage_actions, theoretical_bubble, Action, PipelineSchedule, Simulation,
 };
