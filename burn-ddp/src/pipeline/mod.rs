@@ -1,4 +1,5 @@
-//! Pipeline parallelism (issue #25), first step: the pure plans every later part follows.
+//! Pipeline parallelism (issue #25), first steps: the plans, the links between stages and one
+//! pipeline step of one stage.
 //!
 //! A model too big for one device is split into `P` consecutive **stages**; each rank holds
 //! one stage of one pipeline, and `R` replicas of the pipeline train data-parallel, so
@@ -11,19 +12,22 @@
 //! | [`layout`] | which rank runs which stage of which replica; a stage's neighbours and its replica group (pure) |
 //! | [`frame`] | the bytes of one activation or gradient between neighbouring stages (pure) |
 //! | [`link`] | [`StageLinks`]: a stage's TCP connections to its neighbours — plan check at set-up, sends that never wait for the receiver, receives with a deadline that name a lost or silent neighbour |
+//! | [`stage`] | [`PipelineStage`], the user's contract for a stage, and [`pipeline_step`]: one step of one stage through a schedule, activations and their gradients exchanged, parameter gradients accumulated over the micro-batches |
 //! | [`schedule`] | the order of forward and backward passes on each stage, GPipe or 1F1B, and a simulation that proves a schedule runs to the end and measures its bubble (pure) |
 //!
-//! Not built yet: shared memory and NCCL send/recv for the links, the stage runner (a model
-//! split into stages, trained with a schedule), the engine's `[distributed] pipeline_stages`,
-//! stage checkpoints.
+//! Not built yet: averaging a stage's gradients across its replicas (the DDP step on a
+//! sub-group), shared memory and NCCL send/recv for the links, the engine's
+//! `[distributed] pipeline_stages` with a reference model that splits, stage checkpoints.
 
 pub mod frame;
 pub mod layout;
 pub mod link;
 pub mod schedule;
+pub mod stage;
 
 pub use layout::{LayoutError, PipelineLayout, StagePosition};
 pub use link::{LinkError, StageLinks};
 pub use schedule::{
     simulate, stage_actions, theoretical_bubble, Action, PipelineSchedule, Simulation,
 };
+pub use stage::{pipeline_step, PipelineStage, StageError, StepPlan, StepResult};
