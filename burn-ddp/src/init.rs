@@ -138,6 +138,57 @@ impl Distributed {
         }
     }
 
+    /// A sub-group of this job: the ranks `members` (global ranks, listed in the sub-group's
+    /// rank order) form their own TCP ring through the job's store, under the namespace
+    /// `{this group's prefix}/sub/{name}`, with this group's options. In the sub-group's
+    /// [`DistEnv`] the rank is the position in `members` and the world size its length; the
+    /// local rank (the GPU) is unchanged. Use it as the `Distributed` of a [`crate::DataParallel`]
+    /// whose gradients are averaged over some ranks only (the replicas of one pipeline stage).
+    ///
+    /// Collective over `members` only; every member passes the same `members` and `name`, and
+    /// `name` differs between sub-groups formed at the same time. Fails, naming this rank, if
+    /// it is not a member; a member that does not arrive within the timeout is named. Keep
+    /// `self` alive while the sub-group is used: on rank 0 it hosts the store.
+    pub fn sub_group(&self, members: &[usize], name: &str) -> Result<Self, CollectiveError> {
+        let rank = self.env.rank;
+        let sub_rank =
+            members
+                .iter()
+                .position(|&m| m == rank)
+                .ok_or_else(|| CollectiveError::Setup {
+                    rank,
+                    message: format!(
+                        "rank {rank} is not a member of the sub-group {name:?} ({members:?})"
+                    ),
+                })?;
+        let mut options = self.group.options().clone();
+        options.store_prefix = format!("{}/sub/{name}", options.store_prefix);
+        let group =
+            TcpProcessGroup::new(Arc::clone(&self.store), sub_rank, members.len(), options)?;
+        let env = DistEnv {
+            rank: sub_rank,
+            world_size: members.len(),
+            ..self.env.clone()
+        };
+        Ok(Self {
+            env,
+            group,
+            store: Arc::clone(&self.store),
+            _server: None,
+        })
+    }
+
+    /// A job whose group was formed by the caller (the tests' in-process worlds).
+    #[cfg(test)]
+    pub(crate) fn from_group(env: DistEnv, group: TcpProcessGroup, store: Arc<dyn Store>) -> Self {
+        Self {
+            env,
+            group,
+            store,
+            _server: None,
+        }
+    }
+
     /// A job of one process: world size 1, an in-process store, no sockets.
     pub fn standalone() -> Self {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());

@@ -15,7 +15,7 @@
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -80,6 +80,8 @@ struct Peer {
     writer: Option<JoinHandle<()>>,
     /// The writer thread's failure, if it had one.
     write_error: Arc<Mutex<Option<io::Error>>>,
+    /// Frames queued and not yet written (0 again after a failed write).
+    pending: Arc<(Mutex<usize>, Condvar)>,
 }
 
 /// A stage's links to its neighbours (module docs).
@@ -216,14 +218,15 @@ impl StageLinks {
         self.timeout = timeout;
     }
 
-    /// Waits until everything sent has been handed to the kernel (or a send failed).
+    /// Waits (until the timeout) until everything sent has been handed to the kernel, or
+    /// fails naming the neighbour a send to which failed. The links stay open.
     pub fn flush(&mut self) -> Result<(), LinkError> {
-        let rank = self.rank;
+        let (rank, timeout) = (self.rank, self.timeout);
         for peer in [self.next.as_mut(), self.previous.as_mut()]
             .into_iter()
             .flatten()
         {
-            peer.finish_writes(rank)?;
+            peer.drain(rank, timeout)?;
         }
         Ok(())
     }
@@ -255,15 +258,23 @@ impl Peer {
         let mut out = stream.try_clone()?;
         let (queue, frames) = mpsc::channel::<Vec<u8>>();
         let write_error = Arc::new(Mutex::new(None));
-        let slot = Arc::clone(&write_error);
+        let pending = Arc::new((Mutex::new(0usize), Condvar::new()));
+        let (slot, count) = (Arc::clone(&write_error), Arc::clone(&pending));
         let writer = std::thread::Builder::new()
             .name(format!("pipeline-send-{rank}"))
             .spawn(move || {
                 for bytes in frames {
-                    if let Err(e) = out.write_all(&bytes) {
+                    let written = out.write_all(&bytes);
+                    let (left, changed) = &*count;
+                    let mut left = left.lock().unwrap_or_else(PoisonError::into_inner);
+                    if let Err(e) = written {
                         *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(e);
+                        *left = 0;
+                        changed.notify_all();
                         return;
                     }
+                    *left = left.saturating_sub(1);
+                    changed.notify_all();
                 }
             })?;
         Ok(Self {
@@ -273,6 +284,7 @@ impl Peer {
             queue: Some(queue),
             writer: Some(writer),
             write_error,
+            pending,
         })
     }
 
@@ -297,6 +309,11 @@ impl Peer {
         if let Some(e) = self.failed_write() {
             return Err(self.lost(rank, "sending".into(), e));
         }
+        *self
+            .pending
+            .0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) += 1;
         let sent = self.queue.as_ref().map(|q| q.send(bytes));
         match sent {
             Some(Ok(())) => Ok(()),
@@ -306,6 +323,29 @@ impl Peer {
                 io::Error::new(io::ErrorKind::BrokenPipe, "the sending thread has stopped"),
             )),
         }
+    }
+
+    fn drain(&mut self, rank: usize, timeout: Duration) -> Result<(), LinkError> {
+        let (left, changed) = &*self.pending;
+        let left = left.lock().unwrap_or_else(PoisonError::into_inner);
+        let (left, _) = changed
+            .wait_timeout_while(left, timeout, |left| *left > 0)
+            .unwrap_or_else(PoisonError::into_inner);
+        let stuck = *left > 0;
+        drop(left);
+        if let Some(e) = self.failed_write() {
+            return Err(self.lost(rank, "sending".into(), e));
+        }
+        if stuck {
+            return Err(LinkError::Timeout {
+                rank,
+                peer: self.rank,
+                peer_addr: self.addr.clone(),
+                during: "sending".into(),
+                timeout,
+            });
+        }
+        Ok(())
     }
 
     fn finish_writes(&mut self, rank: usize) -> Result<(), LinkError> {

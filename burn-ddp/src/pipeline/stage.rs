@@ -379,4 +379,113 @@ mod tests {
         // Not trivially equal: the gradients are not zero.
         assert!(reference.iter().any(|g| g.abs() > 1e-3));
     }
+
+    fn flat_weights(layers: &[Linear]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for layer in layers {
+            out.extend(host_values::<f32>(layer.weight.val().into_data()).unwrap());
+            if let Some(bias) = &layer.bias {
+                out.extend(host_values::<f32>(bias.val().into_data()).unwrap());
+            }
+        }
+        out
+    }
+
+    /// 2 stages × 2 replicas (4 ranks, one thread each): each stage's gradients averaged over
+    /// its replicas with the DDP step on a sub-group, 2 SGD steps; against one process with the
+    /// whole model and the global batch of 16 rows.
+    #[test]
+    fn stage_replicas_average_to_the_whole_model_on_the_global_batch() {
+        use burn::optim::SgdConfig;
+
+        use crate::env::DistEnv;
+        use crate::group::{TcpGroupOptions, TcpProcessGroup};
+        use crate::{DataParallel, DdpOptions, Distributed};
+
+        let (stages, replicas, steps, lr) = (2, 2, 2, 0.1);
+        let device = device();
+        let start = whole_model(&device);
+        let mut reference = start.clone();
+        let mut optim = SgdConfig::new().init();
+        for step in 0..steps {
+            let batch = rows(step * 16, 16, &device);
+            let loss = reference.loss(reference.forward(None, &batch), &batch);
+            let grads = GradientsParams::from_grads(loss.backward(), &reference);
+            reference = optim.step(lr, reference, grads);
+        }
+
+        let layout = PipelineLayout::new(stages * replicas, stages).unwrap();
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let threads: Vec<_> = (0..layout.world_size())
+            .map(|rank| {
+                let position = layout.position(rank);
+                let layers = if position.stage == 0 { 0..1 } else { 1..3 };
+                let part = Part {
+                    layers: start.layers[layers].to_vec(),
+                    holds_the_head: position.stage == 1,
+                };
+                let store = Arc::clone(&store);
+                std::thread::spawn(move || {
+                    let options = TcpGroupOptions::default();
+                    let env = DistEnv {
+                        rank,
+                        world_size: layout.world_size(),
+                        local_rank: rank,
+                        local_world_size: layout.world_size(),
+                        master_addr: "127.0.0.1".into(),
+                        master_port: 0,
+                        derived: Vec::new(),
+                        launcher_job: None,
+                    };
+                    let group =
+                        TcpProcessGroup::new(Arc::clone(&store), rank, env.world_size, options)
+                            .unwrap();
+                    let world = Distributed::from_group(env, group, Arc::clone(&store));
+                    let device = super::tests::device();
+                    let members = layout.replica_group(rank);
+                    let sub = world
+                        .sub_group(&members, &format!("stage-{}", position.stage))
+                        .unwrap();
+                    let mut ddp = DataParallel::new(sub, DdpOptions::default(), &device).unwrap();
+                    let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
+                    let timeout = Duration::from_secs(120);
+                    let mut links =
+                        StageLinks::connect(store, &layout, rank, "test", local, timeout).unwrap();
+                    let mut part = ddp.prepare(part).unwrap();
+                    let mut optim = SgdConfig::new().init();
+                    let plan = StepPlan {
+                        stage: position.stage,
+                        stages,
+                        schedule: PipelineSchedule::OneForwardOneBackward,
+                    };
+                    for step in 0..steps {
+                        let first = step * 16 + position.replica * 8;
+                        let micro: Vec<Micro> =
+                            (0..4).map(|i| rows(first + 2 * i, 2, &device)).collect();
+                        let result =
+                            pipeline_step(&part, plan, &micro, &mut links, &device).unwrap();
+                        let mut grads = result.grads;
+                        ddp.average_gradients(&part, &mut grads).unwrap();
+                        part = optim.step(lr, part, grads);
+                    }
+                    flat_weights(&part.layers)
+                })
+            })
+            .collect();
+        let weights: Vec<Vec<f32>> = threads
+            .into_iter()
+            .map(|t| t.join().expect("a rank's thread panicked"))
+            .collect();
+        // Replicas of a stage are equal; stage 0 + stage 1 = the whole model.
+        assert_eq!(weights[0], weights[2]);
+        assert_eq!(weights[1], weights[3]);
+        let pipelined: Vec<f32> = [weights[0].clone(), weights[1].clone()].concat();
+        let expected = flat_weights(&reference.layers);
+        let diff = max_abs_diff(&pipelined, &expected);
+        assert!(diff < 1e-5, "max |Δw| {diff:e}");
+        assert!(
+            max_abs_diff(&flat_weights(&start.layers), &expected) > 1e-3,
+            "the steps moved the weights"
+        );
+    }
 }

@@ -159,6 +159,11 @@ impl TcpProcessGroup {
         Ok(group)
     }
 
+    /// The options the group was formed with (timeout, token, address, shared memory).
+    pub fn options(&self) -> &TcpGroupOptions {
+        &self.options
+    }
+
     /// Set-up steps 1–4 (module docs). On failure, tells the other ranks through the store, so
     /// they fail now rather than at their timeout.
     fn connect(&mut self) -> Result<(), CollectiveError> {
