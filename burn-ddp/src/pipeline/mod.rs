@@ -10,6 +10,7 @@
 //! | module | owns |
 //! |---|---|
 //! | [`layout`] | which rank runs which stage of which replica; a stage's neighbours and its replica group (pure) |
+//! | [`handle`] | [`PipelineParallel`], the handle a program holds: its stage and replica, the links, the DDP step over its stage's replicas |
 //! | [`frame`] | the bytes of one activation or gradient between neighbouring stages (pure) |
 //! | [`link`] | [`StageLinks`]: a stage's TCP connections to its neighbours — plan check at set-up, sends that never wait for the receiver, receives with a deadline that name a lost or silent neighbour |
 //! | [`stage`] | [`PipelineStage`], the user's contract for a stage, and [`pipeline_step`]: one step of one stage through a schedule, activations and their gradients exchanged, parameter gradients accumulated over the micro-batches |
@@ -23,11 +24,13 @@
 //! `[distributed] pipeline_stages` with a reference model that splits, stage checkpoints.
 
 pub mod frame;
+pub mod handle;
 pub mod layout;
 pub mod link;
 pub mod schedule;
 pub mod stage;
 
+pub use handle::{PipelineConfig, PipelineError, PipelineParallel};
 pub use layout::{LayoutError, PipelineLayout, StagePosition};
 pub use link::{LinkError, StageLinks};
 pub use schedule::{

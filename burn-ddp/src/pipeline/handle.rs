@@ -1,0 +1,216 @@
+//! [`PipelineParallel`]: the handle a pipeline-parallel program holds — its place in the
+//! stages × replicas grid, the links to its neighbouring stages, and the DDP step over the
+//! replicas of its stage.
+
+use burn::module::Module;
+use burn::tensor::Device;
+
+use super::layout::{LayoutError, PipelineLayout, StagePosition};
+use super::link::{LinkError, StageLinks};
+use super::schedule::PipelineSchedule;
+use super::stage::{pipeline_step, PipelineStage, StageError, StepPlan, StepResult};
+use crate::data_parallel::DataParallel;
+use crate::ddp::DdpOptions;
+use crate::error::DdpError;
+use crate::init::Distributed;
+
+/// How the model is pipelined: the same on every rank (checked when the links form).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PipelineConfig {
+    /// Stages the model is cut into; the world size must be a multiple.
+    pub stages: usize,
+    pub schedule: PipelineSchedule,
+    /// Micro-batches per optimizer step (each replica's batch is cut into this many).
+    pub micro_batches: usize,
+}
+
+impl PipelineConfig {
+    /// The text every rank compares with its neighbours'.
+    fn fingerprint(&self) -> String {
+        format!(
+            "pipeline_stages={} schedule={:?} micro_batches={}",
+            self.stages, self.schedule, self.micro_batches
+        )
+    }
+}
+
+/// Why a pipeline could not form or step.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error(transparent)]
+    Stage(#[from] StageError),
+    #[error(transparent)]
+    Ddp(#[from] DdpError),
+    #[error("rank {rank}: non-finite gradients on the replica(s) {replicas:?} of stage {stage}")]
+    NonFinite {
+        rank: usize,
+        stage: usize,
+        replicas: Vec<usize>,
+    },
+    #[error("{micro_batches} micro-batches were given, the pipeline was formed for {expected}")]
+    MicroBatches {
+        micro_batches: usize,
+        expected: usize,
+    },
+}
+
+impl PipelineError {
+    /// Whether this is an input to fix (exit code 2): a world size the stages do not divide,
+    /// plans that differ between ranks, bad options.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            Self::Layout(_) | Self::MicroBatches { .. } => true,
+            Self::Link(LinkError::PlanMismatch { .. }) => true,
+            Self::Ddp(e) => e.is_usage(),
+            _ => false,
+        }
+    }
+}
+
+/// One rank's part of a pipeline-parallel job (module docs).
+pub struct PipelineParallel {
+    config: PipelineConfig,
+    position: StagePosition,
+    layout: PipelineLayout,
+    rank: usize,
+    links: StageLinks,
+    replicas: DataParallel,
+    /// The whole job (on rank 0 it hosts the store the links and sub-groups use): dropped last.
+    _world: Distributed,
+}
+
+impl PipelineParallel {
+    /// Joins the job the environment describes (as [`DataParallel::from_env`]) and forms the
+    /// pipeline. Collective over every rank.
+    pub fn from_env(
+        config: PipelineConfig,
+        options: DdpOptions,
+        device: &Device,
+    ) -> Result<Self, PipelineError> {
+        let world = Distributed::from_env_or_standalone(options.tcp_options())?;
+        Self::new(world, config, options, device)
+    }
+
+    /// Forms the pipeline over an already formed job: this rank's stage and replica, the
+    /// links to its neighbouring stages (the config is compared with theirs), and the DDP
+    /// step over its stage's replicas (a sub-group). Collective over every rank; bounded by
+    /// `options.timeout`.
+    pub fn new(
+        world: Distributed,
+        config: PipelineConfig,
+        options: DdpOptions,
+        device: &Device,
+    ) -> Result<Self, PipelineError> {
+        let rank = world.env.rank;
+        let layout = PipelineLayout::new(world.env.world_size, config.stages)?;
+        let position = layout.position(rank);
+        let tcp = options.tcp_options();
+        let ip = tcp
+            .advertise_ip
+            .or_else(|| world.group.options().advertise_ip)
+            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        let links = StageLinks::connect(
+            world.store.clone(),
+            &layout,
+            rank,
+            &config.fingerprint(),
+            ip,
+            tcp.timeout,
+        )?;
+        let members = layout.replica_group(rank);
+        let sub = world
+            .sub_group(&members, &format!("pipeline-stage-{}", position.stage))
+            .map_err(DdpError::from)?;
+        let replicas = DataParallel::new(sub, options, device)?;
+        Ok(Self {
+            config,
+            position,
+            layout,
+            rank,
+            links,
+            replicas,
+            _world: world,
+        })
+    }
+
+    /// The stage this rank holds, `0..stages`.
+    pub fn stage(&self) -> usize {
+        self.position.stage
+    }
+
+    pub fn stages(&self) -> usize {
+        self.config.stages
+    }
+
+    /// The pipeline replica this rank belongs to, `0..replicas`.
+    pub fn replica(&self) -> usize {
+        self.position.replica
+    }
+
+    pub fn replicas(&self) -> usize {
+        self.layout.replicas()
+    }
+
+    /// The rank in the whole job.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn is_last_stage(&self) -> bool {
+        self.position.stage + 1 == self.config.stages
+    }
+
+    /// The DDP handle over this stage's replicas (replica `r` is its rank `r`): `prepare` the
+    /// stage module with it, and use its `sum`, `barrier`, `run_on_rank_zero` among them.
+    pub fn replica_group(&mut self) -> &mut DataParallel {
+        &mut self.replicas
+    }
+
+    /// One pipeline step of this rank's `stage` over `micro_batches` (this replica's share of
+    /// the global batch, cut into `config.micro_batches`), then the gradients averaged over
+    /// the stage's replicas (ZeRO stage 1: reduced to their owners). Step the optimizer with
+    /// the result's gradients, then call [`finish_step`](Self::finish_step). Collective over
+    /// the whole pipeline.
+    pub fn step<S, const D: usize>(
+        &mut self,
+        stage: &S,
+        micro_batches: &[S::Batch],
+        device: &Device,
+    ) -> Result<StepResult, PipelineError>
+    where
+        S: PipelineStage<D>,
+    {
+        if micro_batches.len() != self.config.micro_batches {
+            return Err(PipelineError::MicroBatches {
+                micro_batches: micro_batches.len(),
+                expected: self.config.micro_batches,
+            });
+        }
+        let plan = StepPlan {
+            stage: self.position.stage,
+            stages: self.config.stages,
+            schedule: self.config.schedule,
+        };
+        let mut result = pipeline_step(stage, plan, micro_batches, &mut self.links, device)?;
+        let check = self.replicas.sync_gradients(stage, &mut result.grads)?;
+        if !check.all_finite() {
+            return Err(PipelineError::NonFinite {
+                rank: self.rank,
+                stage: self.position.stage,
+                replicas: check.nonfinite_ranks,
+            });
+        }
+        Ok(result)
+    }
+
+    /// After the optimizer step: ZeRO stage 1's parameter gather and the buffer rule, over
+    /// the stage's replicas. Collective over them.
+    pub fn finish_step<M: Module>(&mut self, stage: M) -> Result<M, PipelineError> {
+        let stage = self.replicas.finish_step(stage)?;
+        Ok(self.replicas.sync_buffers(stage)?)
+    }
+}
