@@ -159,6 +159,13 @@ impl TcpProcessGroup {
         Ok(group)
     }
 
+    /// The options the group was formed with (resolved: token, address, shared memory), so a
+    /// second group of the same job can be formed alike under another
+    /// [`store_prefix`](TcpGroupOptions::store_prefix).
+    pub fn options(&self) -> &TcpGroupOptions {
+        &self.options
+    }
+
     /// Set-up steps 1–4 (module docs). On failure, tells the other ranks through the store, so
     /// they fail now rather than at their timeout.
     fn connect(&mut self) -> Result<(), CollectiveError> {
