@@ -33,6 +33,7 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device};
 
 use crate::ddp::buffers::{self, BufferSync};
+use crate::ddp::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero;
 use crate::ddp::{
     param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, ReducerStats,
@@ -54,6 +55,9 @@ pub struct DataParallel {
     /// Whether the model has buffers at all (learnt at the first sync; the same on every rank).
     has_buffers: Option<bool>,
     timeout: Duration,
+    /// The group of [`SyncBatchNorm`](crate::ddp::SyncBatchNorm)'s statistics, installed
+    /// process-wide while this handle lives (`None` in a world of one).
+    _sync_batch_norm: Option<SyncGroupGuard>,
 }
 
 impl DataParallel {
@@ -72,8 +76,10 @@ impl DataParallel {
     }
 
     /// The handle over an already formed job. Collective when the options choose NCCL (the
-    /// group is formed through the job's store). `device`: the training device, as for
-    /// [`from_env`](Self::from_env).
+    /// group is formed through the job's store, within `options.timeout`). In a world of more
+    /// than one rank it also installs, process-wide while the handle lives, what synchronised
+    /// BatchNorm needs to form its own group at its first use (see [`crate::ddp::sync_group`]).
+    /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         if options.zero_stage > 1 {
             return Err(DdpError::Options(format!(
@@ -83,6 +89,16 @@ impl DataParallel {
         }
         let sync = GradientSync::new(&options, &dist, device)?;
         let sharded = (options.zero_stage == 1).then(|| ShardedSync::new(options.compression));
+        let sync_batch_norm = (dist.env.world_size > 1).then(|| {
+            let mut options = dist.group.options().clone();
+            options.store_prefix.push_str(sync_group::STORE_SUFFIX);
+            sync_group::install(sync_group::Recipe {
+                store: dist.store.clone(),
+                rank: dist.env.rank,
+                world_size: dist.env.world_size,
+                options,
+            })
+        });
         Ok(Self {
             dist,
             sync,
@@ -90,6 +106,7 @@ impl DataParallel {
             buffer_rule: options.buffers,
             has_buffers: None,
             timeout: options.timeout,
+            _sync_batch_norm: sync_batch_norm,
         })
     }
 
@@ -150,11 +167,17 @@ impl DataParallel {
     /// Returns which ranks' own gradients held a NaN or an infinity (the same on every rank;
     /// empty when all were finite). Where it is not empty the mean is not finite either: do
     /// not apply it (skip the step, or stop).
+    ///
+    /// # Errors
+    /// A collective's failure; [`DdpError::SyncBatchNorm`] when synchronised BatchNorm failed
+    /// in this step's forward or backward (those cannot return errors, so it is reported here,
+    /// before any gradient is sent).
     pub fn average_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
+        check_sync_batch_norm()?;
         self.sync.sync(&mut self.dist.group, model, grads)
     }
 
@@ -168,14 +191,18 @@ impl DataParallel {
     /// [`average_gradients`](Self::average_gradients). Stage 1: `grads` keeps only the
     /// gradients of the parameters this rank owns, each the mean over the ranks; step the
     /// optimizer with them, then call [`finish_step`](Self::finish_step). Collective, once per
-    /// optimizer step; the verdict on non-finite gradients is the same as stage 0's.
+    /// optimizer step; the verdict on non-finite gradients is the same as stage 0's. Errors as
+    /// [`average_gradients`](Self::average_gradients).
     pub fn sync_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
         match &mut self.sharded {
-            Some(sharded) => sharded.reduce_to_owners(&mut self.dist.group, model, grads),
+            Some(sharded) => {
+                check_sync_batch_norm()?;
+                sharded.reduce_to_owners(&mut self.dist.group, model, grads)
+            }
             None => self.average_gradients(model, grads),
         }
     }
@@ -349,4 +376,13 @@ impl DataParallel {
 /// Rendezvous-store key under which rank `rank` publishes its settings' fingerprint.
 fn settings_key(rank: usize) -> String {
     format!("burn-ddp/settings/{rank}")
+}
+
+/// The failure synchronised BatchNorm recorded in this step's forward or backward, if any
+/// ([`crate::ddp::sync_group`]).
+fn check_sync_batch_norm() -> Result<(), DdpError> {
+    match sync_group::take_error() {
+        Some(e) => Err(e.into()),
+        None => Ok(()),
+    }
 }

@@ -269,6 +269,22 @@ pub enum DdpError {
     /// Rank 0 failed an action the other ranks waited for (writing a checkpoint).
     #[error("rank 0 failed {what}: {message}")]
     RankZeroFailed { what: String, message: String },
+    /// Synchronised BatchNorm failed in the last forward or backward (recorded there, since
+    /// those cannot return errors): the step's statistics were not global.
+    #[error(transparent)]
+    SyncBatchNorm(#[from] SyncBatchNormError),
+}
+
+/// A failure of synchronised BatchNorm's statistics ([`crate::ddp::SyncBatchNorm`]), recorded
+/// in the forward or backward pass and returned by the next DDP step.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncBatchNormError {
+    /// The all-reduce of the per-channel statistics (or of their gradients) failed.
+    #[error("synchronised BatchNorm: all-reduce of the batch statistics failed: {0}")]
+    Collective(#[from] CollectiveError),
+    /// The statistics could not be read back from the device, or not as `f32`.
+    #[error("synchronised BatchNorm: reading the batch statistics back to the host failed: {0}")]
+    Readback(String),
 }
 
 impl DdpError {

@@ -262,6 +262,7 @@ mod tests {
             hidden: 32,
             dropout: 0.0,
             batch_norm: true,
+            sync_batch_norm: false,
         }
         .init(&input, &device);
         let (before, after) = fit(cnn, 40);

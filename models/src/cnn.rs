@@ -2,12 +2,11 @@
 
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
-use burn::nn::{
-    BatchNorm, BatchNormConfig, Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu,
-};
+use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::prelude::*;
 use serde::Deserialize;
 
+use crate::norm::Norm;
 use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, ModelTask};
 
 /// Options of the `cnn` model (keys of the `[model]` table).
@@ -19,6 +18,7 @@ use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, Mod
 /// hidden = 64           # width of the fully connected hidden layer
 /// dropout = 0.1         # before each fully connected layer, training only
 /// batch_norm = true     # BatchNorm after each convolution (running statistics: buffers)
+/// sync_batch_norm = false  # true: its statistics over every rank's samples (SyncBatchNorm)
 /// ```
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -34,6 +34,11 @@ pub struct CnnOptions {
     /// mean and variance are buffers: kept equal across ranks as
     /// `distributed.sync_buffers` says.
     pub batch_norm: bool,
+    /// With `batch_norm`: normalise with the statistics of the global batch, every rank's
+    /// samples (burn-ddp's `SyncBatchNorm`, PyTorch's `SyncBatchNorm`), instead of each rank's
+    /// own. Default `false`. The same weights and record keys as plain BatchNorm; training
+    /// then all-reduces per-channel statistics in every forward and backward.
+    pub sync_batch_norm: bool,
 }
 
 impl Default for CnnOptions {
@@ -43,6 +48,7 @@ impl Default for CnnOptions {
             hidden: 64,
             dropout: 0.0,
             batch_norm: false,
+            sync_batch_norm: false,
         }
     }
 }
@@ -73,7 +79,7 @@ impl CnnOptions {
         let dropout = (self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init());
         let norm = |channels| {
             self.batch_norm
-                .then(|| BatchNormConfig::new(channels).init(device))
+                .then(|| Norm::new(channels, self.sync_batch_norm, device))
         };
         Cnn {
             image: [height, width],
@@ -117,6 +123,12 @@ impl ModelOptions for CnnOptions {
                 "the hidden layer width must be positive, found 0",
             ));
         }
+        if self.sync_batch_norm && !self.batch_norm {
+            return Err(CheckError::option(
+                "sync_batch_norm",
+                "sync_batch_norm = true synchronises the BatchNorm layers, which need batch_norm = true",
+            ));
+        }
         check_dropout(self.dropout)
     }
 
@@ -139,9 +151,9 @@ pub struct Cnn {
     image: [usize; 2],
     conv1: Conv2d,
     conv2: Conv2d,
-    /// Present with `batch_norm = true`.
-    norm1: Option<BatchNorm>,
-    norm2: Option<BatchNorm>,
+    /// Present with `batch_norm = true` (synchronised with `sync_batch_norm = true`).
+    norm1: Option<Norm>,
+    norm2: Option<Norm>,
     pool: MaxPool2d,
     fc1: Linear,
     fc2: Linear,
@@ -158,7 +170,7 @@ impl Cnn {
         }
     }
 
-    fn norm(norm: &Option<BatchNorm>, x: Tensor<4>) -> Tensor<4> {
+    fn norm(norm: &Option<Norm>, x: Tensor<4>) -> Tensor<4> {
         match norm {
             Some(norm) => norm.forward(x),
             None => x,
@@ -202,12 +214,40 @@ mod tests {
             hidden: 8,
             dropout: 0.25,
             batch_norm: true,
+            sync_batch_norm: false,
         };
         let input = InputShape::image(5, 7, 3);
         options.check(&input).expect("valid");
         let model = options.init(&input, &device);
         let logits = model.forward(Tensor::ones([2, 35], &device));
         assert_eq!(logits.dims(), [2, 3]);
+    }
+
+    /// `sync_batch_norm` changes no record key: each variant's checkpoint loads into the other.
+    #[test]
+    fn sync_batch_norm_keeps_the_record() {
+        let device = device();
+        let input = digits();
+        let options = |sync_batch_norm| CnnOptions {
+            batch_norm: true,
+            sync_batch_norm,
+            ..CnnOptions::default()
+        };
+        let local = options(false).init(&input, &device);
+        let sync = options(true)
+            .init(&input, &device)
+            .load_record(local.clone().into_record());
+        let x = Tensor::random([2, 64], burn::tensor::Distribution::Default, &device);
+        let diff = local
+            .forward(x.clone())
+            .sub(sync.clone().forward(x))
+            .abs()
+            .max()
+            .into_scalar::<f32>();
+        assert_eq!(diff, 0.0);
+        let _ = options(false)
+            .init(&input, &device)
+            .load_record(sync.into_record());
     }
 
     #[test]
@@ -247,6 +287,17 @@ mod tests {
             zero_channels.check(&input),
             Err(CheckError::Option {
                 field: "channels",
+                ..
+            })
+        ));
+        let sync_without_batch_norm = CnnOptions {
+            sync_batch_norm: true,
+            ..CnnOptions::default()
+        };
+        assert!(matches!(
+            sync_without_batch_norm.check(&input),
+            Err(CheckError::Option {
+                field: "sync_batch_norm",
                 ..
             })
         ));

@@ -119,6 +119,7 @@ mod classifier;
 mod cnn;
 mod error;
 mod mlp;
+mod norm;
 mod registry;
 mod regression;
 mod text;

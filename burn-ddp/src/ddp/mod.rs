@@ -16,9 +16,14 @@
 //! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stage 1 (pure).
 //! - [`zero`]: [`ShardedSync`], ZeRO stage 1: gradients reduced to their owner, parameters
 //!   gathered back from it; the optimizer-state helpers for checkpoints.
+//! - [`sync_batch_norm`]: [`SyncBatchNorm`], BatchNorm with the statistics of the global batch;
+//!   [`all_reduce_op`]: [`all_reduce_sum`](all_reduce_op::all_reduce_sum), the differentiable
+//!   all-reduce under it (a backend extension with a backward of its own); [`sync_group`]: the
+//!   process group they use, installed process-wide by `DataParallel`.
 //! - `device` (feature `cuda`): `NcclBuckets`, the device addresses NCCL needs, and
 //!   [`cuda_ordinal`](device::cuda_ordinal): whether a training device is a CUDA device.
 
+pub mod all_reduce_op;
 pub mod bucket;
 pub mod buffers;
 pub mod comm;
@@ -31,6 +36,8 @@ pub mod module;
 pub mod options;
 pub mod reducer;
 pub mod shard_plan;
+pub mod sync_batch_norm;
+pub mod sync_group;
 pub mod zero;
 
 pub use buffers::{sync_buffers, BufferSync};
@@ -43,4 +50,5 @@ pub use module::{param_checksum, parameter_count, prepare_module};
 pub use options::{DdpOptions, GradientTransport};
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;
+pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
 pub use zero::ShardedSync;

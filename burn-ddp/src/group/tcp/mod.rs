@@ -159,7 +159,9 @@ impl TcpProcessGroup {
         Ok(group)
     }
 
-    /// The options the group was formed with (timeout, token, address, shared memory).
+    /// The options the group was formed with (resolved: token, address, shared memory), so a
+    /// second group of the same job can be formed alike under another
+    /// [`store_prefix`](TcpGroupOptions::store_prefix).
     pub fn options(&self) -> &TcpGroupOptions {
         &self.options
     }

@@ -1,0 +1,188 @@
+//! The process group of synchronised BatchNorm ([`super::SyncBatchNorm`]), installed
+//! process-wide.
+//!
+//! A model's `forward` cannot reach the [`DataParallel`](crate::DataParallel) handle (the
+//! training loop holds it, and its group, by `&mut`), and a Burn backward pass cannot take
+//! arguments at all. So the statistics travel on a group of their own: a second TCP ring of the
+//! same job, formed through the same store under its own namespace (the handle's group's prefix
+//! followed by [`STORE_SUFFIX`]). `DataParallel::new` installs its recipe here when the world has
+//! more than one rank, and the [`SyncGroupGuard`] it keeps takes it out again when it is
+//! dropped. The ring itself is formed at the first synchronised statistic (the first training
+//! forward of a `SyncBatchNorm`, which every rank reaches in step), so a job without
+//! synchronised BatchNorm opens no second ring.
+//!
+//! Why a second group and not the job's: its collectives happen inside `forward` and
+//! `backward`, interleaved with nothing the DDP step does, so a group of their own keeps the
+//! two streams of collectives (and their sequence numbers, which every rank checks) apart.
+//!
+//! ## The contract
+//! - **Collective, in the same order on every rank**: every rank runs the same model, and every
+//!   forward in training mode and every backward over it, in step. Each synchronised BatchNorm
+//!   layer does two all-reduces in its forward and two in its backward.
+//! - **Deadline**: each all-reduce has the group's timeout (the job's
+//!   [`DdpOptions::timeout`](crate::DdpOptions::timeout)).
+//! - **Failure**: neither a Burn `forward` nor a backward pass can return an error, so a failed
+//!   all-reduce is recorded here; the layer then goes on with this rank's local values (the
+//!   group is aborted: later calls fail at once, without waiting), and the error is returned by
+//!   the next [`DataParallel::sync_gradients`](crate::DataParallel::sync_gradients) /
+//!   `average_gradients` ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)), or by
+//!   [`take_error`] in a loop of your own. A step taken after such a failure would mix local
+//!   and global statistics, so the DDP step refuses it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use std::sync::Arc;
+
+use crate::error::SyncBatchNormError;
+use crate::group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};
+use crate::store::Store;
+
+/// Appended to the store namespace of the `DataParallel`'s group for the synchronised-BatchNorm
+/// group (`pg/default/sync_batch_norm` for a job's default group; a pipeline stage's replicas
+/// get their own).
+pub const STORE_SUFFIX: &str = "/sync_batch_norm";
+
+/// The installed group, if any, and the first error since [`take_error`] last looked.
+///
+/// A `Mutex` because Burn may run a model's forward and backward on any thread; the lock is
+/// held for one all-reduce of a few per-channel values.
+static SLOT: Mutex<Slot> = Mutex::new(Slot {
+    installed: None,
+    error: None,
+});
+
+/// Tells installations apart, so that dropping an old guard never takes out a newer group.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+struct Slot {
+    installed: Option<(u64, Group)>,
+    error: Option<SyncBatchNormError>,
+}
+
+/// What is needed to form the group, until its first use; then the group; `Failed` once
+/// forming it failed (later calls fail at once, as an aborted group does).
+enum Group {
+    Recipe(Recipe),
+    Formed(TcpProcessGroup),
+    Failed,
+}
+
+/// The arguments of [`TcpProcessGroup::new`] for the group.
+pub struct Recipe {
+    pub store: Arc<dyn Store>,
+    pub rank: usize,
+    pub world_size: usize,
+    pub options: TcpGroupOptions,
+}
+
+/// Takes the group out of the slot when dropped (if it is still the one installed). Held by
+/// [`DataParallel`](crate::DataParallel).
+#[derive(Debug)]
+pub struct SyncGroupGuard {
+    id: u64,
+}
+
+impl Drop for SyncGroupGuard {
+    fn drop(&mut self) {
+        let mut slot = lock();
+        if slot
+            .installed
+            .as_ref()
+            .is_some_and(|(id, _)| *id == self.id)
+        {
+            slot.installed = None;
+        }
+    }
+}
+
+/// Installs `recipe` as the process's synchronised-BatchNorm group, replacing any other (and
+/// clearing a recorded error). Not collective: the group is formed at its first use.
+#[must_use = "the group is taken out again when the guard is dropped"]
+pub fn install(recipe: Recipe) -> SyncGroupGuard {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let mut slot = lock();
+    slot.installed = Some((id, Group::Recipe(recipe)));
+    slot.error = None;
+    SyncGroupGuard { id }
+}
+
+/// Whether a group of more than one rank is installed: synchronised BatchNorm then uses
+/// global statistics, else local ones (exactly Burn's `BatchNorm`).
+pub fn is_active() -> bool {
+    lock()
+        .installed
+        .as_ref()
+        .is_some_and(|(_, group)| match group {
+            Group::Recipe(recipe) => recipe.world_size > 1,
+            Group::Formed(group) => group.world_size() > 1,
+            Group::Failed => true,
+        })
+}
+
+/// Sums `values` across the ranks in place (every rank gets the same sums). Collective over the
+/// installed group, with its deadline; without one (or with one of one rank) the values are
+/// left as they are. On failure the error is recorded (see the module docs), the values are
+/// left as this rank's own, and `false` is returned.
+pub fn sum_in_place(values: &mut [f32]) -> bool {
+    let mut slot = lock();
+    let Slot { installed, error } = &mut *slot;
+    let Some((_, group)) = installed else {
+        return true;
+    };
+    if let Group::Recipe(recipe) = group {
+        // The first use: collective, every rank reaches it in the same forward.
+        let formed = TcpProcessGroup::new(
+            Arc::clone(&recipe.store),
+            recipe.rank,
+            recipe.world_size,
+            recipe.options.clone(),
+        );
+        *group = match formed {
+            Ok(formed) => Group::Formed(formed),
+            Err(e) => {
+                tracing::error!("synchronised BatchNorm: forming its group failed: {e}");
+                error.get_or_insert(SyncBatchNormError::Collective(e));
+                Group::Failed
+            }
+        };
+    }
+    let group = match group {
+        Group::Formed(group) => group,
+        Group::Failed | Group::Recipe(_) => return false,
+    };
+    if group.world_size() == 1 {
+        return true;
+    }
+    let before = values.to_vec();
+    match group.all_reduce(values, ReduceOp::Sum) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::error!(
+                rank = group.rank(),
+                "synchronised BatchNorm: all-reduce of statistics failed: {e}"
+            );
+            // A failed ring may have left partial sums in the buffer.
+            values.copy_from_slice(&before);
+            error.get_or_insert(SyncBatchNormError::Collective(e));
+            false
+        }
+    }
+}
+
+/// The first failure of the group since the last call (and forgets it).
+pub fn take_error() -> Option<SyncBatchNormError> {
+    lock().error.take()
+}
+
+/// Records a failure that happened around the collective (reading a tensor back, say), so it
+/// surfaces like a failed all-reduce.
+pub(crate) fn record_error(e: SyncBatchNormError) {
+    lock().error.get_or_insert(e);
+}
+
+/// The slot, even after a panic elsewhere while it was held: its contents stay consistent (every
+/// write is a single assignment), and a poisoned lock must not turn one failure into many.
+fn lock() -> MutexGuard<'static, Slot> {
+    SLOT.lock().unwrap_or_else(PoisonError::into_inner)
+}
