@@ -26,6 +26,7 @@
 //! Every wait is cut into one-second slices that look for a published abort in between, so when
 //! one rank fails the others stop within a second instead of at their deadline.
 
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::time::{Duration, Instant};
 
 use crate::error::{CollectiveError, StoreError};
@@ -171,6 +172,21 @@ impl Rendezvous {
         self.store
             .set(&format!("{what}/{}", self.rank), value)
             .map_err(|e| self.store_error(e))
+    }
+
+    /// Listens on an OS-chosen port of `ip` and publishes the address under `addr/{rank}`, for
+    /// the other ranks to connect to; the listener and its address. Not collective.
+    pub fn listen_and_publish(
+        &self,
+        ip: IpAddr,
+    ) -> Result<(TcpListener, SocketAddr), CollectiveError> {
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| self.setup_error(format!("cannot listen on {ip}: {e}")))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| self.setup_error(format!("cannot read the listening address: {e}")))?;
+        self.publish("addr", local.to_string().as_bytes())?;
+        Ok((listener, local))
     }
 
     /// Waits until every rank has published `what`; the error names the ranks that did not by

@@ -71,6 +71,16 @@ pub enum LinkError {
     },
 }
 
+/// A received activation or gradient: its shape and row-major values.
+pub type Received = (Vec<usize>, Vec<f32>);
+
+/// Which neighbour.
+#[derive(Clone, Copy)]
+enum Side {
+    Next,
+    Previous,
+}
+
 /// One neighbour: the socket read here, and the writer thread that sends to it.
 struct Peer {
     rank: usize,
@@ -109,12 +119,7 @@ impl StageLinks {
         let rdv = Rendezvous::new(PrefixStore::new("pipeline/", store), rank, world, timeout);
         rdv.join()?;
         rdv.publish("plan", plan.as_bytes())?;
-        let listener = TcpListener::bind(SocketAddr::new(advertise_ip, 0))
-            .map_err(|e| rdv.setup_error(format!("cannot listen on {advertise_ip}: {e}")))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| rdv.setup_error(format!("cannot read the listening address: {e}")))?;
-        rdv.publish("addr", local.to_string().as_bytes())?;
+        let (listener, _) = rdv.listen_and_publish(advertise_ip)?;
         rdv.wait_joined()?;
         let neighbours = [layout.previous_stage(rank), layout.next_stage(rank)];
         for peer in neighbours.into_iter().flatten() {
@@ -155,15 +160,9 @@ impl StageLinks {
         shape: &[usize],
         values: &[f32],
     ) -> Result<(), LinkError> {
+        let bytes = frame::encode(Flow::Activation, micro_batch, shape, values);
         let rank = self.rank;
-        let peer = self
-            .next
-            .as_mut()
-            .ok_or_else(|| no_neighbour(rank, "next"))?;
-        peer.send(
-            rank,
-            frame::encode(Flow::Activation, micro_batch, shape, values),
-        )
+        self.neighbour(Side::Next)?.send(rank, bytes)
     }
 
     /// Sends the gradient with respect to micro-batch `micro_batch`'s input to the previous
@@ -174,43 +173,40 @@ impl StageLinks {
         shape: &[usize],
         values: &[f32],
     ) -> Result<(), LinkError> {
+        let bytes = frame::encode(Flow::Gradient, micro_batch, shape, values);
         let rank = self.rank;
-        let peer = self
-            .previous
-            .as_mut()
-            .ok_or_else(|| no_neighbour(rank, "previous"))?;
-        peer.send(
-            rank,
-            frame::encode(Flow::Gradient, micro_batch, shape, values),
-        )
+        self.neighbour(Side::Previous)?.send(rank, bytes)
     }
 
     /// Waits (until the timeout) for micro-batch `micro_batch`'s activation from the previous
     /// stage: its shape and values.
-    pub fn recv_activation(
-        &mut self,
-        micro_batch: usize,
-    ) -> Result<(Vec<usize>, Vec<f32>), LinkError> {
+    pub fn recv_activation(&mut self, micro_batch: usize) -> Result<Received, LinkError> {
         let (rank, timeout) = (self.rank, self.timeout);
-        let peer = self
-            .previous
-            .as_mut()
-            .ok_or_else(|| no_neighbour(rank, "previous"))?;
-        peer.receive(rank, Flow::Activation, micro_batch, timeout)
+        self.neighbour(Side::Previous)?
+            .receive(rank, Flow::Activation, micro_batch, timeout)
     }
 
     /// Waits (until the timeout) for the gradient of micro-batch `micro_batch`'s output from
     /// the next stage.
-    pub fn recv_gradient(
-        &mut self,
-        micro_batch: usize,
-    ) -> Result<(Vec<usize>, Vec<f32>), LinkError> {
+    pub fn recv_gradient(&mut self, micro_batch: usize) -> Result<Received, LinkError> {
         let (rank, timeout) = (self.rank, self.timeout);
-        let peer = self
-            .next
-            .as_mut()
-            .ok_or_else(|| no_neighbour(rank, "next"))?;
-        peer.receive(rank, Flow::Gradient, micro_batch, timeout)
+        self.neighbour(Side::Next)?
+            .receive(rank, Flow::Gradient, micro_batch, timeout)
+    }
+
+    /// The link to the next or the previous stage, or an error if this stage has none.
+    fn neighbour(&mut self, side: Side) -> Result<&mut Peer, LinkError> {
+        let rank = self.rank;
+        let (peer, which) = match side {
+            Side::Next => (self.next.as_mut(), "next"),
+            Side::Previous => (self.previous.as_mut(), "previous"),
+        };
+        peer.ok_or_else(|| {
+            LinkError::Setup(CollectiveError::Setup {
+                rank,
+                message: format!("this stage has no {which} stage to exchange with"),
+            })
+        })
     }
 
     /// How long each receive waits from now on (the set-up's timeout until then).
@@ -242,13 +238,6 @@ impl Drop for StageLinks {
             let _ = peer.finish_writes(rank);
         }
     }
-}
-
-fn no_neighbour(rank: usize, which: &str) -> LinkError {
-    LinkError::Setup(CollectiveError::Setup {
-        rank,
-        message: format!("this stage has no {which} stage to exchange with"),
-    })
 }
 
 impl Peer {
@@ -366,7 +355,7 @@ impl Peer {
         flow: Flow,
         micro_batch: usize,
         timeout: Duration,
-    ) -> Result<(Vec<usize>, Vec<f32>), LinkError> {
+    ) -> Result<Received, LinkError> {
         let during = format!("receiving the {flow:?} of micro-batch {micro_batch}").to_lowercase();
         let deadline = Instant::now() + timeout;
         let mut fixed = [0u8; FIXED_LEN];

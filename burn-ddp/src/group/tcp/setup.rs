@@ -94,12 +94,7 @@ pub(super) fn connect_ring(
     let ip = options
         .advertise_ip
         .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
-    let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-        .map_err(|e| rdv.setup_error(format!("cannot listen on {ip}: {e}")))?;
-    let local = listener
-        .local_addr()
-        .map_err(|e| rdv.setup_error(format!("cannot read the listening address: {e}")))?;
-    rdv.publish("addr", local.to_string().as_bytes())?;
+    let (listener, local) = rdv.listen_and_publish(ip)?;
     rdv.wait_joined()?;
     rdv.wait_published("addr")?;
 
