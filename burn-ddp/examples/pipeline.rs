@@ -46,16 +46,19 @@ struct Rows {
 impl Stage {
     /// Stage `stage` of `stages`: the layers are dealt out in consecutive runs.
     fn new(stage: usize, stages: usize, device: &Device) -> Self {
-        device.seed(5);
         let layers = (0..LAYERS)
             .map(|k| {
-                // Every rank draws every layer, so a layer has the same initial weights
-                // whichever stage holds it (and in the one-stage run). Burn initialises
-                // parameters lazily, at first use: draw them now, in order.
-                let layer = LinearConfig::new(SIZES[k], SIZES[k + 1]).init(device);
-                let _ = layer.weight.val();
-                let _ = layer.bias.as_ref().map(|b| b.val());
-                (k * stages / LAYERS == stage).then_some(layer)
+                (k * stages / LAYERS == stage).then(|| {
+                    // Each layer from a seed of its own: a stage draws only its own layers
+                    // (the others are never allocated), with the weights the layer has in
+                    // any cut. Burn initialises parameters lazily, at first use: draw them
+                    // now, right after seeding.
+                    device.seed(5 + k as u64);
+                    let layer = LinearConfig::new(SIZES[k], SIZES[k + 1]).init(device);
+                    let _ = layer.weight.val();
+                    let _ = layer.bias.as_ref().map(|b| b.val());
+                    layer
+                })
             })
             .collect();
         Self { layers }

@@ -285,6 +285,10 @@ pub enum SyncBatchNormError {
     /// The statistics could not be read back from the device, or not as `f32`.
     #[error("synchronised BatchNorm: reading the batch statistics back to the host failed: {0}")]
     Readback(String),
+    /// Forming the group failed earlier (its first failure was reported then); every later
+    /// use fails too, so no step trains on a mix of local and global statistics.
+    #[error("synchronised BatchNorm: its group could not be formed: {0}")]
+    Unformed(String),
 }
 
 impl DdpError {

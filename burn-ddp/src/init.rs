@@ -139,32 +139,45 @@ impl Distributed {
     }
 
     /// A sub-group of this job: the ranks `members` (global ranks, listed in the sub-group's
-    /// rank order) form their own TCP ring through the job's store, under the namespace
-    /// `{this group's prefix}/sub/{name}`, with this group's options. In the sub-group's
-    /// [`DistEnv`] the rank is the position in `members` and the world size its length; the
-    /// local rank (the GPU) is unchanged. Use it as the `Distributed` of a [`crate::DataParallel`]
-    /// whose gradients are averaged over some ranks only (the replicas of one pipeline stage).
+    /// rank order) form their own TCP ring, with this group's options, through the job's store
+    /// seen under the namespace `sub/{name}/` — so everything the sub-group's users keep in the
+    /// store (a `DataParallel`'s settings and rank-0 verdicts, an NCCL group, synchronised
+    /// BatchNorm's group) is its own. In the sub-group's [`DistEnv`] the rank is the position
+    /// in `members` and the world size its length; the local rank (the GPU) is unchanged. Use
+    /// it as the `Distributed` of a [`crate::DataParallel`] whose gradients are averaged over
+    /// some ranks only (the replicas of one pipeline stage).
     ///
     /// Collective over `members` only; every member passes the same `members` and `name`, and
-    /// `name` differs between sub-groups formed at the same time. Fails, naming this rank, if
-    /// it is not a member; a member that does not arrive within the timeout is named. Keep
-    /// `self` alive while the sub-group is used: on rank 0 it hosts the store.
+    /// `name` differs between sub-groups of the job. Fails, naming this rank, if it is not a
+    /// member or `members` names a rank twice or one outside the job; a member that does not
+    /// arrive within the timeout is named. Keep `self` alive while the sub-group is used: on
+    /// rank 0 it hosts the store.
     pub fn sub_group(&self, members: &[usize], name: &str) -> Result<Self, CollectiveError> {
         let rank = self.env.rank;
-        let sub_rank =
-            members
-                .iter()
-                .position(|&m| m == rank)
-                .ok_or_else(|| CollectiveError::Setup {
-                    rank,
-                    message: format!(
-                        "rank {rank} is not a member of the sub-group {name:?} ({members:?})"
-                    ),
-                })?;
-        let mut options = self.group.options().clone();
-        options.store_prefix = format!("{}/sub/{name}", options.store_prefix);
-        let group =
-            TcpProcessGroup::new(Arc::clone(&self.store), sub_rank, members.len(), options)?;
+        let setup = |message: String| CollectiveError::Setup { rank, message };
+        let world = self.env.world_size;
+        if let Some(bad) = members.iter().find(|&&m| m >= world) {
+            return Err(setup(format!(
+                "the sub-group {name:?} names rank {bad}, but the job has {world} ranks"
+            )));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(twice) = members.iter().find(|&&m| !seen.insert(m)) {
+            return Err(setup(format!(
+                "the sub-group {name:?} names rank {twice} twice ({members:?})"
+            )));
+        }
+        let sub_rank = members.iter().position(|&m| m == rank).ok_or_else(|| {
+            setup(format!(
+                "rank {rank} is not a member of the sub-group {name:?} ({members:?})"
+            ))
+        })?;
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
+            format!("sub/{name}"),
+            Arc::clone(&self.store),
+        ));
+        let options = self.group.options().clone();
+        let group = TcpProcessGroup::new(Arc::clone(&store), sub_rank, members.len(), options)?;
         let env = DistEnv {
             rank: sub_rank,
             world_size: members.len(),
@@ -173,7 +186,7 @@ impl Distributed {
         Ok(Self {
             env,
             group,
-            store: Arc::clone(&self.store),
+            store,
             _server: None,
         })
     }
@@ -258,3 +271,24 @@ fn is_loopback(endpoint: &str) -> bool {
 
 /// A default connect timeout for tools that only talk to the store.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+#[cfg(test)]
+mod tests {
+    use super::Distributed;
+
+    #[test]
+    fn a_sub_group_that_names_a_rank_twice_or_outside_the_job_is_refused() {
+        let job = Distributed::standalone();
+        let twice = job.sub_group(&[0, 0], "twice").err().map(|e| e.to_string());
+        assert!(twice.is_some_and(|e| e.contains("names rank 0 twice")));
+        let outside = job
+            .sub_group(&[0, 1], "outside")
+            .err()
+            .map(|e| e.to_string());
+        assert!(outside.is_some_and(|e| e.contains("names rank 1, but the job has 1 ranks")));
+        let alone = job
+            .sub_group(&[0], "alone")
+            .map(|g| (g.env.rank, g.env.world_size));
+        assert_eq!(alone.ok(), Some((0, 1)));
+    }
+}

@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 
 use crate::common::*;
 
-/// The example, built by `cargo test` (examples are compiled with the tests).
+/// The example, built by `cargo test --workspace` (burn-ddp's examples are compiled with its
+/// tests; `cargo test -p trainer` alone does not build it).
 fn pipeline_example() -> PathBuf {
     let path =
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/examples/pipeline");

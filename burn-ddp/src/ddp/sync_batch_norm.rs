@@ -43,6 +43,7 @@
 use burn::config::Config;
 use burn::module::{Flag, Module, Param, RunningState};
 use burn::nn::Initializer;
+use burn::tensor::DType;
 use burn::tensor::{Device, Tensor};
 
 use super::all_reduce_op::all_reduce_sum;
@@ -163,13 +164,16 @@ impl SyncBatchNorm {
         let per_sample = dims[2..].iter().product::<usize>();
         let x = input.reshape([batch, channels, per_sample]);
 
-        // 1–2. Σx and the count travel in one all-reduce: [Σx_0 .. Σx_{C-1}, n].
-        let local_sum: Tensor<1> = x.clone().sum_dims_squeeze(&[0, 2]);
+        // 1–2. Σx and the count travel in one all-reduce: [Σx_0 .. Σx_{C-1}, n], in f32 (a
+        // count of 100 352 samples is infinite in f16).
+        let dtype = x.dtype();
+        let local_sum: Tensor<1> = x.clone().sum_dims_squeeze(&[0, 2]).cast(DType::F32);
         let local_count =
-            Tensor::<1>::full([1], (batch * per_sample) as f64, &device).cast(local_sum.dtype());
+            Tensor::<1>::full([1], (batch * per_sample) as f64, &device).cast(DType::F32);
         let sums = all_reduce_sum(Tensor::cat(vec![local_sum, local_count], 0));
         let count = sums.clone().slice(channels..channels + 1);
-        let mean = sums.slice(0..channels).div(count.clone());
+        let mean = sums.slice(0..channels).div(count.clone()).cast(dtype);
+        let count = count.cast(dtype);
 
         // 3–4. The biased variance around the global mean.
         let centered = x.sub(mean.clone().reshape([1, channels, 1]));
@@ -215,6 +219,10 @@ mod tests {
     /// statistics in training mode, outputs in eval mode.
     #[test]
     fn without_a_group_it_is_burns_batch_norm() {
+        // No other test's group may be installed meanwhile.
+        let _alone = crate::ddp::sync_group::TEST_LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let device = Device::flex().autodiff();
         let sync = SyncBatchNormConfig::new(3).init(&device);
         let plain = BatchNormConfig::new(3).init(&device);

@@ -19,8 +19,12 @@
 //! - **Collective, in the same order on every rank**: every rank runs the same model, and every
 //!   forward in training mode and every backward over it, in step. Each synchronised BatchNorm
 //!   layer does two all-reduces in its forward and two in its backward.
-//! - **Deadline**: each all-reduce has the group's timeout (the job's
-//!   [`DdpOptions::timeout`](crate::DdpOptions::timeout)).
+//! - **Deadline**: forming the group and each all-reduce have the timeout of the
+//!   `DataParallel`'s group (the job's [`DdpOptions::timeout`](crate::DdpOptions::timeout) when
+//!   it joined through `DataParallel::from_env`).
+//! - **One per process**: the slot is process-wide, as a process is one rank. Ranks run as
+//!   threads of one process (tests) must not use synchronised BatchNorm at the same time; the
+//!   crate's tests that install a group serialise on [`TEST_LOCK`].
 //! - **Failure**: neither a Burn `forward` nor a backward pass can return an error, so a failed
 //!   all-reduce is recorded here; the layer then goes on with this rank's local values (the
 //!   group is aborted: later calls fail at once, without waiting), and the error is returned by
@@ -65,7 +69,8 @@ struct Slot {
 enum Group {
     Recipe(Recipe),
     Formed(TcpProcessGroup),
-    Failed,
+    /// Why forming it failed.
+    Failed(String),
 }
 
 /// The arguments of [`TcpProcessGroup::new`] for the group.
@@ -102,6 +107,13 @@ impl Drop for SyncGroupGuard {
 pub fn install(recipe: Recipe) -> SyncGroupGuard {
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let mut slot = lock();
+    if slot.installed.is_some() {
+        // One group per process: a second live `DataParallel` (ranks as threads of one
+        // process) would send its SyncBatchNorm statistics over the newest handle's group.
+        tracing::warn!(
+            "a second DataParallel in this process replaces the first one's synchronised-BatchNorm group"
+        );
+    }
     slot.installed = Some((id, Group::Recipe(recipe)));
     slot.error = None;
     SyncGroupGuard { id }
@@ -116,7 +128,7 @@ pub fn is_active() -> bool {
         .is_some_and(|(_, group)| match group {
             Group::Recipe(recipe) => recipe.world_size > 1,
             Group::Formed(group) => group.world_size() > 1,
-            Group::Failed => true,
+            Group::Failed(_) => true,
         })
 }
 
@@ -142,14 +154,22 @@ pub fn sum_in_place(values: &mut [f32]) -> bool {
             Ok(formed) => Group::Formed(formed),
             Err(e) => {
                 tracing::error!("synchronised BatchNorm: forming its group failed: {e}");
+                let why = e.to_string();
                 error.get_or_insert(SyncBatchNormError::Collective(e));
-                Group::Failed
+                Group::Failed(why)
             }
         };
+        if matches!(group, Group::Failed(_)) {
+            return false;
+        }
     }
     let group = match group {
         Group::Formed(group) => group,
-        Group::Failed | Group::Recipe(_) => return false,
+        Group::Failed(why) => {
+            error.get_or_insert(SyncBatchNormError::Unformed(why.clone()));
+            return false;
+        }
+        Group::Recipe(_) => return false,
     };
     if group.world_size() == 1 {
         return true;
@@ -181,8 +201,53 @@ pub(crate) fn record_error(e: SyncBatchNormError) {
     lock().error.get_or_insert(e);
 }
 
+/// Held by this crate's tests that install a group or rely on there being none, so they do
+/// not run at the same time (cargo runs tests on threads of one process).
+#[cfg(test)]
+pub(crate) static TEST_LOCK: Mutex<()> = Mutex::new(());
+
 /// The slot, even after a panic elsewhere while it was held: its contents stay consistent (every
 /// write is a single assignment), and a poisoned lock must not turn one failure into many.
 fn lock() -> MutexGuard<'static, Slot> {
     SLOT.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, PoisonError};
+    use std::time::Duration;
+
+    use super::*;
+    use crate::store::MemoryStore;
+
+    /// A group whose other rank never comes: the first use fails at the deadline, and every
+    /// later one fails at once, each recording an error (no step trains on local statistics
+    /// unnoticed).
+    #[test]
+    fn a_group_that_cannot_form_fails_every_use_not_only_the_first() {
+        let _alone = TEST_LOCK.lock().unwrap_or_else(PoisonError::into_inner);
+        let options = TcpGroupOptions {
+            timeout: Duration::from_secs(1),
+            ..TcpGroupOptions::default()
+        };
+        let guard = install(Recipe {
+            store: Arc::new(MemoryStore::new()),
+            rank: 0,
+            world_size: 2,
+            options,
+        });
+        assert!(is_active());
+        let mut values = [1.0f32, 2.0];
+        assert!(!sum_in_place(&mut values));
+        assert_eq!(values, [1.0, 2.0], "this rank's own values are kept");
+        assert!(matches!(
+            take_error(),
+            Some(SyncBatchNormError::Collective(_))
+        ));
+        assert!(!sum_in_place(&mut values));
+        let again = take_error().map(|e| e.to_string()).unwrap_or_default();
+        assert!(again.contains("could not be formed"), "{again}");
+        drop(guard);
+        assert!(!is_active(), "the guard takes the group out");
+    }
 }

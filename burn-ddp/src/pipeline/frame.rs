@@ -1,7 +1,7 @@
 //! The bytes of one message between neighbouring pipeline stages (pure): an activation going
 //! forward or the gradient of one going back, for one micro-batch.
 //!
-//! `magic "PIPE" | flow u8 | micro-batch u32 | rank u8-count of dims | dims u64… | f32 values`,
+//! `magic "PIPE" | flow u8 | micro-batch u32 | number of dims u8 | dims u64… | f32 values`,
 //! little-endian. Each direction of a link carries one flow in micro-batch order, so the
 //! receiver knows what must come next and a frame that is not it names a plan mismatch.
 
@@ -17,21 +17,6 @@ pub enum Flow {
 const MAGIC: [u8; 4] = *b"PIPE";
 /// The fixed part of a header: magic, flow, micro-batch, number of dims.
 pub const FIXED_LEN: usize = 4 + 1 + 4 + 1;
-
-/// A decoded header.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Header {
-    pub flow: Flow,
-    pub micro_batch: usize,
-    pub shape: Vec<usize>,
-}
-
-impl Header {
-    /// How many f32 values follow the header.
-    pub fn values(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
 
 /// A whole frame: header and values. `values.len()` must be the product of `shape`.
 pub fn encode(flow: Flow, micro_batch: usize, shape: &[usize], values: &[f32]) -> Vec<u8> {
@@ -71,6 +56,18 @@ pub fn decode_fixed(bytes: &[u8; FIXED_LEN]) -> Result<(Flow, usize, usize), Str
     Ok((flow, micro, usize::from(bytes[9])))
 }
 
+/// The largest payload a receiver accepts (16 GiB): a frame that announces more is not one of
+/// this protocol's, and must not make the receiver allocate it.
+pub const MAX_PAYLOAD: usize = 1 << 34;
+
+/// The payload bytes of a tensor of `shape`, or `None` past [`MAX_PAYLOAD`] (or overflowing).
+pub fn payload_bytes(shape: &[usize]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(4usize, |bytes, &d| bytes.checked_mul(d))
+        .filter(|&bytes| bytes <= MAX_PAYLOAD)
+}
+
 /// The dims that follow the fixed part.
 pub fn decode_shape(bytes: &[u8]) -> Vec<usize> {
     bytes
@@ -99,13 +96,16 @@ mod tests {
         let (flow, micro, dims) = decode_fixed(&fixed).unwrap();
         assert_eq!((flow, micro, dims), (Flow::Gradient, 70_000, 2));
         let shape = decode_shape(&bytes[FIXED_LEN..FIXED_LEN + 8 * dims]);
-        let header = Header {
-            flow,
-            micro_batch: micro,
-            shape,
-        };
-        assert_eq!(header.values(), 6);
+        assert_eq!(shape, vec![2, 3]);
+        assert_eq!(payload_bytes(&shape), Some(24));
         assert_eq!(decode_values(&bytes[FIXED_LEN + 16..]), values);
+    }
+
+    #[test]
+    fn an_impossible_size_is_refused_not_allocated() {
+        assert_eq!(payload_bytes(&[usize::MAX, 2]), None);
+        assert_eq!(payload_bytes(&[1 << 20, 1 << 20]), None);
+        assert_eq!(payload_bytes(&[]), Some(4));
     }
 
     #[test]

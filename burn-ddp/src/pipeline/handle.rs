@@ -113,8 +113,10 @@ impl PipelineParallel {
             .advertise_ip
             .or_else(|| world.group.options().advertise_ip)
             .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        let namespace = format!("{}/pipeline", world.group.options().store_prefix);
         let links = StageLinks::connect(
             world.store.clone(),
+            &namespace,
             &layout,
             rank,
             &config.fingerprint(),

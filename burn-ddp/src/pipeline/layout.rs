@@ -3,7 +3,7 @@
 //! `world = stages × replicas`, and **a pipeline's stages are consecutive ranks**:
 //! `rank = replica × stages + stage`. Stage neighbours are then adjacent ranks, on the same
 //! machine whenever `--nproc-per-node` is a multiple of the stage count (activations cross
-//! shared memory, not the network), and the replicas of one stage, which average their
+//! loopback, not the network), and the replicas of one stage, which average their
 //! gradients with the DDP step, are `stages` ranks apart.
 
 use thiserror::Error;

@@ -103,12 +103,15 @@ pub struct StageLinks {
 }
 
 impl StageLinks {
-    /// Connects `rank` to its neighbours of `layout`. Collective over every rank of the world
+    /// Connects `rank` to its neighbours of `layout`, through the store's `namespace` (one per
+    /// pipeline of the job, e.g. `pg/default/pipeline`). Collective over every rank of the world
     /// (ranks without neighbours too, as the rendezvous counts them); `plan` must be the same
     /// string on every rank (e.g. `"stages=2 schedule=1f1b micro_batches=4"`). Fails after
-    /// `timeout` naming a rank that never arrived.
+    /// `timeout` naming a rank that never arrived; a rank that fails publishes why, and the
+    /// others still waiting stop within a second.
     pub fn connect(
         store: Arc<dyn Store>,
+        namespace: &str,
         layout: &PipelineLayout,
         rank: usize,
         plan: &str,
@@ -116,7 +119,26 @@ impl StageLinks {
         timeout: Duration,
     ) -> Result<Self, LinkError> {
         let world = layout.world_size();
-        let rdv = Rendezvous::new(PrefixStore::new("pipeline/", store), rank, world, timeout);
+        let rdv = Rendezvous::new(PrefixStore::new(namespace, store), rank, world, timeout);
+        let formed = Self::form(&rdv, layout, rank, plan, advertise_ip, timeout);
+        if let Err(e) = &formed {
+            rdv.abort(&CollectiveError::Setup {
+                rank,
+                message: e.to_string(),
+            });
+        }
+        formed
+    }
+
+    /// The steps of [`connect`](Self::connect).
+    fn form(
+        rdv: &Rendezvous,
+        layout: &PipelineLayout,
+        rank: usize,
+        plan: &str,
+        advertise_ip: IpAddr,
+        timeout: Duration,
+    ) -> Result<Self, LinkError> {
         rdv.join()?;
         rdv.publish("plan", plan.as_bytes())?;
         let (listener, _) = rdv.listen_and_publish(advertise_ip)?;
@@ -136,12 +158,12 @@ impl StageLinks {
         let next = match layout.next_stage(rank) {
             Some(peer) => {
                 let addr = String::from_utf8_lossy(&rdv.published("addr", peer)?).into_owned();
-                Some(connect_next(&rdv, rank, peer, addr, timeout)?)
+                Some(connect_next(rdv, rank, peer, addr, timeout)?)
             }
             None => None,
         };
         let previous = match layout.previous_stage(rank) {
-            Some(peer) => Some(accept_previous(&rdv, &listener, rank, peer, timeout)?),
+            Some(peer) => Some(accept_previous(rdv, &listener, rank, peer, timeout)?),
             None => None,
         };
         Ok(Self {
@@ -228,13 +250,20 @@ impl StageLinks {
     }
 }
 
+/// How long dropping the links waits for queued frames to leave before cutting the
+/// connections (a neighbour that stopped reading must not hold this rank for a whole timeout).
+const DROP_GRACE: Duration = Duration::from_secs(5);
+
 impl Drop for StageLinks {
     fn drop(&mut self) {
-        let rank = self.rank;
+        let (rank, grace) = (self.rank, self.timeout.min(DROP_GRACE));
         for peer in [self.next.as_mut(), self.previous.as_mut()]
             .into_iter()
             .flatten()
         {
+            let _ = peer.drain(rank, grace);
+            // Fails a write still stuck on a full socket at once, so the join below returns.
+            let _ = peer.reader.shutdown(std::net::Shutdown::Both);
             let _ = peer.finish_writes(rank);
         }
     }
@@ -287,30 +316,35 @@ impl Peer {
         }
     }
 
+    /// The writer thread's failure, if it had one (it stays: every later send fails too).
     fn failed_write(&self) -> Option<io::Error> {
-        self.write_error
+        let slot = self
+            .write_error
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
+            .unwrap_or_else(PoisonError::into_inner);
+        slot.as_ref()
+            .map(|e| io::Error::new(e.kind(), e.to_string()))
     }
 
     fn send(&mut self, rank: usize, bytes: Vec<u8>) -> Result<(), LinkError> {
         if let Some(e) = self.failed_write() {
             return Err(self.lost(rank, "sending".into(), e));
         }
-        *self
-            .pending
-            .0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) += 1;
+        let (pending, _) = &*self.pending;
+        *pending.lock().unwrap_or_else(PoisonError::into_inner) += 1;
         let sent = self.queue.as_ref().map(|q| q.send(bytes));
         match sent {
             Some(Ok(())) => Ok(()),
-            _ => Err(self.lost(
-                rank,
-                "sending".into(),
-                io::Error::new(io::ErrorKind::BrokenPipe, "the sending thread has stopped"),
-            )),
+            _ => {
+                let mut left = pending.lock().unwrap_or_else(PoisonError::into_inner);
+                *left = left.saturating_sub(1);
+                drop(left);
+                Err(self.lost(
+                    rank,
+                    "sending".into(),
+                    io::Error::new(io::ErrorKind::BrokenPipe, "the sending thread has stopped"),
+                ))
+            }
         }
     }
 
@@ -340,7 +374,7 @@ impl Peer {
     fn finish_writes(&mut self, rank: usize) -> Result<(), LinkError> {
         self.queue.take();
         if let Some(writer) = self.writer.take() {
-            // Bounded: every write has the link's timeout.
+            // Bounded: every write has the link's timeout, and `Drop` shuts the socket first.
             let _ = writer.join();
         }
         match self.failed_write() {
@@ -378,7 +412,13 @@ impl Peer {
         let mut shape_bytes = vec![0u8; 8 * dims];
         self.read_exact(rank, &mut shape_bytes, deadline, &during, timeout)?;
         let shape = frame::decode_shape(&shape_bytes);
-        let mut value_bytes = vec![0u8; 4 * shape.iter().product::<usize>()];
+        let bytes = frame::payload_bytes(&shape).ok_or_else(|| LinkError::Unexpected {
+            rank,
+            peer: self.rank,
+            expected: format!("at most {} bytes of values", frame::MAX_PAYLOAD),
+            got: format!("a tensor of shape {shape:?}"),
+        })?;
+        let mut value_bytes = vec![0u8; bytes];
         self.read_exact(rank, &mut value_bytes, deadline, &during, timeout)?;
         Ok((shape, frame::decode_values(&value_bytes)))
     }
@@ -529,8 +569,15 @@ mod tests {
             .map(|rank| {
                 let (store, body) = (Arc::clone(&store), Arc::clone(&body));
                 std::thread::spawn(move || {
-                    let links =
-                        StageLinks::connect(store, &layout, rank, plan_of(rank), LOCAL, timeout);
+                    let links = StageLinks::connect(
+                        store,
+                        "pipeline",
+                        &layout,
+                        rank,
+                        plan_of(rank),
+                        LOCAL,
+                        timeout,
+                    );
                     body(rank, links)
                 })
             })

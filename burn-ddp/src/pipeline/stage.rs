@@ -48,6 +48,16 @@ pub enum StageError {
         reason: String,
     },
     #[error(
+        "stage {stage}: stage {from} sent {what} of shape {got:?}, but this stage expects {expected}: the stages' shapes do not fit together"
+    )]
+    Shape {
+        stage: usize,
+        from: usize,
+        what: &'static str,
+        got: Vec<usize>,
+        expected: String,
+    },
+    #[error(
         "stage {stage}: its output does not depend on its input (no gradient to send back to stage {previous}): a stage must use the activation it is given"
     )]
     NoInputGradient { stage: usize, previous: usize },
@@ -109,7 +119,7 @@ where
             }
             Action::Backward(i) => {
                 let Some(flight) = in_flight.remove(&i) else {
-                    continue; // stage_actions puts every forward before its backward
+                    unreachable!("stage_actions puts every forward before its backward")
                 };
                 if let Output::Loss(loss) = &flight.output {
                     loss_sum += scalar(plan.stage, loss.clone())?;
@@ -141,6 +151,15 @@ fn forward<S: PipelineStage<D>, const D: usize>(
         None
     } else {
         let (shape, values) = links.recv_activation(i)?;
+        if shape.len() != D {
+            return Err(StageError::Shape {
+                stage: plan.stage,
+                from: plan.stage - 1,
+                what: "an activation",
+                got: shape,
+                expected: format!("a tensor of rank {D}"),
+            });
+        }
         let data = TensorData::new(values, shape);
         Some(Tensor::<D>::from_data(data, device).require_grad())
     };
@@ -169,6 +188,15 @@ fn backward<const D: usize>(
         Output::Loss(loss) => loss.backward(),
         Output::Sent(out) => {
             let (shape, values) = links.recv_gradient(i)?;
+            if shape != out.dims() {
+                return Err(StageError::Shape {
+                    stage: plan.stage,
+                    from: plan.stage + 1,
+                    what: "a gradient",
+                    got: shape,
+                    expected: format!("the shape of its output, {:?}", out.dims()),
+                });
+            }
             let incoming = Tensor::<D>::from_data(TensorData::new(values, shape), device);
             (out * incoming).sum().backward()
         }
@@ -316,8 +344,10 @@ mod tests {
                 std::thread::spawn(move || {
                     let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
                     let timeout = Duration::from_secs(120);
-                    let mut links =
-                        StageLinks::connect(store, &layout, stage, "test", local, timeout).unwrap();
+                    let mut links = StageLinks::connect(
+                        store, "pipeline", &layout, stage, "test", local, timeout,
+                    )
+                    .unwrap();
                     let device = device();
                     let micro: Vec<Micro> = (0..4).map(|i| rows(2 * i, 2, &device)).collect();
                     let plan = StepPlan {
@@ -402,6 +432,11 @@ mod tests {
         use crate::group::{TcpGroupOptions, TcpProcessGroup};
         use crate::{DataParallel, DdpOptions, Distributed};
 
+        // Its DataParallel handles install synchronised BatchNorm's group (module docs of
+        // `sync_group`): not while another test relies on there being none.
+        let _alone = crate::ddp::sync_group::TEST_LOCK
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (stages, replicas, steps, lr) = (2, 2, 2, 0.1);
         let device = device();
         let start = whole_model(&device);
@@ -449,8 +484,10 @@ mod tests {
                     let mut ddp = DataParallel::new(sub, DdpOptions::default(), &device).unwrap();
                     let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
                     let timeout = Duration::from_secs(120);
-                    let mut links =
-                        StageLinks::connect(store, &layout, rank, "test", local, timeout).unwrap();
+                    let mut links = StageLinks::connect(
+                        store, "pipeline", &layout, rank, "test", local, timeout,
+                    )
+                    .unwrap();
                     let mut part = ddp.prepare(part).unwrap();
                     let mut optim = SgdConfig::new().init();
                     let plan = StepPlan {
