@@ -123,6 +123,7 @@ mod norm;
 mod registry;
 mod regression;
 mod text;
+mod text_stage;
 
 pub use classifier::{classification_output, DigitsModel, FeaturesBatch, DIGITS_MODEL_NAMES};
 pub use cnn::{Cnn, CnnOptions};
@@ -137,6 +138,7 @@ pub use text::{
     SyntheticText, TextBatch, TextBatcher, TextClassifier, TextClassifierConfig, TextItem,
     PAD_TOKEN, RESERVED_TOKEN,
 };
+pub use text_stage::TextClassifierStage;
 
 /// A classifier the trainer can train: flat features in, logits out.
 pub trait Classifier: Module + core::fmt::Debug {

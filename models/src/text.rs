@@ -142,6 +142,14 @@ impl TextClassifierConfig {
         model
     }
 
+    /// The encoder's configuration (pre-norm; its layers are also built one by one by
+    /// [`init_stage`](Self::init_stage)).
+    pub(crate) fn encoder_config(&self) -> TransformerEncoderConfig {
+        TransformerEncoderConfig::new(self.d_model, self.d_ff, self.heads, self.layers)
+            .with_dropout(self.dropout)
+            .with_norm_first(true)
+    }
+
     /// [`init`](Self::init) without drawing the parameters (see
     /// [`burn_ddp::parameter_count`]).
     ///
@@ -157,15 +165,7 @@ impl TextClassifierConfig {
         TextClassifier {
             tokens: EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
             positions: EmbeddingConfig::new(self.max_len, self.d_model).init(device),
-            encoder: TransformerEncoderConfig::new(
-                self.d_model,
-                self.d_ff,
-                self.heads,
-                self.layers,
-            )
-            .with_dropout(self.dropout)
-            .with_norm_first(true)
-            .init(device),
+            encoder: self.encoder_config().init(device),
             output: LinearConfig::new(self.d_model, self.classes).init(device),
             dropout: (self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init()),
             max_len: self.max_len,
@@ -230,37 +230,18 @@ impl TextClassifier {
             [batch, len],
             "TextClassifier::forward: mask_pad must have the shape of tokens"
         );
-        let device = tokens.device();
-        // len <= max_len, and check() bounds max_len by 2^28: lossless.
-        let positions = Tensor::<1, Int>::arange(0..len as i64, &device)
-            .reshape([1, len])
-            .repeat_dim(0, batch);
-        let mut x = self.tokens.forward(tokens) + self.positions.forward(positions);
-        if let Some(dropout) = &self.dropout {
-            x = dropout.forward(x);
-        }
+        let x = embed(&self.tokens, &self.positions, self.dropout.as_ref(), tokens);
         let x = self
             .encoder
             .forward(TransformerEncoderInput::new(x).mask_pad(mask_pad.clone()));
-        let [_, _, d_model] = x.dims();
-        // mask_fill rather than a product with 0, so that nothing computed at
-        // a padding position (even a non-finite value) reaches the mean.
-        let pad = mask_pad
-            .clone()
-            .unsqueeze_dim::<3>(2)
-            .expand([batch, len, d_model]);
-        let sum = x.mask_fill(pad, 0.0).sum_dim(1).reshape([batch, d_model]);
-        let count = mask_pad.bool_not().float().sum_dim(1).clamp_min(1.0);
-        self.output.forward(sum / count)
+        classify(&self.output, x, mask_pad)
     }
 
     /// Classifies `batch` and returns the cross-entropy loss (mean over the
     /// batch) with the logits and labels, as burn-train's metrics expect.
     pub fn forward_classification(&self, batch: TextBatch) -> ClassificationOutput {
         let logits = self.forward(batch.tokens, batch.mask_pad);
-        let loss = CrossEntropyLossConfig::new()
-            .init(&logits.device())
-            .forward(logits.clone(), batch.labels.clone());
+        let loss = cross_entropy(logits.clone(), batch.labels.clone());
         ClassificationOutput::new(loss, logits, batch.labels)
     }
 }
@@ -291,6 +272,51 @@ pub struct TextItem {
     pub tokens: Vec<u32>,
     /// Class index.
     pub label: usize,
+}
+
+/// `tokens` (`[batch, len]`) to the encoder's input `[batch, len, d_model]`: token embedding
+/// plus learned position embedding, then the dropout if any. The one home of the model's
+/// input, for the whole model and its first pipeline stage.
+pub(crate) fn embed(
+    token_embedding: &Embedding,
+    position_embedding: &Embedding,
+    dropout: Option<&Dropout>,
+    tokens: Tensor<2, Int>,
+) -> Tensor<3> {
+    let [batch, len] = tokens.dims();
+    let device = tokens.device();
+    // len <= max_len, and check() bounds max_len by 2^28: lossless.
+    let positions = Tensor::<1, Int>::arange(0..len as i64, &device)
+        .reshape([1, len])
+        .repeat_dim(0, batch);
+    let x = token_embedding.forward(tokens) + position_embedding.forward(positions);
+    match dropout {
+        Some(dropout) => dropout.forward(x),
+        None => x,
+    }
+}
+
+/// The encoder's output `[batch, len, d_model]` to logits `[batch, classes]`: the mean over
+/// the non-padding positions, then `output`. The one home of the model's head, for the whole
+/// model and its last pipeline stage.
+pub(crate) fn classify(output: &Linear, x: Tensor<3>, mask_pad: Tensor<2, Bool>) -> Tensor<2> {
+    let [batch, len, d_model] = x.dims();
+    // mask_fill rather than a product with 0, so that nothing computed at
+    // a padding position (even a non-finite value) reaches the mean.
+    let pad = mask_pad
+        .clone()
+        .unsqueeze_dim::<3>(2)
+        .expand([batch, len, d_model]);
+    let sum = x.mask_fill(pad, 0.0).sum_dim(1).reshape([batch, d_model]);
+    let count = mask_pad.bool_not().float().sum_dim(1).clamp_min(1.0);
+    output.forward(sum / count)
+}
+
+/// The cross-entropy loss (mean over the batch) of `logits` against `labels`.
+pub(crate) fn cross_entropy(logits: Tensor<2>, labels: Tensor<1, Int>) -> Tensor<1> {
+    CrossEntropyLossConfig::new()
+        .init(&logits.device())
+        .forward(logits, labels)
 }
 
 /// A padded batch of [`TextItem`]s, as made by [`TextBatcher`].

@@ -8,10 +8,11 @@ use burn::tensor::Device;
 use super::layout::{LayoutError, PipelineLayout, StagePosition};
 use super::link::{LinkError, StageLinks};
 use super::schedule::PipelineSchedule;
-use super::stage::{pipeline_step, PipelineStage, StageError, StepPlan, StepResult};
+use super::stage::{pipeline_step_weighted, PipelineStage, StageError, StepPlan, StepResult};
 use crate::data_parallel::DataParallel;
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
+use crate::group::TcpProcessGroup;
 use crate::init::Distributed;
 
 /// How the model is pipelined: the same on every rank (checked when the links form).
@@ -51,7 +52,9 @@ pub enum PipelineError {
         stage: usize,
         replicas: Vec<usize>,
     },
-    #[error("{micro_batches} micro-batches were given, the pipeline was formed for {expected}")]
+    #[error(
+        "{micro_batches} micro-batches (with as many weights) were given, the pipeline was formed for {expected}"
+    )]
     MicroBatches {
         micro_batches: usize,
         expected: usize,
@@ -80,7 +83,7 @@ pub struct PipelineParallel {
     links: StageLinks,
     replicas: DataParallel,
     /// The whole job (on rank 0 it hosts the store the links and sub-groups use): dropped last.
-    _world: Distributed,
+    world: Distributed,
 }
 
 impl PipelineParallel {
@@ -135,7 +138,7 @@ impl PipelineParallel {
             rank,
             links,
             replicas,
-            _world: world,
+            world,
         })
     }
 
@@ -173,10 +176,10 @@ impl PipelineParallel {
     }
 
     /// One pipeline step of this rank's `stage` over `micro_batches` (this replica's share of
-    /// the global batch, cut into `config.micro_batches`), then the gradients averaged over
-    /// the stage's replicas (ZeRO stage 1: reduced to their owners). Step the optimizer with
-    /// the result's gradients, then call [`finish_step`](Self::finish_step). Collective over
-    /// the whole pipeline.
+    /// the global batch, cut into `config.micro_batches` equal parts), then the gradients
+    /// averaged over the stage's replicas (ZeRO stage 1: reduced to their owners). Step the
+    /// optimizer with the result's gradients, then call [`finish_step`](Self::finish_step).
+    /// Collective over the whole pipeline.
     pub fn step<S, const D: usize>(
         &mut self,
         stage: &S,
@@ -192,12 +195,38 @@ impl PipelineParallel {
                 expected: self.config.micro_batches,
             });
         }
+        let m = micro_batches.len();
+        self.step_weighted(stage, micro_batches, &vec![1.0 / m as f64; m], device)
+    }
+
+    /// [`step`](Self::step) with micro-batches of unequal size: `weights[i]` is micro-batch
+    /// `i`'s share of this replica's samples in the step (they sum to 1), and there may be
+    /// fewer micro-batches than configured (an epoch's short last step) — the same number on
+    /// every stage of the pipeline. Collective over the whole pipeline.
+    pub fn step_weighted<S, const D: usize>(
+        &mut self,
+        stage: &S,
+        micro_batches: &[S::Batch],
+        weights: &[f64],
+        device: &Device,
+    ) -> Result<StepResult, PipelineError>
+    where
+        S: PipelineStage<D>,
+    {
+        let m = micro_batches.len();
+        if m == 0 || m > self.config.micro_batches || weights.len() != m {
+            return Err(PipelineError::MicroBatches {
+                micro_batches: m,
+                expected: self.config.micro_batches,
+            });
+        }
         let plan = StepPlan {
             stage: self.position.stage,
             stages: self.config.stages,
             schedule: self.config.schedule,
         };
-        let mut result = pipeline_step(stage, plan, micro_batches, &mut self.links, device)?;
+        let mut result =
+            pipeline_step_weighted(stage, plan, micro_batches, weights, &mut self.links, device)?;
         let check = self.replicas.sync_gradients(stage, &mut result.grads)?;
         if !check.all_finite() {
             return Err(PipelineError::NonFinite {
@@ -207,6 +236,13 @@ impl PipelineParallel {
             });
         }
         Ok(result)
+    }
+
+    /// The TCP process group of the whole job (every stage of every replica): for the few
+    /// collectives a program needs across stages (agreeing on a checkpoint, a barrier before
+    /// leaving, since rank 0 may host the store).
+    pub fn world_group(&mut self) -> &mut TcpProcessGroup {
+        &mut self.world.group
     }
 
     /// After the optimizer step: ZeRO stage 1's parameter gather and the buffer rule, over

@@ -99,6 +99,17 @@ impl PipelineLayout {
     }
 }
 
+/// The layers of stage `stage` when `layers` consecutive layers are cut into `stages` stages:
+/// as equal as possible, the first `layers % stages` stages one layer more (a transformer's
+/// blocks, a perceptron's hidden layers). Pure; a stage gets no layer when `layers < stages`.
+pub fn stage_layers(layers: usize, stages: usize, stage: usize) -> std::ops::Range<usize> {
+    let stages = stages.max(1);
+    let (base, extra) = (layers / stages, layers % stages);
+    let start = stage * base + stage.min(extra);
+    let len = base + usize::from(stage < extra);
+    start.min(layers)..(start + len).min(layers)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,5 +158,23 @@ mod tests {
         let one = PipelineLayout::new(3, 1).unwrap();
         assert_eq!((one.next_stage(1), one.previous_stage(1)), (None, None));
         assert_eq!(one.replica_group(1), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn layers_are_cut_in_order_as_equal_as_possible() {
+        let cut = |layers, stages| {
+            (0..stages)
+                .map(|s| stage_layers(layers, stages, s))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(cut(4, 2), vec![0..2, 2..4]);
+        assert_eq!(cut(5, 3), vec![0..2, 2..4, 4..5]);
+        assert_eq!(cut(2, 3), vec![0..1, 1..2, 2..2]);
+        for (layers, stages) in [(7, 3), (1, 1), (12, 5)] {
+            let ranges = cut(layers, stages);
+            assert_eq!(ranges.first().map(|r| r.start), Some(0));
+            assert_eq!(ranges.last().map(|r| r.end), Some(layers));
+            assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+        }
     }
 }

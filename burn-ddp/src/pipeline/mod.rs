@@ -31,9 +31,11 @@ pub mod schedule;
 pub mod stage;
 
 pub use handle::{PipelineConfig, PipelineError, PipelineParallel};
-pub use layout::{LayoutError, PipelineLayout, StagePosition};
+pub use layout::{stage_layers, LayoutError, PipelineLayout, StagePosition};
 pub use link::{LinkError, StageLinks};
 pub use schedule::{
     simulate, stage_actions, theoretical_bubble, Action, PipelineSchedule, Simulation,
 };
-pub use stage::{pipeline_step, PipelineStage, StageError, StepPlan, StepResult};
+pub use stage::{
+    pipeline_step, pipeline_step_weighted, PipelineStage, StageError, StepPlan, StepResult,
+};

@@ -94,9 +94,8 @@ enum Output<const D: usize> {
 }
 
 /// Runs one pipeline step of `micro_batches` on `stage` (this rank's stage, on the autodiff
-/// `device`) as `plan` says. Collective with the neighbouring stages (through `links`): every
-/// stage of the pipeline must run the same plan with the same number of micro-batches; a
-/// neighbour that is lost or silent past the links' timeout fails the step naming it.
+/// `device`) as `plan` says, with equal micro-batches ([`pipeline_step_weighted`] with
+/// `1 / m` each).
 pub fn pipeline_step<S, const D: usize>(
     stage: &S,
     plan: StepPlan,
@@ -108,13 +107,44 @@ where
     S: PipelineStage<D>,
 {
     let m = micro_batches.len();
+    let weights = vec![1.0 / m as f64; m];
+    pipeline_step_weighted(stage, plan, micro_batches, &weights, links, device)
+}
+
+/// Runs one pipeline step of `micro_batches` on `stage` as `plan` says; the last stage scales
+/// micro-batch `i`'s loss by `weights[i]` (its share of the step's samples, so that unequal
+/// micro-batches still give the gradient of the mean over the step). Only the last stage
+/// reads the weights. Collective with the neighbouring stages (through `links`): every stage
+/// of the pipeline must run the same plan with the same number of micro-batches; a neighbour
+/// that is lost or silent past the links' timeout fails the step naming it.
+///
+/// # Panics
+///
+/// If `weights` and `micro_batches` differ in length (a programming error).
+pub fn pipeline_step_weighted<S, const D: usize>(
+    stage: &S,
+    plan: StepPlan,
+    micro_batches: &[S::Batch],
+    weights: &[f64],
+    links: &mut StageLinks,
+    device: &Device,
+) -> Result<StepResult, StageError>
+where
+    S: PipelineStage<D>,
+{
+    assert_eq!(
+        micro_batches.len(),
+        weights.len(),
+        "one weight per micro-batch"
+    );
+    let m = micro_batches.len();
     let mut in_flight: BTreeMap<usize, InFlight<D>> = BTreeMap::new();
     let mut accumulator = GradientsAccumulator::new();
     let mut loss_sum = 0.0;
     for action in stage_actions(plan.schedule, plan.stages, plan.stage, m) {
         match action {
             Action::Forward(i) => {
-                let flight = forward(stage, plan, i, &micro_batches[i], m, links, device)?;
+                let flight = forward(stage, plan, i, &micro_batches[i], weights[i], links, device)?;
                 in_flight.insert(i, flight);
             }
             Action::Backward(i) => {
@@ -143,7 +173,7 @@ fn forward<S: PipelineStage<D>, const D: usize>(
     plan: StepPlan,
     i: usize,
     batch: &S::Batch,
-    micro_batches: usize,
+    weight: f64,
     links: &mut StageLinks,
     device: &Device,
 ) -> Result<InFlight<D>, StageError> {
@@ -166,7 +196,7 @@ fn forward<S: PipelineStage<D>, const D: usize>(
     let out = stage.forward(input.clone(), batch);
     let output = if plan.stage + 1 == plan.stages {
         // Each micro-batch's share of the batch mean.
-        Output::Loss(stage.loss(out, batch) / micro_batches as f64)
+        Output::Loss(stage.loss(out, batch) * weight)
     } else {
         let shape = out.dims().to_vec();
         let values = read(plan.stage, "an activation", out.clone())?;
