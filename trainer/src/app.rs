@@ -185,7 +185,22 @@ pub trait App: Send + Sync + 'static {
         let _ = (model, data);
         None
     }
+
+    /// How the model is cut into pipeline stages, for `[distributed] pipeline_stages > 1`:
+    /// [`StageSplit::new`] with a function that builds stage `i` of `n` (only that stage's
+    /// layers; the same parameters as the whole model's when seeded alike, if runs are to be
+    /// compared) as a burn-ddp [`PipelineStage`](burn_ddp::pipeline::PipelineStage) whose
+    /// batch is the model's training input. `None` (the default): the model is not cut, and
+    /// a config asking for stages is refused naming this method.
+    fn stages(&self) -> Option<StageSplit<Self>>
+    where
+        Self: Sized,
+    {
+        None
+    }
 }
+
+pub use crate::pipeline::{StageOf, StageSplit};
 
 /// The last path segment of a type name, without generic arguments:
 /// `my_crate::nets::CirclesNet<f32>` → `CirclesNet`.

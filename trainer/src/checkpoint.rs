@@ -97,7 +97,7 @@ fn checksum(bytes: &[u8]) -> String {
     burn_ddp::hash::fnv1a64_hex(bytes)
 }
 
-fn step_dir_name(step: usize) -> String {
+pub(crate) fn step_dir_name(step: usize) -> String {
     format!("step-{step:08}")
 }
 

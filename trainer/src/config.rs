@@ -244,6 +244,40 @@ pub struct DistributedConfig {
     /// How buffers (BatchNorm running statistics, any `RunningState`, frozen parameters) are
     /// kept equal across ranks: `"broadcast"`, `"average"` or `"off"` (see [`SyncBuffers`]).
     pub sync_buffers: SyncBuffers,
+    /// Pipeline stages the model is cut into (1: none, plain data parallelism). With `P > 1`
+    /// the world size must be a multiple of `P`: `world / P` replicas of the pipeline train
+    /// data-parallel, and `training.accumulation_steps` is the micro-batch count. Needs an
+    /// app that says how its model splits ([`App::stages`](crate::app::App::stages)).
+    pub pipeline_stages: usize,
+    /// The order of micro-batches on each stage: `"gpipe"` or `"1f1b"` (see
+    /// [`PipelineScheduleName`]).
+    pub pipeline_schedule: PipelineScheduleName,
+}
+
+/// `distributed.pipeline_schedule`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub enum PipelineScheduleName {
+    /// Every micro-batch forward, then every one backward: each stage holds all the step's
+    /// activations at once.
+    #[default]
+    #[serde(rename = "gpipe")]
+    GPipe,
+    /// One forward, one backward (PipeDream-flush): a stage holds at most `stages − stage`
+    /// micro-batches' activations; the same bubble and the same weights as GPipe.
+    #[serde(rename = "1f1b")]
+    OneForwardOneBackward,
+}
+
+impl PipelineScheduleName {
+    /// burn-ddp's schedule.
+    pub fn schedule(self) -> burn_ddp::pipeline::PipelineSchedule {
+        match self {
+            Self::GPipe => burn_ddp::pipeline::PipelineSchedule::GPipe,
+            Self::OneForwardOneBackward => {
+                burn_ddp::pipeline::PipelineSchedule::OneForwardOneBackward
+            }
+        }
+    }
 }
 
 /// `distributed.sync_buffers`: after every optimizer step, the ranks' buffers are made equal,
@@ -272,6 +306,8 @@ impl Default for DistributedConfig {
             gradient_compression: GradientCompression::default(),
             zero_stage: 0,
             sync_buffers: SyncBuffers::default(),
+            pipeline_stages: 1,
+            pipeline_schedule: PipelineScheduleName::default(),
         }
     }
 }
@@ -473,6 +509,12 @@ impl<M, D> Config<M, D> {
                     "must be 0 (plain DDP) or 1 (sharded optimizer state), got {}; stages 2 and 3 (sharded gradients, parameters) are not implemented",
                     self.distributed.zero_stage
                 ),
+            );
+        }
+        if self.distributed.pipeline_stages == 0 {
+            return invalid(
+                "distributed.pipeline_stages",
+                "must be at least 1 (got 0; 1 is plain data parallelism)".into(),
             );
         }
         if self.checkpoint.keep_last == 0 {

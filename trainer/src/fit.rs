@@ -45,8 +45,8 @@ use burn_ddp::{DataParallel, Distributed};
 
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::backend;
-use crate::checkpoint::{self, Checkpoint, OptimizerState, TrainPosition};
-use crate::config::{AppConfig, OnNonFinite, OptimizerName, TrainingConfig};
+use crate::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::config::{AppConfig, OnNonFinite, OptimizerConfig, OptimizerName, TrainingConfig};
 use crate::error::UsageError;
 use crate::fault_injection;
 use crate::loader::BatchStream;
@@ -74,6 +74,16 @@ pub fn run<A: App>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Resul
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
     let device = backend::train_device(config.output.device, dist.env.local_rank)?;
+    if config.distributed.pipeline_stages > 1 {
+        return crate::pipeline::train(crate::pipeline::StageRun {
+            app,
+            config,
+            dist,
+            data,
+            device,
+            no_resume,
+        });
+    }
     train(app, config, dist, data, device, no_resume)
 }
 
@@ -219,25 +229,18 @@ impl<A: App> Job<A> {
         let Some(policy) = &self.checkpoints else {
             return Ok(());
         };
-        let scheduler = schedule.to_bytes().map_err(anyhow::Error::msg)?;
-        // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged (collective).
-        let merged = self.ddp.gather_optimizer_state(optim)?;
-        parallel::save_checkpoint(
-            &mut self.ddp,
-            policy,
-            position,
-            model,
-            merged
-                .as_deref()
-                .map_or(OptimizerState::Whole(optim), OptimizerState::Bytes),
-            &scheduler,
-        )
+        parallel::save_training_checkpoint(&mut self.ddp, policy, position, model, optim, schedule)
     }
 }
 
 /// Builds the configured optimizer, then runs [`fit`] with it.
 fn with_optimizer<A: App>(job: &mut Job<A>, model: A::Model) -> anyhow::Result<Summary> {
-    let o = job.config.optimizer.clone();
+    let optim = optimizer(&job.config.optimizer);
+    fit(job, model, optim)
+}
+
+/// The optimizer `[optimizer]` names, for any module (the whole model, or a pipeline stage).
+pub(crate) fn optimizer(o: &OptimizerConfig) -> ModuleOptimizer {
     let decay = (o.weight_decay > 0.0).then(|| WeightDecayConfig::new(o.weight_decay as f32));
     match o.name {
         OptimizerName::Sgd => {
@@ -246,23 +249,15 @@ fn with_optimizer<A: App>(job: &mut Job<A>, model: A::Model) -> anyhow::Result<S
                     .with_momentum(o.momentum)
                     .with_dampening(0.0)
             });
-            let optim = SgdConfig::new()
+            SgdConfig::new()
                 .with_momentum(momentum)
                 .with_weight_decay(decay)
-                .init();
-            fit(job, model, optim)
+                .init()
         }
-        OptimizerName::Adam => fit(
-            job,
-            model,
-            AdamConfig::new().with_weight_decay(decay).init(),
-        ),
-        OptimizerName::AdamW => {
-            let optim = AdamWConfig::new()
-                .with_weight_decay(o.weight_decay as f32)
-                .init();
-            fit(job, model, optim)
-        }
+        OptimizerName::Adam => AdamConfig::new().with_weight_decay(decay).init(),
+        OptimizerName::AdamW => AdamWConfig::new()
+            .with_weight_decay(o.weight_decay as f32)
+            .init(),
     }
 }
 
@@ -838,7 +833,7 @@ fn scale_gradients<M: Module>(model: &M, grads: &mut GradientsParams, factor: f3
 /// The training sampler: uniform (PyTorch's `DistributedSampler`) or weighted
 /// (`WeightedDistributedSampler`, with the app's per-sample weights, as many draws per epoch as
 /// the data set has samples). Both shard one global order per epoch.
-enum EpochSampler {
+pub(crate) enum EpochSampler {
     Uniform(DistributedSampler),
     Weighted(WeightedDistributedSampler),
 }
@@ -848,8 +843,20 @@ impl EpochSampler {
     /// `training.balance_classes`, else uniform.
     fn for_job<A: App>(job: &Job<A>, train: &dyn Dataset<A::Item>) -> anyhow::Result<Self> {
         let t = &job.config.training;
+        Self::for_app(&job.app, t, train, job.world_size(), job.rank())
+    }
+
+    /// Rank `rank` of `world`'s sampler over `train` for app `app` (a pipeline's replicas are
+    /// its ranks: every stage of one replica gets the same samples).
+    pub(crate) fn for_app<A: App>(
+        app: &A,
+        t: &TrainingConfig,
+        train: &dyn Dataset<A::Item>,
+        world: usize,
+        rank: usize,
+    ) -> anyhow::Result<Self> {
         let weights = if t.balance_classes {
-            let w = job.app.sample_weights(train).ok_or_else(|| {
+            let w = app.sample_weights(train).ok_or_else(|| {
                 UsageError(
                     "training.balance_classes = true, but this app gives no per-sample weights (App::sample_weights)".into(),
                 )
@@ -858,7 +865,7 @@ impl EpochSampler {
         } else {
             None
         };
-        Self::new(train.len(), t, job.world_size(), job.rank(), weights)
+        Self::new(train.len(), t, world, rank, weights)
     }
 
     fn new(
@@ -885,7 +892,7 @@ impl EpochSampler {
         }
     }
 
-    fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
+    pub(crate) fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
         match self {
             Self::Uniform(s) => s.samples(epoch, consumed),
             Self::Weighted(s) => s.samples(epoch, consumed),

@@ -87,6 +87,9 @@ pub mod metrics;
 pub mod orphan;
 #[doc(hidden)]
 pub mod parallel;
+/// Pipeline stages in the engine: how an app's model splits ([`pipeline::StageSplit`]) and
+/// the training loop of one stage.
+pub mod pipeline;
 #[doc(hidden)]
 pub mod plan;
 #[doc(hidden)]

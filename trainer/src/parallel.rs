@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use burn::module::Module;
+use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
 use burn_ddp::ddp::BufferSync;
 use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport};
@@ -19,6 +20,7 @@ use crate::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
 use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
+use crate::schedule::Schedule;
 use crate::worker_env;
 
 /// Where rank 0 writes checkpoints and what they must match to be loaded.
@@ -143,4 +145,29 @@ pub fn save_checkpoint<M: Module>(
         .map(|dir| tracing::info!("checkpoint written: {}", dir.display()))
     })?;
     written
+}
+
+/// [`save_checkpoint`] of a training run's state: `model`, its optimizer's state (under ZeRO
+/// stage 1 every rank's part, merged on rank 0) and the learning-rate schedule. Collective.
+pub fn save_training_checkpoint<M: Module>(
+    ddp: &mut DataParallel,
+    policy: &CheckpointPolicy,
+    position: TrainPosition,
+    model: &M,
+    optim: &ModuleOptimizer,
+    schedule: &Schedule,
+) -> anyhow::Result<()> {
+    let scheduler = schedule.to_bytes().map_err(anyhow::Error::msg)?;
+    // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged (collective).
+    let merged = ddp.gather_optimizer_state(optim)?;
+    save_checkpoint(
+        ddp,
+        policy,
+        position,
+        model,
+        merged
+            .as_deref()
+            .map_or(OptimizerState::Whole(optim), OptimizerState::Bytes),
+        &scheduler,
+    )
 }

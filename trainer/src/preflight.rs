@@ -15,7 +15,8 @@ use crate::memory::{available_memory, MemoryEstimate};
 /// and the app's tables), the app's own checks, the output directories, the device, and
 /// whether `ranks_here` ranks (of a job of `world_size`) of this model fit in this machine's
 /// memory (on the CPU, for apps that give [`App::parameter_count`]; ZeRO stage 1 divides the
-/// optimizer state by the world size). Reads no data and allocates no model.
+/// optimizer state by the replicas of a stage, `pipeline_stages` the model by the stages),
+/// and that the stages divide the world size. Reads no data and allocates no model.
 pub fn preflight<A: App>(
     app: &A,
     config_path: &Path,
@@ -24,11 +25,20 @@ pub fn preflight<A: App>(
 ) -> anyhow::Result<AppConfig<A>> {
     let config = AppConfig::<A>::load(config_path)?;
     app.check(&config.model, &config.data)?;
+    let stages = config.distributed.pipeline_stages;
+    if !world_size.is_multiple_of(stages) {
+        bail!(UsageError(format!(
+            "distributed.pipeline_stages = {stages} does not divide the world size {world_size}: every replica of the pipeline needs all {stages} stages (run {stages} × replicas processes)"
+        )));
+    }
     if config.output.device == DeviceKind::Cpu {
-        let parameters = app.parameter_count(&config.model, &config.data);
+        // A rank holds one stage: about 1/stages of the model (stages are cut by layers).
+        let parameters = app
+            .parameter_count(&config.model, &config.data)
+            .map(|p| p.div_ceil(stages as u64));
         if let (Some(parameters), Some((available, source))) = (parameters, available_memory()) {
             MemoryEstimate::new(parameters, &config.optimizer)
-                .with_zero_stage(config.distributed.zero_stage, world_size)
+                .with_zero_stage(config.distributed.zero_stage, world_size / stages)
                 .check(ranks_here, available, source)?;
         }
     }

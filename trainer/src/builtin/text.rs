@@ -9,7 +9,7 @@ use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, T
 use serde::{Deserialize, Serialize};
 
 use super::{loss_and_accuracy, split_by_index, Named};
-use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
+use crate::app::{App, AppError, Datasets, StageOf, StageSplit, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 
 /// The `[model] name` of this app.
@@ -114,6 +114,26 @@ impl App for TextApp {
         _device: &Device,
     ) -> TextBatcher {
         TextBatcher { pad_token: 0 }
+    }
+
+    fn stages(&self) -> Option<StageSplit<Self>> {
+        // The embeddings on the first stage, the encoder layers spread in order, the head on
+        // the last.
+        Some(StageSplit::new(
+            |model: &Self::ModelConfig, _data: &TextData, which: StageOf, device: &Device| {
+                let layers = model.config.layers;
+                if layers < which.stages {
+                    return Err(AppError::key(
+                        "model.layers",
+                        format!(
+                            "{layers} encoder layers cannot be cut into distributed.pipeline_stages = {} stages (each needs at least one layer): raise model.layers or lower pipeline_stages",
+                            which.stages
+                        ),
+                    ));
+                }
+                Ok(model.config.init_stage(which.stage, which.stages, device))
+            },
+        ))
     }
 
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {

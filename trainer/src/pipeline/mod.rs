@@ -1,0 +1,98 @@
+//! Pipeline stages in the engine (`[distributed] pipeline_stages = P`): an app says how its
+//! model splits with [`StageSplit`] (from [`App::stages`]); each rank then builds and trains
+//! only its stage, `world / P` replicas of the pipeline train data-parallel, and
+//! `training.accumulation_steps` is the micro-batch count of each optimizer step.
+//!
+//! | module | owns |
+//! |---|---|
+//! | this one | [`StageSplit`] (the app's answer) and the dispatch from the engine |
+//! | [`stage_fit`] | one stage's training loop: samples of its replica, micro-batches through burn-ddp's pipeline step, the optimizer, per-stage checkpoints and resume |
+//! | [`stage_checkpoint`] | where each stage's checkpoints live and which step every stage resumes from |
+//!
+//! What the engine gives a stage that plain data parallelism also gives: the sampler (a
+//! replica is a rank of it), the step plan, the learning-rate schedule, the optimizer and its
+//! state (ZeRO stage 1 within a stage's replicas), checkpoints and resume, fault injection.
+//! Not yet: validation and the app's metrics (the loss of the last stage is logged), the
+//! metrics file and plots.
+
+mod stage_checkpoint;
+mod stage_fit;
+
+use std::process::ExitCode;
+
+use burn::tensor::Device;
+use burn::train::TrainStep;
+use burn_ddp::pipeline::PipelineStage;
+use burn_ddp::Distributed;
+
+use crate::app::{App, AppError, Datasets};
+use crate::config::AppConfig;
+
+/// Which stage a rank builds: stage `stage` of `stages`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StageOf {
+    pub stage: usize,
+    pub stages: usize,
+}
+
+impl StageOf {
+    pub fn is_first(&self) -> bool {
+        self.stage == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.stage + 1 == self.stages
+    }
+}
+
+/// Everything one rank's stage training needs from the engine.
+pub(crate) struct StageRun<A: App> {
+    pub app: A,
+    pub config: AppConfig<A>,
+    pub dist: Distributed,
+    pub data: Datasets<A::Item>,
+    /// This rank's autodiff training device.
+    pub device: Device,
+    pub no_resume: bool,
+}
+
+type Runner<A> = Box<dyn Fn(StageRun<A>) -> anyhow::Result<ExitCode> + Send + Sync>;
+
+/// How an app's model is cut into pipeline stages (see [`App::stages`]): built from the
+/// function that makes stage `i` of `n` on a device.
+pub struct StageSplit<A: App> {
+    run: Runner<A>,
+}
+
+impl<A: App> StageSplit<A> {
+    /// `build(model, data, which, device)` builds only stage `which.stage` of `which.stages`
+    /// on `device`. Activations between stages are float tensors of rank `D`; every stage
+    /// gets the whole micro-batch (the model's training input), the first reads its inputs
+    /// and the last its targets. A `build` error is a usage error (exit code 2), e.g. more
+    /// stages than the model has layers.
+    pub fn new<S, const D: usize, F>(build: F) -> Self
+    where
+        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input> + 'static,
+        F: Fn(&A::ModelConfig, &A::DataConfig, StageOf, &Device) -> Result<S, AppError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        Self {
+            run: Box::new(move |run| stage_fit::train::<A, S, D>(run, &build)),
+        }
+    }
+}
+
+/// Trains this rank's stage of the app's model, as `[distributed] pipeline_stages` asks;
+/// refuses an app whose model does not split.
+pub(crate) fn train<A: App>(run: StageRun<A>) -> anyhow::Result<ExitCode> {
+    let Some(split) = run.app.stages() else {
+        anyhow::bail!(AppError(format!(
+            "distributed.pipeline_stages = {}: the model of this app ({}) cannot be cut into stages (its App::stages is None); set pipeline_stages = 1, or implement App::stages",
+            run.config.distributed.pipeline_stages,
+            run.app.name(&run.config.model)
+        )));
+    };
+    (split.run)(run)
+}

@@ -1,0 +1,417 @@
+//! One rank's training of its pipeline stage, read top to bottom:
+//!
+//! 1. **form the pipeline** — this rank's stage and replica, the links to its neighbouring
+//!    stages, the DDP step over its stage's replicas (burn-ddp's `PipelineParallel`);
+//! 2. **build the stage** (seeded as the whole model would be), **restore** the newest step
+//!    every stage has, make the stage's replicas equal;
+//! 3. **for each epoch**: the sampler gives this rank's *replica* its shard (every stage of a
+//!    replica reads the same samples: the first its inputs, the last its targets); each
+//!    optimizer step cuts it into `accumulation_steps` micro-batches, runs them through the
+//!    pipeline (GPipe or 1F1B), averages the stage's gradients over its replicas and steps
+//!    the optimizer; then the loss line and the checkpoints the plan asks for.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use burn::module::Module;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Device;
+use burn::train::TrainStep;
+use burn_ddp::pipeline::{PipelineConfig, PipelineError, PipelineParallel, PipelineStage};
+use burn_ddp::sampler::Sample;
+use burn_ddp::{ProcessGroup, ReduceOp};
+
+use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
+use super::{StageOf, StageRun};
+use crate::app::{App, AppError};
+use crate::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::config::AppConfig;
+use crate::error::UsageError;
+use crate::fault_injection;
+use crate::fit::{optimizer, EpochSampler};
+use crate::loader::BatchStream;
+use crate::parallel::{self, CheckpointPolicy};
+use crate::plan::{PlanInput, StepPlan};
+use crate::schedule::Schedule;
+
+/// The app's stage builder (see [`super::StageSplit::new`]).
+type Build<A, S> = dyn Fn(
+    &<A as App>::ModelConfig,
+    &<A as App>::DataConfig,
+    StageOf,
+    &Device,
+) -> Result<S, AppError>;
+
+/// Trains this rank's stage (module docs). Collective over the whole job.
+pub(crate) fn train<A, S, const D: usize>(
+    run: StageRun<A>,
+    build: &Build<A, S>,
+) -> anyhow::Result<ExitCode>
+where
+    A: App,
+    S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input> + 'static,
+{
+    let StageRun {
+        app,
+        config,
+        dist,
+        data,
+        device,
+        no_resume,
+    } = run;
+    let d = &config.distributed;
+    let pipeline = PipelineConfig {
+        stages: d.pipeline_stages,
+        schedule: d.pipeline_schedule.schedule(),
+        micro_batches: config.training.accumulation_steps,
+    };
+    let mut pp = PipelineParallel::new(dist, pipeline, parallel::ddp_options(d), &device)
+        .map_err(usage_or_failure)?;
+    pp.replica_group().check_same(&config.fingerprint())?;
+    let which = StageOf {
+        stage: pp.stage(),
+        stages: pp.stages(),
+    };
+    // As the whole model is seeded (the replica's first rank's seed): every stage draws its
+    // parameters as that model would.
+    device.seed(fault_injection::init_seed(
+        config.training.seed,
+        pp.replica(),
+    ));
+    let stage = build(&config.model, &config.data, which, &device)?;
+    let policy = config.checkpoint.dir.clone().map(|dir| {
+        let run = CheckpointPolicy {
+            dir,
+            keep_last: config.checkpoint.keep_last,
+            timeout: Duration::from_secs(config.checkpoint.timeout_secs),
+            model_name: app.name(&config.model),
+            model_fingerprint: config.model_fingerprint(),
+            config_fingerprint: config.fingerprint(),
+            seed: config.training.seed,
+        };
+        stage_policy(&run, which)
+    });
+    let restored = match (&policy, config.checkpoint.resume && !no_resume) {
+        (Some(policy), true) => agreed_checkpoint(&mut pp, policy)?,
+        _ => None,
+    };
+    let (stage, optim) = restore(
+        &mut pp,
+        stage,
+        optimizer(&config.optimizer),
+        restored.as_ref(),
+    )?;
+    let mut training = StageTraining::<A> {
+        position: restored
+            .as_ref()
+            .map_or_else(TrainPosition::default, |c| c.manifest.position),
+        sampler: EpochSampler::for_app(
+            &app,
+            &config.training,
+            &*data.train,
+            pp.replicas(),
+            pp.replica(),
+        )?,
+        batcher: app.batcher(&config.model, &config.data, &device),
+        config,
+        data,
+        device,
+        pp,
+        policy,
+        optim,
+        loss: LossWindow::default(),
+        last_saved: None,
+    };
+    let stage = training.run::<S, D>(stage, restored.as_ref())?;
+    drop(stage);
+    // Rank 0 may host the store: leave together.
+    training.pp.world_group().barrier()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// A pipeline that could not form or step: a usage error (exit code 2) when it is one.
+fn usage_or_failure(error: PipelineError) -> anyhow::Error {
+    if error.is_usage() {
+        UsageError(error.to_string()).into()
+    } else {
+        error.into()
+    }
+}
+
+/// Loads the stage's part of `ckpt` (weights, optimizer state), then makes the stage's
+/// replicas equal (replica 0's weights) and keeps this rank's optimizer state under ZeRO
+/// stage 1. Collective over the stage's replicas.
+fn restore<S: Module>(
+    pp: &mut PipelineParallel,
+    stage: S,
+    optim: ModuleOptimizer,
+    ckpt: Option<&Checkpoint>,
+) -> anyhow::Result<(S, ModuleOptimizer)> {
+    let Some(ckpt) = ckpt else {
+        return Ok((pp.replica_group().prepare(stage)?, optim));
+    };
+    let stage = checkpoint::load_model(ckpt, stage)?;
+    let stage = pp.replica_group().prepare(stage)?;
+    let optim = checkpoint::load_optimizer(ckpt, optim)?;
+    let optim = pp.replica_group().keep_owned_state(&stage, optim)?;
+    let position = ckpt.manifest.position;
+    tracing::info!(
+        "stage {}: resumed from {} (epoch {}, step {}; saved with {} replicas, now {})",
+        pp.stage(),
+        ckpt.dir.display(),
+        position.epoch,
+        position.step,
+        ckpt.manifest.world_size,
+        pp.replicas()
+    );
+    Ok((stage, optim))
+}
+
+/// The last stage's losses since the last log line, weighted by samples.
+#[derive(Default)]
+struct LossWindow {
+    weighted_sum: f64,
+    samples: f64,
+}
+
+/// One rank's stage training between its named steps.
+struct StageTraining<A: App> {
+    config: AppConfig<A>,
+    data: crate::app::Datasets<A::Item>,
+    device: Device,
+    pp: PipelineParallel,
+    policy: Option<CheckpointPolicy>,
+    optim: ModuleOptimizer,
+    sampler: EpochSampler,
+    batcher: A::Batcher,
+    position: TrainPosition,
+    loss: LossWindow,
+    last_saved: Option<usize>,
+}
+
+impl<A: App> StageTraining<A> {
+    /// The plan and schedule from the restored position, then every epoch's steps, then the
+    /// final checkpoint and line. Collective over the whole job.
+    fn run<S, const D: usize>(
+        &mut self,
+        mut stage: S,
+        restored: Option<&Checkpoint>,
+    ) -> anyhow::Result<S>
+    where
+        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+    {
+        let plan = self.plan();
+        let mut schedule =
+            Schedule::new(&self.config.optimizer, self.pp.replicas(), plan.total_steps)?;
+        if let Some(ckpt) = restored {
+            schedule = schedule
+                .load_bytes(checkpoint::scheduler_bytes(ckpt)?)
+                .map_err(|reason| checkpoint::CheckpointMismatch {
+                    dir: ckpt.dir.clone(),
+                    reason,
+                })?;
+            self.last_saved = Some(ckpt.manifest.position.step);
+        }
+        while plan.more_after(self.position) {
+            stage = self.train_epoch(stage, &plan, &mut schedule)?;
+        }
+        if self.last_saved != Some(self.position.step) {
+            self.save(&stage, &schedule)?;
+        }
+        self.finish()?;
+        Ok(stage)
+    }
+
+    /// The step plan of this replica's shard (a replica is one rank of the sampler).
+    fn plan(&self) -> StepPlan {
+        let t = &self.config.training;
+        let c = &self.config.checkpoint;
+        let position = self.position;
+        StepPlan::new(
+            PlanInput {
+                train_len: self.data.train.len(),
+                world_size: self.pp.replicas(),
+                batch_size: t.batch_size,
+                accumulation_steps: t.accumulation_steps,
+                epochs: t.epochs,
+                max_steps: t.max_steps,
+                log_every: t.log_every,
+                checkpoint_every_steps: c.every_steps,
+                checkpoint_every_epochs: c.every_epochs,
+                check_replicas_every: t.check_replicas_every,
+            },
+            position,
+            self.sampler.samples(0, 0).len(),
+            self.sampler
+                .samples(position.epoch as u64, position.consumed)
+                .len(),
+        )
+    }
+
+    /// The rest of the current epoch: its optimizer steps, then its end.
+    fn train_epoch<S, const D: usize>(
+        &mut self,
+        mut stage: S,
+        plan: &StepPlan,
+        schedule: &mut Schedule,
+    ) -> anyhow::Result<S>
+    where
+        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+    {
+        let samples = self
+            .sampler
+            .samples(self.position.epoch as u64, self.position.consumed);
+        let epoch_start = self.position.consumed;
+        let steps: Vec<&[Sample]> = samples.chunks(plan.per_step).collect();
+        let micro_indices: Vec<Vec<usize>> = steps
+            .iter()
+            .flat_map(|step| plan.micro_batches(step))
+            .map(|(micro, _)| micro.iter().map(|s| s.index).collect())
+            .collect();
+        let workers = self.config.training.num_workers;
+        let mut batches = BatchStream::new(self.data.train.clone(), micro_indices, workers);
+        for (k, step_samples) in steps.iter().enumerate() {
+            stage = self.optimizer_step(stage, plan, &mut batches, step_samples, schedule)?;
+            self.position = plan.after_step(self.position, epoch_start, k);
+            self.after_step(&stage, plan, schedule)?;
+            if self.position.step >= plan.total_steps {
+                break;
+            }
+        }
+        if plan.epoch_complete(self.position, samples.is_empty()) {
+            self.position.epoch += 1;
+            self.position.consumed = 0;
+            if plan.checkpoint_after_epoch(self.position.epoch)
+                && self.last_saved != Some(self.position.step)
+            {
+                self.save(&stage, schedule)?;
+            }
+        }
+        Ok(stage)
+    }
+
+    /// One optimizer step: the step's micro-batches through the pipeline (gradients averaged
+    /// over the stage's replicas), the optimizer, ZeRO's gather and the buffer rule.
+    /// Collective over the whole job.
+    fn optimizer_step<S, const D: usize>(
+        &mut self,
+        stage: S,
+        plan: &StepPlan,
+        batches: &mut BatchStream<A::Item>,
+        step_samples: &[Sample],
+        schedule: &mut Schedule,
+    ) -> anyhow::Result<S>
+    where
+        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+    {
+        // Seeded per step, as the data-parallel loop does.
+        let seed = self.config.training.seed;
+        self.device
+            .seed(seed.wrapping_add(self.position.step as u64 + 1));
+        let micro = plan.micro_batches(step_samples);
+        let weights: Vec<f64> = micro.iter().map(|(_, w)| f64::from(*w)).collect();
+        let mut inputs = Vec::with_capacity(micro.len());
+        for _ in &micro {
+            let batch = batches
+                .next_batch::<<A::Model as TrainStep>::Input, _>(&self.batcher, &self.device)?;
+            inputs.push(batch);
+        }
+        let result = self
+            .pp
+            .step_weighted(&stage, &inputs, &weights, &self.device)
+            .map_err(usage_or_failure)?;
+        if let Some(loss) = result.loss {
+            let n = step_samples.len() as f64;
+            self.loss.weighted_sum += loss * n;
+            self.loss.samples += n;
+        }
+        let lr = schedule.next_lr();
+        let stage = self
+            .optim
+            .step(ModuleLearningRate::from(lr), stage, result.grads);
+        Ok(self.pp.finish_step(stage)?)
+    }
+
+    /// The loss line and the checkpoint the plan asks for; the fault-injection hooks.
+    fn after_step<S: Module>(
+        &mut self,
+        stage: &S,
+        plan: &StepPlan,
+        schedule: &Schedule,
+    ) -> anyhow::Result<()> {
+        let step = self.position.step;
+        if plan.log_after(step) {
+            self.log_loss(plan.total_steps)?;
+        }
+        if plan.checkpoint_after_step(step) {
+            self.save(stage, schedule)?;
+        }
+        let rank = self.pp.rank();
+        fault_injection::crash_after_step_if_asked(rank, step);
+        fault_injection::stall_if_asked(rank, step);
+        Ok(())
+    }
+
+    /// Rank 0 logs the mean loss of the last stages since the last line. Collective over the
+    /// whole job.
+    fn log_loss(&mut self, total_steps: usize) -> anyhow::Result<()> {
+        let mut sums = [self.loss.weighted_sum, self.loss.samples];
+        self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
+        self.loss = LossWindow::default();
+        if self.pp.rank() == 0 && sums[1] > 0.0 {
+            tracing::info!(
+                "epoch {} step {}/{}: loss {:.6}",
+                self.position.epoch + 1,
+                self.position.step,
+                total_steps,
+                sums[0] / sums[1]
+            );
+        }
+        Ok(())
+    }
+
+    /// Each stage's replica 0 writes the stage's checkpoint; its replicas wait. Collective
+    /// over the stage's replicas.
+    fn save<S: Module>(&mut self, stage: &S, schedule: &Schedule) -> anyhow::Result<()> {
+        let Some(policy) = &self.policy else {
+            return Ok(());
+        };
+        parallel::save_training_checkpoint(
+            self.pp.replica_group(),
+            policy,
+            self.position,
+            stage,
+            &self.optim,
+            schedule,
+        )
+        .with_context(|| format!("stage {}", self.pp.stage()))?;
+        self.last_saved = Some(self.position.step);
+        Ok(())
+    }
+
+    /// Rank 0's closing line: the layout, the steps, every rank's peak resident memory.
+    /// Collective over the whole job.
+    fn finish(&mut self) -> anyhow::Result<()> {
+        let peak = crate::memory::peak_resident_bytes().unwrap_or(0) as f64;
+        let mut all = vec![0.0; self.pp.stages() * self.pp.replicas()];
+        self.pp.world_group().all_gather(&[peak], &mut all)?;
+        if self.pp.rank() == 0 {
+            let mib: Vec<String> = all
+                .iter()
+                .map(|b| format!("{:.0}", b / (1024.0 * 1024.0)))
+                .collect();
+            println!(
+                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps; peak RSS per rank (MiB, rank order): {}",
+                self.pp.stages(),
+                self.pp.replicas(),
+                self.config.training.accumulation_steps,
+                self.config.distributed.pipeline_schedule,
+                self.position.step,
+                mib.join(" ")
+            );
+        }
+        Ok(())
+    }
+}
