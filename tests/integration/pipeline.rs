@@ -96,3 +96,214 @@ fn a_world_the_stages_do_not_divide_exits_2_naming_both() {
         &out,
     );
 }
+
+// ---- The engine: `[distributed] pipeline_stages` with the text transformer ----
+
+/// A text-transformer config (3 encoder layers, dropout 0) of `[optimizer]` `optimizer`:
+/// 8 steps of a global batch of 32, as `batch_size` × `micro_batches` per replica and
+/// `stages` pipeline stages (`stages = 1`: plain training).
+fn transformer(
+    dir: &Path,
+    name: &str,
+    optimizer: &str,
+    (stages, schedule): (usize, &str),
+    (batch_size, micro_batches): (usize, usize),
+    extra_checkpoint: &str,
+) -> PathBuf {
+    let body = format!(
+        r#"
+[model]
+name = "text_transformer"
+layers = 3
+
+[data]
+samples = 256
+validation_samples = 0
+seed = 5
+
+[optimizer]
+{optimizer}
+
+[training]
+epochs = 1
+batch_size = {batch_size}
+accumulation_steps = {micro_batches}
+seed = 42
+log_every = 2
+
+[distributed]
+pipeline_stages = {stages}
+pipeline_schedule = "{schedule}"
+timeout_secs = 120
+
+[checkpoint]
+dir = "{{ckpt}}"
+{extra_checkpoint}
+
+[output]
+dir = "{{out}}"
+plots = false
+"#
+    );
+    write_config(dir, name, &body)
+}
+
+/// The whole model's weights at the end of run `name`: its newest checkpoint, or the union of
+/// its stages' newest checkpoints (each key on exactly one stage).
+fn stage_weights(dir: &Path, name: &str, stages: usize) -> BTreeMap<String, Vec<f32>> {
+    let root = dir.join(format!("{name}-ckpt"));
+    if stages == 1 {
+        return read_weights(&newest_checkpoint(&root).join("model.safetensors"));
+    }
+    let mut whole = BTreeMap::new();
+    for stage in 0..stages {
+        let stage_root = root.join(format!("pipeline-{stages}/stage-{stage}"));
+        let part = read_weights(&newest_checkpoint(&stage_root).join("model.safetensors"));
+        assert!(!part.is_empty(), "{name}: stage {stage} holds no parameter");
+        for (key, values) in part {
+            assert!(
+                whole.insert(key.clone(), values).is_none(),
+                "{name}: {key} on two stages"
+            );
+        }
+    }
+    whole
+}
+
+#[test]
+fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
+    let dir = scratch("engine-pipeline");
+    for (optimizer, tolerance) in [(SGD, 1e-5), (ADAM, 1e-4)] {
+        let tag = if optimizer == SGD { "sgd" } else { "adam" };
+        let one = format!("{tag}-one");
+        crate::common::train(
+            &transformer(&dir, &one, optimizer, (1, "gpipe"), (32, 1), ""),
+            1,
+        );
+        let one = stage_weights(&dir, &one, 1);
+        assert_eq!(
+            one.len(),
+            2 + 3 * 16 + 2,
+            "embeddings, 3 layers, head: {:?}",
+            one.keys()
+        );
+        let runs = [
+            ("gpipe-2x1", 2, (2, "gpipe"), (8, 4)),
+            ("1f1b-2x1", 2, (2, "1f1b"), (8, 4)),
+            ("1f1b-2x2", 4, (2, "1f1b"), (8, 2)),
+            ("gpipe-3x1", 3, (3, "gpipe"), (16, 2)),
+        ];
+        for (name, nproc, stages, batch) in runs {
+            let name = format!("{tag}-{name}");
+            let config = transformer(&dir, &name, optimizer, stages, batch, "");
+            let out = crate::common::train(&config, nproc);
+            assert_says(&out.stdout, &["8 steps; peak RSS per rank"], &out);
+            let diff = max_abs_diff(&stage_weights(&dir, &name, stages.0), &one);
+            assert!(diff < tolerance, "{name}: max |Δw| = {diff:e}");
+        }
+    }
+}
+
+#[test]
+fn a_killed_middle_stage_resumes_from_the_stage_checkpoints_to_the_same_weights() {
+    let dir = scratch("engine-pipeline-kill");
+    let every = "every_steps = 2";
+    let straight = transformer(&dir, "straight", ADAM, (3, "1f1b"), (16, 2), every);
+    crate::common::train(&straight, 3);
+    let killed = transformer(&dir, "killed", ADAM, (3, "1f1b"), (16, 2), every);
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&killed)
+        .args(["--nproc-per-node", "3", "--max-restarts", "1"])
+        .env("TRAINER_CRASH_AFTER_STEP", "5")
+        .env("TRAINER_CRASH_RANK", "1"));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[
+            "rank 1 failed: killed by signal 9",
+            "restarting every rank (1 of 1",
+            "stage 0: resumed from",
+            "step 4; saved with 1 replicas, now 1",
+        ],
+        &out,
+    );
+    let diff = max_abs_diff(
+        &stage_weights(&dir, "killed", 3),
+        &stage_weights(&dir, "straight", 3),
+    );
+    assert!(diff < 1e-6, "max |Δw| = {diff:e}");
+}
+
+#[test]
+fn stage_checkpoints_resume_at_another_number_of_replicas() {
+    let dir = scratch("engine-pipeline-replicas");
+    let first = transformer(&dir, "first", SGD, (2, "gpipe"), (8, 4), "");
+    let text = std::fs::read_to_string(&first).unwrap();
+    std::fs::write(
+        &first,
+        text.replace("log_every = 2", "log_every = 2\nmax_steps = 4"),
+    )
+    .unwrap();
+    crate::common::train(&first, 2);
+    let second = transformer(&dir, "first", SGD, (2, "gpipe"), (8, 2), "");
+    let out = crate::common::train(&second, 4);
+    assert_says(
+        &out.stderr,
+        &[
+            "stage 0: resumed from",
+            "step 4; saved with 1 replicas, now 2",
+        ],
+        &out,
+    );
+    assert_says(&out.stdout, &["2 stages × 2 replicas", "8 steps"], &out);
+}
+
+#[test]
+fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
+    let dir = scratch("engine-pipeline-bad");
+    // A world the stages do not divide: refused before any rank starts.
+    let config = transformer(&dir, "odd", SGD, (2, "gpipe"), (8, 4), "");
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "3"]));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &["pipeline_stages = 2 does not divide the world size 3"],
+        &out,
+    );
+    // More stages than the model has layers.
+    let config = transformer(&dir, "thin", SGD, (4, "gpipe"), (8, 4), "");
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "4"]));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &["model.layers: 3 encoder layers cannot be cut"],
+        &out,
+    );
+    // An app whose model does not split.
+    let text = std::fs::read_to_string(&config).unwrap();
+    let mlp = text
+        .replace("name = \"text_transformer\"\nlayers = 3", "name = \"mlp\"")
+        .replace(
+            "samples = 256\nvalidation_samples = 0\nseed = 5",
+            "source = \"digits\"",
+        );
+    let config = dir.join("mlp.toml");
+    std::fs::write(&config, mlp).unwrap();
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "4"]));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &["cannot be cut into stages", "App::stages"],
+        &out,
+    );
+}

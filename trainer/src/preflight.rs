@@ -26,6 +26,9 @@ pub fn preflight<A: App>(
     let config = AppConfig::<A>::load(config_path)?;
     app.check(&config.model, &config.data)?;
     let stages = config.distributed.pipeline_stages;
+    if stages > 1 && app.stages().is_none() {
+        bail!(crate::pipeline::cannot_split(app, &config));
+    }
     if !world_size.is_multiple_of(stages) {
         bail!(UsageError(format!(
             "distributed.pipeline_stages = {stages} does not divide the world size {world_size}: every replica of the pipeline needs all {stages} stages (run {stages} × replicas processes)"

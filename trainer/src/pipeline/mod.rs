@@ -27,6 +27,7 @@ use burn_ddp::Distributed;
 
 use crate::app::{App, AppError, Datasets};
 use crate::config::AppConfig;
+use crate::error::UsageError;
 
 /// Which stage a rank builds: stage `stage` of `stages`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,14 +86,19 @@ impl<A: App> StageSplit<A> {
 }
 
 /// Trains this rank's stage of the app's model, as `[distributed] pipeline_stages` asks;
-/// refuses an app whose model does not split.
+/// refuses an app whose model does not split (the pre-flight already did).
 pub(crate) fn train<A: App>(run: StageRun<A>) -> anyhow::Result<ExitCode> {
     let Some(split) = run.app.stages() else {
-        anyhow::bail!(AppError(format!(
-            "distributed.pipeline_stages = {}: the model of this app ({}) cannot be cut into stages (its App::stages is None); set pipeline_stages = 1, or implement App::stages",
-            run.config.distributed.pipeline_stages,
-            run.app.name(&run.config.model)
-        )));
+        anyhow::bail!(cannot_split(&run.app, &run.config));
     };
     (split.run)(run)
+}
+
+/// The usage error for `pipeline_stages > 1` with an app whose model does not split.
+pub(crate) fn cannot_split<A: App>(app: &A, config: &AppConfig<A>) -> UsageError {
+    UsageError(format!(
+        "distributed.pipeline_stages = {}: the model of this app ({}) cannot be cut into stages (its App::stages is None); set pipeline_stages = 1, or implement App::stages",
+        config.distributed.pipeline_stages,
+        app.name(&config.model)
+    ))
 }
