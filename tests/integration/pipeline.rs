@@ -197,7 +197,7 @@ fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
             let name = format!("{tag}-{name}");
             let config = transformer(&dir, &name, optimizer, stages, batch, "");
             let out = crate::common::train(&config, nproc);
-            assert_says(&out.stdout, &["8 steps; peak RSS per rank"], &out);
+            assert_says(&out.stdout, &["8 steps, ", "peak RSS per rank"], &out);
             let diff = max_abs_diff(&stage_weights(&dir, &name, stages.0), &one);
             assert!(diff < tolerance, "{name}: max |Δw| = {diff:e}");
         }
@@ -306,4 +306,49 @@ fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
         &["cannot be cut into stages", "App::stages"],
         &out,
     );
+}
+
+#[test]
+fn a_model_the_preflight_refuses_for_one_process_trains_in_two_stages_on_two_nodes() {
+    let dir = scratch("engine-pipeline-memory");
+    // 27 746 parameters with Adam: at least 20 bytes each on one rank (555 kB); a stage holds
+    // about half. The pre-flight is told that 400 kB are available on each machine.
+    let room = ("TRAINER_MEMORY_AVAILABLE", "400000");
+    let whole = transformer(&dir, "whole", ADAM, (1, "gpipe"), (32, 1), "");
+    let out = run(trainer().arg("--config").arg(&whole).env(room.0, room.1));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(&out.stderr, &["the model does not fit in memory"], &out);
+    // Two "machines" of one rank each (nodes 0 and 1 on loopback), one stage each.
+    let staged = transformer(&dir, "staged", ADAM, (2, "1f1b"), (8, 4), "");
+    let node = |rank: usize, port: u16| {
+        let mut cmd = trainer();
+        // `trainer()` clears the launcher variables, the job token among them: both
+        // machines' launchers must share one.
+        cmd.env("BURN_DDP_TOKEN", format!("pipeline-memory-{port}"));
+        cmd.arg("--config").arg(&staged).env(room.0, room.1).args([
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &rank.to_string(),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ]);
+        cmd
+    };
+    let (nodes, _) = start_by_hand(|port| vec![node(0, port), node(1, port)]);
+    let outs: Vec<Output> = nodes.into_iter().map(Proc::finish).collect();
+    for (i, out) in outs.iter().enumerate() {
+        assert_eq!(
+            out.code,
+            Some(0),
+            "node {i}:\n{}\nthe other node:\n{}",
+            out.all(),
+            outs[1 - i].all()
+        );
+    }
+    stage_weights(&dir, "staged", 2);
 }

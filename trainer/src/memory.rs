@@ -6,6 +6,7 @@
 
 use crate::config::{OptimizerConfig, OptimizerName};
 use crate::error::UsageError;
+use crate::worker_env::MEMORY_AVAILABLE_VAR;
 
 /// This process's peak resident memory so far (`VmHWM` in `/proc/self/status`), where the
 /// system reports it (Linux); `None` elsewhere.
@@ -101,9 +102,15 @@ impl MemoryEstimate {
 }
 
 /// Memory this process may still use: the smaller of the kernel's `MemAvailable` and the
-/// room left under a cgroup (v2) limit, with which one it was. `None` where neither can be read
-/// (then the check is skipped).
+/// room left under a cgroup (v2) limit, with which one it was — or what
+/// [`MEMORY_AVAILABLE_VAR`] says. `None` where none can be read (then the check is skipped).
 pub fn available_memory() -> Option<(u64, &'static str)> {
+    if let Some(bytes) = std::env::var(MEMORY_AVAILABLE_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+    {
+        return Some((bytes, "TRAINER_MEMORY_AVAILABLE"));
+    }
     let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
     let available = meminfo.as_deref().and_then(mem_available);
     let cgroup = cgroup_room(

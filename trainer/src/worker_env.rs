@@ -100,6 +100,11 @@ pub const SLOW_STEP_VAR: &str = "TRAINER_SLOW_STEP";
 /// then make them equal; tests use it to show that it does.
 pub const SEED_BY_RANK_VAR: &str = "TRAINER_SEED_BY_RANK";
 
+/// The memory (bytes) the pre-flight takes as available on this machine instead of what the
+/// system reports: to check a config for a smaller machine (or a device's memory) here, and
+/// for the tests of the pre-flight.
+pub const MEMORY_AVAILABLE_VAR: &str = "TRAINER_MEMORY_AVAILABLE";
+
 /// Rendezvous-store key under which rank 0 reports the checkpoint of optimizer step `step`
 /// (`ok`, or the error) to the ranks waiting for it.
 pub fn checkpoint_key(step: usize) -> String {

@@ -11,7 +11,7 @@
 //!    the optimizer; then the loss line and the checkpoints the plan asks for.
 
 use std::process::ExitCode;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use burn::module::Module;
@@ -123,6 +123,7 @@ where
         optim,
         loss: LossWindow::default(),
         last_saved: None,
+        samples: 0,
     };
     let stage = training.run::<S, D>(stage, restored.as_ref())?;
     drop(stage);
@@ -189,6 +190,8 @@ struct StageTraining<A: App> {
     position: TrainPosition,
     loss: LossWindow,
     last_saved: Option<usize>,
+    /// This replica's samples trained in this process.
+    samples: usize,
 }
 
 impl<A: App> StageTraining<A> {
@@ -214,13 +217,15 @@ impl<A: App> StageTraining<A> {
                 })?;
             self.last_saved = Some(ckpt.manifest.position.step);
         }
+        let started = Instant::now();
         while plan.more_after(self.position) {
             stage = self.train_epoch(stage, &plan, &mut schedule)?;
         }
+        let elapsed = started.elapsed();
         if self.last_saved != Some(self.position.step) {
             self.save(&stage, &schedule)?;
         }
-        self.finish()?;
+        self.finish(elapsed)?;
         Ok(stage)
     }
 
@@ -322,6 +327,7 @@ impl<A: App> StageTraining<A> {
             .pp
             .step_weighted(&stage, &inputs, &weights, &self.device)
             .map_err(usage_or_failure)?;
+        self.samples += step_samples.len();
         if let Some(loss) = result.loss {
             let n = step_samples.len() as f64;
             self.loss.weighted_sum += loss * n;
@@ -391,19 +397,27 @@ impl<A: App> StageTraining<A> {
         Ok(())
     }
 
-    /// Rank 0's closing line: the layout, the steps, every rank's peak resident memory.
-    /// Collective over the whole job.
-    fn finish(&mut self) -> anyhow::Result<()> {
+    /// Rank 0's closing line: the layout, the steps and the rate of the training loop
+    /// (`elapsed`, checkpoints included), every rank's peak resident memory. Collective over
+    /// the whole job.
+    fn finish(&mut self, elapsed: Duration) -> anyhow::Result<()> {
         let peak = crate::memory::peak_resident_bytes().unwrap_or(0) as f64;
         let mut all = vec![0.0; self.pp.stages() * self.pp.replicas()];
         self.pp.world_group().all_gather(&[peak], &mut all)?;
+        // Each replica's first stage counts its samples once.
+        let first = f64::from(u8::from(self.pp.stage() == 0));
+        let mut samples = [self.samples as f64 * first];
+        self.pp
+            .world_group()
+            .all_reduce(&mut samples, ReduceOp::Sum)?;
+        let rate = samples[0] / elapsed.as_secs_f64().max(1e-9);
         if self.pp.rank() == 0 {
             let mib: Vec<String> = all
                 .iter()
                 .map(|b| format!("{:.0}", b / (1024.0 * 1024.0)))
                 .collect();
             println!(
-                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps; peak RSS per rank (MiB, rank order): {}",
+                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}",
                 self.pp.stages(),
                 self.pp.replicas(),
                 self.config.training.accumulation_steps,
