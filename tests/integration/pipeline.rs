@@ -118,7 +118,7 @@ layers = 3
 
 [data]
 samples = 256
-validation_samples = 0
+validation_samples = 64
 seed = 5
 
 [optimizer]
@@ -170,6 +170,33 @@ fn stage_weights(dir: &Path, name: &str, stages: usize) -> BTreeMap<String, Vec<
     whole
 }
 
+/// The last validation loss of the one-process run `name` (its metrics file).
+fn final_validation_loss(dir: &Path, name: &str) -> f64 {
+    let metrics = std::fs::read_to_string(dir.join(format!("{name}-out/metrics.jsonl"))).unwrap();
+    let line = metrics
+        .lines()
+        .filter(|l| l.contains(r#""kind":"valid""#))
+        .last()
+        .unwrap_or_else(|| panic!("{name}: no validation record"));
+    let value: serde_json::Value = serde_json::from_str(line).unwrap();
+    value["metrics"]["Loss"].as_f64().unwrap()
+}
+
+/// The validation loss of a pipeline run's closing line.
+fn said_validation_loss(out: &Output) -> f64 {
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("pipeline:"))
+        .unwrap_or_else(|| panic!("no closing line:\n{}", out.all()));
+    let value = line
+        .split("validation loss ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .unwrap_or_else(|| panic!("no validation loss in {line:?}"));
+    value.trim().parse().unwrap()
+}
+
 #[test]
 fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
     let dir = scratch("engine-pipeline");
@@ -180,6 +207,7 @@ fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
             &transformer(&dir, &one, optimizer, (1, "gpipe"), (32, 1), ""),
             1,
         );
+        let one_loss = final_validation_loss(&dir, &one);
         let one = stage_weights(&dir, &one, 1);
         assert_eq!(
             one.len(),
@@ -200,6 +228,11 @@ fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
             assert_says(&out.stdout, &["8 steps, ", "peak RSS per rank"], &out);
             let diff = max_abs_diff(&stage_weights(&dir, &name, stages.0), &one);
             assert!(diff < tolerance, "{name}: max |Δw| = {diff:e}");
+            let loss = said_validation_loss(&out);
+            assert!(
+                (loss - one_loss).abs() < 1e-5,
+                "{name}: validation loss {loss} through the stages, {one_loss} in one process"
+            );
         }
     }
 }
@@ -291,7 +324,7 @@ fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
     let mlp = text
         .replace("name = \"text_transformer\"\nlayers = 3", "name = \"mlp\"")
         .replace(
-            "samples = 256\nvalidation_samples = 0\nseed = 5",
+            "samples = 256\nvalidation_samples = 64\nseed = 5",
             "source = \"digits\"",
         );
     let config = dir.join("mlp.toml");

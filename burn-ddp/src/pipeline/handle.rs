@@ -3,12 +3,14 @@
 //! replicas of its stage.
 
 use burn::module::Module;
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 
 use super::layout::{LayoutError, PipelineLayout, StagePosition};
 use super::link::{LinkError, StageLinks};
 use super::schedule::PipelineSchedule;
-use super::stage::{pipeline_step_weighted, PipelineStage, StageError, StepPlan, StepResult};
+use super::stage::{
+    pipeline_forward, pipeline_step_weighted, PipelineStage, StageError, StepPlan, StepResult,
+};
 use crate::data_parallel::DataParallel;
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
@@ -236,6 +238,36 @@ impl PipelineParallel {
             });
         }
         Ok(result)
+    }
+
+    /// Forward passes only of `micro_batches` through the pipeline (validation, inference):
+    /// on the last stage, `on_output(i, output)` for each micro-batch; the schedule does not
+    /// matter (no backward). Pass the stage and device without autodiff
+    /// (`stage.valid()`, `device.clone().inner()`). Collective over the pipeline: every
+    /// stage passes the same number of micro-batches.
+    pub fn forward<S, const D: usize>(
+        &mut self,
+        stage: &S,
+        micro_batches: &[S::Batch],
+        device: &Device,
+        on_output: impl FnMut(usize, Tensor<D>),
+    ) -> Result<(), PipelineError>
+    where
+        S: PipelineStage<D>,
+    {
+        let plan = StepPlan {
+            stage: self.position.stage,
+            stages: self.config.stages,
+            schedule: self.config.schedule,
+        };
+        Ok(pipeline_forward(
+            stage,
+            plan,
+            micro_batches,
+            &mut self.links,
+            device,
+            on_output,
+        )?)
     }
 
     /// The TCP process group of the whole job (every stage of every replica): for the few

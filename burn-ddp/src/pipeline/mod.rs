@@ -37,5 +37,6 @@ pub use schedule::{
     simulate, stage_actions, theoretical_bubble, Action, PipelineSchedule, Simulation,
 };
 pub use stage::{
-    pipeline_step, pipeline_step_weighted, PipelineStage, StageError, StepPlan, StepResult,
+    pipeline_forward, pipeline_step, pipeline_step_weighted, PipelineStage, StageError, StepPlan,
+    StepResult,
 };

@@ -180,18 +180,7 @@ fn forward<S: PipelineStage<D>, const D: usize>(
     let input = if plan.stage == 0 {
         None
     } else {
-        let (shape, values) = links.recv_activation(i)?;
-        if shape.len() != D {
-            return Err(StageError::Shape {
-                stage: plan.stage,
-                from: plan.stage - 1,
-                what: "an activation",
-                got: shape,
-                expected: format!("a tensor of rank {D}"),
-            });
-        }
-        let data = TensorData::new(values, shape);
-        Some(Tensor::<D>::from_data(data, device).require_grad())
+        Some(receive_activation::<D>(plan, i, links, device)?.require_grad())
     };
     let out = stage.forward(input.clone(), batch);
     let output = if plan.stage + 1 == plan.stages {
@@ -204,6 +193,63 @@ fn forward<S: PipelineStage<D>, const D: usize>(
         Output::Sent(out)
     };
     Ok(InFlight { input, output })
+}
+
+/// Micro-batch `i`'s activation from the previous stage, its rank checked.
+fn receive_activation<const D: usize>(
+    plan: StepPlan,
+    i: usize,
+    links: &mut StageLinks,
+    device: &Device,
+) -> Result<Tensor<D>, StageError> {
+    let (shape, values) = links.recv_activation(i)?;
+    if shape.len() != D {
+        return Err(StageError::Shape {
+            stage: plan.stage,
+            from: plan.stage - 1,
+            what: "an activation",
+            got: shape,
+            expected: format!("a tensor of rank {D}"),
+        });
+    }
+    Ok(Tensor::<D>::from_data(
+        TensorData::new(values, shape),
+        device,
+    ))
+}
+
+/// Forward passes only (validation, inference) of `micro_batches` through the pipeline:
+/// each stage receives micro-batch `i`'s activation, runs `stage` and sends its output on;
+/// the last stage gives each output to `on_output(i, output)`. The stages work on different
+/// micro-batches at once (sends never wait). Use the stage and device without autodiff.
+/// Collective with the neighbouring stages, as [`pipeline_step`].
+pub fn pipeline_forward<S, const D: usize>(
+    stage: &S,
+    plan: StepPlan,
+    micro_batches: &[S::Batch],
+    links: &mut StageLinks,
+    device: &Device,
+    mut on_output: impl FnMut(usize, Tensor<D>),
+) -> Result<(), StageError>
+where
+    S: PipelineStage<D>,
+{
+    for (i, batch) in micro_batches.iter().enumerate() {
+        let input = if plan.stage == 0 {
+            None
+        } else {
+            Some(receive_activation::<D>(plan, i, links, device)?)
+        };
+        let out = stage.forward(input, batch);
+        if plan.stage + 1 == plan.stages {
+            on_output(i, out);
+        } else {
+            let shape = out.dims().to_vec();
+            let values = read(plan.stage, "an activation", out)?;
+            links.send_activation(i, &shape, &values)?;
+        }
+    }
+    Ok(links.flush()?)
 }
 
 /// Micro-batch `i`'s backward pass: the stage's gradients, and its input's gradient sent back.

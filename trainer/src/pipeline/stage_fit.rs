@@ -14,18 +14,19 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use burn::data::dataloader::batcher::Batcher;
 use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
 use burn::train::TrainStep;
 use burn_ddp::pipeline::{PipelineConfig, PipelineError, PipelineParallel, PipelineStage};
-use burn_ddp::sampler::Sample;
+use burn_ddp::sampler::{DistributedSampler, Sample};
 use burn_ddp::{ProcessGroup, ReduceOp};
 
 use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
 use super::{StageOf, StageRun};
-use crate::app::{App, AppError};
+use crate::app::{read_item, App, AppError};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::AppConfig;
 use crate::error::UsageError;
@@ -124,6 +125,7 @@ where
         loss: LossWindow::default(),
         last_saved: None,
         samples: 0,
+        last_valid: None,
     };
     let stage = training.run::<S, D>(stage, restored.as_ref())?;
     drop(stage);
@@ -192,6 +194,14 @@ struct StageTraining<A: App> {
     last_saved: Option<usize>,
     /// This replica's samples trained in this process.
     samples: usize,
+    last_valid: Option<ValidLoss>,
+}
+
+/// The validation loss of the model after optimizer step `step`.
+#[derive(Debug, Clone, Copy)]
+struct ValidLoss {
+    step: usize,
+    loss: f64,
 }
 
 impl<A: App> StageTraining<A> {
@@ -224,6 +234,10 @@ impl<A: App> StageTraining<A> {
         let elapsed = started.elapsed();
         if self.last_saved != Some(self.position.step) {
             self.save(&stage, &schedule)?;
+        }
+        if self.last_valid.is_none_or(|v| v.step != self.position.step) {
+            // Stopped mid-epoch (max_steps): validate the final model too.
+            self.validate(&stage)?;
         }
         self.finish(elapsed)?;
         Ok(stage)
@@ -288,6 +302,7 @@ impl<A: App> StageTraining<A> {
         if plan.epoch_complete(self.position, samples.is_empty()) {
             self.position.epoch += 1;
             self.position.consumed = 0;
+            self.validate(&stage)?;
             if plan.checkpoint_after_epoch(self.position.epoch)
                 && self.last_saved != Some(self.position.step)
             {
@@ -378,6 +393,74 @@ impl<A: App> StageTraining<A> {
         Ok(())
     }
 
+    /// The last stage's loss over every validation sample once (each replica its shard, in
+    /// micro-batches of `batch_size` through the pipeline without autodiff); rank 0 logs it.
+    /// Collective over the whole job; nothing without a validation set.
+    fn validate<S, const D: usize>(&mut self, stage: &S) -> anyhow::Result<()>
+    where
+        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+    {
+        let Some(valid) = self.data.valid.clone() else {
+            return Ok(());
+        };
+        let inner = stage.valid();
+        let device = self.device.clone().inner();
+        let indices = DistributedSampler::new(valid.len(), self.pp.replicas(), self.pp.replica())
+            .eval_indices();
+        let t = &self.config.training;
+        let (batch_size, per_pass) = (
+            t.batch_size.max(1),
+            t.batch_size.max(1) * t.accumulation_steps,
+        );
+        let mut sums = [0.0, 0.0];
+        let mut unreadable = None;
+        for pass in indices.chunks(per_pass) {
+            let micro: Vec<&[usize]> = pass.chunks(batch_size).collect();
+            let mut batches = Vec::with_capacity(micro.len());
+            for indices in &micro {
+                let items = indices
+                    .iter()
+                    .map(|&i| read_item(&*valid, i, "validation set").map_err(AppError))
+                    .collect::<Result<Vec<_>, _>>()?;
+                batches.push(Batcher::<A::Item, <A::Model as TrainStep>::Input>::batch(
+                    &self.batcher,
+                    items,
+                    &device,
+                ));
+            }
+            self.pp
+                .forward(&inner, &batches, &device, |i, output| {
+                    let loss = inner.loss(output, &batches[i]);
+                    match loss.into_data().try_to_vec::<f32>() {
+                        Ok(values) => {
+                            let n = micro[i].len() as f64;
+                            sums[0] += f64::from(values.first().copied().unwrap_or(f32::NAN)) * n;
+                            sums[1] += n;
+                        }
+                        Err(e) => unreadable = Some(format!("{e:?}")),
+                    }
+                })
+                .map_err(usage_or_failure)?;
+        }
+        if let Some(e) = unreadable {
+            anyhow::bail!("validation: cannot read the loss back from the device: {e}");
+        }
+        self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
+        let [loss, samples] = sums;
+        let loss = loss / samples.max(1.0);
+        if self.pp.rank() == 0 {
+            tracing::info!(
+                "epoch {}: validation loss {loss:.6} ({samples} samples)",
+                self.position.epoch
+            );
+        }
+        self.last_valid = Some(ValidLoss {
+            step: self.position.step,
+            loss,
+        });
+        Ok(())
+    }
+
     /// Each stage's replica 0 writes the stage's checkpoint; its replicas wait. Collective
     /// over the stage's replicas.
     fn save<S: Module>(&mut self, stage: &S, schedule: &Schedule) -> anyhow::Result<()> {
@@ -411,13 +494,16 @@ impl<A: App> StageTraining<A> {
             .world_group()
             .all_reduce(&mut samples, ReduceOp::Sum)?;
         let rate = samples[0] / elapsed.as_secs_f64().max(1e-9);
+        let valid = self.last_valid.map_or(String::new(), |v| {
+            format!(", validation loss {:.6}", v.loss)
+        });
         if self.pp.rank() == 0 {
             let mib: Vec<String> = all
                 .iter()
                 .map(|b| format!("{:.0}", b / (1024.0 * 1024.0)))
                 .collect();
             println!(
-                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}",
+                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps{valid}, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}",
                 self.pp.stages(),
                 self.pp.replicas(),
                 self.config.training.accumulation_steps,
