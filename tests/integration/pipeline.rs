@@ -175,8 +175,7 @@ fn final_validation_loss(dir: &Path, name: &str) -> f64 {
     let metrics = std::fs::read_to_string(dir.join(format!("{name}-out/metrics.jsonl"))).unwrap();
     let line = metrics
         .lines()
-        .filter(|l| l.contains(r#""kind":"valid""#))
-        .last()
+        .rfind(|l| l.contains(r#""kind":"valid""#))
         .unwrap_or_else(|| panic!("{name}: no validation record"));
     let value: serde_json::Value = serde_json::from_str(line).unwrap();
     value["metrics"]["Loss"].as_f64().unwrap()

@@ -22,7 +22,7 @@ use burn::tensor::Device;
 use burn::train::TrainStep;
 use burn_ddp::pipeline::{PipelineConfig, PipelineError, PipelineParallel, PipelineStage};
 use burn_ddp::sampler::{DistributedSampler, Sample};
-use burn_ddp::{ProcessGroup, ReduceOp};
+use burn_ddp::{Distributed, ProcessGroup, ReduceOp};
 
 use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
 use super::{StageOf, StageRun};
@@ -62,15 +62,7 @@ where
         device,
         no_resume,
     } = run;
-    let d = &config.distributed;
-    let pipeline = PipelineConfig {
-        stages: d.pipeline_stages,
-        schedule: d.pipeline_schedule.schedule(),
-        micro_batches: config.training.accumulation_steps,
-    };
-    let mut pp = PipelineParallel::new(dist, pipeline, parallel::ddp_options(d), &device)
-        .map_err(usage_or_failure)?;
-    pp.replica_group().check_same(&config.fingerprint())?;
+    let mut pp = form::<A>(dist, &config, &device)?;
     let which = StageOf {
         stage: pp.stage(),
         stages: pp.stages(),
@@ -82,18 +74,7 @@ where
         pp.replica(),
     ));
     let stage = build(&config.model, &config.data, which, &device)?;
-    let policy = config.checkpoint.dir.clone().map(|dir| {
-        let run = CheckpointPolicy {
-            dir,
-            keep_last: config.checkpoint.keep_last,
-            timeout: Duration::from_secs(config.checkpoint.timeout_secs),
-            model_name: app.name(&config.model),
-            model_fingerprint: config.model_fingerprint(),
-            config_fingerprint: config.fingerprint(),
-            seed: config.training.seed,
-        };
-        stage_policy(&run, which)
-    });
+    let policy = checkpoint_policy(&app, &config, which);
     let restored = match (&policy, config.checkpoint.resume && !no_resume) {
         (Some(policy), true) => agreed_checkpoint(&mut pp, policy)?,
         _ => None,
@@ -132,6 +113,45 @@ where
     // Rank 0 may host the store: leave together.
     training.pp.world_group().barrier()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Forms the pipeline `[distributed]` asks for over the job `dist` (the micro-batch count is
+/// `training.accumulation_steps`), and checks that every rank of the stage runs this config.
+/// Collective over the whole job.
+fn form<A: App>(
+    dist: Distributed,
+    config: &AppConfig<A>,
+    device: &Device,
+) -> anyhow::Result<PipelineParallel> {
+    let d = &config.distributed;
+    let pipeline = PipelineConfig {
+        stages: d.pipeline_stages,
+        schedule: d.pipeline_schedule.schedule(),
+        micro_batches: config.training.accumulation_steps,
+    };
+    let mut pp = PipelineParallel::new(dist, pipeline, parallel::ddp_options(d), device)
+        .map_err(usage_or_failure)?;
+    pp.replica_group().check_same(&config.fingerprint())?;
+    Ok(pp)
+}
+
+/// Stage `which`'s checkpoint policy, `None` without `checkpoint.dir`.
+fn checkpoint_policy<A: App>(
+    app: &A,
+    config: &AppConfig<A>,
+    which: StageOf,
+) -> Option<CheckpointPolicy> {
+    let c = &config.checkpoint;
+    let run = CheckpointPolicy {
+        dir: c.dir.clone()?,
+        keep_last: c.keep_last,
+        timeout: Duration::from_secs(c.timeout_secs),
+        model_name: app.name(&config.model),
+        model_fingerprint: config.model_fingerprint(),
+        config_fingerprint: config.fingerprint(),
+        seed: config.training.seed,
+    };
+    Some(stage_policy(&run, which))
 }
 
 /// A pipeline that could not form or step: a usage error (exit code 2) when it is one.
