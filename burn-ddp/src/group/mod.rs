@@ -29,6 +29,7 @@
 pub use crate::call;
 #[cfg(test)]
 mod conformance;
+pub(crate) mod greeting;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod netif;

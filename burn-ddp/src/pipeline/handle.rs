@@ -14,7 +14,7 @@ use super::stage::{
 use crate::data_parallel::DataParallel;
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
-use crate::group::TcpProcessGroup;
+use crate::group::{TcpGroupOptions, TcpProcessGroup};
 use crate::init::Distributed;
 
 /// How the model is pipelined: the same on every rank (checked when the links form).
@@ -119,14 +119,19 @@ impl PipelineParallel {
             .or_else(|| world.group.options().advertise_ip)
             .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
         let namespace = format!("{}/pipeline", world.group.options().store_prefix);
+        // The job's token (resolved by the world's group) greets the neighbours.
+        let links_options = TcpGroupOptions {
+            advertise_ip: Some(ip),
+            timeout: tcp.timeout,
+            ..world.group.options().clone()
+        };
         let links = StageLinks::connect(
             world.store.clone(),
             &namespace,
             &layout,
             rank,
             &config.fingerprint(),
-            ip,
-            tcp.timeout,
+            &links_options,
         )?;
         let members = layout.replica_group(rank);
         let sub = world

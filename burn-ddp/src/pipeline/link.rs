@@ -13,7 +13,7 @@
 //! and a neighbour that closed its connection (exited, crashed) is named.
 
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, TcpStream};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 use super::frame::{self, Flow, FIXED_LEN};
 use super::layout::PipelineLayout;
 use crate::error::CollectiveError;
+use crate::group::greeting::{accept_greeted, connect_and_greet, Greeting};
 use crate::group::rendezvous::Rendezvous;
-use crate::store::backoff::Backoff;
+use crate::group::TcpGroupOptions;
 use crate::store::{PrefixStore, Store};
 
 /// Why a link failed. Every variant names this rank and the neighbour.
@@ -115,12 +116,12 @@ impl StageLinks {
         layout: &PipelineLayout,
         rank: usize,
         plan: &str,
-        advertise_ip: IpAddr,
-        timeout: Duration,
+        options: &TcpGroupOptions,
     ) -> Result<Self, LinkError> {
         let world = layout.world_size();
+        let timeout = options.timeout;
         let rdv = Rendezvous::new(PrefixStore::new(namespace, store), rank, world, timeout);
-        let formed = Self::form(&rdv, layout, rank, plan, advertise_ip, timeout);
+        let formed = Self::form(&rdv, layout, rank, plan, options);
         if let Err(e) = &formed {
             rdv.abort(&CollectiveError::Setup {
                 rank,
@@ -136,12 +137,20 @@ impl StageLinks {
         layout: &PipelineLayout,
         rank: usize,
         plan: &str,
-        advertise_ip: IpAddr,
-        timeout: Duration,
+        options: &TcpGroupOptions,
     ) -> Result<Self, LinkError> {
+        let timeout = options.timeout;
+        let ours = Greeting {
+            rank,
+            world: layout.world_size(),
+            token: &options.token,
+        };
         rdv.join()?;
         rdv.publish("plan", plan.as_bytes())?;
-        let (listener, _) = rdv.listen_and_publish(advertise_ip)?;
+        let ip = options
+            .advertise_ip
+            .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        let (listener, _) = rdv.listen_and_publish(ip)?;
         rdv.wait_joined()?;
         let neighbours = [layout.previous_stage(rank), layout.next_stage(rank)];
         for peer in neighbours.into_iter().flatten() {
@@ -155,15 +164,26 @@ impl StageLinks {
                 });
             }
         }
+        let setup = |e: io::Error, peer| {
+            LinkError::Setup(rdv.setup_error(format!("setting up the link with rank {peer}: {e}")))
+        };
         let next = match layout.next_stage(rank) {
             Some(peer) => {
                 let addr = String::from_utf8_lossy(&rdv.published("addr", peer)?).into_owned();
-                Some(connect_next(rdv, rank, peer, addr, timeout)?)
+                let stream = connect_and_greet(rdv, ours, peer, &addr, timeout)?;
+                Some(Peer::new(peer, addr, stream, timeout).map_err(|e| setup(e, peer))?)
             }
             None => None,
         };
         let previous = match layout.previous_stage(rank) {
-            Some(peer) => Some(accept_previous(rdv, &listener, rank, peer, timeout)?),
+            Some(peer) => {
+                let (stream, from) =
+                    accept_greeted(rdv, &listener, ours, peer, "pipeline", timeout)?;
+                Some(
+                    Peer::new(peer, from.to_string(), stream, timeout)
+                        .map_err(|e| setup(e, peer))?,
+                )
+            }
             None => None,
         };
         Ok(Self {
@@ -466,84 +486,6 @@ impl Peer {
     }
 }
 
-/// Connects to the next stage at `addr` (retrying until the deadline: it may not listen yet)
-/// and says who this is.
-fn connect_next(
-    rdv: &Rendezvous,
-    rank: usize,
-    peer: usize,
-    addr: String,
-    timeout: Duration,
-) -> Result<Peer, LinkError> {
-    let target: SocketAddr = addr.parse().map_err(|e| {
-        rdv.setup_error(format!("rank {peer} published a bad address {addr:?}: {e}"))
-    })?;
-    let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(500));
-    let mut stream = loop {
-        let left = rdv.deadline().saturating_duration_since(Instant::now());
-        match TcpStream::connect_timeout(&target, left.max(Duration::from_millis(1))) {
-            Ok(stream) => break stream,
-            Err(e) if left.is_zero() => {
-                return Err(rdv
-                    .setup_error(format!(
-                        "cannot connect to the next stage, rank {peer} at {addr}: {e}"
-                    ))
-                    .into())
-            }
-            Err(_) => backoff.sleep(rdv.deadline()),
-        }
-    };
-    stream
-        .write_all(&(rank as u64).to_le_bytes())
-        .and_then(|()| Peer::new(peer, addr.clone(), stream, timeout))
-        .map_err(|e| {
-            LinkError::Setup(rdv.setup_error(format!("saying hello to rank {peer} at {addr}: {e}")))
-        })
-}
-
-/// Accepts the previous stage's connection before the deadline and checks who it is.
-fn accept_previous(
-    rdv: &Rendezvous,
-    listener: &TcpListener,
-    rank: usize,
-    peer: usize,
-    timeout: Duration,
-) -> Result<Peer, LinkError> {
-    let setup = |message: String| LinkError::Setup(rdv.setup_error(message));
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| setup(format!("cannot poll the listener: {e}")))?;
-    let mut backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(200));
-    let (mut stream, from) = loop {
-        match listener.accept() {
-            Ok(accepted) => break accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= rdv.deadline() {
-                    return Err(setup(format!(
-                        "rank {peer}, the previous stage, did not connect within {timeout:?}"
-                    )));
-                }
-                backoff.sleep(rdv.deadline());
-            }
-            Err(e) => return Err(setup(format!("accepting the previous stage: {e}"))),
-        }
-    };
-    let mut hello = [0u8; 8];
-    let read = stream
-        .set_nonblocking(false)
-        .and_then(|()| stream.set_read_timeout(Some(timeout)))
-        .and_then(|()| stream.read_exact(&mut hello));
-    read.map_err(|e| setup(format!("reading the hello of {from}: {e}")))?;
-    let said = u64::from_le_bytes(hello) as usize;
-    if said != peer {
-        return Err(setup(format!(
-            "rank {rank} expected its previous stage, rank {peer}, but {from} says it is rank {said}"
-        )));
-    }
-    Peer::new(peer, from.to_string(), stream, timeout)
-        .map_err(|e| setup(format!("setting up the link from rank {peer}: {e}")))
-}
-
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -575,8 +517,11 @@ mod tests {
                         &layout,
                         rank,
                         plan_of(rank),
-                        LOCAL,
-                        timeout,
+                        &TcpGroupOptions {
+                            timeout,
+                            advertise_ip: Some(LOCAL),
+                            ..Default::default()
+                        },
                     );
                     body(rank, links)
                 })
@@ -677,6 +622,54 @@ mod tests {
             .as_deref()
             .unwrap_or_default()
             .contains("\"stages=2 m=4\""));
+    }
+
+    #[test]
+    fn strangers_on_a_stage_port_are_refused_and_the_links_form() {
+        use crate::group::wire::{encode_hello, RingHello};
+        let layout = PipelineLayout::new(3, 3).unwrap();
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let options = TcpGroupOptions {
+            timeout: LONG,
+            advertise_ip: Some(LOCAL),
+            token: "job-token".into(),
+            ..Default::default()
+        };
+        let spawn_rank = |rank: usize| {
+            let (store, options) = (Arc::clone(&store), options.clone());
+            std::thread::spawn(move || {
+                let mut links =
+                    StageLinks::connect(store, "pipeline", &layout, rank, "plan", &options)
+                        .unwrap();
+                match rank {
+                    1 => {
+                        links.send_activation(0, &[2], &[1.0, 2.0]).unwrap();
+                        links.flush().unwrap();
+                        None
+                    }
+                    2 => Some(links.recv_activation(0).unwrap()),
+                    _ => None,
+                }
+            })
+        };
+        // Stage 2 listens for stage 1; before stage 1 starts, stage 2's backlog gets garbage
+        // and a hello with the wrong token.
+        let (stage0, stage2) = (spawn_rank(0), spawn_rank(2));
+        let addr = String::from_utf8(store.get("pipeline/addr/2", LONG).unwrap()).unwrap();
+        let mut garbage = TcpStream::connect(&addr).unwrap();
+        garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut impostor = TcpStream::connect(&addr).unwrap();
+        impostor
+            .write_all(&encode_hello(&RingHello {
+                rank: 1,
+                world_size: 3,
+                token: "guess".into(),
+            }))
+            .unwrap();
+        let stage1 = spawn_rank(1);
+        assert!(stage0.join().unwrap().is_none());
+        assert!(stage1.join().unwrap().is_none());
+        assert_eq!(stage2.join().unwrap(), Some((vec![2], vec![1.0, 2.0])));
     }
 
     #[test]

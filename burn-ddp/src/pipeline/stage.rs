@@ -319,6 +319,7 @@ mod tests {
     use burn::tensor::activation::relu;
 
     use super::*;
+    use crate::group::TcpGroupOptions;
     use crate::pipeline::PipelineLayout;
     use crate::store::{MemoryStore, Store};
 
@@ -418,12 +419,14 @@ mod tests {
                 first += count;
                 let store = Arc::clone(&store);
                 std::thread::spawn(move || {
-                    let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
-                    let timeout = Duration::from_secs(120);
-                    let mut links = StageLinks::connect(
-                        store, "pipeline", &layout, stage, "test", local, timeout,
-                    )
-                    .unwrap();
+                    let options = TcpGroupOptions {
+                        timeout: Duration::from_secs(120),
+                        advertise_ip: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+                        ..Default::default()
+                    };
+                    let mut links =
+                        StageLinks::connect(store, "pipeline", &layout, stage, "test", &options)
+                            .unwrap();
                     let device = device();
                     let micro: Vec<Micro> = (0..4).map(|i| rows(2 * i, 2, &device)).collect();
                     let plan = StepPlan {
@@ -558,12 +561,14 @@ mod tests {
                         .sub_group(&members, &format!("stage-{}", position.stage))
                         .unwrap();
                     let mut ddp = DataParallel::new(sub, DdpOptions::default(), &device).unwrap();
-                    let local = IpAddr::V4(Ipv4Addr::LOCALHOST);
-                    let timeout = Duration::from_secs(120);
-                    let mut links = StageLinks::connect(
-                        store, "pipeline", &layout, rank, "test", local, timeout,
-                    )
-                    .unwrap();
+                    let options = TcpGroupOptions {
+                        timeout: Duration::from_secs(120),
+                        advertise_ip: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+                        ..Default::default()
+                    };
+                    let mut links =
+                        StageLinks::connect(store, "pipeline", &layout, rank, "test", &options)
+                            .unwrap();
                     let mut part = ddp.prepare(part).unwrap();
                     let mut optim = SgdConfig::new().init();
                     let plan = StepPlan {

@@ -48,7 +48,7 @@
 
 mod exchange;
 mod setup;
-mod transport;
+pub(crate) mod transport;
 
 use std::net::{IpAddr, Shutdown};
 use std::sync::Arc;

@@ -1,20 +1,18 @@
 //! Forming the TCP ring: rendezvous through the store, shared-memory ends, then the two
 //! connections with their hellos (steps 1–3 of the set-up in the [module docs](super)).
 
-use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
-use super::transport::{pollfd, wait_fds, DataReceiver, DataSender, SocketData};
+use super::transport::{DataReceiver, DataSender, SocketData};
 use super::TcpGroupOptions;
 use crate::error::CollectiveError;
+use crate::group::greeting::{accept_greeted, connect_and_greet, Greeting};
 use crate::group::rendezvous::Rendezvous;
 use crate::group::shm::{self, ShmDir, ShmReceiver, ShmSender};
-use crate::group::wire::{self, RingHello, HELLO_FIXED_LEN};
 use crate::group::{netif, CollectiveDesc};
-use crate::store::backoff::Backoff;
 
 /// A non-blocking connection to a ring neighbour: the per-collective headers go through it, and
 /// the data too unless the link uses shared memory.
@@ -229,39 +227,19 @@ impl Setup<'_> {
         })
     }
 
-    /// Connects to the successor, retrying with capped back-off until the deadline (it may not
-    /// listen yet), and greets it.
+    /// This rank's hello.
+    fn greeting(&self) -> Greeting<'_> {
+        Greeting {
+            rank: self.rank,
+            world: self.world,
+            token: &self.options.token,
+        }
+    }
+
+    /// Connects to the successor (it may not listen yet) and greets it.
     fn connect_next(&self, addr: &str, peer: usize) -> Result<Link, CollectiveError> {
-        let deadline = self.rdv.deadline();
-        let sock: SocketAddr = addr.parse().map_err(|_| {
-            self.rdv
-                .setup_error(format!("rank {peer} published a bad address {addr:?}"))
-        })?;
-        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(1));
-        let mut stream = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match TcpStream::connect_timeout(&sock, left.max(Duration::from_millis(10))) {
-                Ok(s) => break s,
-                Err(e) if left.is_zero() => {
-                    return Err(self.rdv.setup_error(format!(
-                        "cannot connect to rank {peer} at {addr}: {e} (is a firewall blocking it? on several machines, set an address the others can reach)"
-                    )))
-                }
-                Err(_) => backoff.sleep(deadline),
-            }
-        };
-        let hello = wire::encode_hello(&RingHello {
-            rank: self.rank as u32,
-            world_size: self.world as u32,
-            token: self.options.token.clone(),
-        });
-        stream
-            .set_write_timeout(Some(self.options.timeout))
-            .and_then(|_| stream.write_all(&hello))
-            .map_err(|e| {
-                self.rdv
-                    .setup_error(format!("cannot greet rank {peer} at {addr}: {e}"))
-            })?;
+        let stream =
+            connect_and_greet(self.rdv, self.greeting(), peer, addr, self.options.timeout)?;
         Ok(Link {
             stream,
             peer,
@@ -271,82 +249,18 @@ impl Setup<'_> {
 
     /// Accepts connections until the predecessor's arrives; strangers are refused and logged.
     fn accept_prev(&self, listener: &TcpListener, peer: usize) -> Result<Link, CollectiveError> {
-        let deadline = self.rdv.deadline();
-        listener.set_nonblocking(true).map_err(|e| {
-            self.rdv
-                .setup_error(format!("cannot configure the listener: {e}"))
-        })?;
-        loop {
-            match listener.accept() {
-                Ok((mut stream, from)) => match self.read_hello(&mut stream, peer) {
-                    Ok(()) => {
-                        return Ok(Link {
-                            stream,
-                            peer,
-                            peer_addr: from.to_string(),
-                        })
-                    }
-                    Err(why) => {
-                        tracing::warn!(
-                            rank = self.rank,
-                            "refused a ring connection from {from}: {why}"
-                        );
-                        let _ = stream.shutdown(Shutdown::Both);
-                    }
-                },
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(self.rdv.setup_error(format!(
-                            "rank {peer} did not connect within {:?}",
-                            self.options.timeout
-                        )));
-                    }
-                    wait_fds(
-                        &mut [pollfd(listener.as_raw_fd(), libc::POLLIN)],
-                        left.min(Duration::from_secs(1)),
-                    )
-                    .map_err(|e| self.rdv.setup_error(format!("poll failed: {e}")))?;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(self.rdv.setup_error(format!("accept failed: {e}"))),
-            }
-        }
-    }
-
-    /// Reads and checks a hello: the job's token, then the expected rank and world size.
-    fn read_hello(&self, stream: &mut TcpStream, peer: usize) -> Result<(), String> {
-        let left = self
-            .rdv
-            .deadline()
-            .saturating_duration_since(Instant::now());
-        stream
-            .set_nonblocking(false)
-            .and_then(|_| {
-                stream.set_read_timeout(Some(
-                    left.clamp(Duration::from_millis(10), Duration::from_secs(10)),
-                ))
-            })
-            .map_err(|e| e.to_string())?;
-        let mut fixed = [0u8; HELLO_FIXED_LEN];
-        stream
-            .read_exact(&mut fixed)
-            .map_err(|e| format!("no hello: {e}"))?;
-        let (rank, world, token_len) =
-            wire::decode_hello_fixed(&fixed).map_err(|e| e.to_string())?;
-        let mut token = vec![0u8; token_len];
-        stream
-            .read_exact(&mut token)
-            .map_err(|e| format!("truncated hello: {e}"))?;
-        if token != self.options.token.as_bytes() {
-            return Err("wrong job token".into());
-        }
-        if rank as usize != peer || world as usize != self.world {
-            return Err(format!(
-                "expected rank {peer} of {}, got rank {rank} of {world}",
-                self.world
-            ));
-        }
-        Ok(())
+        let (stream, from) = accept_greeted(
+            self.rdv,
+            listener,
+            self.greeting(),
+            peer,
+            "ring",
+            self.options.timeout,
+        )?;
+        Ok(Link {
+            stream,
+            peer,
+            peer_addr: from.to_string(),
+        })
     }
 }

@@ -156,7 +156,7 @@ pub(super) fn socket_read(stream: &mut TcpStream, buf: &mut [u8]) -> io::Result<
     }
 }
 
-pub(super) fn pollfd(fd: libc::c_int, events: libc::c_short) -> libc::pollfd {
+pub(crate) fn pollfd(fd: libc::c_int, events: libc::c_short) -> libc::pollfd {
     libc::pollfd {
         fd,
         events,
@@ -167,7 +167,7 @@ pub(super) fn pollfd(fd: libc::c_int, events: libc::c_short) -> libc::pollfd {
 /// `poll(2)` on `fds` for at most `timeout`; returns when one is ready, the time is up, or a
 /// signal arrives (the caller's loop re-checks everything in each case). Entries with a negative
 /// `fd` are ignored by the kernel.
-pub(super) fn wait_fds(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<()> {
+pub(crate) fn wait_fds(fds: &mut [libc::pollfd], timeout: Duration) -> io::Result<()> {
     let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
     // SAFETY: `fds` is a valid, exclusively borrowed array of `fds.len()` pollfd structs for the
     // whole call; poll only writes their `revents` fields.
