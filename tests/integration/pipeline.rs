@@ -291,33 +291,29 @@ fn stage_checkpoints_resume_at_another_number_of_replicas() {
     assert_says(&out.stdout, &["2 stages × 2 replicas", "8 steps"], &out);
 }
 
+/// Runs `config` on `nproc` local ranks, expects exit code 2 and `says` on stderr.
+fn refused(config: &Path, nproc: usize, says: &str) {
+    let out = run(trainer()
+        .arg("--config")
+        .arg(config)
+        .args(["--nproc-per-node", &nproc.to_string()]));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(&out.stderr, &[says], &out);
+}
+
 #[test]
 fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
     let dir = scratch("engine-pipeline-bad");
     // A world the stages do not divide: refused before any rank starts.
     let config = transformer(&dir, "odd", SGD, (2, "gpipe"), (8, 4), "");
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&config)
-        .args(["--nproc-per-node", "3"]));
-    assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
-        &["pipeline_stages = 2 does not divide the world size 3"],
-        &out,
+    refused(
+        &config,
+        3,
+        "pipeline_stages = 2 does not divide the world size 3",
     );
     // More stages than the model has layers.
     let config = transformer(&dir, "thin", SGD, (4, "gpipe"), (8, 4), "");
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&config)
-        .args(["--nproc-per-node", "4"]));
-    assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
-        &["model.layers: 3 encoder layers cannot be cut"],
-        &out,
-    );
+    refused(&config, 4, "model.layers: 3 encoder layers cannot be cut");
     // An app whose model does not split.
     let text = std::fs::read_to_string(&config).unwrap();
     let mlp = text
@@ -328,15 +324,10 @@ fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
         );
     let config = dir.join("mlp.toml");
     std::fs::write(&config, mlp).unwrap();
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&config)
-        .args(["--nproc-per-node", "4"]));
-    assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
-        &["cannot be cut into stages", "App::stages"],
-        &out,
+    refused(
+        &config,
+        4,
+        "cannot be cut into stages (its App::stages is None)",
     );
 }
 

@@ -28,6 +28,8 @@ use burn::tensor::Bytes;
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
+use crate::schedule::Schedule;
+
 /// Bumped when the layout or the manifest changes incompatibly (3: Burn 0.22's burnpack
 /// optimizer and scheduler records; 2: Burn 0.21's MessagePack ones).
 pub const FORMAT_VERSION: u32 = 3;
@@ -362,6 +364,17 @@ pub fn scheduler_bytes(ckpt: &Checkpoint) -> anyhow::Result<Vec<u8>> {
             ckpt.dir.display()
         )
     })
+}
+
+/// `schedule` with the state of `ckpt`'s scheduler, or [`CheckpointMismatch`] when the
+/// checkpoint's scheduler is of another kind.
+pub fn load_schedule(ckpt: &Checkpoint, schedule: Schedule) -> anyhow::Result<Schedule> {
+    Ok(schedule
+        .load_bytes(scheduler_bytes(ckpt)?)
+        .map_err(|reason| CheckpointMismatch {
+            dir: ckpt.dir.clone(),
+            reason,
+        })?)
 }
 
 /// Loads the optimizer state of `ckpt` into `optim`. Burn materialises the state on its

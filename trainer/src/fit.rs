@@ -97,17 +97,8 @@ fn train<A: App>(
     no_resume: bool,
 ) -> anyhow::Result<ExitCode> {
     let ddp = parallel::data_parallel(dist, &config.distributed, config.output.device, &device)?;
-    let c = &config.checkpoint;
-    let checkpoints = c.dir.clone().map(|dir| CheckpointPolicy {
-        dir,
-        keep_last: c.keep_last,
-        timeout: Duration::from_secs(c.timeout_secs),
-        model_name: app.name(&config.model),
-        model_fingerprint: config.model_fingerprint(),
-        config_fingerprint: config.fingerprint(),
-        seed: config.training.seed,
-    });
-    let resume = c.resume && !no_resume;
+    let checkpoints = CheckpointPolicy::for_app(&app, &config);
+    let resume = config.checkpoint.resume && !no_resume;
     let mut job = Job::<A> {
         app,
         config,
@@ -367,12 +358,7 @@ impl<'j, A: App> Training<'j, A> {
         );
         let mut schedule = Schedule::new(&job.config.optimizer, world, plan.total_steps)?;
         if let Some(ckpt) = restored {
-            schedule = schedule
-                .load_bytes(checkpoint::scheduler_bytes(ckpt)?)
-                .map_err(|reason| checkpoint::CheckpointMismatch {
-                    dir: ckpt.dir.clone(),
-                    reason,
-                })?;
+            schedule = checkpoint::load_schedule(ckpt, schedule)?;
         }
         let batcher = job
             .app

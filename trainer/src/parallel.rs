@@ -16,10 +16,11 @@ use burn::tensor::Device;
 use burn_ddp::ddp::BufferSync;
 use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport};
 
+use crate::app::App;
 use crate::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
-use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
+use crate::config::{AppConfig, DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
 use crate::schedule::Schedule;
 use crate::worker_env;
 
@@ -58,6 +59,22 @@ pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
         },
         timeout: Duration::from_secs(d.timeout_secs),
         stall_warning: Duration::from_secs(d.stall_warning_secs),
+    }
+}
+
+impl CheckpointPolicy {
+    /// The run's policy from `[checkpoint]` for app `app`; `None` without `checkpoint.dir`.
+    pub fn for_app<A: App>(app: &A, config: &AppConfig<A>) -> Option<Self> {
+        let c = &config.checkpoint;
+        Some(Self {
+            dir: c.dir.clone()?,
+            keep_last: c.keep_last,
+            timeout: Duration::from_secs(c.timeout_secs),
+            model_name: app.name(&config.model),
+            model_fingerprint: config.model_fingerprint(),
+            config_fingerprint: config.fingerprint(),
+            seed: config.training.seed,
+        })
     }
 }
 

@@ -325,6 +325,15 @@ mod tests {
 
     const ROWS: usize = 8;
 
+    /// The links' options in these tests: loopback, a generous deadline.
+    fn link_options() -> TcpGroupOptions {
+        TcpGroupOptions {
+            timeout: Duration::from_secs(120),
+            advertise_ip: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            ..Default::default()
+        }
+    }
+
     /// Consecutive layers of a 4 → 8 → 8 → 3 perceptron (ReLU between layers), MSE on the last.
     #[derive(Module, Debug)]
     struct Part {
@@ -419,11 +428,7 @@ mod tests {
                 first += count;
                 let store = Arc::clone(&store);
                 std::thread::spawn(move || {
-                    let options = TcpGroupOptions {
-                        timeout: Duration::from_secs(120),
-                        advertise_ip: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-                        ..Default::default()
-                    };
+                    let options = link_options();
                     let mut links =
                         StageLinks::connect(store, "pipeline", &layout, stage, "test", &options)
                             .unwrap();
@@ -561,11 +566,7 @@ mod tests {
                         .sub_group(&members, &format!("stage-{}", position.stage))
                         .unwrap();
                     let mut ddp = DataParallel::new(sub, DdpOptions::default(), &device).unwrap();
-                    let options = TcpGroupOptions {
-                        timeout: Duration::from_secs(120),
-                        advertise_ip: Some(IpAddr::V4(Ipv4Addr::LOCALHOST)),
-                        ..Default::default()
-                    };
+                    let options = link_options();
                     let mut links =
                         StageLinks::connect(store, "pipeline", &layout, rank, "test", &options)
                             .unwrap();

@@ -74,7 +74,7 @@ where
         pp.replica(),
     ));
     let stage = build(&config.model, &config.data, which, &device)?;
-    let policy = checkpoint_policy(&app, &config, which);
+    let policy = CheckpointPolicy::for_app(&app, &config).map(|run| stage_policy(&run, which));
     let restored = match (&policy, config.checkpoint.resume && !no_resume) {
         (Some(policy), true) => agreed_checkpoint(&mut pp, policy)?,
         _ => None,
@@ -133,25 +133,6 @@ fn form<A: App>(
         .map_err(usage_or_failure)?;
     pp.replica_group().check_same(&config.fingerprint())?;
     Ok(pp)
-}
-
-/// Stage `which`'s checkpoint policy, `None` without `checkpoint.dir`.
-fn checkpoint_policy<A: App>(
-    app: &A,
-    config: &AppConfig<A>,
-    which: StageOf,
-) -> Option<CheckpointPolicy> {
-    let c = &config.checkpoint;
-    let run = CheckpointPolicy {
-        dir: c.dir.clone()?,
-        keep_last: c.keep_last,
-        timeout: Duration::from_secs(c.timeout_secs),
-        model_name: app.name(&config.model),
-        model_fingerprint: config.model_fingerprint(),
-        config_fingerprint: config.fingerprint(),
-        seed: config.training.seed,
-    };
-    Some(stage_policy(&run, which))
 }
 
 /// A pipeline that could not form or step: a usage error (exit code 2) when it is one.
@@ -239,12 +220,7 @@ impl<A: App> StageTraining<A> {
         let mut schedule =
             Schedule::new(&self.config.optimizer, self.pp.replicas(), plan.total_steps)?;
         if let Some(ckpt) = restored {
-            schedule = schedule
-                .load_bytes(checkpoint::scheduler_bytes(ckpt)?)
-                .map_err(|reason| checkpoint::CheckpointMismatch {
-                    dir: ckpt.dir.clone(),
-                    reason,
-                })?;
+            schedule = checkpoint::load_schedule(ckpt, schedule)?;
             self.last_saved = Some(ckpt.manifest.position.step);
         }
         let started = Instant::now();
