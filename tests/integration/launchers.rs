@@ -146,7 +146,7 @@ fn ranks_started_by_another_launcher_die_with_it() {
 }
 
 /// `mpirun` (Open MPI) when it is installed; otherwise a recorded skip.
-fn mpirun() -> Option<Command> {
+pub(crate) fn mpirun() -> Option<Command> {
     let found = Command::new("mpirun")
         .arg("--version")
         .output()

@@ -375,3 +375,32 @@ fn a_model_the_preflight_refuses_for_one_process_trains_in_two_stages_on_two_nod
     }
     stage_weights(&dir, "staged", 2);
 }
+
+#[test]
+fn torchrun_and_mpirun_start_pipeline_stages_like_the_trainers_launcher() {
+    let dir = scratch("engine-pipeline-launchers");
+    let config = |name: &str| transformer(&dir, name, ADAM, (2, "1f1b"), (8, 4), "");
+    crate::common::train(&config("reference"), 2);
+    let reference = stage_weights(&dir, "reference", 2);
+    let mut launched = Vec::new();
+    if let Some(torchrun) = crate::torchrun::torchrun_path() {
+        let out = run(&mut crate::torchrun::torchrun(
+            &torchrun,
+            &[],
+            &config("torchrun"),
+        ));
+        launched.push(("torchrun", out));
+    }
+    if let Some(mut mpirun) = crate::launchers::mpirun() {
+        let out = run(mpirun
+            .arg(env!("CARGO_BIN_EXE_trainer"))
+            .arg("--config")
+            .arg(config("mpirun")));
+        launched.push(("mpirun", out));
+    }
+    for (name, out) in launched {
+        assert_eq!(out.code, Some(0), "{name}:\n{}", out.all());
+        let diff = max_abs_diff(&stage_weights(&dir, name, 2), &reference);
+        assert!(diff < 1e-6, "{name}: max |Δw| = {diff:e}");
+    }
+}

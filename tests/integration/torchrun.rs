@@ -11,7 +11,7 @@ use burn_ddp::testing::{skip, Needs};
 use crate::common::*;
 
 /// The path of `torchrun`, or `None` after recording the skip.
-fn torchrun_path() -> Option<String> {
+pub(crate) fn torchrun_path() -> Option<String> {
     let path = std::env::var("TORCHRUN").ok().filter(|p| !p.is_empty());
     if path.is_none() {
         skip(
@@ -24,7 +24,7 @@ fn torchrun_path() -> Option<String> {
 
 /// `torchrun --nproc-per-node 2 <torchrun_args> --no-python trainer --config <config>`, with no
 /// launcher identity inherited from the environment running the tests.
-fn torchrun(torchrun: &str, torchrun_args: &[&str], config: &Path) -> Command {
+pub(crate) fn torchrun(torchrun: &str, torchrun_args: &[&str], config: &Path) -> Command {
     let mut cmd = Command::new(torchrun);
     cmd.current_dir(env!("CARGO_MANIFEST_DIR").to_string() + "/..")
         .args(["--nproc-per-node", "2"])
