@@ -218,6 +218,7 @@ fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
             ("gpipe-2x1", 2, (2, "gpipe"), (8, 4)),
             ("1f1b-2x1", 2, (2, "1f1b"), (8, 4)),
             ("1f1b-2x2", 4, (2, "1f1b"), (8, 2)),
+            ("gpipe-2x2", 4, (2, "gpipe"), (8, 2)),
             ("gpipe-3x1", 3, (3, "gpipe"), (16, 2)),
         ];
         for (name, nproc, stages, batch) in runs {

@@ -58,6 +58,17 @@ pub enum StageError {
         expected: String,
     },
     #[error(
+        "stage {stage}: its forward pass failed on the activation of shape {shape:?} from stage {previous}: {message}. The previous stage's output must be this stage's input: the stages' shapes probably do not fit together"
+    )]
+    ForwardOnActivation {
+        stage: usize,
+        previous: usize,
+        shape: Vec<usize>,
+        message: String,
+    },
+    #[error("stage {stage}: its forward pass failed: {message}")]
+    Forward { stage: usize, message: String },
+    #[error(
         "stage {stage}: its output does not depend on its input (no gradient to send back to stage {previous}): a stage must use the activation it is given"
     )]
     NoInputGradient { stage: usize, previous: usize },
@@ -182,7 +193,7 @@ fn forward<S: PipelineStage<D>, const D: usize>(
     } else {
         Some(receive_activation::<D>(plan, i, links, device)?.require_grad())
     };
-    let out = stage.forward(input.clone(), batch);
+    let out = run_forward(stage, plan, input.clone(), batch)?;
     let output = if plan.stage + 1 == plan.stages {
         // Each micro-batch's share of the batch mean.
         Output::Loss(stage.loss(out, batch) * weight)
@@ -193,6 +204,40 @@ fn forward<S: PipelineStage<D>, const D: usize>(
         Output::Sent(out)
     };
     Ok(InFlight { input, output })
+}
+
+/// `stage.forward(input, batch)`. The user's forward pass panics where the activation it is
+/// given does not fit it (Burn checks shapes by panicking): that becomes an error naming this
+/// stage, the previous one and the activation's shape, so the rank fails with a message and its
+/// neighbours are told, instead of a panic on one rank and waits on the others.
+fn run_forward<S: PipelineStage<D>, const D: usize>(
+    stage: &S,
+    plan: StepPlan,
+    input: Option<Tensor<D>>,
+    batch: &S::Batch,
+) -> Result<Tensor<D>, StageError> {
+    let shape = input.as_ref().map(|t| t.dims().to_vec());
+    let ran =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage.forward(input, batch)));
+    ran.map_err(|payload| {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|m| (*m).to_owned()))
+            .unwrap_or_else(|| "it panicked".to_owned());
+        match shape {
+            Some(shape) => StageError::ForwardOnActivation {
+                stage: plan.stage,
+                previous: plan.stage - 1,
+                shape,
+                message,
+            },
+            None => StageError::Forward {
+                stage: plan.stage,
+                message,
+            },
+        }
+    })
 }
 
 /// Micro-batch `i`'s activation from the previous stage, its rank checked.
@@ -240,7 +285,7 @@ where
         } else {
             Some(receive_activation::<D>(plan, i, links, device)?)
         };
-        let out = stage.forward(input, batch);
+        let out = run_forward(stage, plan, input, batch)?;
         if plan.stage + 1 == plan.stages {
             on_output(i, out);
         } else {
@@ -492,6 +537,60 @@ mod tests {
         }
         // Not trivially equal: the gradients are not zero.
         assert!(reference.iter().any(|g| g.abs() > 1e-3));
+    }
+
+    #[test]
+    fn a_stage_that_does_not_take_its_neighbours_output_names_both_stages() {
+        let build = device();
+        // Stage 0 outputs 8 columns, stage 1 takes 5.
+        let parts = [
+            Part {
+                layers: vec![LinearConfig::new(4, 8).init(&build)],
+                holds_the_head: false,
+            },
+            Part {
+                layers: vec![LinearConfig::new(5, 3).init(&build)],
+                holds_the_head: true,
+            },
+        ];
+        let layout = PipelineLayout::new(2, 2).unwrap();
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let threads: Vec<_> = parts
+            .into_iter()
+            .enumerate()
+            .map(|(stage, part)| {
+                let store = Arc::clone(&store);
+                std::thread::spawn(move || {
+                    let options = link_options();
+                    let mut links =
+                        StageLinks::connect(store, "pipeline", &layout, stage, "test", &options)
+                            .unwrap();
+                    let device = device();
+                    let micro = vec![rows(0, 2, &device)];
+                    let plan = StepPlan {
+                        stage,
+                        stages: 2,
+                        schedule: PipelineSchedule::GPipe,
+                    };
+                    pipeline_step(&part, plan, &micro, &mut links, &device)
+                        .err()
+                        .map(|e| e.to_string())
+                })
+            })
+            .collect();
+        let errors: Vec<String> = threads
+            .into_iter()
+            .map(|t| t.join().expect("no panic escapes").unwrap_or_default())
+            .collect();
+        assert!(
+            errors[1].contains(
+                "stage 1: its forward pass failed on the activation of shape [2, 8] from stage 0"
+            ),
+            "{}",
+            errors[1]
+        );
+        // Stage 0 learns that its neighbour is gone, instead of waiting for the timeout.
+        assert!(errors[0].contains("rank 1"), "{}", errors[0]);
     }
 
     fn flat_weights(layers: &[Linear]) -> Vec<f32> {
