@@ -181,6 +181,27 @@ fn final_validation_loss(dir: &Path, name: &str) -> f64 {
     value["metrics"]["Loss"].as_f64().unwrap()
 }
 
+/// What `trainer eval` says of run `name`'s newest checkpoint (stages put together), from
+/// "validation" on.
+fn evaluated(dir: &Path, name: &str) -> String {
+    let out = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(dir.join(format!("{name}.toml")))
+        .arg("--checkpoint")
+        .arg(dir.join(format!("{name}-ckpt"))));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("validation"))
+        .unwrap_or_default();
+    line.split("validation")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{}", out.all()))
+        .to_string()
+}
+
 /// The validation loss of a pipeline run's closing line.
 fn said_validation_loss(out: &Output) -> f64 {
     let line = out
@@ -232,6 +253,12 @@ fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
             assert!(
                 (loss - one_loss).abs() < 1e-5,
                 "{name}: validation loss {loss} through the stages, {one_loss} in one process"
+            );
+            // `trainer eval` puts the stages' checkpoints together into the whole model.
+            assert_eq!(
+                evaluated(&dir, &name),
+                evaluated(&dir, &format!("{tag}-one")),
+                "{name}"
             );
         }
     }

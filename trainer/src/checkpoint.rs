@@ -356,6 +356,59 @@ pub fn load_model<M: Module>(ckpt: &Checkpoint, mut model: M) -> anyhow::Result<
     Ok(model)
 }
 
+/// Loads into `model` the weights of `parts`, checkpoints of one step that each hold some of
+/// its parameters under the model's names (a pipeline's stages): every parameter must come
+/// from exactly one part, and every part's tensors must belong to the model.
+pub fn load_model_parts<M: Module>(parts: &[Checkpoint], mut model: M) -> anyhow::Result<M> {
+    let mut loaded: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let mut everything = Vec::new();
+    for part in parts {
+        let mut store = SafetensorsStore::from_file(part.dir.join(MODEL_FILE)).allow_partial(true);
+        let result = model
+            .load_from(&mut store)
+            .map_err(|e| CheckpointMismatch {
+                dir: part.dir.clone(),
+                reason: format!("its weights do not load: {e}"),
+            })?;
+        if !result.errors.is_empty() || !result.unused.is_empty() {
+            return Err(CheckpointMismatch {
+                dir: part.dir.clone(),
+                reason: format!(
+                    "its weights do not match the model (not in the model: {:?}, errors: {:?})",
+                    result.unused, result.errors
+                ),
+            }
+            .into());
+        }
+        for key in result.applied {
+            if let Some(other) = loaded.insert(key.clone(), part.dir.clone()) {
+                bail!(CheckpointMismatch {
+                    dir: part.dir.clone(),
+                    reason: format!("{key} is also in {}", other.display()),
+                });
+            }
+        }
+        everything = result
+            .missing
+            .into_iter()
+            .map(|(key, _)| key)
+            .chain(loaded.keys().cloned())
+            .collect();
+    }
+    let missing: Vec<&String> = everything
+        .iter()
+        .filter(|k| !loaded.contains_key(*k))
+        .collect();
+    if !missing.is_empty() {
+        let dir = parts.first().map_or_else(PathBuf::new, |p| p.dir.clone());
+        bail!(CheckpointMismatch {
+            dir,
+            reason: format!("no stage holds {missing:?}"),
+        });
+    }
+    Ok(model)
+}
+
 /// The learning-rate scheduler's record of `ckpt` (see `crate::schedule`).
 pub fn scheduler_bytes(ckpt: &Checkpoint) -> anyhow::Result<Vec<u8>> {
     fs::read(ckpt.dir.join(SCHEDULER_FILE)).with_context(|| {

@@ -69,27 +69,48 @@ pub fn evaluate<A: App>(
     checkpoint_path: &Path,
 ) -> anyhow::Result<ExitCode> {
     let config = preflight(&app, config_path, 1, 1)?;
-    let ckpt = if checkpoint_path.join("manifest.json").exists() {
-        checkpoint::open(checkpoint_path)?
+    let stages = config.distributed.pipeline_stages;
+    // A pipeline's stages hold the model's parameters under its names: their checkpoints of
+    // one step together load into the whole model.
+    let parts = if stages > 1 {
+        crate::pipeline::stage_checkpoint::newest_common(checkpoint_path, stages)?
+    } else if checkpoint_path.join("manifest.json").exists() {
+        vec![checkpoint::open(checkpoint_path)?]
     } else {
-        checkpoint::latest(checkpoint_path)?.ok_or_else(|| {
+        vec![checkpoint::latest(checkpoint_path)?.ok_or_else(|| {
             UsageError(format!(
                 "no usable checkpoint in {} (give a checkpoint directory, or the checkpoint.dir that holds them)",
                 checkpoint_path.display()
             ))
-        })?
+        })?]
     };
-    checkpoint::check_compatible(&ckpt, &app.name(&config.model), &config.model_fingerprint())?;
+    let name = app.name(&config.model);
+    for (stage, part) in parts.iter().enumerate() {
+        let expected = if stages > 1 {
+            crate::pipeline::stage_checkpoint::stage_model_name(&name, stage, stages)
+        } else {
+            name.clone()
+        };
+        checkpoint::check_compatible(part, &expected, &config.model_fingerprint())?;
+    }
+    let ckpt = &parts[0];
     let data = app.datasets(&config.data)?;
     let Some(valid) = data.valid else {
         bail!(UsageError(
             "the data has no validation set (e.g. data.validation_fraction = 0): nothing to evaluate".into()
         ));
     };
-    let (step, dir) = (ckpt.manifest.position.step, ckpt.dir.clone());
+    let step = ckpt.manifest.position.step;
+    let dir = match stages {
+        1 => ckpt.dir.clone(),
+        _ => ckpt.dir.parent().and_then(Path::parent).map_or_else(
+            || ckpt.dir.clone(),
+            |pipeline| pipeline.join(format!("stage-*/{}", checkpoint::step_dir_name(step))),
+        ),
+    };
     let device = backend::train_device(config.output.device, 0)?;
     let model = app.model(&config.model, &config.data, &device)?;
-    let model = checkpoint::load_model(&ckpt, model)?.valid();
+    let model = checkpoint::load_model_parts(&parts, model)?.valid();
     let batcher = app.batcher(&config.model, &config.data, &device);
     let mut metrics = app.valid_metrics();
     let n = evaluate_shard(

@@ -29,7 +29,8 @@ pub fn preflight<A: App>(
     if stages > 1 && app.stages().is_none() {
         bail!(crate::pipeline::cannot_split(app, &config));
     }
-    if !world_size.is_multiple_of(stages) {
+    // One process (`trainer eval`, or a run started alone) is told by the pipeline itself.
+    if world_size > 1 && !world_size.is_multiple_of(stages) {
         bail!(UsageError(format!(
             "distributed.pipeline_stages = {stages} does not divide the world size {world_size}: every replica of the pipeline needs all {stages} stages (run {stages} × replicas processes)"
         )));

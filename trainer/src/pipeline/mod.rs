@@ -15,7 +15,7 @@
 //! Not yet: validation and the app's metrics (the loss of the last stage is logged), the
 //! metrics file and plots.
 
-mod stage_checkpoint;
+pub(crate) mod stage_checkpoint;
 mod stage_fit;
 
 use std::process::ExitCode;

@@ -9,7 +9,7 @@
 //! leaves one stage a step ahead), so each stage keeps at least 2 checkpoints. Replicas are
 //! not part of the path: a run resumes at any number of replicas.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::bail;
 use burn_ddp::pipeline::PipelineParallel;
@@ -18,6 +18,7 @@ use burn_ddp::ReduceOp;
 
 use super::StageOf;
 use crate::checkpoint::{self, Checkpoint};
+use crate::error::UsageError;
 use crate::parallel::{self, CheckpointPolicy};
 
 /// Stage `which`'s checkpoint policy, from the run's.
@@ -25,12 +26,14 @@ pub(crate) fn stage_policy(run: &CheckpointPolicy, which: StageOf) -> Checkpoint
     CheckpointPolicy {
         dir: stage_dir(&run.dir, which),
         keep_last: run.keep_last.max(2),
-        model_name: format!(
-            "{} (stage {} of {})",
-            run.model_name, which.stage, which.stages
-        ),
+        model_name: stage_model_name(&run.model_name, which.stage, which.stages),
         ..run.clone()
     }
+}
+
+/// The model name in stage `stage`'s manifests.
+pub(crate) fn stage_model_name(model: &str, stage: usize, stages: usize) -> String {
+    format!("{model} (stage {stage} of {stages})")
 }
 
 /// `root/pipeline-P/stage-s`.
@@ -75,4 +78,26 @@ pub(crate) fn agreed_checkpoint(
             Ok(Some(ckpt))
         }
     }
+}
+
+/// The stages' checkpoints of the newest step every stage of a `stages`-stage run under
+/// `root` has (for `trainer eval`, in one process); an error naming the stage without any.
+pub(crate) fn newest_common(root: &Path, stages: usize) -> anyhow::Result<Vec<Checkpoint>> {
+    let dirs: Vec<PathBuf> = (0..stages)
+        .map(|stage| stage_dir(root, StageOf { stage, stages }))
+        .collect();
+    let mut newest = Vec::with_capacity(stages);
+    for dir in &dirs {
+        match checkpoint::latest(dir)? {
+            Some(ckpt) => newest.push(ckpt.manifest.position.step),
+            None => bail!(UsageError(format!(
+                "no usable checkpoint in {} (a run of {stages} pipeline stages writes one per stage there)",
+                dir.display()
+            ))),
+        }
+    }
+    let step = newest.iter().copied().min().unwrap_or(0);
+    dirs.iter()
+        .map(|dir| checkpoint::open(&dir.join(checkpoint::step_dir_name(step))))
+        .collect()
 }
