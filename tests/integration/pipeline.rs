@@ -317,6 +317,16 @@ fn stage_checkpoints_resume_at_another_number_of_replicas() {
         &out,
     );
     assert_says(&out.stdout, &["2 stages × 2 replicas", "8 steps"], &out);
+    // Rank 0's metrics file: both runs' starts, the loss of the last stages, validation.
+    let metrics = std::fs::read_to_string(dir.join("first-out/metrics.jsonl")).unwrap();
+    for needle in [
+        r#""resumed_from":4"#,
+        r#""kind":"train","epoch":0,"step":8"#,
+        r#""world_size":4,"metrics":{"Loss":"#,
+        r#""kind":"valid","epoch":0,"step":8,"samples":64"#,
+    ] {
+        assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
+    }
 }
 
 /// Runs `config` on `nproc` local ranks, expects exit code 2 and `says` on stderr.

@@ -41,12 +41,14 @@ use burn::optim::{
 use burn::tensor::{Device, Tensor};
 use burn::train::{ItemLazy, TrainStep};
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
-use burn_ddp::{DataParallel, Distributed};
+use burn_ddp::{DataParallel, Distributed, ProcessGroup, TcpProcessGroup};
 
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::backend;
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::config::{AppConfig, OnNonFinite, OptimizerConfig, OptimizerName, TrainingConfig};
+use crate::config::{
+    AppConfig, OnNonFinite, OptimizerConfig, OptimizerName, OutputConfig, TrainingConfig,
+};
 use crate::error::UsageError;
 use crate::fault_injection;
 use crate::loader::BatchStream;
@@ -364,7 +366,14 @@ impl<'j, A: App> Training<'j, A> {
             .app
             .batcher(&job.config.model, &job.config.data, &job.device);
         let resumed_from = restored.map(|c| c.manifest.position.step);
-        let reporter = open_reporter(job, plan.total_steps, position, resumed_from)?;
+        let reporter = open_reporter(
+            rank,
+            world,
+            &job.config.output,
+            plan.total_steps,
+            position,
+            resumed_from,
+        )?;
         Ok(Self {
             train_metrics: job.app.train_metrics(),
             valid_metrics: job.app.valid_metrics(),
@@ -571,7 +580,7 @@ impl<'j, A: App> Training<'j, A> {
         }
         let values = self.train_metrics.global(self.job.ddp.group())?;
         let rate = self.window.rate();
-        let (time, _) = across_ranks(&mut self.job.ddp, self.clock.take_window())?;
+        let (time, _) = across_ranks(self.job.ddp.group(), self.clock.take_window())?;
         self.reporter.record(&Record::Train {
             epoch: position.epoch,
             step: position.step,
@@ -659,7 +668,7 @@ impl<'j, A: App> Training<'j, A> {
         if self.clock.run_steps() == 0 {
             return Ok(None);
         }
-        let (time, ranks) = across_ranks(&mut self.job.ddp, self.clock.run_means())?;
+        let (time, ranks) = across_ranks(self.job.ddp.group(), self.clock.run_means())?;
         let report = time.describe(&ranks);
         let ours = [
             crate::memory::peak_resident_bytes().unwrap_or(0) as f64,
@@ -724,26 +733,22 @@ impl<'j, A: App> Training<'j, A> {
 
 /// Rank 0's progress bar and metrics file (and TensorBoard files), with the run's `start`
 /// line.
-fn open_reporter<A: App>(
-    job: &Job<A>,
+pub(crate) fn open_reporter(
+    rank: usize,
+    world_size: usize,
+    output: &OutputConfig,
     total_steps: usize,
     position: TrainPosition,
     resumed_from: Option<usize>,
 ) -> anyhow::Result<Reporter> {
-    let output = &job.config.output;
-    let mut reporter = Reporter::new(
-        job.rank(),
-        &output.dir,
-        total_steps as u64,
-        position.step as u64,
-    )?;
+    let mut reporter = Reporter::new(rank, &output.dir, total_steps as u64, position.step as u64)?;
     if output.tensorboard {
         reporter = reporter.with_tensorboard(&output.dir.join("tensorboard"))?;
     }
     reporter.record(&Record::Start {
         step: position.step,
         epoch: position.epoch,
-        world_size: job.world_size(),
+        world_size,
         resumed_from,
         restart: fault_injection::restart_count(),
         unix_time: std::time::SystemTime::now()
@@ -754,11 +759,14 @@ fn open_reporter<A: App>(
 }
 
 /// Every rank's step times, combined over the ranks (collective: one small all-gather).
-fn across_ranks(
-    ddp: &mut DataParallel,
+/// Every rank's phase times of `group` (the job), and their spread. Collective.
+pub(crate) fn across_ranks(
+    group: &mut TcpProcessGroup,
     ours: RankTimes,
 ) -> anyhow::Result<(StepTime, Vec<RankTimes>)> {
-    let all = ddp.all_gather(&ours.to_row())?;
+    let row = ours.to_row();
+    let mut all = vec![0.0; row.len() * group.world_size()];
+    group.all_gather(&row, &mut all)?;
     let ranks: Vec<RankTimes> = all
         .chunks_exact(RankTimes::ROW)
         .map(RankTimes::from_row)
@@ -767,7 +775,7 @@ fn across_ranks(
 }
 
 /// Rank 0, at the end of a run (`output.plots`): charts must never fail a finished run.
-fn write_plots(dir: &Path) {
+pub(crate) fn write_plots(dir: &Path) {
     match crate::plot::write_plots(dir) {
         Ok(files) => tracing::info!(
             "wrote {} charts to {}",

@@ -31,11 +31,14 @@ use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::AppConfig;
 use crate::error::UsageError;
 use crate::fault_injection;
-use crate::fit::{optimizer, EpochSampler};
+use crate::fit::{across_ranks, open_reporter, optimizer, write_plots, EpochSampler};
 use crate::loader::BatchStream;
+use crate::metrics::{Record, Reporter};
 use crate::parallel::{self, CheckpointPolicy};
 use crate::plan::{PlanInput, StepPlan};
 use crate::schedule::Schedule;
+use crate::throughput::ThroughputWindow;
+use crate::timing::{Phase, PhaseClock};
 
 /// The app's stage builder (see [`super::StageSplit::new`]).
 type Build<A, S> = dyn Fn(
@@ -107,9 +110,16 @@ where
         last_saved: None,
         samples: 0,
         last_valid: None,
+        reporter: None,
+        clock: PhaseClock::new(),
+        window: ThroughputWindow::new(),
+        lr: 0.0,
     };
     let stage = training.run::<S, D>(stage, restored.as_ref())?;
     drop(stage);
+    if training.pp.rank() == 0 && training.config.output.plots {
+        write_plots(&training.config.output.dir);
+    }
     // Rank 0 may host the store: leave together.
     training.pp.world_group().barrier()?;
     Ok(ExitCode::SUCCESS)
@@ -196,6 +206,11 @@ struct StageTraining<A: App> {
     /// This replica's samples trained in this process.
     samples: usize,
     last_valid: Option<ValidLoss>,
+    /// Rank 0's metrics file and progress bar, once the plan is known.
+    reporter: Option<Reporter>,
+    clock: PhaseClock,
+    window: ThroughputWindow,
+    lr: f64,
 }
 
 /// The validation loss of the model after optimizer step `step`.
@@ -223,6 +238,15 @@ impl<A: App> StageTraining<A> {
             schedule = checkpoint::load_schedule(ckpt, schedule)?;
             self.last_saved = Some(ckpt.manifest.position.step);
         }
+        let world = self.pp.stages() * self.pp.replicas();
+        self.reporter = Some(open_reporter(
+            self.pp.rank(),
+            world,
+            &self.config.output,
+            plan.total_steps,
+            self.position,
+            self.last_saved,
+        )?);
         let started = Instant::now();
         while plan.more_after(self.position) {
             stage = self.train_epoch(stage, &plan, &mut schedule)?;
@@ -233,7 +257,7 @@ impl<A: App> StageTraining<A> {
         }
         if self.last_valid.is_none_or(|v| v.step != self.position.step) {
             // Stopped mid-epoch (max_steps): validate the final model too.
-            self.validate(&stage)?;
+            self.validate(&stage, self.position.epoch)?;
         }
         self.finish(elapsed)?;
         Ok(stage)
@@ -298,7 +322,7 @@ impl<A: App> StageTraining<A> {
         if plan.epoch_complete(self.position, samples.is_empty()) {
             self.position.epoch += 1;
             self.position.consumed = 0;
-            self.validate(&stage)?;
+            self.validate(&stage, self.position.epoch - 1)?;
             if plan.checkpoint_after_epoch(self.position.epoch)
                 && self.last_saved != Some(self.position.step)
             {
@@ -328,15 +352,20 @@ impl<A: App> StageTraining<A> {
             .seed(seed.wrapping_add(self.position.step as u64 + 1));
         let micro = plan.micro_batches(step_samples);
         let weights: Vec<f64> = micro.iter().map(|(_, w)| f64::from(*w)).collect();
-        let mut inputs = Vec::with_capacity(micro.len());
-        for _ in &micro {
-            let batch = batches
-                .next_batch::<<A::Model as TrainStep>::Input, _>(&self.batcher, &self.device)?;
-            inputs.push(batch);
-        }
-        let result = self
-            .pp
-            .step_weighted(&stage, &inputs, &weights, &self.device)
+        let (batcher, device) = (&self.batcher, &self.device);
+        let inputs = self.clock.time(Phase::Data, || {
+            micro
+                .iter()
+                .map(|_| batches.next_batch::<<A::Model as TrainStep>::Input, _>(batcher, device))
+                .collect::<anyhow::Result<Vec<_>>>()
+        })?;
+        // Forward, backward, the exchanges with the neighbouring stages and the gradients'
+        // average over the stage's replicas, in one.
+        let (pp, clock) = (&mut self.pp, &mut self.clock);
+        let result = clock
+            .time(Phase::Compute, || {
+                pp.step_weighted(&stage, &inputs, &weights, device)
+            })
             .map_err(usage_or_failure)?;
         self.samples += step_samples.len();
         if let Some(loss) = result.loss {
@@ -344,11 +373,16 @@ impl<A: App> StageTraining<A> {
             self.loss.weighted_sum += loss * n;
             self.loss.samples += n;
         }
-        let lr = schedule.next_lr();
-        let stage = self
-            .optim
-            .step(ModuleLearningRate::from(lr), stage, result.grads);
-        Ok(self.pp.finish_step(stage)?)
+        self.lr = schedule.next_lr();
+        let (optim, lr) = (&mut self.optim, self.lr);
+        let stage = self.clock.time(Phase::Optimizer, || {
+            optim.step(ModuleLearningRate::from(lr), stage, result.grads)
+        });
+        let pp = &mut self.pp;
+        let stage = self.clock.time(Phase::Sync, || pp.finish_step(stage))?;
+        self.clock.end_step();
+        self.window.add(step_samples.len() * self.pp.replicas());
+        Ok(stage)
     }
 
     /// The loss line and the checkpoint the plan asks for; the fault-injection hooks.
@@ -360,7 +394,7 @@ impl<A: App> StageTraining<A> {
     ) -> anyhow::Result<()> {
         let step = self.position.step;
         if plan.log_after(step) {
-            self.log_loss(plan.total_steps)?;
+            self.log_loss()?;
         }
         if plan.checkpoint_after_step(step) {
             self.save(stage, schedule)?;
@@ -371,19 +405,33 @@ impl<A: App> StageTraining<A> {
         Ok(())
     }
 
-    /// Rank 0 logs the mean loss of the last stages since the last line. Collective over the
-    /// whole job.
-    fn log_loss(&mut self, total_steps: usize) -> anyhow::Result<()> {
+    /// A `train` record (rank 0 writes it): the mean loss of the last stages since the last
+    /// one, the rate, the step times over every rank. Collective over the whole job.
+    fn log_loss(&mut self) -> anyhow::Result<()> {
         let mut sums = [self.loss.weighted_sum, self.loss.samples];
         self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
         self.loss = LossWindow::default();
-        if self.pp.rank() == 0 && sums[1] > 0.0 {
-            tracing::info!(
-                "epoch {} step {}/{}: loss {:.6}",
-                self.position.epoch + 1,
-                self.position.step,
-                total_steps,
-                sums[0] / sums[1]
+        let (time, _) = across_ranks(self.pp.world_group(), self.clock.take_window())?;
+        let rate = self.window.rate();
+        self.window = ThroughputWindow::new();
+        let loss = sums[0] / sums[1].max(1.0);
+        let (position, world) = (self.position, self.pp.stages() * self.pp.replicas());
+        if let Some(reporter) = &mut self.reporter {
+            reporter.record(&Record::Train {
+                epoch: position.epoch,
+                step: position.step,
+                lr: self.lr,
+                samples_per_sec: rate,
+                world_size: world,
+                metrics: [("Loss".to_string(), loss)].into(),
+                time,
+            });
+            reporter.progress(
+                position.step as u64,
+                format!(
+                    "epoch {} Loss {loss:.4} {rate:.0} samples/s",
+                    position.epoch + 1
+                ),
             );
         }
         Ok(())
@@ -392,13 +440,14 @@ impl<A: App> StageTraining<A> {
     /// The last stage's loss over every validation sample once (each replica its shard, in
     /// micro-batches of `batch_size` through the pipeline without autodiff); rank 0 logs it.
     /// Collective over the whole job; nothing without a validation set.
-    fn validate<S, const D: usize>(&mut self, stage: &S) -> anyhow::Result<()>
+    fn validate<S, const D: usize>(&mut self, stage: &S, epoch: usize) -> anyhow::Result<()>
     where
         S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
     {
         let Some(valid) = self.data.valid.clone() else {
             return Ok(());
         };
+        let validating = Instant::now();
         let inner = stage.valid();
         let device = self.device.clone().inner();
         let indices = DistributedSampler::new(valid.len(), self.pp.replicas(), self.pp.replica())
@@ -444,12 +493,22 @@ impl<A: App> StageTraining<A> {
         self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
         let [loss, samples] = sums;
         let loss = loss / samples.max(1.0);
-        if self.pp.rank() == 0 {
-            tracing::info!(
-                "epoch {}: validation loss {loss:.6} ({samples} samples)",
-                self.position.epoch
-            );
+        if let Some(reporter) = &mut self.reporter {
+            reporter.record(&Record::Valid {
+                epoch,
+                step: self.position.step,
+                samples: samples as usize,
+                metrics: [("Loss".to_string(), loss)].into(),
+            });
+            reporter.say(&format!(
+                "epoch {}/{}: validation Loss {loss:.4} ({samples} samples)",
+                epoch + 1,
+                self.config.training.epochs
+            ));
         }
+        // Kept out of the step times and the rate.
+        self.clock.exclude(validating.elapsed());
+        self.window.exclude(validating.elapsed());
         self.last_valid = Some(ValidLoss {
             step: self.position.step,
             loss,
@@ -463,6 +522,7 @@ impl<A: App> StageTraining<A> {
         let Some(policy) = &self.policy else {
             return Ok(());
         };
+        let saving = Instant::now();
         parallel::save_training_checkpoint(
             self.pp.replica_group(),
             policy,
@@ -472,6 +532,7 @@ impl<A: App> StageTraining<A> {
             schedule,
         )
         .with_context(|| format!("stage {}", self.pp.stage()))?;
+        self.clock.add(Phase::Checkpoint, saving.elapsed());
         self.last_saved = Some(self.position.step);
         Ok(())
     }
@@ -480,6 +541,9 @@ impl<A: App> StageTraining<A> {
     /// (`elapsed`, checkpoints included), every rank's peak resident memory. Collective over
     /// the whole job.
     fn finish(&mut self, elapsed: Duration) -> anyhow::Result<()> {
+        if let Some(reporter) = self.reporter.take() {
+            reporter.finish();
+        }
         let peak = crate::memory::peak_resident_bytes().unwrap_or(0) as f64;
         let mut all = vec![0.0; self.pp.stages() * self.pp.replicas()];
         self.pp.world_group().all_gather(&[peak], &mut all)?;
