@@ -136,20 +136,7 @@ impl DataParallel {
     /// Fails on every rank whose `fingerprint` (of its settings) differs from rank 0's, naming
     /// it ([`DdpError::Mismatch`]). Collective.
     pub fn check_same(&mut self, fingerprint: &str) -> Result<(), DdpError> {
-        if self.world_size() == 1 {
-            return Ok(());
-        }
-        let rank = self.rank();
-        let store = &self.dist.store;
-        store.set(&settings_key(rank), fingerprint.as_bytes())?;
-        let theirs = store.get(&settings_key(0), self.timeout)?;
-        if theirs != fingerprint.as_bytes() {
-            return Err(DdpError::Mismatch(format!(
-                "rank {rank}'s config differs from rank 0's (fingerprint {fingerprint} vs {}): every rank must train with the same settings",
-                String::from_utf8_lossy(&theirs)
-            )));
-        }
-        Ok(())
+        self.dist.check_same(fingerprint, self.timeout)
     }
 
     /// Makes the replicas equal: parameter ids from the visit order (so optimizer state
@@ -371,11 +358,6 @@ impl DataParallel {
     pub fn barrier(&mut self) -> Result<(), DdpError> {
         Ok(self.dist.group.barrier()?)
     }
-}
-
-/// Rendezvous-store key under which rank `rank` publishes its settings' fingerprint.
-fn settings_key(rank: usize) -> String {
-    format!("burn-ddp/settings/{rank}")
 }
 
 /// The failure synchronised BatchNorm recorded in this step's forward or backward, if any

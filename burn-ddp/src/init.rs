@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::env::DistEnv;
-use crate::error::{CollectiveError, StoreError};
+use crate::error::{CollectiveError, DdpError, StoreError};
 use crate::group::{TcpGroupOptions, TcpProcessGroup};
 use crate::store::{
     C10dStore, MemoryStore, PrefixStore, Store, StoreHost, TcpStore, TcpStoreServer,
@@ -202,6 +202,45 @@ impl Distributed {
         }
     }
 
+    /// Fails with [`DdpError::Mismatch`] unless `fingerprint` (of this rank's settings) is
+    /// rank 0's, naming both ranks. Not a collective: each rank publishes its own; rank 0 reads
+    /// every other rank's and the others read rank 0's, each waiting at most `timeout` for a
+    /// rank that has not published yet. A job's first check: ranks started with different
+    /// settings fail at once (rank 0 and the odd one) instead of in mismatched collectives.
+    pub fn check_same(&self, fingerprint: &str, timeout: Duration) -> Result<(), DdpError> {
+        if self.env.world_size == 1 {
+            return Ok(());
+        }
+        let rank = self.env.rank;
+        self.store
+            .set(&settings_key(rank), fingerprint.as_bytes())?;
+        let others: Vec<usize> = match rank {
+            0 => (1..self.env.world_size).collect(),
+            _ => vec![0],
+        };
+        for other in others {
+            let theirs = self.store.get(&settings_key(other), timeout)?;
+            if theirs != fingerprint.as_bytes() {
+                let (zero, odd, odd_print) = match rank {
+                    0 => (
+                        fingerprint.to_owned(),
+                        other,
+                        String::from_utf8_lossy(&theirs).into_owned(),
+                    ),
+                    _ => (
+                        String::from_utf8_lossy(&theirs).into_owned(),
+                        rank,
+                        fingerprint.to_owned(),
+                    ),
+                };
+                return Err(DdpError::Mismatch(format!(
+                    "rank {odd}'s config differs from rank 0's (fingerprint {odd_print} vs {zero}): every rank must train with the same settings"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// A job of one process: world size 1, an in-process store, no sockets.
     pub fn standalone() -> Self {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
@@ -271,6 +310,11 @@ fn is_loopback(endpoint: &str) -> bool {
 
 /// A default connect timeout for tools that only talk to the store.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Rendezvous-store key under which rank `rank` publishes its settings' fingerprint.
+fn settings_key(rank: usize) -> String {
+    format!("burn-ddp/settings/{rank}")
+}
 
 #[cfg(test)]
 mod tests {

@@ -43,7 +43,8 @@ impl TextClassifierConfig {
     /// Stage `stage` of `stages` of the model [`init`](Self::init) builds with the same
     /// device RNG state: the stage's parameters equal the whole model's, since every part is
     /// drawn in the whole model's order — the parts of other stages one at a time and
-    /// dropped, so a stage never holds more than its own parameters and one other layer.
+    /// dropped at once, so a stage never holds more than its own parameters and one other
+    /// part.
     /// The encoder's layers are cut as [`stage_layers`] says.
     ///
     /// # Panics
@@ -56,8 +57,13 @@ impl TextClassifierConfig {
         assert!(stage < stages, "stage {stage} of {stages}");
         let (first, last) = (stage == 0, stage + 1 == stages);
         let own: Range<usize> = stage_layers(self.layers, stages, stage);
-        let tokens = drawn(EmbeddingConfig::new(self.vocab_size, self.d_model).init(device));
-        let positions = drawn(EmbeddingConfig::new(self.max_len, self.d_model).init(device));
+        // `then_some` drops a part that is not this stage's right after it is drawn.
+        let tokens = first.then_some(drawn(
+            EmbeddingConfig::new(self.vocab_size, self.d_model).init(device),
+        ));
+        let positions = first.then_some(drawn(
+            EmbeddingConfig::new(self.max_len, self.d_model).init(device),
+        ));
         let encoder = self.encoder_config();
         let layers = (0..self.layers)
             .map(|i| {
@@ -65,13 +71,15 @@ impl TextClassifierConfig {
                 own.contains(&i).then_some(layer)
             })
             .collect();
-        let output = drawn(LinearConfig::new(self.d_model, self.classes).init(device));
+        let output = last.then_some(drawn(
+            LinearConfig::new(self.d_model, self.classes).init(device),
+        ));
         TextClassifierStage {
-            tokens: first.then_some(tokens),
-            positions: first.then_some(positions),
+            tokens,
+            positions,
             dropout: (first && self.dropout > 0.0).then(|| DropoutConfig::new(self.dropout).init()),
             encoder: StageEncoder { layers },
-            output: last.then_some(output),
+            output,
         }
     }
 }

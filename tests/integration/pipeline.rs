@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use crate::common::*;
 
@@ -369,6 +370,45 @@ fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
     );
 }
 
+/// `trainer --config <config> --nproc-per-node 1 --nnodes 2 --node-rank <rank>` on loopback,
+/// with the environment `env`.
+fn node(config: &Path, rank: usize, port: u16, env: &[(&str, &str)]) -> Command {
+    let mut cmd = trainer();
+    // `trainer()` clears the launcher variables, the job token among them: both machines'
+    // launchers must share one.
+    cmd.env("BURN_DDP_TOKEN", format!("pipeline-nodes-{port}"));
+    cmd.envs(env.iter().copied());
+    cmd.arg("--config").arg(config).args([
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        &rank.to_string(),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        &port.to_string(),
+    ]);
+    cmd
+}
+
+#[test]
+fn ranks_started_with_other_stage_counts_fail_at_once_naming_both() {
+    let dir = scratch("engine-pipeline-mismatch");
+    let staged = transformer(&dir, "staged", SGD, (2, "gpipe"), (8, 4), "");
+    let plain = transformer(&dir, "plain", SGD, (1, "gpipe"), (8, 4), "");
+    let (nodes, _) =
+        start_by_hand(|port| vec![node(&staged, 0, port, &[]), node(&plain, 1, port, &[])]);
+    let outs: Vec<Output> = nodes.into_iter().map(Proc::finish).collect();
+    let all = format!("{}\n{}", outs[0].all(), outs[1].all());
+    assert!(outs.iter().all(|o| o.code != Some(0)), "{all}");
+    assert!(
+        all.contains("rank 1's config differs from rank 0's"),
+        "the ranks must compare their settings first:\n{all}"
+    );
+}
+
 #[test]
 fn a_model_the_preflight_refuses_for_one_process_trains_in_two_stages_on_two_nodes() {
     let dir = scratch("engine-pipeline-memory");
@@ -381,26 +421,12 @@ fn a_model_the_preflight_refuses_for_one_process_trains_in_two_stages_on_two_nod
     assert_says(&out.stderr, &["the model does not fit in memory"], &out);
     // Two "machines" of one rank each (nodes 0 and 1 on loopback), one stage each.
     let staged = transformer(&dir, "staged", ADAM, (2, "1f1b"), (8, 4), "");
-    let node = |rank: usize, port: u16| {
-        let mut cmd = trainer();
-        // `trainer()` clears the launcher variables, the job token among them: both
-        // machines' launchers must share one.
-        cmd.env("BURN_DDP_TOKEN", format!("pipeline-memory-{port}"));
-        cmd.arg("--config").arg(&staged).env(room.0, room.1).args([
-            "--nproc-per-node",
-            "1",
-            "--nnodes",
-            "2",
-            "--node-rank",
-            &rank.to_string(),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            &port.to_string(),
-        ]);
-        cmd
-    };
-    let (nodes, _) = start_by_hand(|port| vec![node(0, port), node(1, port)]);
+    let (nodes, _) = start_by_hand(|port| {
+        vec![
+            node(&staged, 0, port, &[room]),
+            node(&staged, 1, port, &[room]),
+        ]
+    });
     let outs: Vec<Output> = nodes.into_iter().map(Proc::finish).collect();
     for (i, out) in outs.iter().enumerate() {
         assert_eq!(
@@ -440,5 +466,39 @@ fn torchrun_and_mpirun_start_pipeline_stages_like_the_trainers_launcher() {
         assert_eq!(out.code, Some(0), "{name}:\n{}", out.all());
         let diff = max_abs_diff(&stage_weights(&dir, name, 2), &reference);
         assert!(diff < 1e-6, "{name}: max |Δw| = {diff:e}");
+    }
+}
+
+#[test]
+fn a_stage_one_checkpoint_ahead_goes_back_with_the_others() {
+    let dir = scratch("engine-pipeline-ahead");
+    let every = "every_steps = 2";
+    crate::common::train(
+        &transformer(&dir, "run", SGD, (2, "gpipe"), (8, 4), every),
+        2,
+    );
+    // As if the job died between the two stages' writes of step 8.
+    let stages = dir.join("run-ckpt/pipeline-2");
+    std::fs::remove_dir_all(stages.join("stage-1/step-00000008")).unwrap();
+    // Resumed with 2 replicas: stage 0's step 8 of the first run must not stand in for the
+    // step 8 this run trains.
+    let again = transformer(&dir, "run", SGD, (2, "gpipe"), (8, 2), every);
+    let out = crate::common::train(&again, 4);
+    assert_says(
+        &out.stderr,
+        &[
+            "removed 1 checkpoint(s) after step 6",
+            "step 6; saved with 1 replicas, now 2",
+        ],
+        &out,
+    );
+    for stage in 0..2 {
+        let manifest = stages.join(format!("stage-{stage}/step-00000008/manifest.json"));
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+        assert_eq!(
+            manifest["world_size"], 2,
+            "stage {stage}'s step 8: {manifest}"
+        );
     }
 }

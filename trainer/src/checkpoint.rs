@@ -231,6 +231,22 @@ fn list(root: &Path) -> Vec<(usize, PathBuf)> {
     found
 }
 
+/// Removes the checkpoints in `root` of steps after `step` (`None`: all): another part of the
+/// job (a pipeline's other stages) has none of them, so a resume goes back to `step` and they
+/// would stand in for the steps retrained. Returns how many were removed.
+pub fn discard_after(root: &Path, step: Option<usize>) -> anyhow::Result<usize> {
+    let newer: Vec<PathBuf> = list(root)
+        .into_iter()
+        .filter(|(s, _)| step.is_none_or(|step| *s > step))
+        .map(|(_, dir)| dir)
+        .collect();
+    for dir in &newer {
+        fs::remove_dir_all(dir)
+            .with_context(|| format!("cannot remove the checkpoint {}", dir.display()))?;
+    }
+    Ok(newer.len())
+}
+
 fn prune(root: &Path, keep_last: usize) {
     for (_, dir) in list(root).into_iter().skip(keep_last) {
         if let Err(e) = fs::remove_dir_all(&dir) {

@@ -36,13 +36,15 @@ pub fn preflight<A: App>(
         )));
     }
     if config.output.device == DeviceKind::Cpu {
-        // A rank holds one stage: about 1/stages of the model (stages are cut by layers).
+        // A rank of a pipeline holds one stage: about 1/stages of the model (stages are cut
+        // by layers); one process (`trainer eval`) the whole model.
+        let per_rank = if world_size > 1 { stages } else { 1 };
         let parameters = app
             .parameter_count(&config.model, &config.data)
-            .map(|p| p.div_ceil(stages as u64));
+            .map(|p| p.div_ceil(per_rank as u64));
         if let (Some(parameters), Some((available, source))) = (parameters, available_memory()) {
             MemoryEstimate::new(parameters, &config.optimizer)
-                .with_zero_stage(config.distributed.zero_stage, world_size / stages)
+                .with_zero_stage(config.distributed.zero_stage, world_size / per_rank)
                 .check(ranks_here, available, source)?;
         }
     }

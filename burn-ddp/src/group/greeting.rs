@@ -77,6 +77,7 @@ pub(crate) fn accept_greeted(
     listener
         .set_nonblocking(true)
         .map_err(|e| rdv.setup_error(format!("cannot configure the listener: {e}")))?;
+    let mut refused = String::new();
     loop {
         match listener.accept() {
             Ok((mut stream, from)) => match read_hello(&mut stream, deadline, ours, peer) {
@@ -86,15 +87,16 @@ pub(crate) fn accept_greeted(
                         rank = ours.rank,
                         "refused a {link} connection from {from}: {why}"
                     );
+                    refused = format!(" (refused a connection from {from}: {why})");
                     let _ = stream.shutdown(Shutdown::Both);
                 }
             },
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
-                    return Err(
-                        rdv.setup_error(format!("rank {peer} did not connect within {timeout:?}"))
-                    );
+                    return Err(rdv.setup_error(format!(
+                        "rank {peer} did not connect within {timeout:?}{refused}"
+                    )));
                 }
                 wait_fds(
                     &mut [pollfd(listener.as_raw_fd(), libc::POLLIN)],

@@ -4,8 +4,9 @@
 //! Set-up (collective over the whole world, bounded by the timeout): every rank joins a
 //! rendezvous under the store prefix `pipeline/`, publishes its plan (stage count, schedule,
 //! micro-batches: a neighbour with another plan is refused at once, naming both ranks) and a
-//! listening address; then it connects to its next stage and accepts its previous stage, whose
-//! first bytes are its rank.
+//! listening address; then it connects to its next stage and accepts its previous stage, which
+//! greets with its rank, the world size and the job token (`group::greeting`, as the ring's
+//! links: a stranger is refused and logged, and the wait goes on).
 //!
 //! Sends never wait for the receiver's program order: each outgoing connection has a writer
 //! thread fed through a queue, so two neighbours sending to each other at once (1F1B's steady

@@ -69,6 +69,10 @@ pub enum StageError {
     #[error("stage {stage}: its forward pass failed: {message}")]
     Forward { stage: usize, message: String },
     #[error(
+        "stage {stage}, the last: its loss failed on its output and the batch's targets: {message}"
+    )]
+    Loss { stage: usize, message: String },
+    #[error(
         "stage {stage}: its output does not depend on its input (no gradient to send back to stage {previous}): a stage must use the activation it is given"
     )]
     NoInputGradient { stage: usize, previous: usize },
@@ -196,7 +200,11 @@ fn forward<S: PipelineStage<D>, const D: usize>(
     let out = run_forward(stage, plan, input.clone(), batch)?;
     let output = if plan.stage + 1 == plan.stages {
         // Each micro-batch's share of the batch mean.
-        Output::Loss(stage.loss(out, batch) * weight)
+        let loss = unwinding(|| stage.loss(out, batch)).map_err(|message| StageError::Loss {
+            stage: plan.stage,
+            message,
+        })?;
+        Output::Loss(loss * weight)
     } else {
         let shape = out.dims().to_vec();
         let values = read(plan.stage, "an activation", out.clone())?;
@@ -217,26 +225,28 @@ fn run_forward<S: PipelineStage<D>, const D: usize>(
     batch: &S::Batch,
 ) -> Result<Tensor<D>, StageError> {
     let shape = input.as_ref().map(|t| t.dims().to_vec());
-    let ran =
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| stage.forward(input, batch)));
-    ran.map_err(|payload| {
-        let message = payload
+    unwinding(|| stage.forward(input, batch)).map_err(|message| match shape {
+        Some(shape) => StageError::ForwardOnActivation {
+            stage: plan.stage,
+            previous: plan.stage - 1,
+            shape,
+            message,
+        },
+        None => StageError::Forward {
+            stage: plan.stage,
+            message,
+        },
+    })
+}
+
+/// `work()`, or the message of its panic (the user's code panics where Burn rejects a shape).
+fn unwinding<T>(work: impl FnOnce() -> T) -> Result<T, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)).map_err(|payload| {
+        payload
             .downcast_ref::<String>()
             .cloned()
             .or_else(|| payload.downcast_ref::<&str>().map(|m| (*m).to_owned()))
-            .unwrap_or_else(|| "it panicked".to_owned());
-        match shape {
-            Some(shape) => StageError::ForwardOnActivation {
-                stage: plan.stage,
-                previous: plan.stage - 1,
-                shape,
-                message,
-            },
-            None => StageError::Forward {
-                stage: plan.stage,
-                message,
-            },
-        }
+            .unwrap_or_else(|| "it panicked".to_owned())
     })
 }
 

@@ -11,9 +11,10 @@
 //!
 //! What the engine gives a stage that plain data parallelism also gives: the sampler (a
 //! replica is a rank of it), the step plan, the learning-rate schedule, the optimizer and its
-//! state (ZeRO stage 1 within a stage's replicas), checkpoints and resume, fault injection.
-//! Not yet: validation and the app's metrics (the loss of the last stage is logged), the
-//! metrics file and plots.
+//! state (ZeRO stage 1 within a stage's replicas), validation (the last stage's loss),
+//! checkpoints and resume, the metrics file, plots and fault injection. Not yet: the app's
+//! own metrics during training (`trainer eval` gives them on the stages put together) and
+//! replica checks.
 
 pub(crate) mod stage_checkpoint;
 mod stage_fit;

@@ -43,8 +43,30 @@ pub(crate) fn stage_dir(root: &std::path::Path, which: StageOf) -> PathBuf {
 }
 
 /// The checkpoint this rank's stage resumes from: the newest step every stage has, the same
-/// on every rank; `None` when some stage has none. Collective over the whole job.
+/// on every rank; `None` when some stage has none. The stage's checkpoints after it (a stage
+/// that saved one step more before a crash) are removed by its replica 0, so that the steps
+/// retrained from there are saved anew. Collective over the whole job.
 pub(crate) fn agreed_checkpoint(
+    pp: &mut PipelineParallel,
+    policy: &CheckpointPolicy,
+) -> anyhow::Result<Option<Checkpoint>> {
+    let agreed = newest_every_stage_has(pp, policy)?;
+    if pp.replica() == 0 {
+        let step = agreed.as_ref().map(|c| c.manifest.position.step);
+        let removed = checkpoint::discard_after(&policy.dir, step)?;
+        if removed > 0 {
+            tracing::warn!(
+                "stage {}: removed {removed} checkpoint(s) after step {} that another stage does not have",
+                pp.stage(),
+                step.map_or_else(|| "0".to_string(), |s| s.to_string())
+            );
+        }
+    }
+    Ok(agreed)
+}
+
+/// [`agreed_checkpoint`] before the clean-up. Collective over the whole job.
+fn newest_every_stage_has(
     pp: &mut PipelineParallel,
     policy: &CheckpointPolicy,
 ) -> anyhow::Result<Option<Checkpoint>> {

@@ -8,7 +8,8 @@
 //!    replica reads the same samples: the first its inputs, the last its targets); each
 //!    optimizer step cuts it into `accumulation_steps` micro-batches, runs them through the
 //!    pipeline (GPipe or 1F1B), averages the stage's gradients over its replicas and steps
-//!    the optimizer; then the loss line and the checkpoints the plan asks for.
+//!    the optimizer; then the `train` record and the checkpoints the plan asks for; at the
+//!    end of an epoch, validation through the pipeline without autodiff.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -65,7 +66,7 @@ where
         device,
         no_resume,
     } = run;
-    let mut pp = form::<A>(dist, &config, &device)?;
+    let mut pp = form::<A>(dist, &config, no_resume, &device)?;
     let which = StageOf {
         stage: pp.stage(),
         stages: pp.stages(),
@@ -125,12 +126,13 @@ where
     Ok(ExitCode::SUCCESS)
 }
 
-/// Forms the pipeline `[distributed]` asks for over the job `dist` (the micro-batch count is
-/// `training.accumulation_steps`), and checks that every rank of the stage runs this config.
-/// Collective over the whole job.
+/// Checks that every rank runs this config, then forms the pipeline `[distributed]` asks for
+/// over the job `dist` (the micro-batch count is `training.accumulation_steps`). Collective
+/// over the whole job.
 fn form<A: App>(
     dist: Distributed,
     config: &AppConfig<A>,
+    no_resume: bool,
     device: &Device,
 ) -> anyhow::Result<PipelineParallel> {
     let d = &config.distributed;
@@ -139,10 +141,19 @@ fn form<A: App>(
         schedule: d.pipeline_schedule.schedule(),
         micro_batches: config.training.accumulation_steps,
     };
-    let mut pp = PipelineParallel::new(dist, pipeline, parallel::ddp_options(d), device)
-        .map_err(usage_or_failure)?;
-    pp.replica_group().check_same(&config.fingerprint())?;
-    Ok(pp)
+    // Every rank against rank 0 first: a rank started with other settings (another stage
+    // count, another plan) fails here at once, not in the pipeline's collectives.
+    // The checkpoint settings decide collectives too (the resume agreement).
+    let c = &config.checkpoint;
+    let settings = format!(
+        "{} checkpoint.dir={:?} resume={}",
+        config.fingerprint(),
+        c.dir.is_some(),
+        c.resume && !no_resume
+    );
+    dist.check_same(&settings, Duration::from_secs(d.timeout_secs))?;
+    PipelineParallel::new(dist, pipeline, parallel::ddp_options(d), device)
+        .map_err(usage_or_failure)
 }
 
 /// A pipeline that could not form or step: a usage error (exit code 2) when it is one.
