@@ -151,7 +151,7 @@ plots = false
 
 /// The whole model's weights at the end of run `name`: its newest checkpoint, or the union of
 /// its stages' newest checkpoints (each key on exactly one stage).
-fn stage_weights(dir: &Path, name: &str, stages: usize) -> BTreeMap<String, Vec<f32>> {
+pub(crate) fn stage_weights(dir: &Path, name: &str, stages: usize) -> BTreeMap<String, Vec<f32>> {
     let root = dir.join(format!("{name}-ckpt"));
     if stages == 1 {
         return read_weights(&newest_checkpoint(&root).join("model.safetensors"));

@@ -95,6 +95,27 @@ fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
     resume_after_sigkill(3, 3, 8, 6);
 }
 
+/// The user's own model cut into 2 pipeline stages by its own `App::stages` (its own
+/// `PipelineStage`, batch type and loss): 4 micro-batches of 8 on 2 processes end with the
+/// weights of one process with the batch of 32 (Adam), each layer on exactly one stage.
+#[test]
+fn the_users_model_in_two_pipeline_stages_trains_to_the_weights_of_one_process() {
+    let dir = scratch("user-crate-pipeline");
+    let one = circles_config(1, "").replace("batch_size = 16", "batch_size = 32");
+    let staged = circles_config(1, "accumulation_steps = 4")
+        .replace("batch_size = 16", "batch_size = 8")
+        + "\n[distributed]\npipeline_stages = 2\npipeline_schedule = \"1f1b\"\n";
+    for (name, body, nproc) in [("one", one, 1), ("staged", staged, 2)] {
+        let out = launch_example_on(nproc, &write_config(&dir, name, &body), &[], &[]);
+        assert_eq!(out.code, Some(0), "{name}: {}", out.all());
+    }
+    let whole = crate::pipeline::stage_weights(&dir, "one", 1);
+    let staged = crate::pipeline::stage_weights(&dir, "staged", 2);
+    assert_eq!(whole.len(), 4, "{:?}", whole.keys());
+    let diff = max_abs_diff(&staged, &whole);
+    assert!(diff < 1e-4, "max |Δw| = {diff:e}");
+}
+
 /// The user's model on `nproc` ranks for `epochs` epochs, rank 1 killed after step
 /// `crash_after` and restarted by the launcher from the checkpoint of step `resumed_at`, ends
 /// with the uninterrupted run's weights, bit for bit.

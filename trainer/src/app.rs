@@ -201,6 +201,8 @@ pub trait App: Send + Sync + 'static {
 }
 
 pub use crate::pipeline::{StageOf, StageSplit};
+/// burn-ddp's contract for one pipeline stage of a model (see [`App::stages`]).
+pub use burn_ddp::pipeline::PipelineStage;
 
 /// The last path segment of a type name, without generic arguments:
 /// `my_crate::nets::CirclesNet<f32>` → `CirclesNet`.

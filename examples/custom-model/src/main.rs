@@ -7,6 +7,10 @@
 //! custom-model --config circles.toml --nproc-per-node 2   # two ranks, launched by itself
 //! trainer launch --nproc-per-node 2 -- custom-model --config circles.toml
 //! ```
+//!
+//! With `[distributed] pipeline_stages = 2` the same model trains as 2 pipeline stages (the
+//! hidden layer on one process, the output layer and the loss on the next): see
+//! [`CirclesApp::stages`] and [`CirclesStage`].
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -21,7 +25,9 @@ use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
-use trainer::app::{App, AppError, Datasets, TrainItem, ValidItem};
+use trainer::app::{
+    App, AppError, Datasets, PipelineStage, StageOf, StageSplit, TrainItem, ValidItem,
+};
 use trainer::metrics::Metrics;
 
 /// The model: a two-layer perceptron on 2-D points (Burn 0.22: no backend type parameter; the
@@ -67,6 +73,48 @@ impl InferenceStep for CirclesNet {
 
     fn step(&self, batch: PointsBatch) -> ClassificationOutput {
         self.classify(batch)
+    }
+}
+
+/// [`CirclesNet`] cut into 2 pipeline stages: the hidden layer on stage 0, the output layer and
+/// the loss on stage 1. Field names as in `CirclesNet`, so the stages' checkpoints together are
+/// the whole model's. Activations between the stages are the hidden features `[batch, hidden]`.
+#[derive(Module, Debug)]
+pub struct CirclesStage {
+    hidden: Option<Linear>,
+    output: Option<Linear>,
+    activation: Relu,
+}
+
+impl PipelineStage<2> for CirclesStage {
+    type Batch = PointsBatch;
+
+    fn forward(&self, activation: Option<Tensor<2>>, batch: &PointsBatch) -> Tensor<2> {
+        let x = match (&self.hidden, activation) {
+            (Some(hidden), _) => self
+                .activation
+                .forward(hidden.forward(batch.points.clone())),
+            (None, Some(features)) => features,
+            (None, None) => unreachable!("every stage after the first gets its input"),
+        };
+        match &self.output {
+            Some(output) => output.forward(x),
+            None => x,
+        }
+    }
+
+    fn loss(&self, logits: Tensor<2>, batch: &PointsBatch) -> Tensor<1> {
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, batch.labels.clone())
+    }
+}
+
+/// Draws `layer`'s parameters now (Burn draws them lazily, at first use).
+fn draw(layer: &Linear) {
+    drop(layer.weight.val());
+    if let Some(bias) = &layer.bias {
+        drop(bias.val());
     }
 }
 
@@ -259,6 +307,38 @@ impl App for CirclesApp {
             return Err(AppError::key("data.train_points", "must be at least 1"));
         }
         Ok(())
+    }
+
+    /// How the model splits for `[distributed] pipeline_stages = 2`. Both layers are drawn in
+    /// the whole model's order, so each stage starts with the whole model's weights (a model
+    /// too big for one process would build only its own stage's layers, drawing the others one
+    /// at a time, as `models::TextClassifierStage` does).
+    fn stages(&self) -> Option<StageSplit<Self>> {
+        Some(StageSplit::new(
+            |m: &ModelConfig, d: &DataConfig, which: StageOf, device: &Device| {
+                if which.stages != 2 {
+                    return Err(AppError::key(
+                        "distributed.pipeline_stages",
+                        format!(
+                            "CirclesNet has 2 layers: 1 or 2 stages, not {}",
+                            which.stages
+                        ),
+                    ));
+                }
+                let CirclesNet {
+                    hidden,
+                    output,
+                    activation,
+                } = CirclesApp.model(m, d, device)?;
+                draw(&hidden);
+                draw(&output);
+                Ok(CirclesStage {
+                    hidden: which.is_first().then_some(hidden),
+                    output: which.is_last().then_some(output),
+                    activation,
+                })
+            },
+        ))
     }
 
     /// Lets the pre-flight refuse a model too big for memory before any rank starts (a
