@@ -60,8 +60,23 @@ use crate::schedule::Schedule;
 use crate::throughput::ThroughputWindow;
 use crate::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
-/// `--config FILE` as one rank (or the only process): train app `A`.
-pub fn run<A: App>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Result<ExitCode> {
+/// Everything one rank's training needs (steps 1 and 2 of the module docs): the app, its
+/// config, the formed job, the data sets and the device; then [`train`] (data parallel) or
+/// `crate::pipeline::train` (pipeline stages) trains.
+pub struct RankStart<A: App> {
+    pub app: A,
+    pub config: AppConfig<A>,
+    pub dist: Distributed,
+    pub data: Datasets<A::Item>,
+    /// This rank's autodiff training device.
+    pub device: Device,
+    /// `--no-resume`: start over even where `checkpoint.resume` would resume.
+    pub no_resume: bool,
+}
+
+/// `--config FILE` as one rank (or the only process): the pre-flight, the data sets, the job
+/// (collective: every rank joins) and the device.
+pub fn start<A: App>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Result<RankStart<A>> {
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let config = preflight(&app, config_path, 1, world_size)?;
@@ -76,28 +91,27 @@ pub fn run<A: App>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Resul
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
     let device = backend::train_device(config.output.device, dist.env.local_rank)?;
-    if config.distributed.pipeline_stages > 1 {
-        return crate::pipeline::train(crate::pipeline::StageRun {
-            app,
-            config,
-            dist,
-            data,
-            device,
-            no_resume,
-        });
-    }
-    train(app, config, dist, data, device, no_resume)
+    Ok(RankStart {
+        app,
+        config,
+        dist,
+        data,
+        device,
+        no_resume,
+    })
 }
 
-/// Trains app `A` on `device` (this rank's autodiff device) as one rank of the formed job.
-fn train<A: App>(
-    app: A,
-    config: AppConfig<A>,
-    dist: Distributed,
-    data: Datasets<A::Item>,
-    device: Device,
-    no_resume: bool,
-) -> anyhow::Result<ExitCode> {
+/// Trains app `A` data-parallel as one rank of the formed job (steps 3 and 4 of the module
+/// docs).
+pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
+    let RankStart {
+        app,
+        config,
+        dist,
+        data,
+        device,
+        no_resume,
+    } = start;
     let ddp = parallel::data_parallel(dist, &config.distributed, config.output.device, &device)?;
     let checkpoints = CheckpointPolicy::for_app(&app, &config);
     let resume = config.checkpoint.resume && !no_resume;

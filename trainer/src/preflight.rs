@@ -11,6 +11,15 @@ use crate::config::{AppConfig, DeviceKind};
 use crate::error::UsageError;
 use crate::memory::{available_memory, MemoryEstimate};
 
+/// The usage error for `pipeline_stages > 1` with an app whose model does not split.
+pub(crate) fn cannot_split<A: App>(app: &A, config: &AppConfig<A>) -> UsageError {
+    UsageError(format!(
+        "distributed.pipeline_stages = {}: the model of this app ({}) cannot be cut into stages (its App::stages is None); set pipeline_stages = 1, or implement App::stages",
+        config.distributed.pipeline_stages,
+        app.name(&config.model)
+    ))
+}
+
 /// Checks what can be checked before any rank starts: the config file (the engine's sections
 /// and the app's tables), the app's own checks, the output directories, the device, and
 /// whether `ranks_here` ranks (of a job of `world_size`) of this model fit in this machine's
@@ -27,7 +36,7 @@ pub fn preflight<A: App>(
     app.check(&config.model, &config.data)?;
     let stages = config.distributed.pipeline_stages;
     if stages > 1 && app.stages().is_none() {
-        bail!(crate::pipeline::cannot_split(app, &config));
+        bail!(cannot_split(app, &config));
     }
     // One process (`trainer eval`, or a run started alone) is told by the pipeline itself.
     if world_size > 1 && !world_size.is_multiple_of(stages) {

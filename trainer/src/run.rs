@@ -141,7 +141,12 @@ pub fn train_or_launch<A: App>(
         if !is_worker && burn_ddp::DistEnv::is_present() && !crate::orphan::die_with_parent() {
             tracing::debug!("the parent is pid 0 or 1: not watching for the launcher's death");
         }
-        fit::run(app, config, args.no_resume)
+        let start = fit::start(app, config, args.no_resume)?;
+        if start.config.distributed.pipeline_stages > 1 {
+            crate::pipeline::train(start)
+        } else {
+            fit::train(start)
+        }
     }
 }
 

@@ -24,11 +24,10 @@ use std::process::ExitCode;
 use burn::tensor::Device;
 use burn::train::TrainStep;
 use burn_ddp::pipeline::PipelineStage;
-use burn_ddp::Distributed;
 
-use crate::app::{App, AppError, Datasets};
-use crate::config::AppConfig;
-use crate::error::UsageError;
+use crate::app::{App, AppError};
+use crate::fit::RankStart;
+use crate::preflight::cannot_split;
 
 /// Which stage a rank builds: stage `stage` of `stages`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,18 +46,7 @@ impl StageOf {
     }
 }
 
-/// Everything one rank's stage training needs from the engine.
-pub(crate) struct StageRun<A: App> {
-    pub app: A,
-    pub config: AppConfig<A>,
-    pub dist: Distributed,
-    pub data: Datasets<A::Item>,
-    /// This rank's autodiff training device.
-    pub device: Device,
-    pub no_resume: bool,
-}
-
-type Runner<A> = Box<dyn Fn(StageRun<A>) -> anyhow::Result<ExitCode> + Send + Sync>;
+type Runner<A> = Box<dyn Fn(RankStart<A>) -> anyhow::Result<ExitCode> + Send + Sync>;
 
 /// How an app's model is cut into pipeline stages (see [`App::stages`]): built from the
 /// function that makes stage `i` of `n` on a device.
@@ -88,18 +76,9 @@ impl<A: App> StageSplit<A> {
 
 /// Trains this rank's stage of the app's model, as `[distributed] pipeline_stages` asks;
 /// refuses an app whose model does not split (the pre-flight already did).
-pub(crate) fn train<A: App>(run: StageRun<A>) -> anyhow::Result<ExitCode> {
-    let Some(split) = run.app.stages() else {
-        anyhow::bail!(cannot_split(&run.app, &run.config));
+pub(crate) fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
+    let Some(split) = start.app.stages() else {
+        anyhow::bail!(cannot_split(&start.app, &start.config));
     };
-    (split.run)(run)
-}
-
-/// The usage error for `pipeline_stages > 1` with an app whose model does not split.
-pub(crate) fn cannot_split<A: App>(app: &A, config: &AppConfig<A>) -> UsageError {
-    UsageError(format!(
-        "distributed.pipeline_stages = {}: the model of this app ({}) cannot be cut into stages (its App::stages is None); set pipeline_stages = 1, or implement App::stages",
-        config.distributed.pipeline_stages,
-        app.name(&config.model)
-    ))
+    (split.run)(start)
 }

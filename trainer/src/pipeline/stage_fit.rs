@@ -26,13 +26,13 @@ use burn_ddp::sampler::{DistributedSampler, Sample};
 use burn_ddp::{Distributed, ProcessGroup, ReduceOp};
 
 use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
-use super::{StageOf, StageRun};
+use super::StageOf;
 use crate::app::{read_item, App, AppError};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::AppConfig;
 use crate::error::UsageError;
 use crate::fault_injection;
-use crate::fit::{across_ranks, open_reporter, optimizer, write_plots, EpochSampler};
+use crate::fit::{across_ranks, open_reporter, optimizer, write_plots, EpochSampler, RankStart};
 use crate::loader::BatchStream;
 use crate::metrics::{Record, Reporter};
 use crate::parallel::{self, CheckpointPolicy};
@@ -51,21 +51,21 @@ type Build<A, S> = dyn Fn(
 
 /// Trains this rank's stage (module docs). Collective over the whole job.
 pub(crate) fn train<A, S, const D: usize>(
-    run: StageRun<A>,
+    start: RankStart<A>,
     build: &Build<A, S>,
 ) -> anyhow::Result<ExitCode>
 where
     A: App,
     S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input> + 'static,
 {
-    let StageRun {
+    let RankStart {
         app,
         config,
         dist,
         data,
         device,
         no_resume,
-    } = run;
+    } = start;
     let mut pp = form::<A>(dist, &config, no_resume, &device)?;
     let which = StageOf {
         stage: pp.stage(),
