@@ -69,7 +69,7 @@ impl<A: App> StageSplit<A> {
             + 'static,
     {
         Self {
-            run: Box::new(move |run| stage_fit::train::<A, S, D>(run, &build)),
+            run: Box::new(move |start| stage_fit::train::<A, S, D>(start, &build)),
         }
     }
 }
