@@ -296,18 +296,32 @@ fn a_killed_middle_stage_resumes_from_the_stage_checkpoints_to_the_same_weights(
     assert!(diff < 1e-6, "max |Δw| = {diff:e}");
 }
 
+/// Rewrites config `path` with `from` replaced by `to`.
+fn edit_config(path: &Path, from: &str, to: &str) {
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains(from), "no {from} in {text}");
+    std::fs::write(path, text.replace(from, to)).unwrap();
+}
+
+/// Also: every rank logs its samples (`output.log_samples`), and the stage's replicas are
+/// compared after every step (`training.check_replicas_every`).
 #[test]
 fn stage_checkpoints_resume_at_another_number_of_replicas() {
     let dir = scratch("engine-pipeline-replicas");
+    let checked = |config: &Path| {
+        edit_config(config, "plots = false", "plots = false\nlog_samples = true");
+        edit_config(
+            config,
+            "log_every = 2",
+            "log_every = 2\ncheck_replicas_every = 1",
+        );
+    };
     let first = transformer(&dir, "first", SGD, (2, "gpipe"), (8, 4), "");
-    let text = std::fs::read_to_string(&first).unwrap();
-    std::fs::write(
-        &first,
-        text.replace("log_every = 2", "log_every = 2\nmax_steps = 4"),
-    )
-    .unwrap();
+    checked(&first);
+    edit_config(&first, "log_every = 2", "log_every = 2\nmax_steps = 4");
     crate::common::train(&first, 2);
     let second = transformer(&dir, "first", SGD, (2, "gpipe"), (8, 2), "");
+    checked(&second);
     let out = crate::common::train(&second, 4);
     assert_says(
         &out.stderr,
@@ -328,6 +342,27 @@ fn stage_checkpoints_resume_at_another_number_of_replicas() {
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
     }
+    // Ranks 0 and 1 are replica 0's stages in both runs (4 steps × 32, then 4 × 16 samples),
+    // ranks 2 and 3 replica 1's in the second: the stages of a replica read the same samples,
+    // and the two runs together read the epoch's 256 samples once each.
+    let logged = |rank: usize| {
+        let path = dir.join(format!("first-out/samples-rank{rank}.txt"));
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    };
+    assert_eq!(logged(0), logged(1), "replica 0's two stages");
+    assert_eq!(logged(2), logged(3), "replica 1's two stages");
+    let mut indices: Vec<usize> = logged(0)
+        .lines()
+        .chain(logged(2).lines())
+        .map(|line| match line.split(' ').collect::<Vec<_>>()[..] {
+            ["0", index, "0"] => index.parse().unwrap(),
+            _ => panic!("not a sample of epoch 0 without padding: {line}"),
+        })
+        .collect();
+    assert_eq!(indices.len(), 128 + 64 + 64);
+    indices.sort_unstable();
+    indices.dedup();
+    assert_eq!(indices.len(), 256, "a sample read twice");
 }
 
 /// Runs `config` on `nproc` local ranks, expects exit code 2 and `says` on stderr.

@@ -944,7 +944,12 @@ fn validate<A: App>(
 }
 
 /// Appends `epoch index is_padding` lines for the samples of one step (for tests).
-fn log_samples(dir: &Path, rank: usize, epoch: usize, chunk: &[Sample]) -> anyhow::Result<()> {
+pub(crate) fn log_samples(
+    dir: &Path,
+    rank: usize,
+    epoch: usize,
+    chunk: &[Sample],
+) -> anyhow::Result<()> {
     fs::create_dir_all(dir)?;
     let mut f = OpenOptions::new()
         .create(true)

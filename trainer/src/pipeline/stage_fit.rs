@@ -8,8 +8,9 @@
 //!    replica reads the same samples: the first its inputs, the last its targets); each
 //!    optimizer step cuts it into `accumulation_steps` micro-batches, runs them through the
 //!    pipeline (GPipe or 1F1B), averages the stage's gradients over its replicas and steps
-//!    the optimizer; then the `train` record and the checkpoints the plan asks for; at the
-//!    end of an epoch, validation through the pipeline without autodiff.
+//!    the optimizer; then the sample log, the `train` record, the replica check and the
+//!    checkpoints the plan asks for; at the end of an epoch, validation through the pipeline
+//!    without autodiff.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -32,7 +33,9 @@ use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::AppConfig;
 use crate::error::UsageError;
 use crate::fault_injection;
-use crate::fit::{across_ranks, open_reporter, optimizer, write_plots, EpochSampler, RankStart};
+use crate::fit::{
+    across_ranks, log_samples, open_reporter, optimizer, write_plots, EpochSampler, RankStart,
+};
 use crate::loader::BatchStream;
 use crate::metrics::{Record, Reporter};
 use crate::parallel::{self, CheckpointPolicy};
@@ -325,7 +328,7 @@ impl<A: App> StageTraining<A> {
         for (k, step_samples) in steps.iter().enumerate() {
             stage = self.optimizer_step(stage, plan, &mut batches, step_samples, schedule)?;
             self.position = plan.after_step(self.position, epoch_start, k);
-            self.after_step(&stage, plan, schedule)?;
+            self.after_step(&stage, plan, schedule, step_samples)?;
             if self.position.step >= plan.total_steps {
                 break;
             }
@@ -396,16 +399,39 @@ impl<A: App> StageTraining<A> {
         Ok(stage)
     }
 
-    /// The loss line and the checkpoint the plan asks for; the fault-injection hooks.
+    /// What the plan asks for after an optimizer step: the sample log, the loss line, a check
+    /// that the stage's replicas hold the same parameters, a checkpoint; then the
+    /// fault-injection hooks.
     fn after_step<S: Module>(
         &mut self,
         stage: &S,
         plan: &StepPlan,
         schedule: &Schedule,
+        step_samples: &[Sample],
     ) -> anyhow::Result<()> {
         let step = self.position.step;
+        if self.config.output.log_samples {
+            // Every stage of a replica logs the same samples: its whole micro-batches.
+            log_samples(
+                &self.config.output.dir,
+                self.pp.rank(),
+                self.position.epoch,
+                step_samples,
+            )?;
+        }
         if plan.log_after(step) {
             self.log_loss()?;
+        }
+        if plan.check_replicas_after(step) {
+            let which = self.pp.stage();
+            self.pp
+                .replica_group()
+                .check_replicas(stage, step)
+                .with_context(|| {
+                    format!(
+                        "stage {which}, across its replicas (its ranks here are replica numbers)"
+                    )
+                })?;
         }
         if plan.checkpoint_after_step(step) {
             self.save(stage, schedule)?;
