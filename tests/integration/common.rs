@@ -431,6 +431,17 @@ pub fn bytes_reduced(dir: &Path, name: &str) -> u64 {
     value.unwrap_or_else(|| panic!("no bytes_reduced in {stats}"))
 }
 
+/// The count of optimizer steps skipped for non-finite gradients in rank 0's closing line
+/// ("…; skipped N optimizer steps with non-finite gradients").
+pub fn skipped_steps(out: &Output) -> usize {
+    out.stdout
+        .split("skipped ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of skipped steps:\n{}", out.all()))
+}
+
 /// A fresh scratch directory for one test.
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir()

@@ -649,13 +649,7 @@ fn on_nonfinite_skip_finishes_and_counts_the_skipped_steps() {
     let config = digits_with("run", &dir, "1e30", 12, "on_nonfinite = \"skip\"");
     let out = train2(&config, &[], &[]);
     assert_eq!(out.code, Some(0), "{}", out.all());
-    let skipped: usize = out
-        .stdout
-        .split("skipped ")
-        .nth(1)
-        .and_then(|rest| rest.split(' ').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no count of skipped steps:\n{}", out.all()));
+    let skipped = skipped_steps(&out);
     // Step 1 is finite (it is what blows the weights up); from then on every step is NaN.
     assert!(
         (9..=11).contains(&skipped),

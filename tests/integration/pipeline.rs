@@ -537,3 +537,49 @@ fn a_stage_one_checkpoint_ahead_goes_back_with_the_others() {
         );
     }
 }
+
+/// `training.on_nonfinite = "skip"` with a learning rate of 1e30: the first step blows the
+/// weights up and later steps' gradients are not finite. Every rank skips those steps
+/// together, and the pipeline skips exactly the steps one process training the whole model
+/// skips, ending with its weights.
+#[test]
+fn on_nonfinite_skip_skips_the_steps_one_process_skips_on_every_stage() {
+    let dir = scratch("engine-pipeline-skip");
+    let diverging = "name = \"sgd\"\nlearning_rate = 1e30";
+    let skipped = |name: &str, stages: (usize, &'static str), batch, nproc| {
+        let config = transformer(&dir, name, diverging, stages, batch, "");
+        edit_config(
+            &config,
+            "log_every = 2",
+            "log_every = 2\non_nonfinite = \"skip\"",
+        );
+        let out = crate::common::train(&config, nproc);
+        (skipped_steps(&out), out)
+    };
+    let (one, _) = skipped("one", (1, "gpipe"), (32, 1), 1);
+    assert!(
+        (1..8).contains(&one),
+        "one process skipped {one} of 8 steps"
+    );
+    let (pipeline, out) = skipped("stages", (2, "1f1b"), (8, 4), 2);
+    assert_eq!(
+        pipeline, one,
+        "steps skipped by the pipeline and by one process"
+    );
+    assert_says(&out.stderr, &["skipped on every rank"], &out);
+    // Differences relative to the largest weight, of the order of the learning rate (a weight
+    // whose true gradient is 0, as the attention's key bias, holds rounding noise × 1e30).
+    let stages = stage_weights(&dir, "stages", 2);
+    let one = stage_weights(&dir, "one", 1);
+    assert_eq!(stages.len(), one.len());
+    let scale = one.values().flatten().fold(1.0f32, |m, w| m.max(w.abs()));
+    for (key, values) in &one {
+        for (a, b) in values.iter().zip(&stages[key]) {
+            assert!(a.is_finite() && b.is_finite(), "{key}: {a} vs {b}");
+            assert!(
+                (a - b).abs() / scale < 1e-5,
+                "{key}: {a} vs {b} (scale {scale:e})"
+            );
+        }
+    }
+}

@@ -147,6 +147,15 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The end of a run's closing line for `skipped` optimizer steps skipped for non-finite
+/// gradients: nothing when there were none.
+pub(crate) fn skipped_steps(skipped: usize) -> String {
+    match skipped {
+        0 => String::new(),
+        n => format!("; skipped {n} optimizer steps with non-finite gradients"),
+    }
+}
+
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct Summary {
@@ -162,11 +171,11 @@ pub struct Summary {
 impl Summary {
     /// The line rank 0 prints at the end of a run.
     pub fn line(&self, world_size: usize) -> String {
-        let line = self.result_line(world_size);
-        match self.skipped_steps {
-            0 => line,
-            n => format!("{line}; skipped {n} optimizer steps with non-finite gradients"),
-        }
+        format!(
+            "{}{}",
+            self.result_line(world_size),
+            skipped_steps(self.skipped_steps)
+        )
     }
 
     fn result_line(&self, world_size: usize) -> String {

@@ -13,9 +13,9 @@
 //! replica is a rank of it), the step plan, the learning-rate schedule, the optimizer and its
 //! state (ZeRO stage 1 within a stage's replicas), validation (the last stage's loss),
 //! checkpoints and resume, the metrics file, plots, the sample log, replica checks
-//! (`training.check_replicas_every`, among a stage's replicas) and fault injection. Not yet:
-//! the app's own metrics during training (`trainer eval` gives them on the stages put
-//! together) and `training.on_nonfinite = "skip"`.
+//! (`training.check_replicas_every`, among a stage's replicas), `training.on_nonfinite`
+//! (a skipped step is skipped by the whole job) and fault injection. Not yet: the app's own
+//! metrics during training (`trainer eval` gives them on the stages put together).
 
 pub(crate) mod stage_checkpoint;
 mod stage_fit;

@@ -22,7 +22,9 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
 use burn::train::TrainStep;
-use burn_ddp::pipeline::{PipelineConfig, PipelineError, PipelineParallel, PipelineStage};
+use burn_ddp::pipeline::{
+    PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StepResult,
+};
 use burn_ddp::sampler::{DistributedSampler, Sample};
 use burn_ddp::{Distributed, ProcessGroup, ReduceOp};
 
@@ -30,11 +32,12 @@ use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
 use super::StageOf;
 use crate::app::{read_item, App, AppError};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::config::AppConfig;
+use crate::config::{AppConfig, OnNonFinite};
 use crate::error::UsageError;
 use crate::fault_injection;
 use crate::fit::{
-    across_ranks, log_samples, open_reporter, optimizer, write_plots, EpochSampler, RankStart,
+    across_ranks, log_samples, open_reporter, optimizer, skipped_steps, write_plots, EpochSampler,
+    RankStart,
 };
 use crate::loader::BatchStream;
 use crate::metrics::{Record, Reporter};
@@ -113,6 +116,7 @@ where
         loss: LossWindow::default(),
         last_saved: None,
         samples: 0,
+        skipped: 0,
         last_valid: None,
         reporter: None,
         clock: PhaseClock::new(),
@@ -219,6 +223,8 @@ struct StageTraining<A: App> {
     last_saved: Option<usize>,
     /// This replica's samples trained in this process.
     samples: usize,
+    /// Optimizer steps skipped for non-finite gradients (`training.on_nonfinite = "skip"`).
+    skipped: usize,
     last_valid: Option<ValidLoss>,
     /// Rank 0's metrics file and progress bar, once the plan is known.
     reporter: Option<Reporter>,
@@ -376,27 +382,73 @@ impl<A: App> StageTraining<A> {
         // Forward, backward, the exchanges with the neighbouring stages and the gradients'
         // average over the stage's replicas, in one.
         let (pp, clock) = (&mut self.pp, &mut self.clock);
-        let result = clock
-            .time(Phase::Compute, || {
-                pp.step_weighted(&stage, &inputs, &weights, device)
-            })
-            .map_err(usage_or_failure)?;
+        let stepped = clock.time(Phase::Compute, || {
+            pp.step_weighted(&stage, &inputs, &weights, device)
+        });
         self.samples += step_samples.len();
+        self.lr = schedule.next_lr();
+        let stage = match self.skip_or_result(stepped)? {
+            Some(result) => self.apply(stage, result, step_samples.len())?,
+            None => stage,
+        };
+        self.clock.end_step();
+        self.window.add(step_samples.len() * self.pp.replicas());
+        Ok(stage)
+    }
+
+    /// The step's result, or `None` when some rank's gradients were not finite and
+    /// `training.on_nonfinite = "skip"`: then every rank of the job skips this optimizer step
+    /// together, since a stage that stepped while another skipped would no longer hold its
+    /// part of one model. Under `"stop"` a non-finite gradient is this rank's error.
+    /// Collective over the whole job under `"skip"`.
+    fn skip_or_result(
+        &mut self,
+        stepped: Result<StepResult, PipelineError>,
+    ) -> anyhow::Result<Option<StepResult>> {
+        if self.config.training.on_nonfinite == OnNonFinite::Stop {
+            return stepped.map(Some).map_err(usage_or_failure);
+        }
+        let result = match stepped {
+            Ok(result) => Some(result),
+            Err(PipelineError::NonFinite { .. }) => None,
+            Err(error) => return Err(usage_or_failure(error)),
+        };
+        let mut flags = vec![0.0; self.pp.stages() * self.pp.replicas()];
+        let ours = f64::from(u8::from(result.is_none()));
+        self.pp.world_group().all_gather(&[ours], &mut flags)?;
+        let ranks: Vec<usize> = (0..flags.len()).filter(|&r| flags[r] > 0.0).collect();
+        if ranks.is_empty() {
+            return Ok(result);
+        }
+        self.skipped += 1;
+        if self.pp.rank() == 0 {
+            tracing::warn!(
+                "non-finite gradients (NaN or Inf) at optimizer step {} on rank(s) {ranks:?}; skipped on every rank (training.on_nonfinite = \"skip\")",
+                self.position.step + 1
+            );
+        }
+        Ok(None)
+    }
+
+    /// The last stages' loss into the window, the optimizer step with the schedule's rate and
+    /// ZeRO's gather. Collective over the stage's replicas.
+    fn apply<S: Module>(
+        &mut self,
+        stage: S,
+        result: StepResult,
+        step_samples: usize,
+    ) -> anyhow::Result<S> {
         if let Some(loss) = result.loss {
-            let n = step_samples.len() as f64;
+            let n = step_samples as f64;
             self.loss.weighted_sum += loss * n;
             self.loss.samples += n;
         }
-        self.lr = schedule.next_lr();
         let (optim, lr) = (&mut self.optim, self.lr);
         let stage = self.clock.time(Phase::Optimizer, || {
             optim.step(ModuleLearningRate::from(lr), stage, result.grads)
         });
         let pp = &mut self.pp;
-        let stage = self.clock.time(Phase::Sync, || pp.finish_step(stage))?;
-        self.clock.end_step();
-        self.window.add(step_samples.len() * self.pp.replicas());
-        Ok(stage)
+        Ok(self.clock.time(Phase::Sync, || pp.finish_step(stage))?)
     }
 
     /// What the plan asks for after an optimizer step: the sample log, the loss line, a check
@@ -600,13 +652,14 @@ impl<A: App> StageTraining<A> {
                 .map(|b| format!("{:.0}", b / (1024.0 * 1024.0)))
                 .collect();
             println!(
-                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps{valid}, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}",
+                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps{valid}, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}{}",
                 self.pp.stages(),
                 self.pp.replicas(),
                 self.config.training.accumulation_steps,
                 self.config.distributed.pipeline_schedule,
                 self.position.step,
-                mib.join(" ")
+                mib.join(" "),
+                skipped_steps(self.skipped)
             );
         }
         Ok(())
