@@ -182,6 +182,19 @@ fn final_validation_loss(dir: &Path, name: &str) -> f64 {
     value["metrics"]["Loss"].as_f64().unwrap()
 }
 
+/// The `Loss` of each `train` record of run `name` (its metrics file), `None` where `null`.
+fn train_losses(dir: &Path, name: &str) -> Vec<Option<f64>> {
+    let metrics = std::fs::read_to_string(dir.join(format!("{name}-out/metrics.jsonl"))).unwrap();
+    metrics
+        .lines()
+        .filter(|l| l.contains(r#""kind":"train""#))
+        .map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap();
+            value["metrics"]["Loss"].as_f64()
+        })
+        .collect()
+}
+
 /// What `trainer eval` says of run `name`'s newest checkpoint (stages put together), from
 /// "validation" on.
 fn evaluated(dir: &Path, name: &str) -> String {
@@ -567,6 +580,15 @@ fn on_nonfinite_skip_skips_the_steps_one_process_skips_on_every_stage() {
         "steps skipped by the pipeline and by one process"
     );
     assert_says(&out.stderr, &["skipped on every rank"], &out);
+    // A record whose window holds only skipped steps counted no loss: `null`, not 0.
+    let losses = train_losses(&dir, "stages");
+    assert_eq!(losses.len(), 4, "{losses:?}");
+    assert!(losses[0].is_some_and(f64::is_finite), "{losses:?}");
+    assert_eq!(
+        losses[1..],
+        [None, None, None],
+        "steps 3-8 were all skipped"
+    );
     // Differences relative to the largest weight, of the order of the learning rate (a weight
     // whose true gradient is 0, as the attention's key bias, holds rounding noise × 1e30).
     let stages = stage_weights(&dir, "stages", 2);

@@ -495,7 +495,8 @@ impl<A: App> StageTraining<A> {
     }
 
     /// A `train` record (rank 0 writes it): the mean loss of the last stages since the last
-    /// one, the rate, the step times over every rank. Collective over the whole job.
+    /// one (`null` when every step since was skipped), the rate, the step times over every
+    /// rank. Collective over the whole job.
     fn log_loss(&mut self) -> anyhow::Result<()> {
         let mut sums = [self.loss.weighted_sum, self.loss.samples];
         self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
@@ -503,7 +504,13 @@ impl<A: App> StageTraining<A> {
         let (time, _) = across_ranks(self.pp.world_group(), self.clock.take_window())?;
         let rate = self.window.rate();
         self.window = ThroughputWindow::new();
-        let loss = sums[0] / sums[1].max(1.0);
+        // A window of skipped steps counted no loss: NaN, written `null`, as the data-parallel
+        // metrics write a metric that counted nothing.
+        let loss = if sums[1] > 0.0 {
+            sums[0] / sums[1]
+        } else {
+            f64::NAN
+        };
         let (position, world) = (self.position, self.pp.stages() * self.pp.replicas());
         if let Some(reporter) = &mut self.reporter {
             reporter.record(&Record::Train {
