@@ -102,6 +102,18 @@ digits_config() {
   echo "$config"
 }
 
+# A copy of the user crate's config on `device` (its file names no device: the CPU), with
+# `extra` (printf format) appended.
+circles_config() {
+  local device=$1 extra=${2:-} config="$WORK/circles-$1.toml"
+  sed -e "s#^dir = \"runs/circles#dir = \"$WORK/circles-$device#" \
+    examples/custom-model/circles.toml >"$config"
+  [ "$device" = cpu ] || printf "device = \"$device\"\n" >>"$config"
+  # shellcheck disable=SC2059 # extra is a format of our own
+  printf "$extra" >>"$config"
+  echo "$config"
+}
+
 run() {
   OUT=${OUT:-$PWD/gpu-checklist-out}
   mkdir -p "$OUT"
@@ -167,15 +179,10 @@ correctness() {
     "$trainer" --config "$(digits_config bf16 'gradient_sync = "nccl"' 'gradient_compression = "bf16"')"
   check "digits on the CPU" 90 "$trainer" --config "$(digits_config cpu 'device = "cpu"')"
   # 4: a user's crate with Burn's default features (fusion on) through NCCL.
-  local circles="$WORK/circles.toml"
-  sed -e "s#^dir = \"runs/circles#dir = \"$WORK/circles#" examples/custom-model/circles.toml >"$circles"
-  printf 'device = "cuda"\n' >>"$circles"
-  printf '\n[distributed]\ngradient_sync = "nccl"\n' >>"$circles"
-  check "user crate (fused) on cuda, NCCL" 90 "$WORK/custom-model" --config "$circles"
-  check "user crate on the CPU" 90 "$WORK/custom-model" --config "$(
-    sed -e "s#^dir = \"runs/circles#dir = \"$WORK/circles-cpu#" examples/custom-model/circles.toml >"$WORK/circles-cpu.toml"
-    echo "$WORK/circles-cpu.toml"
+  check "user crate (fused) on cuda, NCCL" 90 "$WORK/custom-model" --config "$(
+    circles_config cuda '\n[distributed]\ngradient_sync = "nccl"\n'
   )"
+  check "user crate on the CPU" 90 "$WORK/custom-model" --config "$(circles_config cpu)"
 }
 
 # Item 5: speed, as ratios within one run.
