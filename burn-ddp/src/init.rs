@@ -207,6 +207,9 @@ impl Distributed {
     /// every other rank's and the others read rank 0's, each waiting at most `timeout` for a
     /// rank that has not published yet. A job's first check: ranks started with different
     /// settings fail at once (rank 0 and the odd one) instead of in mismatched collectives.
+    /// Rank 0, which may host the store, waits (at most `timeout`) for an odd rank to have
+    /// read its fingerprint before it fails, so that the odd rank reports the mismatch too
+    /// rather than a store that went away.
     pub fn check_same(&self, fingerprint: &str, timeout: Duration) -> Result<(), DdpError> {
         if self.env.world_size == 1 {
             return Ok(());
@@ -220,6 +223,14 @@ impl Distributed {
         };
         for other in others {
             let theirs = self.store.get(&settings_key(other), timeout)?;
+            if rank != 0 {
+                // Rank 0 may close the store as soon as it sees this (on a mismatch), before
+                // the reply: this rank's outcome is its own comparison, whatever the set says.
+                let _ = self.store.set(&settings_read_key(rank), b"");
+            } else if theirs != fingerprint.as_bytes() {
+                // Its error is the mismatch below, whether or not the odd rank says so in time.
+                let _ = self.store.get(&settings_read_key(other), timeout);
+            }
             if theirs != fingerprint.as_bytes() {
                 let (zero, odd, odd_print) = match rank {
                     0 => (
@@ -314,6 +325,11 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Rendezvous-store key under which rank `rank` publishes its settings' fingerprint.
 fn settings_key(rank: usize) -> String {
     format!("burn-ddp/settings/{rank}")
+}
+
+/// Set by rank `rank` once it has read rank 0's settings.
+fn settings_read_key(rank: usize) -> String {
+    format!("burn-ddp/settings-read/{rank}")
 }
 
 #[cfg(test)]
