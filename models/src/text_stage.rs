@@ -11,6 +11,7 @@ use std::ops::Range;
 use burn::nn::transformer::TransformerEncoderLayer;
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::prelude::*;
+use burn::train::ClassificationOutput;
 use burn_ddp::pipeline::{stage_layers, PipelineStage};
 
 use crate::registry::draw_params;
@@ -95,6 +96,17 @@ impl TextClassifierStage {
     fn logits(output: Tensor<3>) -> Tensor<2> {
         let [batch, _, classes] = output.dims();
         output.reshape([batch, classes])
+    }
+
+    /// What [`TextClassifier::forward_classification`](crate::TextClassifier::forward_classification)
+    /// gives, from the last stage's output and its `loss` on `batch`: the output the
+    /// classifier's metrics (loss, accuracy) read.
+    pub fn classification(
+        output: Tensor<3>,
+        loss: Tensor<1>,
+        batch: &TextBatch,
+    ) -> ClassificationOutput {
+        ClassificationOutput::new(loss, Self::logits(output), batch.labels.clone())
     }
 }
 

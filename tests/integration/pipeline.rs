@@ -182,17 +182,56 @@ fn final_validation_loss(dir: &Path, name: &str) -> f64 {
     value["metrics"]["Loss"].as_f64().unwrap()
 }
 
-/// The `Loss` of each `train` record of run `name` (its metrics file), `None` where `null`.
-fn train_losses(dir: &Path, name: &str) -> Vec<Option<f64>> {
+/// The metrics of each record of `kind` (`train`, `valid`) of run `name` (its metrics file),
+/// `None` where `null`.
+fn records(dir: &Path, name: &str, kind: &str) -> Vec<BTreeMap<String, Option<f64>>> {
     let metrics = std::fs::read_to_string(dir.join(format!("{name}-out/metrics.jsonl"))).unwrap();
+    let tag = format!(r#""kind":"{kind}""#);
     metrics
         .lines()
-        .filter(|l| l.contains(r#""kind":"train""#))
+        .filter(|l| l.contains(&tag))
         .map(|line| {
             let value: serde_json::Value = serde_json::from_str(line).unwrap();
-            value["metrics"]["Loss"].as_f64()
+            let metrics = value["metrics"].as_object().unwrap();
+            metrics
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_f64()))
+                .collect()
         })
         .collect()
+}
+
+/// Run `name`'s records of `kind` report the metrics of run `one`'s (one process, the whole
+/// model): the same names, losses within rounding, accuracies (in %, over 64 samples a
+/// record) within one sample a near-tie could flip.
+fn same_records(dir: &Path, name: &str, one: &str, kind: &str) {
+    let (got, expected) = (records(dir, name, kind), records(dir, one, kind));
+    assert!(!expected.is_empty(), "{one}: no {kind} record");
+    assert_eq!(got.len(), expected.len(), "{name}: {kind} records");
+    for (k, (g, e)) in got.iter().zip(&expected).enumerate() {
+        assert_eq!(
+            g.keys().collect::<Vec<_>>(),
+            ["Accuracy", "Loss"],
+            "{name}: the app's metrics in {kind} record {k}"
+        );
+        let tolerance = |metric: &str, b: f64| {
+            if metric == "Accuracy" {
+                100.0 / 64.0 + 1e-9
+            } else {
+                1e-5 * b.abs().max(1.0)
+            }
+        };
+        for (metric, value) in e {
+            let close = match (g[metric], *value) {
+                (Some(a), Some(b)) => (a - b).abs() <= tolerance(metric, b),
+                (a, b) => a.is_none() && b.is_none(),
+            };
+            assert!(
+                close,
+                "{name}: {kind} record {k}: {g:?}, one process: {e:?}"
+            );
+        }
+    }
 }
 
 /// What `trainer eval` says of run `name`'s newest checkpoint (stages put together), from
@@ -268,6 +307,10 @@ fn the_transformer_in_stages_trains_to_the_weights_of_one_process() {
                 (loss - one_loss).abs() < 1e-5,
                 "{name}: validation loss {loss} through the stages, {one_loss} in one process"
             );
+            // The app's own metrics (loss and accuracy) on the last stage's outputs, over
+            // every replica's samples: those of one process.
+            same_records(&dir, &name, &format!("{tag}-one"), "train");
+            same_records(&dir, &name, &format!("{tag}-one"), "valid");
             // `trainer eval` puts the stages' checkpoints together into the whole model.
             assert_eq!(
                 evaluated(&dir, &name),
@@ -345,12 +388,13 @@ fn stage_checkpoints_resume_at_another_number_of_replicas() {
         &out,
     );
     assert_says(&out.stdout, &["2 stages × 2 replicas", "8 steps"], &out);
-    // Rank 0's metrics file: both runs' starts, the loss of the last stages, validation.
+    // Rank 0's metrics file: both runs' starts, the app's metrics of the last stages,
+    // validation.
     let metrics = std::fs::read_to_string(dir.join("first-out/metrics.jsonl")).unwrap();
     for needle in [
         r#""resumed_from":4"#,
         r#""kind":"train","epoch":0,"step":8"#,
-        r#""world_size":4,"metrics":{"Loss":"#,
+        r#""world_size":4,"metrics":{"Accuracy":"#,
         r#""kind":"valid","epoch":0,"step":8,"samples":64"#,
     ] {
         assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
@@ -580,15 +624,10 @@ fn on_nonfinite_skip_skips_the_steps_one_process_skips_on_every_stage() {
         "steps skipped by the pipeline and by one process"
     );
     assert_says(&out.stderr, &["skipped on every rank"], &out);
-    // A record whose window holds only skipped steps counted no loss: `null`, not 0.
-    let losses = train_losses(&dir, "stages");
-    assert_eq!(losses.len(), 4, "{losses:?}");
-    assert!(losses[0].is_some_and(f64::is_finite), "{losses:?}");
-    assert_eq!(
-        losses[1..],
-        [None, None, None],
-        "steps 3-8 were all skipped"
-    );
+    // The metrics of the skipped steps' forward passes count, as in one process (whose loss
+    // is not finite there: `null`).
+    assert_eq!(records(&dir, "stages", "train").len(), 4);
+    same_records(&dir, "stages", "one", "train");
     // Differences relative to the largest weight, of the order of the learning rate (a weight
     // whose true gradient is 0, as the attention's key bias, holds rounding noise × 1e30).
     let stages = stage_weights(&dir, "stages", 2);

@@ -97,7 +97,8 @@ fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
 
 /// The user's own model cut into 2 pipeline stages by its own `App::stages` (its own
 /// `PipelineStage`, batch type and loss): 4 micro-batches of 8 on 2 processes end with the
-/// weights of one process with the batch of 32 (Adam), each layer on exactly one stage.
+/// weights of one process with the batch of 32 (Adam), each layer on exactly one stage, and
+/// report the app's own metrics (its accuracy) as one process does.
 #[test]
 fn the_users_model_in_two_pipeline_stages_trains_to_the_weights_of_one_process() {
     let dir = scratch("user-crate-pipeline");
@@ -105,10 +106,17 @@ fn the_users_model_in_two_pipeline_stages_trains_to_the_weights_of_one_process()
     let staged = circles_config(1, "accumulation_steps = 4")
         .replace("batch_size = 16", "batch_size = 8")
         + "\n[distributed]\npipeline_stages = 2\npipeline_schedule = \"1f1b\"\n";
+    let mut accuracy = Vec::new();
     for (name, body, nproc) in [("one", one, 1), ("staged", staged, 2)] {
         let out = launch_example_on(nproc, &write_config(&dir, name, &body), &[], &[]);
         assert_eq!(out.code, Some(0), "{name}: {}", out.all());
+        accuracy.push(final_accuracy(&out));
     }
+    // 128 validation points: within one point a near-tie could flip.
+    assert!(
+        (accuracy[0] - accuracy[1]).abs() <= 100.0 / 128.0 + 1e-9,
+        "final validation accuracy: {accuracy:?} (one process, stages)"
+    );
     let whole = crate::pipeline::stage_weights(&dir, "one", 1);
     let staged = crate::pipeline::stage_weights(&dir, "staged", 2);
     assert_eq!(whole.len(), 4, "{:?}", whole.keys());

@@ -190,8 +190,9 @@ pub trait App: Send + Sync + 'static {
     /// [`StageSplit::new`] with a function that builds stage `i` of `n` (only that stage's
     /// layers; the same parameters as the whole model's when seeded alike, if runs are to be
     /// compared) as a burn-ddp [`PipelineStage`](burn_ddp::pipeline::PipelineStage) whose
-    /// batch is the model's training input. `None` (the default): the model is not cut, and
-    /// a config asking for stages is refused naming this method.
+    /// batch is the model's training input, and one that makes the model's `TrainStep`
+    /// output from the last stage's output (what the metrics read). `None` (the default): the
+    /// model is not cut, and a config asking for stages is refused naming this method.
     fn stages(&self) -> Option<StageSplit<Self>>
     where
         Self: Sized,

@@ -4,13 +4,13 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::Progress;
 use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::tensor::Device;
-use burn::train::{InferenceStep, ItemLazy};
+use burn::train::InferenceStep;
 use burn_ddp::sampler::DistributedSampler;
 
 use crate::app::{App, AppError};
@@ -45,18 +45,19 @@ where
             .map(|&i| crate::app::read_item(items, i, "validation set").map_err(AppError))
             .collect::<Result<Vec<_>, _>>()?;
         let batch = batcher.batch(batch_items, device);
-        let output = model
-            .step(batch)
-            .sync()
-            .context("validation: the device failed to compute a batch")?;
         let progress = Progress {
             items_processed: ((k + 1) * batch_size).min(indices.len()),
             items_total: indices.len(),
             unit: None,
         };
-        metrics
-            .update(&output, chunk.len(), progress, k, None)
-            .context("validation: cannot read a metric's values from the device")?;
+        metrics.update_lazy(
+            model.step(batch),
+            chunk.len(),
+            progress,
+            k,
+            None,
+            "validation",
+        )?;
     }
     Ok(indices.len())
 }

@@ -29,7 +29,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use burn::data::dataloader::Progress;
 use burn::data::dataset::Dataset;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -339,8 +339,7 @@ struct Training<'j, A: App> {
     window: ThroughputWindow,
     clock: PhaseClock,
     /// Each micro-batch's output with its number of samples, until the next log line.
-    pending: Vec<(TrainItem<A>, usize)>,
-    unsynced: Vec<(TrainItem<A>, usize)>,
+    outputs: Vec<(TrainItem<A>, usize)>,
     position: TrainPosition,
     last_saved: Option<usize>,
     last_valid: Option<Validation>,
@@ -410,8 +409,7 @@ impl<'j, A: App> Training<'j, A> {
             reporter,
             window: ThroughputWindow::new(),
             clock: PhaseClock::new(),
-            pending: Vec::new(),
-            unsynced: Vec::new(),
+            outputs: Vec::new(),
             position,
             last_saved: resumed_from,
             last_valid: None,
@@ -497,7 +495,7 @@ impl<'j, A: App> Training<'j, A> {
                 scale_gradients(model, &mut grads, weight);
             }
             accumulator.accumulate(model, grads);
-            self.unsynced.push((output.item, micro.len()));
+            self.outputs.push((output.item, micro.len()));
             self.clock.add(Phase::Compute, compute.elapsed());
         }
         let compute = Instant::now();
@@ -585,23 +583,14 @@ impl<'j, A: App> Training<'j, A> {
     /// micro-batch.
     fn log_train(&mut self) -> anyhow::Result<()> {
         let position = self.position;
-        for (item, n) in self.unsynced.drain(..) {
-            let item = item
-                .sync()
-                .context("training: the device failed to compute a batch")?;
-            self.pending.push((item, n));
-        }
-        let progress = Progress {
-            items_processed: position.consumed,
-            items_total: self.train.len(),
-            unit: None,
-        };
-        for (item, n) in self.pending.drain(..) {
-            self.train_metrics
-                .update(&item, n, progress.clone(), position.step, Some(self.lr))
-                .context("training: cannot read a metric's values from the device")?;
-        }
-        let values = self.train_metrics.global(self.job.ddp.group())?;
+        let values = train_metrics_window(
+            &mut self.train_metrics,
+            std::mem::take(&mut self.outputs),
+            position,
+            self.train.len(),
+            self.lr,
+            self.job.ddp.group(),
+        )?;
         let rate = self.window.rate();
         let (time, _) = across_ranks(self.job.ddp.group(), self.clock.take_window())?;
         self.reporter.record(&Record::Train {
@@ -754,6 +743,35 @@ impl<'j, A: App> Training<'j, A> {
     }
 }
 
+/// The training metrics of a `train` record: the micro-batches' `outputs` since the last one
+/// (each with its samples), synced and fed to `metrics` here, then summed over every rank of
+/// `group`. Collective.
+pub(crate) fn train_metrics_window<I: ItemLazy>(
+    metrics: &mut Metrics<I>,
+    outputs: Vec<(I, usize)>,
+    position: TrainPosition,
+    train_len: usize,
+    lr: f64,
+    group: &mut impl ProcessGroup,
+) -> anyhow::Result<Vec<MetricValue>> {
+    let progress = Progress {
+        items_processed: position.consumed,
+        items_total: train_len,
+        unit: None,
+    };
+    for (output, samples) in outputs {
+        metrics.update_lazy(
+            output,
+            samples,
+            progress.clone(),
+            position.step,
+            Some(lr),
+            "training",
+        )?;
+    }
+    Ok(metrics.global(group)?)
+}
+
 /// Rank 0's progress bar and metrics file (and TensorBoard files), with the run's `start`
 /// line.
 pub(crate) fn open_reporter(
@@ -822,7 +840,7 @@ pub struct NonFiniteGradients {
 }
 
 /// The `valid` line of `metrics.jsonl` for a validation during `epoch`.
-fn record_validation(reporter: &mut Reporter, epoch: usize, v: &Validation) {
+pub(crate) fn record_validation(reporter: &mut Reporter, epoch: usize, v: &Validation) {
     reporter.record(&Record::Valid {
         epoch,
         step: v.step,

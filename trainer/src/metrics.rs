@@ -14,6 +14,7 @@ use burn::tensor::TensorReadError;
 use burn::train::metric::{
     Adaptor, Metric, MetricAttributes, MetricMetadata, Numeric, NumericEntry,
 };
+use burn::train::ItemLazy;
 use burn_ddp::{CollectiveError, ProcessGroup, ReduceOp};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -245,6 +246,27 @@ impl<I> Metrics<I> {
             })
             .collect();
         Ok(values)
+    }
+}
+
+impl<I: ItemLazy> Metrics<I> {
+    /// Syncs `output` (its device work finishes here: at a log line, not every micro-batch)
+    /// and feeds it, of a batch of `samples` samples, to every metric ([`update`](Self::update));
+    /// local. `phase` ("training", "validation") starts the error's message.
+    pub(crate) fn update_lazy(
+        &mut self,
+        output: I,
+        samples: usize,
+        progress: Progress,
+        iteration: usize,
+        lr: Option<f64>,
+        phase: &str,
+    ) -> anyhow::Result<()> {
+        let output = output
+            .sync()
+            .with_context(|| format!("{phase}: the device failed to compute a batch"))?;
+        self.update(&output, samples, progress, iteration, lr)
+            .with_context(|| format!("{phase}: cannot read a metric's values from the device"))
     }
 }
 

@@ -9,7 +9,7 @@ use super::layout::{LayoutError, PipelineLayout, StagePosition};
 use super::link::{LinkError, StageLinks};
 use super::schedule::PipelineSchedule;
 use super::stage::{
-    pipeline_forward, pipeline_step_weighted, PipelineStage, StageError, StepPlan, StepResult,
+    pipeline_forward, pipeline_step_with_outputs, PipelineStage, StageError, StepPlan, StepResult,
 };
 use crate::data_parallel::DataParallel;
 use crate::ddp::DdpOptions;
@@ -220,6 +220,25 @@ impl PipelineParallel {
     where
         S: PipelineStage<D>,
     {
+        self.step_with_outputs(stage, micro_batches, weights, device, |_, _, _| {})
+    }
+
+    /// [`step_weighted`](Self::step_weighted), and on the last stage `on_output(i, output,
+    /// loss)` for each micro-batch `i` right after its forward pass: the stage's output and
+    /// the micro-batch's own mean loss, detached — for metrics (accuracy and the like), as
+    /// PyTorch's pipeline schedules return the last stage's outputs. Not called on the other
+    /// stages, nor for micro-batches of a step that fails. Collective over the whole pipeline.
+    pub fn step_with_outputs<S, const D: usize>(
+        &mut self,
+        stage: &S,
+        micro_batches: &[S::Batch],
+        weights: &[f64],
+        device: &Device,
+        on_output: impl FnMut(usize, Tensor<D>, Tensor<1>),
+    ) -> Result<StepResult, PipelineError>
+    where
+        S: PipelineStage<D>,
+    {
         let m = micro_batches.len();
         if m == 0 || m > self.config.micro_batches || weights.len() != m {
             return Err(PipelineError::MicroBatches {
@@ -232,8 +251,15 @@ impl PipelineParallel {
             stages: self.config.stages,
             schedule: self.config.schedule,
         };
-        let mut result =
-            pipeline_step_weighted(stage, plan, micro_batches, weights, &mut self.links, device)?;
+        let mut result = pipeline_step_with_outputs(
+            stage,
+            plan,
+            micro_batches,
+            weights,
+            &mut self.links,
+            device,
+            on_output,
+        )?;
         let check = self.replicas.sync_gradients(stage, &mut result.grads)?;
         if !check.all_finite() {
             return Err(PipelineError::NonFinite {

@@ -1,5 +1,5 @@
-//! Pipeline parallelism (issue #25), first steps: the plans, the links between stages and one
-//! pipeline step of one stage.
+//! Pipeline parallelism (issue #25): the plans, the links between stages, one pipeline step of
+//! one stage and the handle a program holds.
 //!
 //! A model too big for one device is split into `P` consecutive **stages**; each rank holds
 //! one stage of one pipeline, and `R` replicas of the pipeline train data-parallel, so
@@ -20,8 +20,9 @@
 //! on a sub-group — `DataParallel::new(world.sub_group(&layout.replica_group(rank), ..)?, ..)`
 //! (tested: 2 stages × 2 replicas equal one process with the whole model and batch).
 //!
-//! Not built yet: shared memory and NCCL send/recv for the links, the engine's
-//! `[distributed] pipeline_stages` with a reference model that splits, stage checkpoints.
+//! The engine's `[distributed] pipeline_stages` (trainer's `pipeline` module) runs an app's
+//! stages with this handle, its checkpoints per stage. Not built yet: shared memory and NCCL
+//! send/recv for the links (activations travel over TCP, as f32).
 
 pub mod frame;
 pub mod handle;
@@ -37,6 +38,6 @@ pub use schedule::{
     simulate, stage_actions, theoretical_bubble, Action, PipelineSchedule, Simulation,
 };
 pub use stage::{
-    pipeline_forward, pipeline_step, pipeline_step_weighted, PipelineStage, StageError, StepPlan,
-    StepResult,
+    pipeline_forward, pipeline_step, pipeline_step_weighted, pipeline_step_with_outputs,
+    PipelineStage, StageError, StepPlan, StepResult,
 };

@@ -147,6 +147,38 @@ pub fn pipeline_step_weighted<S, const D: usize>(
 where
     S: PipelineStage<D>,
 {
+    pipeline_step_with_outputs(
+        stage,
+        plan,
+        micro_batches,
+        weights,
+        links,
+        device,
+        |_, _, _| {},
+    )
+}
+
+/// [`pipeline_step_weighted`], and on the last stage `on_output(i, output, loss)` for each
+/// micro-batch `i` right after its forward pass: the stage's output and the micro-batch's own
+/// loss (its mean, before the weight), both detached — for the program's metrics, as PyTorch's
+/// pipeline schedules return the last stage's outputs. Never called on the other stages.
+/// Collective with the neighbouring stages, as [`pipeline_step_weighted`].
+///
+/// # Panics
+///
+/// If `weights` and `micro_batches` differ in length (a programming error).
+pub fn pipeline_step_with_outputs<S, const D: usize>(
+    stage: &S,
+    plan: StepPlan,
+    micro_batches: &[S::Batch],
+    weights: &[f64],
+    links: &mut StageLinks,
+    device: &Device,
+    mut on_output: impl FnMut(usize, Tensor<D>, Tensor<1>),
+) -> Result<StepResult, StageError>
+where
+    S: PipelineStage<D>,
+{
     assert_eq!(
         micro_batches.len(),
         weights.len(),
@@ -159,7 +191,12 @@ where
     for action in stage_actions(plan.schedule, plan.stages, plan.stage, m) {
         match action {
             Action::Forward(i) => {
-                let flight = forward(stage, plan, i, &micro_batches[i], weights[i], links, device)?;
+                let micro = MicroBatch {
+                    index: i,
+                    batch: &micro_batches[i],
+                    weight: weights[i],
+                };
+                let flight = forward(stage, plan, micro, links, device, &mut on_output)?;
                 in_flight.insert(i, flight);
             }
             Action::Backward(i) => {
@@ -182,16 +219,28 @@ where
     })
 }
 
-/// Micro-batch `i`'s forward pass: receive, run the stage, send on (or take the loss).
+/// One micro-batch of a step: its place, its data and its share of the step's samples.
+struct MicroBatch<'b, B> {
+    index: usize,
+    batch: &'b B,
+    weight: f64,
+}
+
+/// A micro-batch's forward pass: receive, run the stage, send on (or, on the last stage, show
+/// the output and loss to `on_output` and take the weighted loss).
 fn forward<S: PipelineStage<D>, const D: usize>(
     stage: &S,
     plan: StepPlan,
-    i: usize,
-    batch: &S::Batch,
-    weight: f64,
+    micro: MicroBatch<'_, S::Batch>,
     links: &mut StageLinks,
     device: &Device,
+    on_output: &mut impl FnMut(usize, Tensor<D>, Tensor<1>),
 ) -> Result<InFlight<D>, StageError> {
+    let MicroBatch {
+        index: i,
+        batch,
+        weight,
+    } = micro;
     let input = if plan.stage == 0 {
         None
     } else {
@@ -199,11 +248,13 @@ fn forward<S: PipelineStage<D>, const D: usize>(
     };
     let out = run_forward(stage, plan, input.clone(), batch)?;
     let output = if plan.stage + 1 == plan.stages {
-        // Each micro-batch's share of the batch mean.
+        let shown = out.clone().detach();
         let loss = unwinding(|| stage.loss(out, batch)).map_err(|message| StageError::Loss {
             stage: plan.stage,
             message,
         })?;
+        on_output(i, shown, loss.clone().detach());
+        // Each micro-batch's share of the batch mean.
         Output::Loss(loss * weight)
     } else {
         let shape = out.dims().to_vec();
@@ -464,10 +515,17 @@ mod tests {
         out
     }
 
+    /// What one pipeline step gave: every stage's flat gradients, the last stage's loss, and
+    /// the outputs and losses it showed, by micro-batch.
+    struct Stepped {
+        grads: Vec<f32>,
+        loss: f64,
+        shown: BTreeMap<usize, (Vec<f32>, f32)>,
+    }
+
     /// Trains one step of `cut` (the layers of each stage) with `schedule` and 4 micro-batches
-    /// of 2 rows, one thread per stage over loopback, and returns each stage's flat gradients
-    /// and the last stage's loss.
-    fn pipeline(model: &Part, cut: &[usize], schedule: PipelineSchedule) -> (Vec<f32>, f64) {
+    /// of 2 rows, one thread per stage over loopback.
+    fn pipeline(model: &Part, cut: &[usize], schedule: PipelineSchedule) -> Stepped {
         let stages = cut.len();
         let layout = PipelineLayout::new(stages, stages).unwrap();
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
@@ -494,19 +552,44 @@ mod tests {
                         stages,
                         schedule,
                     };
-                    let step = pipeline_step(&part, plan, &micro, &mut links, &device).unwrap();
-                    (flat_grads(&part.layers, &step.grads), step.loss)
+                    let mut shown = BTreeMap::new();
+                    let step = pipeline_step_with_outputs(
+                        &part,
+                        plan,
+                        &micro,
+                        &[0.25; 4],
+                        &mut links,
+                        &device,
+                        |i, output, loss| {
+                            let output = host_values::<f32>(output.into_data()).unwrap();
+                            let loss = host_values::<f32>(loss.into_data()).unwrap()[0];
+                            assert!(shown.insert(i, (output, loss)).is_none(), "{i} twice");
+                        },
+                    )
+                    .unwrap();
+                    (flat_grads(&part.layers, &step.grads), step.loss, shown)
                 })
             })
             .collect();
-        let mut grads = Vec::new();
-        let mut loss = None;
-        for thread in threads {
-            let (g, l) = thread.join().expect("a stage's thread panicked");
-            grads.extend(g);
-            loss = loss.or(l);
+        let mut stepped = Stepped {
+            grads: Vec::new(),
+            loss: f64::NAN,
+            shown: BTreeMap::new(),
+        };
+        for (stage, thread) in threads.into_iter().enumerate() {
+            let (grads, loss, shown) = thread.join().expect("a stage's thread panicked");
+            stepped.grads.extend(grads);
+            if stage + 1 == stages {
+                stepped.loss = loss.unwrap_or(f64::NAN);
+                stepped.shown = shown;
+            } else {
+                assert!(
+                    shown.is_empty() && loss.is_none(),
+                    "stage {stage} showed outputs"
+                );
+            }
         }
-        (grads, loss.unwrap_or(f64::NAN))
+        stepped
     }
 
     fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -529,21 +612,41 @@ mod tests {
             &GradientsParams::from_grads(loss.backward(), &model),
         );
 
-        let (gpipe, gpipe_loss) = pipeline(&model, &[1, 2], PipelineSchedule::GPipe);
-        let (one_f1b, _) = pipeline(&model, &[1, 2], PipelineSchedule::OneForwardOneBackward);
-        let (three, three_loss) =
-            pipeline(&model, &[1, 1, 1], PipelineSchedule::OneForwardOneBackward);
-        for (name, grads) in [("GPipe", &gpipe), ("1F1B", &one_f1b), ("3 stages", &three)] {
-            let diff = max_abs_diff(grads, &reference);
+        let gpipe = pipeline(&model, &[1, 2], PipelineSchedule::GPipe);
+        let one_f1b = pipeline(&model, &[1, 2], PipelineSchedule::OneForwardOneBackward);
+        let three = pipeline(&model, &[1, 1, 1], PipelineSchedule::OneForwardOneBackward);
+        for (name, run) in [("GPipe", &gpipe), ("1F1B", &one_f1b), ("3 stages", &three)] {
+            let diff = max_abs_diff(&run.grads, &reference);
             assert!(diff < 1e-6, "{name}: max |Δgrad| {diff:e}");
         }
         // The same backward order under both schedules: the same sums, bit for bit.
-        assert_eq!(gpipe, one_f1b);
-        for loss in [gpipe_loss, three_loss] {
+        assert_eq!(gpipe.grads, one_f1b.grads);
+        for loss in [gpipe.loss, three.loss] {
             assert!(
                 (loss - reference_loss).abs() < 1e-6,
                 "{loss} vs {reference_loss}"
             );
+        }
+        // The outputs shown are the whole model's, micro-batch by micro-batch, each with its
+        // own (unweighted) loss.
+        for (name, run) in [("GPipe", &gpipe), ("1F1B", &one_f1b), ("3 stages", &three)] {
+            assert_eq!(run.shown.keys().copied().collect::<Vec<_>>(), [0, 1, 2, 3]);
+            for (&i, (output, loss)) in &run.shown {
+                let micro = rows(2 * i, 2, &device);
+                let whole = model.forward(None, &micro);
+                let expected_loss = model.loss(whole.clone(), &micro);
+                let expected = host_values::<f32>(whole.into_data()).unwrap();
+                let diff = max_abs_diff(output, &expected);
+                assert!(
+                    diff < 1e-6,
+                    "{name}, micro-batch {i}: max |Δoutput| {diff:e}"
+                );
+                let expected_loss = host_values::<f32>(expected_loss.into_data()).unwrap()[0];
+                assert!(
+                    (loss - expected_loss).abs() < 1e-6,
+                    "{name}, micro-batch {i}"
+                );
+            }
         }
         // Not trivially equal: the gradients are not zero.
         assert!(reference.iter().any(|g| g.abs() > 1e-3));

@@ -338,6 +338,10 @@ impl App for CirclesApp {
                     activation,
                 })
             },
+            // The last stage's logits as the whole model's output, for the metrics above.
+            |logits: Tensor<2>, loss: Tensor<1>, batch: &PointsBatch| {
+                ClassificationOutput::new(loss, logits, batch.labels.clone())
+            },
         ))
     }
 

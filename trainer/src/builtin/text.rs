@@ -5,7 +5,9 @@
 use std::sync::Arc;
 
 use burn::tensor::Device;
-use models::{SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextItem};
+use models::{
+    SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextClassifierStage, TextItem,
+};
 use serde::{Deserialize, Serialize};
 
 use super::{loss_and_accuracy, split_by_index, Named};
@@ -133,6 +135,7 @@ impl App for TextApp {
                 }
                 Ok(model.config.init_stage(which.stage, which.stages, device))
             },
+            TextClassifierStage::classification,
         ))
     }
 

@@ -14,19 +14,20 @@
 //! state (ZeRO stage 1 within a stage's replicas), validation (the last stage's loss),
 //! checkpoints and resume, the metrics file, plots, the sample log, replica checks
 //! (`training.check_replicas_every`, among a stage's replicas), `training.on_nonfinite`
-//! (a skipped step is skipped by the whole job) and fault injection. Not yet: the app's own
-//! metrics during training (`trainer eval` gives them on the stages put together).
+//! (a skipped step is skipped by the whole job), fault injection, and the app's own training
+//! and validation metrics, computed on the last stage's outputs (made into the model's
+//! `TrainStep` output by the app's function given to [`StageSplit::new`]).
 
 pub(crate) mod stage_checkpoint;
 mod stage_fit;
 
 use std::process::ExitCode;
 
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
 use burn_ddp::pipeline::PipelineStage;
 
-use crate::app::{App, AppError};
+use crate::app::{App, AppError, TrainItem, ValidItem};
 use crate::fit::RankStart;
 use crate::preflight::cannot_split;
 
@@ -55,22 +56,34 @@ pub struct StageSplit<A: App> {
     run: Runner<A>,
 }
 
+/// The model's training input: what every stage's micro-batches are.
+pub type TrainInput<A> = <<A as App>::Model as TrainStep>::Input;
+
 impl<A: App> StageSplit<A> {
     /// `build(model, data, which, device)` builds only stage `which.stage` of `which.stages`
     /// on `device`. Activations between stages are float tensors of rank `D`; every stage
     /// gets the whole micro-batch (the model's training input), the first reads its inputs
     /// and the last its targets. A `build` error is a usage error (exit code 2), e.g. more
     /// stages than the model has layers.
-    pub fn new<S, const D: usize, F>(build: F) -> Self
+    ///
+    /// `output(last_output, loss, batch)` makes the whole model's [`TrainStep`] output from
+    /// the last stage's output, the micro-batch's mean loss (both detached) and the
+    /// micro-batch — e.g. `ClassificationOutput::new(loss, logits, batch.targets.clone())`.
+    /// The app's training metrics read it, and its validation metrics read it converted
+    /// with `Into` (the identity when, as in most models, `TrainStep` and `InferenceStep`
+    /// have the same output), so a pipeline reports the metrics the whole model reports.
+    pub fn new<S, const D: usize, F, O>(build: F, output: O) -> Self
     where
-        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input> + 'static,
+        S: PipelineStage<D, Batch = TrainInput<A>> + 'static,
         F: Fn(&A::ModelConfig, &A::DataConfig, StageOf, &Device) -> Result<S, AppError>
             + Send
             + Sync
             + 'static,
+        O: Fn(Tensor<D>, Tensor<1>, &TrainInput<A>) -> TrainItem<A> + Send + Sync + 'static,
+        TrainItem<A>: Into<ValidItem<A>>,
     {
         Self {
-            run: Box::new(move |start| stage_fit::train::<A, S, D>(start, &build)),
+            run: Box::new(move |start| stage_fit::train::<A, S, D>(start, &build, &output)),
         }
     }
 }

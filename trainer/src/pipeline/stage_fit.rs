@@ -11,17 +11,21 @@
 //!    the optimizer; then the sample log, the `train` record, the replica check and the
 //!    checkpoints the plan asks for; at the end of an epoch, validation through the pipeline
 //!    without autodiff.
+//!
+//! The app's metrics read the last stage's outputs, made into the model's `TrainStep` output
+//! by the app's function (`StageSplit::new`); every rank takes part in their sums, the other
+//! stages with nothing counted.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::Progress;
 use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
-use burn::tensor::Device;
-use burn::train::TrainStep;
+use burn::tensor::{Device, Tensor};
 use burn_ddp::pipeline::{
     PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StepResult,
 };
@@ -29,18 +33,18 @@ use burn_ddp::sampler::{DistributedSampler, Sample};
 use burn_ddp::{Distributed, ProcessGroup, ReduceOp};
 
 use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
-use super::StageOf;
-use crate::app::{read_item, App, AppError};
+use super::{StageOf, TrainInput};
+use crate::app::{read_item, App, AppError, TrainItem, ValidItem};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::config::{AppConfig, OnNonFinite};
 use crate::error::UsageError;
 use crate::fault_injection;
 use crate::fit::{
-    across_ranks, log_samples, open_reporter, optimizer, skipped_steps, write_plots, EpochSampler,
-    RankStart,
+    across_ranks, log_samples, open_reporter, optimizer, record_validation, train_metrics_window,
+    write_plots, EpochSampler, RankStart, Summary, Validation,
 };
 use crate::loader::BatchStream;
-use crate::metrics::{Record, Reporter};
+use crate::metrics::{self, Metrics, Record, Reporter};
 use crate::parallel::{self, CheckpointPolicy};
 use crate::plan::{PlanInput, StepPlan};
 use crate::schedule::Schedule;
@@ -55,14 +59,20 @@ type Build<A, S> = dyn Fn(
     &Device,
 ) -> Result<S, AppError>;
 
+/// The app's function from the last stage's output, loss and micro-batch to the model's
+/// training output (see [`super::StageSplit::new`]).
+type ToOutput<A, const D: usize> = dyn Fn(Tensor<D>, Tensor<1>, &TrainInput<A>) -> TrainItem<A>;
+
 /// Trains this rank's stage (module docs). Collective over the whole job.
 pub(crate) fn train<A, S, const D: usize>(
     start: RankStart<A>,
     build: &Build<A, S>,
+    output: &ToOutput<A, D>,
 ) -> anyhow::Result<ExitCode>
 where
     A: App,
-    S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input> + 'static,
+    S: PipelineStage<D, Batch = TrainInput<A>> + 'static,
+    TrainItem<A>: Into<ValidItem<A>>,
 {
     let RankStart {
         app,
@@ -95,7 +105,7 @@ where
         optimizer(&config.optimizer),
         restored.as_ref(),
     )?;
-    let mut training = StageTraining::<A> {
+    let mut training = StageTraining::<A, D> {
         position: restored
             .as_ref()
             .map_or_else(TrainPosition::default, |c| c.manifest.position),
@@ -107,13 +117,17 @@ where
             pp.replica(),
         )?,
         batcher: app.batcher(&config.model, &config.data, &device),
+        output,
+        to_valid: Into::into,
+        train_metrics: app.train_metrics(),
+        valid_metrics: app.valid_metrics(),
+        outputs: Vec::new(),
         config,
         data,
         device,
         pp,
         policy,
         optim,
-        loss: LossWindow::default(),
         last_saved: None,
         samples: 0,
         skipped: 0,
@@ -123,7 +137,7 @@ where
         window: ThroughputWindow::new(),
         lr: 0.0,
     };
-    let stage = training.run::<S, D>(stage, restored.as_ref())?;
+    let stage = training.run(stage, restored.as_ref())?;
     drop(stage);
     if training.pp.rank() == 0 && training.config.output.plots {
         write_plots(&training.config.output.dir);
@@ -201,15 +215,8 @@ fn restore<S: Module>(
     Ok((stage, optim))
 }
 
-/// The last stage's losses since the last log line, weighted by samples.
-#[derive(Default)]
-struct LossWindow {
-    weighted_sum: f64,
-    samples: f64,
-}
-
 /// One rank's stage training between its named steps.
-struct StageTraining<A: App> {
+struct StageTraining<'o, A: App, const D: usize> {
     config: AppConfig<A>,
     data: crate::app::Datasets<A::Item>,
     device: Device,
@@ -218,14 +225,22 @@ struct StageTraining<A: App> {
     optim: ModuleOptimizer,
     sampler: EpochSampler,
     batcher: A::Batcher,
+    /// The app's function to the model's training output (last stage).
+    output: &'o ToOutput<A, D>,
+    /// Its validation output from that (`Into::into`, kept here so that the methods need no
+    /// bound of their own).
+    to_valid: fn(TrainItem<A>) -> ValidItem<A>,
+    train_metrics: Metrics<TrainItem<A>>,
+    valid_metrics: Metrics<ValidItem<A>>,
+    /// The last stage's outputs since the last log line, with their micro-batches' sizes.
+    outputs: Vec<(TrainItem<A>, usize)>,
     position: TrainPosition,
-    loss: LossWindow,
     last_saved: Option<usize>,
     /// This replica's samples trained in this process.
     samples: usize,
     /// Optimizer steps skipped for non-finite gradients (`training.on_nonfinite = "skip"`).
     skipped: usize,
-    last_valid: Option<ValidLoss>,
+    last_valid: Option<LastValidation>,
     /// Rank 0's metrics file and progress bar, once the plan is known.
     reporter: Option<Reporter>,
     clock: PhaseClock,
@@ -233,23 +248,19 @@ struct StageTraining<A: App> {
     lr: f64,
 }
 
-/// The validation loss of the model after optimizer step `step`.
-#[derive(Debug, Clone, Copy)]
-struct ValidLoss {
-    step: usize,
+/// The last validation: the app's metrics, as the data-parallel loop reports them, and the
+/// last stage's mean loss.
+struct LastValidation {
+    validation: Validation,
     loss: f64,
 }
 
-impl<A: App> StageTraining<A> {
+impl<A: App, const D: usize> StageTraining<'_, A, D> {
     /// The plan and schedule from the restored position, then every epoch's steps, then the
     /// final checkpoint and line. Collective over the whole job.
-    fn run<S, const D: usize>(
-        &mut self,
-        mut stage: S,
-        restored: Option<&Checkpoint>,
-    ) -> anyhow::Result<S>
+    fn run<S>(&mut self, mut stage: S, restored: Option<&Checkpoint>) -> anyhow::Result<S>
     where
-        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+        S: PipelineStage<D, Batch = TrainInput<A>>,
     {
         let plan = self.plan();
         let mut schedule =
@@ -275,7 +286,11 @@ impl<A: App> StageTraining<A> {
         if self.last_saved != Some(self.position.step) {
             self.save(&stage, &schedule)?;
         }
-        if self.last_valid.is_none_or(|v| v.step != self.position.step) {
+        if self
+            .last_valid
+            .as_ref()
+            .is_none_or(|v| v.validation.step != self.position.step)
+        {
             // Stopped mid-epoch (max_steps): validate the final model too.
             self.validate(&stage, self.position.epoch)?;
         }
@@ -310,14 +325,14 @@ impl<A: App> StageTraining<A> {
     }
 
     /// The rest of the current epoch: its optimizer steps, then its end.
-    fn train_epoch<S, const D: usize>(
+    fn train_epoch<S>(
         &mut self,
         mut stage: S,
         plan: &StepPlan,
         schedule: &mut Schedule,
     ) -> anyhow::Result<S>
     where
-        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+        S: PipelineStage<D, Batch = TrainInput<A>>,
     {
         let samples = self
             .sampler
@@ -355,7 +370,7 @@ impl<A: App> StageTraining<A> {
     /// One optimizer step: the step's micro-batches through the pipeline (gradients averaged
     /// over the stage's replicas), the optimizer, ZeRO's gather and the buffer rule.
     /// Collective over the whole job.
-    fn optimizer_step<S, const D: usize>(
+    fn optimizer_step<S>(
         &mut self,
         stage: S,
         plan: &StepPlan,
@@ -364,7 +379,7 @@ impl<A: App> StageTraining<A> {
         schedule: &mut Schedule,
     ) -> anyhow::Result<S>
     where
-        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+        S: PipelineStage<D, Batch = TrainInput<A>>,
     {
         // Seeded per step, as the data-parallel loop does.
         let seed = self.config.training.seed;
@@ -376,19 +391,24 @@ impl<A: App> StageTraining<A> {
         let inputs = self.clock.time(Phase::Data, || {
             micro
                 .iter()
-                .map(|_| batches.next_batch::<<A::Model as TrainStep>::Input, _>(batcher, device))
+                .map(|_| batches.next_batch::<TrainInput<A>, _>(batcher, device))
                 .collect::<anyhow::Result<Vec<_>>>()
         })?;
         // Forward, backward, the exchanges with the neighbouring stages and the gradients'
-        // average over the stage's replicas, in one.
-        let (pp, clock) = (&mut self.pp, &mut self.clock);
+        // average over the stage's replicas, in one; the last stage's outputs for the metrics
+        // (kept for a step that is then skipped too, as the data-parallel loop keeps them).
+        let sizes: Vec<usize> = micro.iter().map(|(samples, _)| samples.len()).collect();
+        let (pp, clock, output) = (&mut self.pp, &mut self.clock, self.output);
+        let outputs = &mut self.outputs;
         let stepped = clock.time(Phase::Compute, || {
-            pp.step_weighted(&stage, &inputs, &weights, device)
+            pp.step_with_outputs(&stage, &inputs, &weights, device, |i, last, loss| {
+                outputs.push((output(last, loss, &inputs[i]), sizes[i]));
+            })
         });
         self.samples += step_samples.len();
         self.lr = schedule.next_lr();
         let stage = match self.skip_or_result(stepped)? {
-            Some(result) => self.apply(stage, result, step_samples.len())?,
+            Some(result) => self.apply(stage, result)?,
             None => stage,
         };
         self.clock.end_step();
@@ -430,19 +450,9 @@ impl<A: App> StageTraining<A> {
         Ok(None)
     }
 
-    /// The last stages' loss into the window, the optimizer step with the schedule's rate and
-    /// ZeRO's gather. Collective over the stage's replicas.
-    fn apply<S: Module>(
-        &mut self,
-        stage: S,
-        result: StepResult,
-        step_samples: usize,
-    ) -> anyhow::Result<S> {
-        if let Some(loss) = result.loss {
-            let n = step_samples as f64;
-            self.loss.weighted_sum += loss * n;
-            self.loss.samples += n;
-        }
+    /// The optimizer step with the schedule's rate and ZeRO's gather. Collective over the
+    /// stage's replicas.
+    fn apply<S: Module>(&mut self, stage: S, result: StepResult) -> anyhow::Result<S> {
         let (optim, lr) = (&mut self.optim, self.lr);
         let stage = self.clock.time(Phase::Optimizer, || {
             optim.step(ModuleLearningRate::from(lr), stage, result.grads)
@@ -472,7 +482,7 @@ impl<A: App> StageTraining<A> {
             )?;
         }
         if plan.log_after(step) {
-            self.log_loss()?;
+            self.log_train()?;
         }
         if plan.check_replicas_after(step) {
             let which = self.pp.stage();
@@ -494,24 +504,23 @@ impl<A: App> StageTraining<A> {
         Ok(())
     }
 
-    /// A `train` record (rank 0 writes it): the mean loss of the last stages since the last
-    /// one (`null` when every step since was skipped), the rate, the step times over every
-    /// rank. Collective over the whole job.
-    fn log_loss(&mut self) -> anyhow::Result<()> {
-        let mut sums = [self.loss.weighted_sum, self.loss.samples];
-        self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
-        self.loss = LossWindow::default();
+    /// A `train` record (rank 0 writes it): the app's training metrics on the last stage's
+    /// outputs since the last one, the rate, the step times over every rank. Collective over
+    /// the whole job.
+    fn log_train(&mut self) -> anyhow::Result<()> {
+        let position = self.position;
+        let values = train_metrics_window(
+            &mut self.train_metrics,
+            std::mem::take(&mut self.outputs),
+            position,
+            self.data.train.len(),
+            self.lr,
+            self.pp.world_group(),
+        )?;
         let (time, _) = across_ranks(self.pp.world_group(), self.clock.take_window())?;
         let rate = self.window.rate();
         self.window = ThroughputWindow::new();
-        // A window of skipped steps counted no loss: NaN, written `null`, as the data-parallel
-        // metrics write a metric that counted nothing.
-        let loss = if sums[1] > 0.0 {
-            sums[0] / sums[1]
-        } else {
-            f64::NAN
-        };
-        let (position, world) = (self.position, self.pp.stages() * self.pp.replicas());
+        let world = self.pp.stages() * self.pp.replicas();
         if let Some(reporter) = &mut self.reporter {
             reporter.record(&Record::Train {
                 epoch: position.epoch,
@@ -519,26 +528,28 @@ impl<A: App> StageTraining<A> {
                 lr: self.lr,
                 samples_per_sec: rate,
                 world_size: world,
-                metrics: [("Loss".to_string(), loss)].into(),
+                metrics: metrics::as_map(&values),
                 time,
             });
             reporter.progress(
                 position.step as u64,
                 format!(
-                    "epoch {} Loss {loss:.4} {rate:.0} samples/s",
-                    position.epoch + 1
+                    "epoch {} {} {rate:.0} samples/s",
+                    position.epoch + 1,
+                    metrics::describe(&values)
                 ),
             );
         }
         Ok(())
     }
 
-    /// The last stage's loss over every validation sample once (each replica its shard, in
-    /// micro-batches of `batch_size` through the pipeline without autodiff); rank 0 logs it.
-    /// Collective over the whole job; nothing without a validation set.
-    fn validate<S, const D: usize>(&mut self, stage: &S, epoch: usize) -> anyhow::Result<()>
+    /// The app's validation metrics, and the last stage's mean loss for the closing line, over
+    /// every validation sample once (each replica its shard, in micro-batches of `batch_size`
+    /// through the pipeline without autodiff); rank 0 logs them. Collective over the whole
+    /// job; nothing without a validation set.
+    fn validate<S>(&mut self, stage: &S, epoch: usize) -> anyhow::Result<()>
     where
-        S: PipelineStage<D, Batch = <A::Model as TrainStep>::Input>,
+        S: PipelineStage<D, Batch = TrainInput<A>>,
     {
         let Some(valid) = self.data.valid.clone() else {
             return Ok(());
@@ -553,63 +564,91 @@ impl<A: App> StageTraining<A> {
             t.batch_size.max(1),
             t.batch_size.max(1) * t.accumulation_steps,
         );
-        let mut sums = [0.0, 0.0];
-        let mut unreadable = None;
-        for pass in indices.chunks(per_pass) {
-            let micro: Vec<&[usize]> = pass.chunks(batch_size).collect();
-            let mut batches = Vec::with_capacity(micro.len());
-            for indices in &micro {
-                let items = indices
+        let mut loss = [0.0, 0.0];
+        for (k, pass) in indices.chunks(per_pass).enumerate() {
+            let mut batches = Vec::new();
+            let mut sizes = Vec::new();
+            for micro in pass.chunks(batch_size) {
+                let items = micro
                     .iter()
                     .map(|&i| read_item(&*valid, i, "validation set").map_err(AppError))
                     .collect::<Result<Vec<_>, _>>()?;
-                batches.push(Batcher::<A::Item, <A::Model as TrainStep>::Input>::batch(
+                batches.push(Batcher::<A::Item, TrainInput<A>>::batch(
                     &self.batcher,
                     items,
                     &device,
                 ));
+                sizes.push(micro.len());
             }
-            self.pp
-                .forward(&inner, &batches, &device, |i, output| {
-                    let loss = inner.loss(output, &batches[i]);
-                    match loss.into_data().try_to_vec::<f32>() {
-                        Ok(values) => {
-                            let n = micro[i].len() as f64;
-                            sums[0] += f64::from(values.first().copied().unwrap_or(f32::NAN)) * n;
-                            sums[1] += n;
-                        }
-                        Err(e) => unreadable = Some(format!("{e:?}")),
-                    }
-                })
-                .map_err(usage_or_failure)?;
+            let progress = Progress {
+                items_processed: (k * per_pass + pass.len()).min(indices.len()),
+                items_total: indices.len(),
+                unit: None,
+            };
+            self.validation_pass(&inner, &batches, &sizes, &device, &mut loss, progress)?;
         }
-        if let Some(e) = unreadable {
-            anyhow::bail!("validation: cannot read the loss back from the device: {e}");
-        }
-        self.pp.world_group().all_reduce(&mut sums, ReduceOp::Sum)?;
-        let [loss, samples] = sums;
+        self.pp.world_group().all_reduce(&mut loss, ReduceOp::Sum)?;
+        let values = self.valid_metrics.global(self.pp.world_group())?;
+        let [loss, samples] = loss;
         let loss = loss / samples.max(1.0);
+        let validation = Validation {
+            metrics: values,
+            samples: samples as usize,
+            step: self.position.step,
+        };
         if let Some(reporter) = &mut self.reporter {
-            reporter.record(&Record::Valid {
-                epoch,
-                step: self.position.step,
-                samples: samples as usize,
-                metrics: [("Loss".to_string(), loss)].into(),
-            });
+            record_validation(reporter, epoch, &validation);
             reporter.say(&format!(
-                "epoch {}/{}: validation Loss {loss:.4} ({samples} samples)",
+                "epoch {}/{}: validation {} ({samples} samples)",
                 epoch + 1,
-                self.config.training.epochs
+                self.config.training.epochs,
+                metrics::describe(&validation.metrics)
             ));
         }
         // Kept out of the step times and the rate.
         self.clock.exclude(validating.elapsed());
         self.window.exclude(validating.elapsed());
-        self.last_valid = Some(ValidLoss {
-            step: self.position.step,
-            loss,
-        });
+        self.last_valid = Some(LastValidation { validation, loss });
         Ok(())
+    }
+
+    /// One pass of validation micro-batches (`sizes[i]` samples in `batches[i]`) through the
+    /// pipeline: on the last stage, each output into the app's validation metrics and its
+    /// loss × samples, samples into `loss`. Collective over the pipeline.
+    fn validation_pass<S>(
+        &mut self,
+        inner: &S,
+        batches: &[TrainInput<A>],
+        sizes: &[usize],
+        device: &Device,
+        loss: &mut [f64; 2],
+        progress: Progress,
+    ) -> anyhow::Result<()>
+    where
+        S: PipelineStage<D, Batch = TrainInput<A>>,
+    {
+        let (output, to_valid) = (self.output, self.to_valid);
+        let metrics = &mut self.valid_metrics;
+        let mut failed = None;
+        let mut on_output = |i: usize, last: Tensor<D>| -> anyhow::Result<()> {
+            let mean = inner.loss(last.clone(), &batches[i]);
+            let n = sizes[i];
+            let value = mean.clone().into_data().try_to_vec::<f32>().map_err(|e| {
+                anyhow::anyhow!("validation: cannot read the loss back from the device: {e:?}")
+            })?;
+            loss[0] += f64::from(value.first().copied().unwrap_or(f32::NAN)) * n as f64;
+            loss[1] += n as f64;
+            let item = to_valid(output(last, mean, &batches[i]));
+            metrics.update_lazy(item, n, progress.clone(), i, None, "validation")
+        };
+        self.pp
+            .forward(inner, batches, device, |i, last| {
+                if failed.is_none() {
+                    failed = on_output(i, last).err();
+                }
+            })
+            .map_err(usage_or_failure)?;
+        failed.map_or(Ok(()), Err)
     }
 
     /// Each stage's replica 0 writes the stage's checkpoint; its replicas wait. Collective
@@ -633,9 +672,10 @@ impl<A: App> StageTraining<A> {
         Ok(())
     }
 
-    /// Rank 0's closing line: the layout, the steps and the rate of the training loop
-    /// (`elapsed`, checkpoints included), every rank's peak resident memory. Collective over
-    /// the whole job.
+    /// Rank 0's closing lines: the final validation as the data-parallel loop says it, then
+    /// the layout, the steps and the rate of the training loop (`elapsed`, checkpoints
+    /// included), the last stage's validation loss, every rank's peak resident memory.
+    /// Collective over the whole job.
     fn finish(&mut self, elapsed: Duration) -> anyhow::Result<()> {
         if let Some(reporter) = self.reporter.take() {
             reporter.finish();
@@ -650,23 +690,29 @@ impl<A: App> StageTraining<A> {
             .world_group()
             .all_reduce(&mut samples, ReduceOp::Sum)?;
         let rate = samples[0] / elapsed.as_secs_f64().max(1e-9);
-        let valid = self.last_valid.map_or(String::new(), |v| {
+        let valid = self.last_valid.as_ref().map_or(String::new(), |v| {
             format!(", validation loss {:.6}", v.loss)
         });
         if self.pp.rank() == 0 {
+            let summary = Summary {
+                validation: self.last_valid.as_ref().map(|v| v.validation.clone()),
+                steps: self.position.step,
+                skipped_steps: self.skipped,
+                time: None,
+            };
+            println!("{}", summary.line(all.len()));
             let mib: Vec<String> = all
                 .iter()
                 .map(|b| format!("{:.0}", b / (1024.0 * 1024.0)))
                 .collect();
             println!(
-                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps{valid}, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}{}",
+                "pipeline: {} stages × {} replicas, {} micro-batches per step ({:?}): {} steps{valid}, {rate:.1} samples/s; peak RSS per rank (MiB, rank order): {}",
                 self.pp.stages(),
                 self.pp.replicas(),
                 self.config.training.accumulation_steps,
                 self.config.distributed.pipeline_schedule,
                 self.position.step,
-                mib.join(" "),
-                skipped_steps(self.skipped)
+                mib.join(" ")
             );
         }
         Ok(())
