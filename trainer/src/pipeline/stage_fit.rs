@@ -358,6 +358,7 @@ impl<A: App, const D: usize> StageTraining<'_, A, D> {
             self.position.epoch += 1;
             self.position.consumed = 0;
             self.validate(&stage, self.position.epoch - 1)?;
+            self.say_validation();
             if plan.checkpoint_after_epoch(self.position.epoch)
                 && self.last_saved != Some(self.position.step)
             {
@@ -545,7 +546,7 @@ impl<A: App, const D: usize> StageTraining<'_, A, D> {
 
     /// The app's validation metrics, and the last stage's mean loss for the closing line, over
     /// every validation sample once (each replica its shard, in micro-batches of `batch_size`
-    /// through the pipeline without autodiff); rank 0 logs them. Collective over the whole
+    /// through the pipeline without autodiff); rank 0 records them. Collective over the whole
     /// job; nothing without a validation set.
     fn validate<S>(&mut self, stage: &S, epoch: usize) -> anyhow::Result<()>
     where
@@ -598,18 +599,27 @@ impl<A: App, const D: usize> StageTraining<'_, A, D> {
         };
         if let Some(reporter) = &mut self.reporter {
             record_validation(reporter, epoch, &validation);
-            reporter.say(&format!(
-                "epoch {}/{}: validation {} ({samples} samples)",
-                epoch + 1,
-                self.config.training.epochs,
-                metrics::describe(&validation.metrics)
-            ));
         }
         // Kept out of the step times and the rate.
         self.clock.exclude(validating.elapsed());
         self.window.exclude(validating.elapsed());
         self.last_valid = Some(LastValidation { validation, loss });
         Ok(())
+    }
+
+    /// Rank 0's line for the validation at the end of an epoch (the last one is also in the
+    /// final line).
+    fn say_validation(&self) {
+        if let (Some(reporter), Some(last)) = (&self.reporter, &self.last_valid) {
+            let v = &last.validation;
+            reporter.say(&format!(
+                "epoch {}/{}: validation {} ({} samples)",
+                self.position.epoch,
+                self.config.training.epochs,
+                metrics::describe(&v.metrics),
+                v.samples
+            ));
+        }
     }
 
     /// One pass of validation micro-batches (`sizes[i]` samples in `batches[i]`) through the
