@@ -26,6 +26,7 @@ use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
+use burn_ddp::host_values::host_values;
 use burn_ddp::pipeline::{
     PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StepResult,
 };
@@ -643,7 +644,8 @@ impl<A: App, const D: usize> StageTraining<'_, A, D> {
         let mut on_output = |i: usize, last: Tensor<D>| -> anyhow::Result<()> {
             let mean = inner.loss(last.clone(), &batches[i]);
             let n = sizes[i];
-            let value = mean.clone().into_data().try_to_vec::<f32>().map_err(|e| {
+            // At any alignment of the bytes: a GPU's readback may not be aligned.
+            let value = host_values::<f32>(mean.clone().into_data()).map_err(|e| {
                 anyhow::anyhow!("validation: cannot read the loss back from the device: {e:?}")
             })?;
             loss[0] += f64::from(value.first().copied().unwrap_or(f32::NAN)) * n as f64;
