@@ -1,6 +1,8 @@
 //! `trainer launch [OPTIONS] -- PROGRAM [ARGS...]`: any program as supervised ranks, with the
 //! same environment, failure reports and restarts as `trainer --nproc-per-node N`.
 
+use std::process::Command;
+
 use crate::common::*;
 
 /// `trainer launch <options> -- <program...>`.
@@ -107,6 +109,37 @@ fn a_missing_program_is_bad_input_named_in_the_message() {
     );
     // Not a launch: no rank was started, so no failure report.
     assert!(!out.stderr.contains("failed:"), "{}", out.all());
+}
+
+#[test]
+fn a_job_beyond_the_machines_limits_is_refused_before_any_rank_starts() {
+    // 100 ranks need the launcher to hold about 316 descriptors (the store's connections, the
+    // ranks' pipes): under `ulimit -n 64` the job is refused before a process starts, instead
+    // of a failed accept part-way. (The same check guards the kernel's task cap: a mistyped
+    // `--nproc-per-node 100000` is refused at once rather than flooding the machine.)
+    let dir = scratch("launch-beyond-limits");
+    let marker = format!("touch {}/started-$RANK", dir.display());
+    let mut cmd = Command::new("sh");
+    cmd.arg("-c")
+        .arg("ulimit -n 64 && exec \"$0\" launch --nproc-per-node 100 -- sh -c \"$1\"")
+        .arg(trainer().get_program())
+        .arg(&marker);
+    without_launcher_identity(&mut cmd);
+    let out = run(&mut cmd);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[
+            "cannot start 100 local ranks",
+            "no rank was started",
+            "open files: ulimit -n 64",
+            "needs about 316",
+            "trainer doctor",
+        ],
+        &out,
+    );
+    let started = std::fs::read_dir(&dir).map_or(0, |d| d.count());
+    assert_eq!(started, 0, "a rank started:\n{}", out.all());
 }
 
 #[test]

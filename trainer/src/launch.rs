@@ -31,6 +31,8 @@ use anyhow::Context;
 use burn_ddp::store::TcpStoreServer;
 use clap::Args;
 
+use crate::doctor::finding::Status;
+use crate::doctor::{limit_checks, JobShape};
 use crate::error::UsageError;
 pub use crate::launch_plan::LaunchArgs;
 use crate::launch_plan::{LaunchEnv, LaunchPlan, USAGE_EXIT_CODE};
@@ -137,6 +139,7 @@ const GRACE: Duration = Duration::from_secs(10);
 /// before this call, so that bad input fails once instead of once per rank.
 pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> {
     let plan = LaunchPlan::new(args, &machine())?;
+    refuse_beyond_limits(&plan)?;
 
     // Ctrl-C or SIGTERM: stop every rank, then exit (the flag is polled by `supervise`).
     let interrupted = Arc::new(AtomicUsize::new(0));
@@ -190,6 +193,37 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
         }
     }
     unreachable!("the last attempt always returns")
+}
+
+/// Refuses, before any process starts, a job this machine's limits cannot hold (the doctor's
+/// [`limit_checks`]), naming each limit, the numbers and the fix: starting it would end in a
+/// failed `fork` or `accept` part-way, after a machine-wide flood of processes.
+fn refuse_beyond_limits(plan: &LaunchPlan) -> Result<(), UsageError> {
+    let shape = JobShape {
+        local_ranks: plan.nproc,
+        world_size: plan.world_size,
+        threads_per_rank: plan.threads_per_rank.parse().unwrap_or(1),
+        // The program's own loader threads are not known here: the need stays a lower bound.
+        loader_threads: 0,
+        hosts_store: plan.store_host.is_some(),
+    };
+    let failed: Vec<String> = limit_checks(&shape)
+        .into_iter()
+        .filter(|f| f.status == Status::Fail)
+        .map(|f| {
+            let advice = f.advice.map(|a| format!(": {a}")).unwrap_or_default();
+            format!("{}: {}{advice}", f.check, f.detail)
+        })
+        .collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "this machine cannot start {} local ranks (world size {}); no rank was started:\n  {}\n(`trainer doctor` with the same options shows every check)",
+        plan.nproc,
+        plan.world_size,
+        failed.join("\n  ")
+    )))
 }
 
 /// What the plan needs from this machine: its cores, the launcher's `RAYON_NUM_THREADS`, and

@@ -336,6 +336,43 @@ pub fn processes(limit: &Result<Limit, String>, need: u64, root: bool) -> Findin
     }
 }
 
+/// The kernel's machine-wide cap on tasks (every process and thread takes one), and how many
+/// exist now. Binds root too, unlike `RLIMIT_NPROC`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelTasks {
+    /// `kernel.pid_max`: a task needs a free process id.
+    pub pid_max: u64,
+    /// `kernel.threads-max`.
+    pub threads_max: u64,
+    /// Tasks on the machine now (`/proc/loadavg`).
+    pub existing: u64,
+}
+
+/// [`threads_needed`] against the room the kernel has left for new tasks.
+pub fn kernel_tasks(facts: &Result<KernelTasks, String>, need: u64) -> Finding {
+    const CHECK: &str = "kernel tasks";
+    let facts = match facts {
+        Ok(facts) => *facts,
+        Err(e) => {
+            return Finding::skip(CHECK, format!("cannot read the kernel's task limits: {e}"))
+        }
+    };
+    let cap = facts.pid_max.min(facts.threads_max);
+    let room = cap.saturating_sub(facts.existing);
+    let detail = format!(
+        "the kernel allows {cap} tasks (kernel.pid_max {}, kernel.threads-max {}) and {} exist; the job starts about {need} threads",
+        facts.pid_max, facts.threads_max, facts.existing
+    );
+    let advice = "run fewer ranks (--nproc-per-node) or loader threads, or raise `sysctl kernel.pid_max` / `kernel.threads-max`";
+    if room < need {
+        Finding::fail(CHECK, detail, advice)
+    } else if room < 2 * need {
+        Finding::warn(CHECK, format!("{detail}: little headroom"), advice)
+    } else {
+        Finding::ok(CHECK, detail)
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // network
 
@@ -1162,6 +1199,31 @@ mod tests {
             Status::Warn
         );
         assert_eq!(processes(&limit(None), need, false).status, Status::Ok);
+    }
+
+    #[test]
+    fn kernel_tasks_fail_when_the_job_outgrows_the_machine_wide_cap() {
+        let facts = |existing| {
+            Ok(KernelTasks {
+                pid_max: 32768,
+                threads_max: 192731,
+                existing,
+            })
+        };
+        assert_eq!(kernel_tasks(&facts(300), 100).status, Status::Ok);
+        assert_eq!(kernel_tasks(&facts(32000), 500).status, Status::Warn);
+        let over = kernel_tasks(&facts(300), 500_000);
+        assert_eq!(over.status, Status::Fail);
+        assert!(
+            over.detail.contains("allows 32768 tasks"),
+            "{}",
+            over.detail
+        );
+        assert!(over.advice.unwrap().contains("--nproc-per-node"));
+        assert_eq!(
+            kernel_tasks(&Err("no /proc".into()), 10).status,
+            Status::Skip
+        );
     }
 
     #[test]

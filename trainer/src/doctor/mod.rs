@@ -12,7 +12,7 @@
 //! | cores | cores against ranks x threads | never (a warning when oversubscribed) |
 //! | memory | the pre-flight's lower bound for the config's model | the ranks cannot fit |
 //! | /dev/shm | free space against one ring file per local rank | too small, or missing |
-//! | open files, processes | `RLIMIT_NOFILE`, `RLIMIT_NPROC` against the job's needs | below the need |
+//! | open files, processes, kernel tasks | `RLIMIT_NOFILE`, `RLIMIT_NPROC`, the kernel's task cap (`pid_max`, `threads-max`) against the job's needs | below the need (the launcher then refuses the job too: [`limit_checks`]) |
 //! | loopback | a connection through 127.0.0.1 | it fails |
 //! | network | the address and interface that reach `MASTER_ADDR` | no resolution or route; loopback on several nodes |
 //! | port | binding the store's port (or reaching it, where another process hosts it) | in use, or not allowed |
@@ -160,22 +160,49 @@ fn resource_checks(
         world_size: job.world_size,
         space: probe::fs_space(Path::new("/dev/shm")),
     }));
-    let hosts_store = job.node_rank == 0;
-    show(checks::open_files(
-        &probe::open_file_limit(),
-        checks::fds_needed(job.nproc, job.world_size, hosts_store),
-    ));
-    show(checks::processes(
-        &probe::process_limit(),
-        checks::threads_needed(
-            job.nproc,
-            job.world_size,
-            job.threads_per_rank,
-            settings.training.num_workers,
-            hosts_store,
+    let shape = JobShape {
+        local_ranks: job.nproc,
+        world_size: job.world_size,
+        threads_per_rank: job.threads_per_rank,
+        loader_threads: settings.training.num_workers,
+        hosts_store: job.node_rank == 0,
+    };
+    for f in limit_checks(&shape) {
+        show(f);
+    }
+}
+
+/// A job as this machine's limits see it.
+#[derive(Debug, Clone, Copy)]
+pub struct JobShape {
+    pub local_ranks: usize,
+    pub world_size: usize,
+    pub threads_per_rank: usize,
+    pub loader_threads: usize,
+    /// Whether this machine's launcher hosts the store (one connection and thread per rank).
+    pub hosts_store: bool,
+}
+
+/// This machine's limits, measured now, against a job of this shape: open files
+/// (`RLIMIT_NOFILE`), this user's threads (`RLIMIT_NPROC`) and the kernel's task cap. The
+/// launcher refuses a job that fails any of them, before it starts a process; the doctor shows
+/// them.
+pub fn limit_checks(job: &JobShape) -> [Finding; 3] {
+    let threads = checks::threads_needed(
+        job.local_ranks,
+        job.world_size,
+        job.threads_per_rank,
+        job.loader_threads,
+        job.hosts_store,
+    );
+    [
+        checks::open_files(
+            &probe::open_file_limit(),
+            checks::fds_needed(job.local_ranks, job.world_size, job.hosts_store),
         ),
-        probe::is_root(),
-    ));
+        checks::processes(&probe::process_limit(), threads, probe::is_root()),
+        checks::kernel_tasks(&probe::kernel_tasks(), threads),
+    ]
 }
 
 /// The all-reduce over `nproc` local ranks, unless left out or there is only one.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use burn_ddp::group::netif;
 
-use super::checks::{DirState, FsSpace, Limit, PortProbe};
+use super::checks::{DirState, FsSpace, KernelTasks, Limit, PortProbe};
 
 /// How long a name lookup or a connection may take.
 const NET_DEADLINE: Duration = Duration::from_secs(5);
@@ -75,6 +75,30 @@ fn limit(rc: libc::c_int, lim: libc::rlimit) -> Result<Limit, String> {
     Ok(Limit {
         soft: value(lim.rlim_cur),
         hard: value(lim.rlim_max),
+    })
+}
+
+/// The kernel's task cap (`kernel.pid_max`, `kernel.threads-max`) and the tasks that exist
+/// now (the fourth field of `/proc/loadavg`, `running/total`).
+pub fn kernel_tasks() -> Result<KernelTasks, String> {
+    let number = |path: &str| -> Result<u64, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+        text.trim()
+            .parse()
+            .map_err(|_| format!("{path}: not a number: {:?}", text.trim()))
+    };
+    let loadavg =
+        std::fs::read_to_string("/proc/loadavg").map_err(|e| format!("/proc/loadavg: {e}"))?;
+    let existing = loadavg
+        .split_whitespace()
+        .nth(3)
+        .and_then(|field| field.split_once('/'))
+        .and_then(|(_, total)| total.parse().ok())
+        .ok_or_else(|| format!("/proc/loadavg: no task count in {:?}", loadavg.trim()))?;
+    Ok(KernelTasks {
+        pid_max: number("/proc/sys/kernel/pid_max")?,
+        threads_max: number("/proc/sys/kernel/threads-max")?,
+        existing,
     })
 }
 
@@ -235,6 +259,8 @@ mod tests {
         assert!(tmp.total >= tmp.free);
         assert!(fs_space(Path::new("/no/such/dir")).is_err());
         assert!(open_file_limit().is_ok());
+        let tasks = kernel_tasks().unwrap();
+        assert!(tasks.existing >= 1 && tasks.existing <= tasks.pid_max.max(tasks.threads_max));
         loopback_roundtrip().unwrap();
         let (source, interface) = route_to(Ipv4Addr::LOCALHOST.into()).unwrap();
         assert!(source.is_loopback());
