@@ -143,6 +143,29 @@ fn a_job_beyond_the_machines_limits_is_refused_before_any_rank_starts() {
 }
 
 #[test]
+fn a_launcher_option_without_nproc_per_node_starts_one_supervised_rank() {
+    // As torchrun's `--nproc-per-node` defaults to 1: `--log-dir` (or `--nnodes`,
+    // `--max-restarts`, ...) alone is a launch of one rank, not an option a run of one process
+    // silently ignores.
+    let dir = scratch("launch-one-rank");
+    let config = write_config(&dir, "one", &digits_config(SGD, 32, ""));
+    let logs = dir.join("logs");
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&config)
+        .arg("--log-dir")
+        .arg(&logs));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_says(&out.stderr, &["launching 1 rank(s) on node 0 of 1"], &out);
+    let log = std::fs::read_to_string(logs.join("rank-0.log")).unwrap_or_default();
+    assert!(
+        log.contains("checkpoint written"),
+        "rank 0's own log:\n{log}\n{}",
+        out.all()
+    );
+}
+
+#[test]
 fn the_trainer_itself_trains_under_trainer_launch() {
     let dir = scratch("launch-trainer");
     let config = write_config(&dir, "launched", &digits_config(SGD, 8, "max_steps = 5"));

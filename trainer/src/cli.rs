@@ -79,14 +79,14 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             builtin::with_app(&config, Eval(args))?
         }
         Some(Command::Collectives(args)) => {
-            if args.launch.nproc_per_node.is_some() && !is_worker {
+            if args.launch.requested() && !is_worker {
                 launch::launch(&args.launch, &Program::this_process()?)
             } else {
                 tools::collectives(&args)
             }
         }
         Some(Command::BenchAllreduce(args)) => {
-            if args.launch.nproc_per_node.is_some() && !is_worker {
+            if args.launch.requested() && !is_worker {
                 launch::launch(&args.launch, &Program::this_process()?)
             } else {
                 tools::bench_allreduce(&args)

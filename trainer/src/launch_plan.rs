@@ -50,6 +50,27 @@ pub struct LaunchArgs {
     pub max_restarts: usize,
 }
 
+impl LaunchArgs {
+    /// Whether the command line asks for the launcher: any of its options, not only
+    /// `--nproc-per-node` (which defaults to 1, as torchrun's). A `--nnodes 2 --node-rank 1
+    /// --master-addr …` or a `--max-restarts 3` without it starts one supervised rank, instead
+    /// of being ignored by a run of one process.
+    pub fn requested(&self) -> bool {
+        self.nproc_per_node.is_some()
+            || self.nnodes != 1
+            || self.node_rank != 0
+            || self.master_addr.is_some()
+            || self.master_port.is_some()
+            || self.log_dir.is_some()
+            || self.max_restarts != 0
+    }
+
+    /// Ranks this machine starts (`--nproc-per-node`, default 1).
+    pub fn ranks_here(&self) -> usize {
+        self.nproc_per_node.unwrap_or(1)
+    }
+}
+
 /// The store port on several machines when `--master-port` is not given (torchrun's). On one
 /// machine the default is 0: the OS picks a free port, so two jobs never collide.
 pub const DEFAULT_MULTI_NODE_PORT: u16 = 29500;
@@ -106,7 +127,7 @@ impl LaunchPlan {
     /// `--master-addr`, and `--master-port 0` with several machines (the other nodes could not
     /// know the port the OS picks).
     pub fn new(args: &LaunchArgs, env: &LaunchEnv) -> Result<Self, UsageError> {
-        let nproc = args.nproc_per_node.unwrap_or(1);
+        let nproc = args.ranks_here();
         if nproc == 0 {
             return Err(UsageError("--nproc-per-node must be at least 1".into()));
         }
@@ -258,6 +279,48 @@ mod tests {
 
     fn error(args: &LaunchArgs) -> String {
         LaunchPlan::new(args, &env(8)).unwrap_err().0
+    }
+
+    #[test]
+    fn any_launcher_option_asks_for_the_launcher_with_one_rank_by_default() {
+        let none = LaunchArgs {
+            nnodes: 1,
+            ..LaunchArgs::default()
+        };
+        assert!(!none.requested());
+        let asking = [
+            args(2),
+            LaunchArgs {
+                nnodes: 2,
+                ..none.clone()
+            },
+            LaunchArgs {
+                node_rank: 1,
+                ..none.clone()
+            },
+            LaunchArgs {
+                master_addr: Some("10.0.0.1".into()),
+                ..none.clone()
+            },
+            LaunchArgs {
+                master_port: Some(29500),
+                ..none.clone()
+            },
+            LaunchArgs {
+                log_dir: Some("logs".into()),
+                ..none.clone()
+            },
+            LaunchArgs {
+                max_restarts: 3,
+                ..none.clone()
+            },
+        ];
+        for asks in &asking {
+            assert!(asks.requested(), "{asks:?}");
+        }
+        assert_eq!(asking[6].ranks_here(), 1);
+        let plan = LaunchPlan::new(&asking[6], &env(8)).unwrap();
+        assert_eq!((plan.nproc, plan.world_size, plan.max_restarts), (1, 1, 3));
     }
 
     #[test]

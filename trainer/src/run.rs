@@ -122,15 +122,18 @@ fn run_app<A: App>(app: A, command: clap::Command) -> ExitCode {
     })
 }
 
-/// With `--nproc-per-node` (and not already a rank): check the config once, then start and
-/// supervise the local ranks, each running this same program. Otherwise: train as one rank.
+/// With any launcher option (`--nproc-per-node`, `--nnodes`, `--max-restarts`, …; see
+/// [`LaunchArgs::requested`](crate::launch_plan::LaunchArgs::requested)) and not already a
+/// rank: check the config once, then start and supervise the local ranks, each running this
+/// same program. Otherwise: train as one rank.
 pub fn train_or_launch<A: App>(
     app: A,
     config: &Path,
     args: &TrainArgs,
 ) -> anyhow::Result<ExitCode> {
     let is_worker = std::env::var_os(WORKER_VAR).is_some();
-    if let (Some(ranks_here), false) = (args.launch.nproc_per_node, is_worker) {
+    if args.launch.requested() && !is_worker {
+        let ranks_here = args.launch.ranks_here();
         let world_size = ranks_here.saturating_mul(args.launch.nnodes);
         crate::preflight::preflight(&app, config, ranks_here, world_size)?;
         launch::launch(&args.launch, &Program::this_process()?)
