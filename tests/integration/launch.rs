@@ -166,6 +166,29 @@ fn a_launcher_option_without_nproc_per_node_starts_one_supervised_rank() {
 }
 
 #[test]
+fn launching_from_inside_a_rank_of_another_launcher_is_refused() {
+    // What `srun -n 2 trainer --nproc-per-node 2 ...` gives each task: Slurm's rank variables.
+    // Each task would otherwise start its own job of 2 ranks, both writing the same output.
+    let dir = scratch("launch-nested");
+    let marker = format!("touch {}/started-$RANK", dir.display());
+    let out = run(trainer()
+        .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &marker])
+        .env("SLURM_PROCID", "1")
+        .env("SLURM_NTASKS", "2")
+        .env("SLURM_LOCALID", "1")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "29500"));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &["already rank 1 of 2", "drop the launcher options"],
+        &out,
+    );
+    let started = std::fs::read_dir(&dir).map_or(0, |d| d.count());
+    assert_eq!(started, 0, "a rank started:\n{}", out.all());
+}
+
+#[test]
 fn the_trainer_itself_trains_under_trainer_launch() {
     let dir = scratch("launch-trainer");
     let config = write_config(&dir, "launched", &digits_config(SGD, 8, "max_steps = 5"));

@@ -139,6 +139,9 @@ const GRACE: Duration = Duration::from_secs(10);
 /// before this call, so that bad input fails once instead of once per rank.
 pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> {
     let plan = LaunchPlan::new(args, &machine())?;
+    if let Ok(outer) = burn_ddp::DistEnv::from_env() {
+        plan.check_outer_job(outer.rank, outer.world_size)?;
+    }
     refuse_beyond_limits(&plan)?;
 
     // Ctrl-C or SIGTERM: stop every rank, then exit (the flag is polled by `supervise`).

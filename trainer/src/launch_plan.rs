@@ -186,6 +186,21 @@ impl LaunchPlan {
         })
     }
 
+    /// Refuses to start ranks from a process that is itself rank `outer_rank` of an
+    /// `outer_world`-rank job of another launcher (torchrun, srun, mpirun): every one of its
+    /// ranks would start a separate job, all writing the same output. Allowed where this
+    /// launcher is the per-node agent of that job: one task per node, `--nnodes` equal to its
+    /// world size (`srun --ntasks-per-node 1 trainer --nproc-per-node 8 --nnodes N ...`).
+    pub fn check_outer_job(&self, outer_rank: usize, outer_world: usize) -> Result<(), UsageError> {
+        if outer_world <= 1 || outer_world == self.nnodes {
+            return Ok(());
+        }
+        Err(UsageError(format!(
+            "this process is already rank {outer_rank} of {outer_world} of a job another launcher started (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK is set: torchrun, srun, mpirun, or a stale export), and the launcher options (--nproc-per-node {}, --nnodes {}) ask it to start ranks of its own: each of the {outer_world} would start a separate job of {} ranks, all writing the same output. Under another launcher, drop the launcher options (it starts the ranks); to use this launcher as the per-node agent, start one task per node and give --nnodes the number of tasks",
+            self.nproc, self.nnodes, self.world_size
+        )))
+    }
+
     /// The global rank of local rank `local_rank` of this machine.
     pub fn rank(&self, local_rank: usize) -> usize {
         self.node_rank * self.nproc + local_rank
@@ -321,6 +336,27 @@ mod tests {
         assert_eq!(asking[6].ranks_here(), 1);
         let plan = LaunchPlan::new(&asking[6], &env(8)).unwrap();
         assert_eq!((plan.nproc, plan.world_size, plan.max_restarts), (1, 1, 3));
+    }
+
+    #[test]
+    fn a_launch_inside_a_rank_of_another_launcher_is_refused_unless_it_is_the_node_agent() {
+        let plan = LaunchPlan::new(&args(2), &env(8)).unwrap();
+        // Not under another launcher, or in a job of one process: nothing to refuse.
+        assert!(plan.check_outer_job(0, 1).is_ok());
+        // torchrun --nproc-per-node 2 ... trainer --nproc-per-node 2: two separate jobs.
+        let nested = plan.check_outer_job(1, 2).unwrap_err().0;
+        assert!(nested.contains("already rank 1 of 2"), "{nested}");
+        assert!(nested.contains("drop the launcher options"), "{nested}");
+        // srun --ntasks-per-node 1 -N 2 trainer --nproc-per-node 2 --nnodes 2 --node-rank R.
+        let agent = LaunchArgs {
+            nnodes: 2,
+            node_rank: 1,
+            master_addr: Some("node01".into()),
+            ..args(2)
+        };
+        let plan = LaunchPlan::new(&agent, &env(8)).unwrap();
+        assert!(plan.check_outer_job(1, 2).is_ok());
+        assert!(plan.check_outer_job(1, 4).is_err());
     }
 
     #[test]
