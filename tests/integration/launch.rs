@@ -1,6 +1,7 @@
 //! `trainer launch [OPTIONS] -- PROGRAM [ARGS...]`: any program as supervised ranks, with the
 //! same environment, failure reports and restarts as `trainer --nproc-per-node N`.
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::common::*;
@@ -12,6 +13,22 @@ fn launch(options: &[&str], program: &[&str]) -> Output {
         .args(options)
         .arg("--")
         .args(program))
+}
+
+/// A program for ranks that leaves `started-<RANK>` in a fresh scratch directory: the
+/// directory, and the `sh -c` script.
+fn rank_marker(name: &str) -> (PathBuf, String) {
+    let dir = scratch(name);
+    let script = format!("touch {}/started-$RANK", dir.display());
+    (dir, script)
+}
+
+/// The launch was refused as bad input, saying `needles`, and no rank left its marker in `dir`.
+fn assert_refused_before_any_rank(out: &Output, needles: &[&str], dir: &Path) {
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(&out.stderr, needles, out);
+    let started = std::fs::read_dir(dir).map_or(0, |d| d.count());
+    assert_eq!(started, 0, "a rank started:\n{}", out.all());
 }
 
 #[test]
@@ -117,8 +134,7 @@ fn a_job_beyond_the_machines_limits_is_refused_before_any_rank_starts() {
     // ranks' pipes): under `ulimit -n 64` the job is refused before a process starts, instead
     // of a failed accept part-way. (The same check guards the kernel's task cap: a mistyped
     // `--nproc-per-node 100000` is refused at once rather than flooding the machine.)
-    let dir = scratch("launch-beyond-limits");
-    let marker = format!("touch {}/started-$RANK", dir.display());
+    let (dir, marker) = rank_marker("launch-beyond-limits");
     let mut cmd = Command::new("sh");
     cmd.arg("-c")
         .arg("ulimit -n 64 && exec \"$0\" launch --nproc-per-node 100 -- sh -c \"$1\"")
@@ -126,9 +142,8 @@ fn a_job_beyond_the_machines_limits_is_refused_before_any_rank_starts() {
         .arg(&marker);
     without_launcher_identity(&mut cmd);
     let out = run(&mut cmd);
-    assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
+    assert_refused_before_any_rank(
+        &out,
         &[
             "cannot start 100 local ranks",
             "no rank was started",
@@ -136,10 +151,8 @@ fn a_job_beyond_the_machines_limits_is_refused_before_any_rank_starts() {
             "needs about 316",
             "trainer doctor",
         ],
-        &out,
+        &dir,
     );
-    let started = std::fs::read_dir(&dir).map_or(0, |d| d.count());
-    assert_eq!(started, 0, "a rank started:\n{}", out.all());
 }
 
 #[test]
@@ -169,8 +182,7 @@ fn a_launcher_option_without_nproc_per_node_starts_one_supervised_rank() {
 fn launching_from_inside_a_rank_of_another_launcher_is_refused() {
     // What `srun -n 2 trainer --nproc-per-node 2 ...` gives each task: Slurm's rank variables.
     // Each task would otherwise start its own job of 2 ranks, both writing the same output.
-    let dir = scratch("launch-nested");
-    let marker = format!("touch {}/started-$RANK", dir.display());
+    let (dir, marker) = rank_marker("launch-nested");
     let out = run(trainer()
         .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c", &marker])
         .env("SLURM_PROCID", "1")
@@ -178,14 +190,11 @@ fn launching_from_inside_a_rank_of_another_launcher_is_refused() {
         .env("SLURM_LOCALID", "1")
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", "29500"));
-    assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
-        &["already rank 1 of 2", "drop the launcher options"],
+    assert_refused_before_any_rank(
         &out,
+        &["already rank 1 of 2", "drop the launcher options"],
+        &dir,
     );
-    let started = std::fs::read_dir(&dir).map_or(0, |d| d.count());
-    assert_eq!(started, 0, "a rank started:\n{}", out.all());
 }
 
 #[test]
