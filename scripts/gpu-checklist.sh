@@ -23,11 +23,13 @@ LIMIT_MIB=60
 
 pack() {
   bash scripts/offline-llvm.sh
-  # The build of .ci/run's GPU step (so after `bash .ci/run` nothing compiles): the trainer and
-  # the library's unit tests (kernels, NCCL group, device reducer) with CUDA and wgpu.
+  # The build of .ci/run's GPU step, with its flags from .ci/builds.sh (so after `bash .ci/run`
+  # nothing compiles): the trainer and the library's unit tests (kernels, NCCL group, device
+  # reducer) with CUDA and wgpu.
+  source .ci/builds.sh
+  lint_while_building
   local tests
-  tests=$(cargo test --release --locked -p burn-ddp -p trainer --features trainer/wgpu,trainer/cuda \
-    --lib --test integration --no-run --message-format=json |
+  tests=$(cargo test --release --locked "${GPU_PACKAGES[@]}" --no-run --message-format=json |
     python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
@@ -38,7 +40,7 @@ for line in sys.stdin:
   stage=$(mktemp -d)
   trap 'rm -rf "$stage"' RETURN
   # The user's crate with Burn's default features (fused CUDA), as .ci/run builds it.
-  (cd examples/custom-model && CARGO_TARGET_DIR=../../target cargo build --release --locked --features cuda)
+  build_user_crate
   strip -o "$stage/trainer" target/release/trainer
   strip -o "$stage/custom-model" target/release/custom-model
   strip -o "$stage/burn_ddp_tests" "$tests"
