@@ -25,12 +25,18 @@ lint_while_building() {
 # CI's two builds of the workspace, each of every target (what clippy lints) in the release
 # profile, with trainer's `ci-shared-build` feature (see trainer/Cargo.toml): the default
 # features, and burn-ddp and trainer with wgpu and cuda (unfused, as the workspace builds them).
+# The two GPU builds (this one and the user crate's) take .ci/gpu-compilers.toml: CubeCL's kernel
+# compilers at opt-level 1.
+CI_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GPU_COMPILERS=(--config "$CI_ROOT/.ci/gpu-compilers.toml")
 CPU_PACKAGES=(--workspace --features trainer/ci-shared-build)
-GPU_PACKAGES=(-p burn-ddp -p trainer --features trainer/wgpu,trainer/cuda,trainer/ci-shared-build)
+GPU_PACKAGES=(-p burn-ddp -p trainer --features trainer/wgpu,trainer/cuda,trainer/ci-shared-build
+  "${GPU_COMPILERS[@]}")
 
 # A user's crate outside the workspace (examples/custom-model: Burn's default features, so fused)
 # with --features cuda: the build a GPU user makes. It shares the workspace's target directory;
 # extra arguments go to `cargo build`.
 build_user_crate() {
-  (cd examples/custom-model && CARGO_TARGET_DIR=../../target cargo build --release --locked --features cuda "$@")
+  (cd examples/custom-model &&
+    CARGO_TARGET_DIR=../../target cargo build --release --locked --features cuda "${GPU_COMPILERS[@]}" "$@")
 }
