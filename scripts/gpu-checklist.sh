@@ -64,7 +64,7 @@ for line in sys.stdin:
 # (PyTorch's wheels carry NCCL and Triton's libdevice), then the usual prefixes.
 find_first() {
   local found
-  found=$(ldconfig -p 2>/dev/null | awk -v name="$1" '$1 ~ "^"name {print $NF; exit}')
+  found=$(ldconfig -p 2>/dev/null | awk -v name="$1" '$1 ~ "^"name && !found { found = $NF } END { if (found) print found }' || true)
   if [ -z "$found" ]; then
     local site
     site=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)

@@ -65,7 +65,7 @@ mv "$staging" "$LLVM_DIR"
 touch "$MARKER"
 
 version="$("$LLVM_DIR/bin/llvm-config" --version)"
-if ! "$LLVM_DIR/bin/llvm-config" --targets-built | grep -qw NVPTX; then
+if ! "$LLVM_DIR/bin/llvm-config" --targets-built | grep -w NVPTX >/dev/null; then
   echo "error: the LLVM in $LLVM_DIR has no NVPTX target" >&2
   exit 1
 fi
