@@ -21,7 +21,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn_ddp::rng::SplitMix64;
-use burn_ddp::{DataParallel, DdpError, DdpOptions};
+use burn_ddp::{DataParallel, DdpError, DdpOptions, StepOutcome};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 /// Where this program trains: Burn's CPU backend, with autodiff.
@@ -154,20 +154,17 @@ fn train(
                 .map_err(|e| DdpError::Device(format!("reading the loss: {e:?}")))?;
             loss_sum += value * chunk.len() as f64;
             seen += chunk.len() as f64;
-            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-            // The mean gradient over every rank's batch (under ZeRO stage 1: this rank's
-            // parameters only), and which ranks had NaN or Inf: every rank gets the same
-            // verdict, so all stop together.
-            let check = ddp.sync_gradients(&model, &mut grads)?;
-            if !check.all_finite() {
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            // The DDP step: the mean gradient over every rank's batch, your optimizer (under
+            // ZeRO stage 1 each rank steps its own parameters and sends them), the buffers.
+            // Every rank gets the same outcome, so all stop together on NaN or Inf.
+            let (next, outcome) = ddp.step(model, grads, |m, g| optim.step(lr, m, g))?;
+            model = next;
+            if let StepOutcome::Skipped { ranks } = outcome {
                 return Err(DdpError::Unsupported(format!(
-                    "non-finite gradients at step {step} on rank(s) {:?}",
-                    check.nonfinite_ranks
+                    "non-finite gradients at step {step} on rank(s) {ranks:?}"
                 )));
             }
-            model = optim.step(lr, model, grads);
-            model = ddp.finish_step(model)?;
-            model = ddp.sync_buffers(model)?;
             step += 1;
             if step == a.steps {
                 break;

@@ -25,7 +25,7 @@ use burn_ddp::pipeline::{
     PipelineConfig, PipelineError, PipelineParallel, PipelineSchedule, PipelineStage,
 };
 use burn_ddp::rng::SplitMix64;
-use burn_ddp::DdpOptions;
+use burn_ddp::{DdpError, DdpOptions, StepOutcome};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 const SIZES: [usize; 4] = [20, 64, 64, 4];
@@ -183,10 +183,15 @@ fn train(a: &Args) -> Result<(), PipelineError> {
         let micro: Vec<Rows> = (0..a.micro_batches)
             .map(|i| rows(first + i * per_micro, per_micro, &device))
             .collect();
-        let result = pp.step(&stage, &micro, &device)?;
-        stage = optim.step(0.05, stage, result.grads);
-        stage = pp.finish_step(stage)?;
-        if let Some(loss) = result.loss.filter(|_| pp.replica() == 0) {
+        // The whole step: the pipeline's passes, the gradients' mean over the stage's
+        // replicas, the job's verdict on NaN/Inf, the optimizer, the buffers.
+        let stepped = pp.step(stage, &micro, &device, |s, g| optim.step(0.05, s, g))?;
+        stage = stepped.stage;
+        if let StepOutcome::Skipped { ranks } = stepped.outcome {
+            let why = format!("non-finite gradients at step {step} on rank(s) {ranks:?}");
+            return Err(DdpError::Unsupported(why).into());
+        }
+        if let Some(loss) = stepped.loss.filter(|_| pp.replica() == 0) {
             println!("step {step}: loss {loss:.4} (replica 0)");
         }
     }

@@ -8,12 +8,12 @@
 //! let mut model = ddp.prepare(model)?;                  // replicas equal (rank 0's weights)
 //! for epoch in 0..epochs {
 //!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
-//!         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-//!         let check = ddp.sync_gradients(&model, &mut grads)?;     // mean over all ranks
-//!         if !check.all_finite() { /* skip or stop: every rank got the same verdict */ }
-//!         model = optim.step(lr, model, grads);             // a `ModuleOptimizer`
-//!         model = ddp.finish_step(model)?;               // ZeRO 1: owners send new values
-//!         model = ddp.sync_buffers(model)?;              // BatchNorm statistics
+//!         let grads = GradientsParams::from_grads(loss.backward(), &model);
+//!         // The whole DDP step: mean gradients over all ranks, the verdict on NaN/Inf (the
+//!         // same on every rank), your optimizer, ZeRO 1's gather, the buffers.
+//!         let (next, outcome) = ddp.step(model, grads, |m, g| optim.step(lr, m, g))?;
+//!         model = next;
+//!         if let StepOutcome::Skipped { ranks } = outcome { /* stop, or go on: all ranks alike */ }
 //!     }
 //!     let [loss_sum, n] = ddp.sum([loss_sum, n])?;      // exact global metrics
 //! }
@@ -43,6 +43,25 @@ use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
 use crate::init::Distributed;
 use crate::sampler::DistributedSampler;
+
+/// What [`DataParallel::step`] did: the same on every rank of the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[must_use = "a skipped step is the caller's to report or stop on"]
+pub enum StepOutcome {
+    /// The optimizer stepped with the gradients' mean over the ranks.
+    Applied,
+    /// The gradients of `ranks` (ascending) held a NaN or an infinity, so their mean was not
+    /// finite: no rank stepped its optimizer (the parameters are as they were), and the
+    /// buffers were still made equal. Stop, or go on to the next step, as you choose: every
+    /// rank has the same outcome, so all choose alike.
+    Skipped { ranks: Vec<usize> },
+}
+
+impl StepOutcome {
+    pub fn is_applied(&self) -> bool {
+        matches!(self, StepOutcome::Applied)
+    }
+}
 
 /// One rank's membership of a data-parallel job, and the DDP step it takes with the others.
 pub struct DataParallel {
@@ -147,6 +166,56 @@ impl DataParallel {
         prepare_module(model, &mut self.dist.group, 0)
     }
 
+    /// The DDP step, once per optimizer step, after the backward passes of all the step's
+    /// micro-batches (`grads`: this rank's, accumulated): in this order, every gradient
+    /// replaced with its mean over the ranks (under ZeRO stage 1 only this rank's parameters
+    /// keep theirs); the verdict on non-finite gradients, agreed by all ranks; when finite,
+    /// `optimize(model, grads)` (your optimizer: `|m, g| optim.step(lr, m, g)`) and, under
+    /// stage 1, every rank's stepped parameters sent to the others; then the buffers
+    /// (BatchNorm statistics) made equal as the options say. Returns the model, ready for the
+    /// next step, and what was done ([`StepOutcome`]). You never order these parts yourself,
+    /// as with PyTorch's DDP.
+    ///
+    /// Collective: every rank calls it for every optimizer step, with a model of the same
+    /// architecture. Each exchange has the options' deadline, after which it fails naming the
+    /// ranks that did not arrive.
+    ///
+    /// # Errors
+    /// A collective's failure; [`DdpError::SyncBatchNorm`] when synchronised BatchNorm failed
+    /// in this step's forward or backward (reported here, before any gradient is sent).
+    pub fn step<M: Module>(
+        &mut self,
+        model: M,
+        grads: GradientsParams,
+        optimize: impl FnOnce(M, GradientsParams) -> M,
+    ) -> Result<(M, StepOutcome), DdpError> {
+        self.step_with_verdict(model, grads, |check| Ok(check.nonfinite_ranks), optimize)
+    }
+
+    /// [`step`](Self::step) with the verdict widened by `verdict`: given this group's
+    /// [`GradientCheck`], it returns the ranks (of whatever numbering the caller reports) whose
+    /// gradients were not finite, the same on every rank of this group, e.g. agreed over a
+    /// larger job (a pipeline's stages: no stage may step while another skips). The one home
+    /// of the step's order; collective as `step`, and as `verdict` is.
+    pub(crate) fn step_with_verdict<M: Module>(
+        &mut self,
+        model: M,
+        mut grads: GradientsParams,
+        verdict: impl FnOnce(GradientCheck) -> Result<Vec<usize>, DdpError>,
+        optimize: impl FnOnce(M, GradientsParams) -> M,
+    ) -> Result<(M, StepOutcome), DdpError> {
+        let check = self.sync_gradients(&model, &mut grads)?;
+        let nonfinite = verdict(check)?;
+        let (model, outcome) = if nonfinite.is_empty() {
+            let model = optimize(model, grads);
+            (self.finish_step(model)?, StepOutcome::Applied)
+        } else {
+            (model, StepOutcome::Skipped { ranks: nonfinite })
+        };
+        // Every rank's forward passes updated its own buffers, whether it stepped or not.
+        Ok((self.sync_buffers(model)?, outcome))
+    }
+
     /// Replaces every gradient with its mean over the ranks (through the host, or NCCL;
     /// compressed as the options say), whatever the ZeRO stage. Collective, once per optimizer
     /// step, after all the micro-batches of the step.
@@ -159,7 +228,7 @@ impl DataParallel {
     /// A collective's failure; [`DdpError::SyncBatchNorm`] when synchronised BatchNorm failed
     /// in this step's forward or backward (those cannot return errors, so it is reported here,
     /// before any gradient is sent).
-    pub fn average_gradients<M: Module>(
+    pub(crate) fn average_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
@@ -180,7 +249,7 @@ impl DataParallel {
     /// optimizer with them, then call [`finish_step`](Self::finish_step). Collective, once per
     /// optimizer step; the verdict on non-finite gradients is the same as stage 0's. Errors as
     /// [`average_gradients`](Self::average_gradients).
-    pub fn sync_gradients<M: Module>(
+    pub(crate) fn sync_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
@@ -197,7 +266,7 @@ impl DataParallel {
     /// After the optimizer step. Stage 1: every rank sends the parameters it stepped and
     /// receives the others' (the replicas are bit-identical again). Stage 0: nothing.
     /// Collective under stage 1; call it only after a step that was taken.
-    pub fn finish_step<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
+    pub(crate) fn finish_step<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         match &mut self.sharded {
             Some(sharded) => sharded.gather_parameters(&mut self.dist.group, model),
             None => Ok(model),
@@ -209,7 +278,7 @@ impl DataParallel {
     /// mean. Collective (nothing is sent for a model without buffers, or without a rule);
     /// call it once per optimizer step, after the step, so replicas are identical at every
     /// step boundary.
-    pub fn sync_buffers<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
+    pub(crate) fn sync_buffers<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         let Some(rule) = self.buffer_rule else {
             return Ok(model);
         };

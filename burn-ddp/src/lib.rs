@@ -54,7 +54,7 @@ pub mod sampler;
 pub mod store;
 pub mod testing;
 
-pub use data_parallel::DataParallel;
+pub use data_parallel::{DataParallel, StepOutcome};
 pub use ddp::{parameter_count, DdpOptions, GradientTransport, SyncBatchNorm, SyncBatchNormConfig};
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError, SyncBatchNormError};

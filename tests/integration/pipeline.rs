@@ -458,7 +458,7 @@ fn the_engine_refuses_stages_it_cannot_run_with_exit_2() {
     refused(
         &config,
         4,
-        "cannot be cut into stages (its App::stages is None)",
+        "cannot be cut into stages (this program gives no StageSplit)",
     );
 }
 

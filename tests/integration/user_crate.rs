@@ -95,7 +95,7 @@ fn a_user_crate_resumes_after_sigkill_to_the_weights_of_an_uninterrupted_run() {
     resume_after_sigkill(3, 3, 8, 6);
 }
 
-/// The user's own model cut into 2 pipeline stages by its own `App::stages` (its own
+/// The user's own model cut into 2 pipeline stages by its own `StageSplit` (its own
 /// `PipelineStage`, batch type and loss): 4 micro-batches of 8 on 2 processes end with the
 /// weights of one process with the batch of 32 (Adam), each layer on exactly one stage, and
 /// report the app's own metrics (its accuracy) as one process does.
@@ -272,4 +272,30 @@ fn the_users_binary_names_itself_in_help_and_version() {
     assert_eq!(out.code, Some(0), "{}", out.all());
     assert!(out.stdout.contains("Usage: custom-model"), "{}", out.all());
     assert!(!out.stdout.contains("trainer "), "{}", out.all());
+}
+
+/// A device the user's build lacks: the advice is for the user's crate (a feature of its own
+/// forwarding trainer's and Burn's), not the workspace's `-p trainer`. CI builds the example
+/// with `--features cuda` only, so `wgpu` is the device it lacks.
+#[test]
+fn a_device_the_users_build_lacks_is_refused_with_advice_for_the_users_crate() {
+    let dir = scratch("user-crate-no-wgpu");
+    let config = write_config(
+        &dir,
+        "wgpu",
+        &(circles_config(1, "") + "device = \"wgpu\"\n"),
+    );
+    let out = run(Command::new(custom_model()).arg("--config").arg(&config));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[
+            "output.device = \"wgpu\" is not available in this build",
+            "rebuild custom-model with `--features wgpu`",
+            "\"trainer/wgpu\"",
+            "\"burn/wgpu\"",
+        ],
+        &out,
+    );
+    assert!(!out.stderr.contains("-p trainer"), "{}", out.all());
 }

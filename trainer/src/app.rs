@@ -16,7 +16,10 @@
 //!
 //! Then `fn main() -> ExitCode { trainer::run::main_with(MyApp, trainer::program_info!()) }` is a complete `trainer` for the
 //! user's model: `--config`, `--nproc-per-node`, multi-node, `--max-restarts`, `eval`, resume,
-//! rank-0 checkpoints. See `examples/custom-model/` for a compiled example.
+//! rank-0 checkpoints. See `examples/custom-model/` for a compiled example. A model that also
+//! trains as pipeline stages is cut by a [`StageSplit`](crate::pipeline::StageSplit) the
+//! program gives beside the app ([`main_with_stages`](crate::run::main_with_stages)): the app
+//! names what only the user knows, and nothing of the engine.
 
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -29,7 +32,10 @@ use burn::train::{InferenceStep, TrainStep};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use crate::metrics::Metrics;
+use crate::config::Config;
+/// The metrics an app shows ([`App::train_metrics`], [`App::valid_metrics`]), here with every
+/// other name an app needs.
+pub use crate::metrics::Metrics;
 
 /// The parameter counter for [`App::parameter_count`] (burn-ddp's).
 pub use burn_ddp::parameter_count;
@@ -185,25 +191,11 @@ pub trait App: Send + Sync + 'static {
         let _ = (model, data);
         None
     }
-
-    /// How the model is cut into pipeline stages, for `[distributed] pipeline_stages > 1`:
-    /// [`StageSplit::new`] with a function that builds stage `i` of `n` (only that stage's
-    /// layers; the same parameters as the whole model's when seeded alike, if runs are to be
-    /// compared) as a burn-ddp [`PipelineStage`](burn_ddp::pipeline::PipelineStage) whose
-    /// batch is the model's training input, and one that makes the model's `TrainStep`
-    /// output from the last stage's output (what the metrics read). `None` (the default): the
-    /// model is not cut, and a config asking for stages is refused naming this method.
-    fn stages(&self) -> Option<StageSplit<Self>>
-    where
-        Self: Sized,
-    {
-        None
-    }
 }
 
-pub use crate::pipeline::{StageOf, StageSplit};
-/// burn-ddp's contract for one pipeline stage of a model (see [`App::stages`]).
-pub use burn_ddp::pipeline::PipelineStage;
+/// The configuration of app `A`: the engine's sections and the app's own `[model]` and
+/// `[data]` tables.
+pub type AppConfig<A> = Config<<A as App>::ModelConfig, <A as App>::DataConfig>;
 
 /// The last path segment of a type name, without generic arguments:
 /// `my_crate::nets::CirclesNet<f32>` → `CirclesNet`.
@@ -212,6 +204,9 @@ fn short_type_name(full: &str) -> &str {
     path.rsplit("::").next().unwrap_or(path)
 }
 
+/// The training input of app `A`'s model (its batcher's output; every pipeline stage's
+/// micro-batch).
+pub type TrainInput<A> = <<A as App>::Model as TrainStep>::Input;
 /// The training output of app `A` (what its training metrics read, after `ItemLazy::sync`).
 pub type TrainItem<A> = <<A as App>::Model as TrainStep>::Output;
 /// The validation output of app `A`.

@@ -62,6 +62,29 @@ pub fn device_name(device: DeviceKind) -> String {
     format!("{device:?}").to_lowercase()
 }
 
+/// How to get a build that trains on `device`, for `program` (the running binary's name): the
+/// `trainer` binary's own feature, or, in a program of the user's crate, a feature of that
+/// crate forwarding trainer's and Burn's (the crate that builds the binary decides).
+pub fn rebuild_advice(device: DeviceKind, program: &str) -> String {
+    let name = device_name(device);
+    if program == "trainer" {
+        format!("rebuild with `cargo build --release -p trainer --features {name}`")
+    } else {
+        format!(
+            "rebuild {program} with `--features {name}`, a feature of its own crate that turns on `trainer/{name}` and `burn/{name}` (in its Cargo.toml: `[features] {name} = [\"burn/{name}\", \"trainer/{name}\"]`, as examples/custom-model/Cargo.toml has)"
+        )
+    }
+}
+
+/// The running binary's name (its file's stem), as [`rebuild_advice`] takes it.
+fn this_program() -> String {
+    std::env::args_os()
+        .next()
+        .map(std::path::PathBuf::from)
+        .and_then(|path| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "this program".into())
+}
+
 /// Whether this build can train on `device`, and (for CUDA) whether this machine can: a missing
 /// driver or GPU is a clear usage error before any rank starts, never a panic inside CUDA.
 pub fn device_available(device: DeviceKind, local_rank: usize) -> anyhow::Result<()> {
@@ -69,7 +92,8 @@ pub fn device_available(device: DeviceKind, local_rank: usize) -> anyhow::Result
     let name = device_name(device);
     if !built_in(device) {
         return Err(UsageError(format!(
-            "output.device = \"{name}\" is not available in this build. Rebuild with `--features {name}` (e.g. `cargo build --release -p trainer --features {name}`), or set output.device = \"cpu\""
+            "output.device = \"{name}\" is not available in this build: {}, or set output.device = \"cpu\"",
+            rebuild_advice(device, &this_program())
         ))
         .into());
     }

@@ -31,11 +31,11 @@ use burn::tensor::Device;
 use burn::train::TrainStep;
 use clap::Args;
 
-use crate::app::App;
+use crate::app::{App, AppConfig};
 use crate::backend::{device_name, train_device};
 use crate::builtin::{self, WithApp};
-use crate::config::OptimizerName;
-use crate::config::{AppConfig, DeviceKind};
+use crate::config::{DeviceKind, OptimizerName};
+use crate::pipeline::StageSplit;
 use burn_ddp::ddp::zero;
 
 #[derive(Args, Debug, Clone)]
@@ -64,7 +64,7 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     struct Bench<'a>(&'a BenchTrainArgs);
     impl WithApp for Bench<'_> {
         type Output = anyhow::Result<ExitCode>;
-        fn run<A: App + Clone>(self, app: A) -> Self::Output {
+        fn run<A: App + Clone>(self, app: A, _stages: Option<StageSplit<A>>) -> Self::Output {
             bench_app(app, self.0)
         }
     }

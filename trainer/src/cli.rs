@@ -18,6 +18,7 @@ use crate::app::App;
 use crate::builtin::{self, WithApp};
 use crate::error::UsageError;
 use crate::launch::{self, Program};
+use crate::pipeline::StageSplit;
 use crate::run::{self, EvalArgs, TrainArgs};
 use crate::worker_env::WORKER_VAR;
 use crate::{bench, doctor, plot, tools};
@@ -71,7 +72,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             struct Eval(EvalArgs);
             impl WithApp for Eval {
                 type Output = anyhow::Result<ExitCode>;
-                fn run<A: App + Clone>(self, app: A) -> Self::Output {
+                fn run<A: App + Clone>(
+                    self,
+                    app: A,
+                    _stages: Option<StageSplit<A>>,
+                ) -> Self::Output {
                     crate::eval::evaluate(app, &self.0.config, &self.0.checkpoint)
                 }
             }
@@ -106,8 +111,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             struct Train(PathBuf, TrainArgs);
             impl WithApp for Train {
                 type Output = anyhow::Result<ExitCode>;
-                fn run<A: App + Clone>(self, app: A) -> Self::Output {
-                    run::train_or_launch(app, &self.0, &self.1)
+                fn run<A: App + Clone>(
+                    self,
+                    app: A,
+                    stages: Option<StageSplit<A>>,
+                ) -> Self::Output {
+                    run::train_or_launch(app, stages, &self.0, &self.1)
                 }
             }
             builtin::with_app(&config, Train(config.clone(), cli.train))?

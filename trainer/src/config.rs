@@ -33,10 +33,6 @@ pub struct Config<M, D> {
     pub output: OutputConfig,
 }
 
-/// The configuration of app `A`.
-pub type AppConfig<A> =
-    Config<<A as crate::app::App>::ModelConfig, <A as crate::app::App>::DataConfig>;
-
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum OptimizerName {
@@ -246,8 +242,8 @@ pub struct DistributedConfig {
     pub sync_buffers: SyncBuffers,
     /// Pipeline stages the model is cut into (1: none, plain data parallelism). With `P > 1`
     /// the world size must be a multiple of `P`: `world / P` replicas of the pipeline train
-    /// data-parallel, and `training.accumulation_steps` is the micro-batch count. Needs an
-    /// app that says how its model splits ([`App::stages`](crate::app::App::stages)).
+    /// data-parallel, and `training.accumulation_steps` is the micro-batch count. Needs a
+    /// program that says how its model splits ([`StageSplit`](crate::pipeline::StageSplit)).
     pub pipeline_stages: usize,
     /// The order of micro-batches on each stage: `"gpipe"` or `"1f1b"` (see
     /// [`PipelineScheduleName`]).

@@ -18,7 +18,7 @@ use crate::backend;
 use crate::checkpoint;
 use crate::error::UsageError;
 use crate::metrics::{self, Metrics};
-use crate::preflight::preflight;
+use crate::preflight::{preflight, Splitting};
 
 /// Feeds this rank's evaluation shard of `items` through `model` to `metrics` (local); returns
 /// the shard's size. `model` is the `valid()` copy and `device` the device without autodiff
@@ -69,7 +69,7 @@ pub fn evaluate<A: App>(
     config_path: &Path,
     checkpoint_path: &Path,
 ) -> anyhow::Result<ExitCode> {
-    let config = preflight(&app, config_path, 1, 1)?;
+    let config = preflight(&app, config_path, 1, 1, Splitting::Possible)?;
     let stages = config.distributed.pipeline_stages;
     // A pipeline's stages hold the model's parameters under its names: their checkpoints of
     // one step together load into the whole model.

@@ -41,28 +41,26 @@ use burn::optim::{
 use burn::tensor::{Device, Tensor};
 use burn::train::{ItemLazy, TrainStep};
 use burn_ddp::sampler::{DistributedSampler, Sample, WeightedDistributedSampler};
-use burn_ddp::{DataParallel, Distributed, ProcessGroup, TcpProcessGroup};
+use burn_ddp::{DataParallel, Distributed, ProcessGroup, StepOutcome, TcpProcessGroup};
 
-use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
+use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
 use crate::backend;
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::config::{
-    AppConfig, OnNonFinite, OptimizerConfig, OptimizerName, OutputConfig, TrainingConfig,
-};
+use crate::config::{OnNonFinite, OptimizerConfig, OptimizerName, OutputConfig, TrainingConfig};
 use crate::error::UsageError;
 use crate::fault_injection;
 use crate::loader::BatchStream;
 use crate::metrics::{self, MetricValue, Metrics, Record, Reporter};
 use crate::parallel::{self, CheckpointPolicy};
 use crate::plan::{PlanInput, StepPlan};
-use crate::preflight::preflight;
+use crate::preflight::{preflight, Splitting};
 use crate::schedule::Schedule;
 use crate::throughput::ThroughputWindow;
 use crate::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// Everything one rank's training needs (steps 1 and 2 of the module docs): the app, its
 /// config, the formed job, the data sets and the device; then [`train`] (data parallel) or
-/// `crate::pipeline::train` (pipeline stages) trains.
+/// the program's pipeline split (pipeline stages) trains.
 pub struct RankStart<A: App> {
     pub app: A,
     pub config: AppConfig<A>,
@@ -74,12 +72,18 @@ pub struct RankStart<A: App> {
     pub no_resume: bool,
 }
 
-/// `--config FILE` as one rank (or the only process): the pre-flight, the data sets, the job
-/// (collective: every rank joins) and the device.
-pub fn start<A: App>(app: A, config_path: &Path, no_resume: bool) -> anyhow::Result<RankStart<A>> {
+/// `--config FILE` as one rank (or the only process): the pre-flight (`splitting`: whether the
+/// program gave a pipeline split), the data sets, the job (collective: every rank joins) and
+/// the device.
+pub fn start<A: App>(
+    app: A,
+    config_path: &Path,
+    no_resume: bool,
+    splitting: Splitting,
+) -> anyhow::Result<RankStart<A>> {
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
-    let config = preflight(&app, config_path, 1, world_size)?;
+    let config = preflight(&app, config_path, 1, world_size, splitting)?;
     backend::pin_default_device();
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
@@ -451,8 +455,9 @@ impl<'j, A: App> Training<'j, A> {
         Ok(model)
     }
 
-    /// One optimizer step: its micro-batches' gradients accumulated, averaged across the
-    /// ranks, applied (or skipped when non-finite), and the buffers made equal. Collective.
+    /// One optimizer step: its micro-batches' gradients accumulated, then burn-ddp's DDP
+    /// step (averaged across the ranks, applied or skipped when non-finite, the buffers made
+    /// equal). Collective.
     fn optimizer_step(
         &mut self,
         model: A::Model,
@@ -465,12 +470,7 @@ impl<'j, A: App> Training<'j, A> {
             .device
             .seed(seed.wrapping_add(self.position.step as u64 + 1));
         let grads = self.accumulate(&model, batches, step_samples)?;
-        let model = self.apply_gradients(model, grads)?;
-        // Every rank's forward passes updated its own BatchNorm statistics: make them equal.
-        let job = &mut *self.job;
-        Ok(self
-            .clock
-            .time(Phase::Sync, || job.ddp.sync_buffers(model))?)
+        self.apply_gradients(model, grads)
     }
 
     /// Forward and backward of each micro-batch of the step, each weighted by its share of the
@@ -513,43 +513,45 @@ impl<'j, A: App> Training<'j, A> {
         Ok(accumulator.grads())
     }
 
-    /// Averages the gradients across the ranks and takes the optimizer step with the
-    /// schedule's next rate — or, when some rank's gradients are not finite, stops or skips
-    /// the step on every rank alike (`training.on_nonfinite`). Collective.
+    /// burn-ddp's DDP step with the optimizer at the schedule's next rate; when some rank's
+    /// gradients were not finite, stops or skips on every rank alike (`training.on_nonfinite`).
+    /// Its time counts as sync, the optimizer's own as optimizer. Collective.
     fn apply_gradients(
         &mut self,
         model: A::Model,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
     ) -> anyhow::Result<A::Model> {
-        let job = &mut *self.job;
-        let check = self
-            .clock
-            .time(Phase::Sync, || job.ddp.sync_gradients(&model, &mut grads))?;
         self.lr = self.schedule.next_lr();
-        if !check.all_finite() {
-            // Every rank has the same verdict: all stop, or all skip, together.
+        let (optim, lr) = (&mut self.optim, self.lr);
+        let mut optimizer_time = Duration::ZERO;
+        let started = Instant::now();
+        let (model, outcome) = self.job.ddp.step(model, grads, |model, grads| {
+            let optimize = Instant::now();
+            let model = model.optimize(optim, lr.into(), grads);
+            optimizer_time = optimize.elapsed();
+            model
+        })?;
+        self.clock.add(Phase::Optimizer, optimizer_time);
+        self.clock.add(
+            Phase::Sync,
+            started.elapsed().saturating_sub(optimizer_time),
+        );
+        if let StepOutcome::Skipped { ranks } = outcome {
+            // Every rank has the same outcome: all stop, or all skip, together.
             let failed = NonFiniteGradients {
                 step: self.position.step + 1,
-                ranks: check.nonfinite_ranks,
+                ranks,
                 last_checkpoint: self.last_saved,
             };
-            return match self.job.config.training.on_nonfinite {
-                OnNonFinite::Stop => Err(failed.into()),
+            match self.job.config.training.on_nonfinite {
+                OnNonFinite::Stop => return Err(failed.into()),
                 OnNonFinite::Skip => {
                     self.skipped += 1;
                     tracing::warn!("{failed}; skipped (training.on_nonfinite = \"skip\")");
-                    Ok(model)
                 }
-            };
+            }
         }
-        let optimize = Instant::now();
-        let model = model.optimize(&mut self.optim, self.lr.into(), grads);
-        self.clock.add(Phase::Optimizer, optimize.elapsed());
-        // ZeRO stage 1: each rank stepped its own parameters; exchange them.
-        let job = &mut *self.job;
-        Ok(self
-            .clock
-            .time(Phase::Sync, || job.ddp.finish_step(model))?)
+        Ok(model)
     }
 
     /// What the plan asks for after an optimizer step: the sample log, a metrics line, a

@@ -32,10 +32,10 @@ use burn_ddp::store::TcpStoreServer;
 use clap::Args;
 
 use crate::doctor::finding::Status;
-use crate::doctor::{limit_checks, JobShape};
 use crate::error::UsageError;
 pub use crate::launch_plan::LaunchArgs;
 use crate::launch_plan::{LaunchEnv, LaunchPlan, USAGE_EXIT_CODE};
+use crate::limits::{limit_checks, JobShape};
 use crate::ranklog::RankLog;
 use crate::worker_env::{THREADS_VAR, TOKEN_VAR};
 
@@ -198,9 +198,10 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
     unreachable!("the last attempt always returns")
 }
 
-/// Refuses, before any process starts, a job this machine's limits cannot hold (the doctor's
-/// [`limit_checks`]), naming each limit, the numbers and the fix: starting it would end in a
-/// failed `fork` or `accept` part-way, after a machine-wide flood of processes.
+/// Refuses, before any process starts, a job this machine's limits cannot hold
+/// ([`limit_checks`], which the doctor shows too), naming each limit, the numbers and the fix:
+/// starting it would end in a failed `fork` or `accept` part-way, after a machine-wide flood of
+/// processes.
 fn refuse_beyond_limits(plan: &LaunchPlan) -> Result<(), UsageError> {
     let shape = JobShape {
         local_ranks: plan.nproc,

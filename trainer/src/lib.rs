@@ -1,9 +1,11 @@
 //! The burn-ddp engine and the `trainer` binary: train any Burn model data-parallel, one
 //! process per CPU rank or GPU.
 //!
-//! **Bring your own model** (three ways in, see README "Bring your own model"):
+//! **Bring your own model** (three ways in, see `docs/bring-your-own-model.md`):
 //! 1. your own binary, the whole CLI: implement the one trait [`app::App`] and call
-//!    [`run::main_with`] with [`program_info!`] (its `--help` and `--version` name your binary) (compiled example: `examples/custom-model/`);
+//!    [`run::main_with`] with [`program_info!`] (its `--help` and `--version` name your
+//!    binary; [`run::main_with_stages`] for a model that also trains as pipeline stages)
+//!    (compiled example: `examples/custom-model/`);
 //! 2. your own loop: [`burn_ddp::DataParallel`] (compiled example: `burn-ddp/examples/own_loop.rs`);
 //! 3. the built-in models: `trainer --config configs/digits-mlp.toml`.
 //!
@@ -25,6 +27,7 @@
 //! | [`record`] | the records of `metrics.jsonl` (the schema TensorBoard files and charts read back) |
 //! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`), like torchrun |
 //! | [`launch_plan`] | the launcher's pure decisions: ranks, each rank's environment, threads, port |
+//! | `limits` | this machine's limits (open files, threads, kernel tasks) against a job: the launcher refuses, the doctor shows |
 //! | [`worker_env`] | the launcher ↔ worker contract: every environment variable and rendezvous key |
 //! | [`orphan`] | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
 //! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
@@ -44,8 +47,13 @@
 //! | [`doctor`] | `trainer doctor`: can this machine and config run a job, and what to fix |
 //! | `cli` | the `trainer` binary's command line (imported by `main` only) |
 
-// The user API is `app`, `run`, `metrics` and `alloc` (with `program_info!`): the rest is the
-// engine, public for the `trainer` binary, the benchmarks and the tests, hidden from the docs.
+// The user API is `app`, `run`, `pipeline`, `metrics` and `alloc` (with `program_info!`), and
+// burn-ddp itself: the rest is the engine, public for the `trainer` binary, the benchmarks and
+// the tests, hidden from the docs.
+
+/// burn-ddp, as this engine is built with it: `trainer::burn_ddp::SyncBatchNorm` and the rest
+/// without a second dependency, and without the risk of two builds of it in one program.
+pub use burn_ddp;
 pub mod alloc;
 pub mod app;
 #[doc(hidden)]
@@ -78,6 +86,7 @@ pub mod fit;
 pub mod launch;
 #[doc(hidden)]
 pub mod launch_plan;
+mod limits;
 #[doc(hidden)]
 pub mod loader;
 #[doc(hidden)]

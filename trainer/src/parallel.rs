@@ -16,11 +16,11 @@ use burn::tensor::Device;
 use burn_ddp::ddp::BufferSync;
 use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport};
 
-use crate::app::App;
+use crate::app::{App, AppConfig};
 use crate::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
-use crate::config::{AppConfig, DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
+use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
 use crate::schedule::Schedule;
 use crate::worker_env;
 

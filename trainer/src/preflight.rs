@@ -5,23 +5,25 @@ use std::path::Path;
 
 use anyhow::bail;
 
-use crate::app::App;
+use crate::app::{App, AppConfig};
 use crate::backend;
-use crate::config::{AppConfig, DeviceKind};
+use crate::config::DeviceKind;
 use crate::error::UsageError;
 use crate::memory::{available_memory, MemoryEstimate};
 
-/// The usage error for `pipeline_stages > 1` with an app whose model does not split.
-pub(crate) fn cannot_split<A: App>(app: &A, config: &AppConfig<A>) -> UsageError {
-    UsageError(format!(
-        "distributed.pipeline_stages = {}: the model of this app ({}) cannot be cut into stages (its App::stages is None); set pipeline_stages = 1, or implement App::stages",
-        config.distributed.pipeline_stages,
-        app.name(&config.model)
-    ))
+/// Whether `[distributed] pipeline_stages > 1` can run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Splitting {
+    /// The program gave the entry point a [`StageSplit`](crate::pipeline::StageSplit), or what
+    /// it runs needs none (`eval` reads a pipeline's checkpoints as the whole model).
+    Possible,
+    /// No split: a config asking for stages is refused.
+    Impossible,
 }
 
 /// Checks what can be checked before any rank starts: the config file (the engine's sections
-/// and the app's tables), the app's own checks, the output directories, the device, and
+/// and the app's tables), the app's own checks, whether the program can run the stages asked
+/// for (`splitting`), the output directories, the device, and
 /// whether `ranks_here` ranks (of a job of `world_size`) of this model fit in this machine's
 /// memory (on the CPU, for apps that give [`App::parameter_count`]; ZeRO stage 1 divides the
 /// optimizer state by the replicas of a stage, `pipeline_stages` the model by the stages),
@@ -31,12 +33,16 @@ pub fn preflight<A: App>(
     config_path: &Path,
     ranks_here: usize,
     world_size: usize,
+    splitting: Splitting,
 ) -> anyhow::Result<AppConfig<A>> {
     let config = AppConfig::<A>::load(config_path)?;
     app.check(&config.model, &config.data)?;
     let stages = config.distributed.pipeline_stages;
-    if stages > 1 && app.stages().is_none() {
-        bail!(cannot_split(app, &config));
+    if stages > 1 && splitting == Splitting::Impossible {
+        bail!(UsageError(format!(
+            "distributed.pipeline_stages = {stages}: the model of this app ({}) cannot be cut into stages (this program gives no StageSplit); set pipeline_stages = 1, or start the program with trainer::run::main_with_stages and the model's StageSplit",
+            app.name(&config.model)
+        )));
     }
     // One process (`trainer eval`, or a run started alone) is told by the pipeline itself.
     if world_size > 1 && !world_size.is_multiple_of(stages) {

@@ -21,6 +21,8 @@ use crate::app::App;
 use crate::error::{describe_error, UsageError};
 use crate::fit;
 use crate::launch::{self, LaunchArgs, Program};
+use crate::pipeline::{self, StageSplit};
+use crate::preflight::{preflight, Splitting};
 use crate::worker_env::WORKER_VAR;
 
 /// The training command line shared by `trainer` and every app's binary.
@@ -95,28 +97,39 @@ pub fn main<A: App>(app: A) -> ExitCode {
         .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "trainer".into());
     let command = AppCli::command().bin_name(name);
-    run_app(app, command)
+    run_app(app, None, command)
 }
 
 /// The whole CLI for `app`, as `info` names it: parses the command line, sets up logging, and
 /// trains, launches or evaluates. Call it from `fn main() -> ExitCode` as
 /// `trainer::run::main_with(MyApp, trainer::program_info!())`.
 pub fn main_with<A: App>(app: A, info: ProgramInfo) -> ExitCode {
-    let command = AppCli::command()
-        .name(info.name)
-        .bin_name(info.name)
-        .version(info.version);
-    run_app(app, command)
+    run_app(app, None, program_command(info))
 }
 
-fn run_app<A: App>(app: A, command: clap::Command) -> ExitCode {
+/// [`main_with`] for an app whose model also trains as pipeline stages
+/// (`[distributed] pipeline_stages > 1`), cut as `stages` says. Call it from
+/// `fn main() -> ExitCode` as
+/// `trainer::run::main_with_stages(MyApp, my_stages(), trainer::program_info!())`.
+pub fn main_with_stages<A: App>(app: A, stages: StageSplit<A>, info: ProgramInfo) -> ExitCode {
+    run_app(app, Some(stages), program_command(info))
+}
+
+fn program_command(info: ProgramInfo) -> clap::Command {
+    AppCli::command()
+        .name(info.name)
+        .bin_name(info.name)
+        .version(info.version)
+}
+
+fn run_app<A: App>(app: A, stages: Option<StageSplit<A>>, command: clap::Command) -> ExitCode {
     // clap prints usage errors itself and exits with 2.
     let cli = AppCli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     init_logging();
     report(match cli.command {
         Some(AppCommand::Eval(args)) => crate::eval::evaluate(app, &args.config, &args.checkpoint),
         None => match cli.train.config.clone() {
-            Some(config) => train_or_launch(app, &config, &cli.train),
+            Some(config) => train_or_launch(app, stages, &config, &cli.train),
             None => Err(UsageError("missing --config FILE (try `--help`)".into()).into()),
         },
     })
@@ -125,17 +138,23 @@ fn run_app<A: App>(app: A, command: clap::Command) -> ExitCode {
 /// With any launcher option (`--nproc-per-node`, `--nnodes`, `--max-restarts`, …; see
 /// [`LaunchArgs::requested`](crate::launch_plan::LaunchArgs::requested)) and not already a
 /// rank: check the config once, then start and supervise the local ranks, each running this
-/// same program. Otherwise: train as one rank.
+/// same program. Otherwise: train as one rank, data-parallel or, with `pipeline_stages > 1`,
+/// as one stage cut by `stages` (refused without it).
 pub fn train_or_launch<A: App>(
     app: A,
+    stages: Option<StageSplit<A>>,
     config: &Path,
     args: &TrainArgs,
 ) -> anyhow::Result<ExitCode> {
     let is_worker = std::env::var_os(WORKER_VAR).is_some();
+    let splitting = match stages {
+        Some(_) => Splitting::Possible,
+        None => Splitting::Impossible,
+    };
     if args.launch.requested() && !is_worker {
         let ranks_here = args.launch.ranks_here();
         let world_size = ranks_here.saturating_mul(args.launch.nnodes);
-        crate::preflight::preflight(&app, config, ranks_here, world_size)?;
+        preflight(&app, config, ranks_here, world_size, splitting)?;
         launch::launch(&args.launch, &Program::this_process()?)
     } else {
         // Started by another launcher (torchrun, mpirun, srun): die with it. (A parent of pid
@@ -144,11 +163,12 @@ pub fn train_or_launch<A: App>(
         if !is_worker && burn_ddp::DistEnv::is_present() && !crate::orphan::die_with_parent() {
             tracing::debug!("the parent is pid 0 or 1: not watching for the launcher's death");
         }
-        let start = fit::start(app, config, args.no_resume)?;
-        if start.config.distributed.pipeline_stages > 1 {
-            crate::pipeline::train(start)
-        } else {
-            fit::train(start)
+        let start = fit::start(app, config, args.no_resume, splitting)?;
+        match stages {
+            Some(stages) if start.config.distributed.pipeline_stages > 1 => {
+                pipeline::train(start, stages)
+            }
+            _ => fit::train(start),
         }
     }
 }

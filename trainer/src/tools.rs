@@ -13,7 +13,7 @@ use burn_ddp::{Distributed, ProcessGroup, ReduceOp, TcpGroupOptions};
 use clap::Args;
 
 use crate::error::UsageError;
-use crate::launch::LaunchArgs;
+use crate::launch_plan::LaunchArgs;
 
 #[derive(Args, Debug, Clone)]
 pub struct CollectiveArgs {

@@ -35,7 +35,7 @@
 //! - **What must match across ranks**: the number of channels (and so the model).
 //! - **Eval mode**: the running statistics, no collective.
 //! - **On failure or timeout** of a collective: the layer goes on with this rank's local
-//!   statistics, and the next `DataParallel::sync_gradients` returns the error
+//!   statistics, and the next `DataParallel::step` returns the error
 //!   ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)); see [`super::sync_group`].
 //! - **Records**: the same fields, names and types as `burn::nn::BatchNorm`, so their records
 //!   (checkpoints) are interchangeable.

@@ -28,8 +28,8 @@
 //! - **Failure**: neither a Burn `forward` nor a backward pass can return an error, so a failed
 //!   all-reduce is recorded here; the layer then goes on with this rank's local values (the
 //!   group is aborted: later calls fail at once, without waiting), and the error is returned by
-//!   the next [`DataParallel::sync_gradients`](crate::DataParallel::sync_gradients) /
-//!   `average_gradients` ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)), or by
+//!   the next [`DataParallel::step`](crate::DataParallel::step) (or pipeline step)
+//!   ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)), or by
 //!   [`take_error`] in a loop of your own. A step taken after such a failure would mix local
 //!   and global statistics, so the DDP step refuses it.
 

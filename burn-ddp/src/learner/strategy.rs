@@ -61,7 +61,7 @@ use burn::train::{
 
 use super::gather::GatherOutput;
 use super::loader;
-use crate::data_parallel::DataParallel;
+use crate::data_parallel::{DataParallel, StepOutcome};
 use crate::ddp::buffers::{self, BufferSync};
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
@@ -584,27 +584,27 @@ impl DdpStrategy {
     }
 }
 
-/// The DDP step around burn-train's optimizer step: gradients synchronised as the ZeRO stage
-/// says, the step (refused on non-finite gradients, on every rank alike), then stage 1's
-/// parameter gather and the buffer sync. Collective.
+/// burn-train's optimizer step inside burn-ddp's DDP step ([`DataParallel::step`]); a step
+/// skipped for non-finite gradients (on every rank alike) is an error here. The learner takes
+/// the model back only where the step changed it after the optimizer (`reload`: ZeRO stage
+/// 1's gather, the buffer sync). Collective.
 fn optimizer_step<M: LearnerModel>(
     ddp: &mut DataParallel,
     learner: &mut Learner<M>,
-    mut grads: GradientsParams,
+    grads: GradientsParams,
     reload: bool,
     iteration: usize,
 ) -> Result<(), DdpError> {
-    let check = ddp.sync_gradients(&learner.model(), &mut grads)?;
-    if !check.all_finite() {
+    let (model, outcome) = ddp.step(learner.model(), grads, |_, grads| {
+        learner.optimizer_step(grads);
+        learner.model()
+    })?;
+    if let StepOutcome::Skipped { ranks } = outcome {
         return Err(DdpError::Unsupported(format!(
-            "non-finite gradients (NaN or Inf) at iteration {iteration}, first on rank(s) {:?}",
-            check.nonfinite_ranks
+            "non-finite gradients (NaN or Inf) at iteration {iteration}, first on rank(s) {ranks:?}"
         )));
     }
-    learner.optimizer_step(grads);
     if reload {
-        let model = ddp.finish_step(learner.model())?;
-        let model = ddp.sync_buffers(model)?;
         learner.load_model(model.into_record());
     }
     Ok(())

@@ -2,19 +2,19 @@
 //! stages × replicas grid, the links to its neighbouring stages, and the DDP step over the
 //! replicas of its stage.
 
-use burn::module::Module;
+use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 
 use super::layout::{LayoutError, PipelineLayout, StagePosition};
 use super::link::{LinkError, StageLinks};
 use super::schedule::PipelineSchedule;
 use super::stage::{
-    pipeline_forward, pipeline_step_with_outputs, PipelineStage, StageError, StepPlan, StepResult,
+    pipeline_forward, pipeline_step_with_outputs, PipelineStage, StageError, StepPlan,
 };
-use crate::data_parallel::DataParallel;
-use crate::ddp::DdpOptions;
+use crate::data_parallel::{DataParallel, StepOutcome};
+use crate::ddp::{DdpOptions, GradientCheck};
 use crate::error::DdpError;
-use crate::group::{TcpGroupOptions, TcpProcessGroup};
+use crate::group::{ProcessGroup, TcpGroupOptions, TcpProcessGroup};
 use crate::init::Distributed;
 
 /// How the model is pipelined: the same on every rank (checked when the links form).
@@ -48,12 +48,6 @@ pub enum PipelineError {
     Stage(#[from] StageError),
     #[error(transparent)]
     Ddp(#[from] DdpError),
-    #[error("rank {rank}: non-finite gradients on the replica(s) {replicas:?} of stage {stage}")]
-    NonFinite {
-        rank: usize,
-        stage: usize,
-        replicas: Vec<usize>,
-    },
     #[error(
         "{micro_batches} micro-batches (with as many weights) were given, the pipeline was formed for {expected}"
     )]
@@ -74,6 +68,18 @@ impl PipelineError {
             _ => false,
         }
     }
+}
+
+/// What [`PipelineParallel::step`] gives back.
+#[must_use = "a skipped step is the caller's to report or stop on"]
+pub struct StageStep<S> {
+    /// The stage after the step (stepped, or as it was when skipped).
+    pub stage: S,
+    /// Applied, or skipped on every rank of the job, naming the job's ranks whose gradients
+    /// were not finite.
+    pub outcome: StepOutcome,
+    /// On the last stage, the mean of the micro-batches' losses; `None` elsewhere.
+    pub loss: Option<f64>,
 }
 
 /// One rank's part of a pipeline-parallel job (module docs).
@@ -182,17 +188,21 @@ impl PipelineParallel {
         &mut self.replicas
     }
 
-    /// One pipeline step of this rank's `stage` over `micro_batches` (this replica's share of
-    /// the global batch, cut into `config.micro_batches` equal parts), then the gradients
-    /// averaged over the stage's replicas (ZeRO stage 1: reduced to their owners). Step the
-    /// optimizer with the result's gradients, then call [`finish_step`](Self::finish_step).
-    /// Collective over the whole pipeline.
+    /// One optimizer step of this rank's `stage` over `micro_batches` (this replica's share of
+    /// the global batch, cut into `config.micro_batches` equal parts): the pipeline's forward
+    /// and backward passes, the gradients averaged over the stage's replicas (ZeRO stage 1:
+    /// reduced to their owners), the verdict on non-finite gradients agreed by **every rank of
+    /// the job** (no stage may step while another skips: the stages would no longer be parts
+    /// of one model), then `optimize(stage, grads)` (your optimizer), ZeRO's gather and the
+    /// buffer rule over the replicas — the order of [`DataParallel::step`], which this
+    /// extends. Collective over the whole pipeline.
     pub fn step<S, const D: usize>(
         &mut self,
-        stage: &S,
+        stage: S,
         micro_batches: &[S::Batch],
         device: &Device,
-    ) -> Result<StepResult, PipelineError>
+        optimize: impl FnOnce(S, GradientsParams) -> S,
+    ) -> Result<StageStep<S>, PipelineError>
     where
         S: PipelineStage<D>,
     {
@@ -203,39 +213,34 @@ impl PipelineParallel {
             });
         }
         let m = micro_batches.len();
-        self.step_weighted(stage, micro_batches, &vec![1.0 / m as f64; m], device)
+        let weights = vec![1.0 / m as f64; m];
+        self.step_with_outputs(
+            stage,
+            micro_batches,
+            &weights,
+            device,
+            |_, _, _| {},
+            optimize,
+        )
     }
 
-    /// [`step`](Self::step) with micro-batches of unequal size: `weights[i]` is micro-batch
-    /// `i`'s share of this replica's samples in the step (they sum to 1), and there may be
-    /// fewer micro-batches than configured (an epoch's short last step) — the same number on
-    /// every stage of the pipeline. Collective over the whole pipeline.
-    pub fn step_weighted<S, const D: usize>(
-        &mut self,
-        stage: &S,
-        micro_batches: &[S::Batch],
-        weights: &[f64],
-        device: &Device,
-    ) -> Result<StepResult, PipelineError>
-    where
-        S: PipelineStage<D>,
-    {
-        self.step_with_outputs(stage, micro_batches, weights, device, |_, _, _| {})
-    }
-
-    /// [`step_weighted`](Self::step_weighted), and on the last stage `on_output(i, output,
-    /// loss)` for each micro-batch `i` right after its forward pass: the stage's output and
-    /// the micro-batch's own mean loss, detached — for metrics (accuracy and the like), as
-    /// PyTorch's pipeline schedules return the last stage's outputs. Not called on the other
-    /// stages, nor for micro-batches of a step that fails. Collective over the whole pipeline.
+    /// [`step`](Self::step) with micro-batches of unequal size (`weights[i]` is micro-batch
+    /// `i`'s share of this replica's samples in the step; they sum to 1; there may be fewer
+    /// micro-batches than configured, an epoch's short last step, the same number on every
+    /// stage), and on the last stage `on_output(i, output, loss)` for each micro-batch `i`
+    /// right after its forward pass: the stage's output and the micro-batch's own mean loss,
+    /// detached — for metrics (accuracy and the like), as PyTorch's pipeline schedules return
+    /// the last stage's outputs. `on_output` is not called on the other stages, nor for
+    /// micro-batches of a step that fails. Collective over the whole pipeline.
     pub fn step_with_outputs<S, const D: usize>(
         &mut self,
-        stage: &S,
+        stage: S,
         micro_batches: &[S::Batch],
         weights: &[f64],
         device: &Device,
         on_output: impl FnMut(usize, Tensor<D>, Tensor<1>),
-    ) -> Result<StepResult, PipelineError>
+        optimize: impl FnOnce(S, GradientsParams) -> S,
+    ) -> Result<StageStep<S>, PipelineError>
     where
         S: PipelineStage<D>,
     {
@@ -251,8 +256,8 @@ impl PipelineParallel {
             stages: self.config.stages,
             schedule: self.config.schedule,
         };
-        let mut result = pipeline_step_with_outputs(
-            stage,
+        let result = pipeline_step_with_outputs(
+            &stage,
             plan,
             micro_batches,
             weights,
@@ -260,15 +265,22 @@ impl PipelineParallel {
             device,
             on_output,
         )?;
-        let check = self.replicas.sync_gradients(stage, &mut result.grads)?;
-        if !check.all_finite() {
-            return Err(PipelineError::NonFinite {
-                rank: self.rank,
-                stage: self.position.stage,
-                replicas: check.nonfinite_ranks,
-            });
-        }
-        Ok(result)
+        let world_size = self.config.stages * self.layout.replicas();
+        let (replicas, world) = (&mut self.replicas, &mut self.world.group);
+        let replica = replicas.rank();
+        let agreed = |check: GradientCheck| -> Result<Vec<usize>, DdpError> {
+            // Each rank says whether its own gradients were not finite; all hear every rank.
+            let ours = f64::from(u8::from(check.nonfinite_ranks.contains(&replica)));
+            let mut flags = vec![0.0; world_size];
+            world.all_gather(&[ours], &mut flags)?;
+            Ok((0..world_size).filter(|&r| flags[r] > 0.0).collect())
+        };
+        let (stage, outcome) = replicas.step_with_verdict(stage, result.grads, agreed, optimize)?;
+        Ok(StageStep {
+            stage,
+            outcome,
+            loss: result.loss,
+        })
     }
 
     /// Forward passes only of `micro_batches` through the pipeline (validation, inference):
@@ -306,12 +318,5 @@ impl PipelineParallel {
     /// leaving, since rank 0 may host the store).
     pub fn world_group(&mut self) -> &mut TcpProcessGroup {
         &mut self.world.group
-    }
-
-    /// After the optimizer step: ZeRO stage 1's parameter gather and the buffer rule, over
-    /// the stage's replicas. Collective over them.
-    pub fn finish_step<M: Module>(&mut self, stage: M) -> Result<M, PipelineError> {
-        let stage = self.replicas.finish_step(stage)?;
-        Ok(self.replicas.sync_buffers(stage)?)
     }
 }

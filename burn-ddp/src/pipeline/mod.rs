@@ -31,7 +31,7 @@ pub mod link;
 pub mod schedule;
 pub mod stage;
 
-pub use handle::{PipelineConfig, PipelineError, PipelineParallel};
+pub use handle::{PipelineConfig, PipelineError, PipelineParallel, StageStep};
 pub use layout::{stage_layers, LayoutError, PipelineLayout, StagePosition};
 pub use link::{LinkError, StageLinks};
 pub use schedule::{

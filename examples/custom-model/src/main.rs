@@ -10,7 +10,7 @@
 //!
 //! With `[distributed] pipeline_stages = 2` the same model trains as 2 pipeline stages (the
 //! hidden layer on one process, the output layer and the loss on the next): see
-//! [`CirclesApp::stages`] and [`CirclesStage`].
+//! [`circles_stages`] and [`CirclesStage`].
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -25,10 +25,8 @@ use burn::prelude::*;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
-use trainer::app::{
-    App, AppError, Datasets, PipelineStage, StageOf, StageSplit, TrainItem, ValidItem,
-};
-use trainer::metrics::Metrics;
+use trainer::app::{App, AppError, Datasets, Metrics, TrainItem, ValidItem};
+use trainer::pipeline::{PipelineStage, StageOf, StageSplit};
 
 /// The model: a two-layer perceptron on 2-D points (Burn 0.22: no backend type parameter; the
 /// engine puts it on the device `output.device` names).
@@ -309,42 +307,6 @@ impl App for CirclesApp {
         Ok(())
     }
 
-    /// How the model splits for `[distributed] pipeline_stages = 2`. Both layers are drawn in
-    /// the whole model's order, so each stage starts with the whole model's weights (a model
-    /// too big for one process would build only its own stage's layers, drawing the others one
-    /// at a time, as `models::TextClassifierStage` does).
-    fn stages(&self) -> Option<StageSplit<Self>> {
-        Some(StageSplit::new(
-            |m: &ModelConfig, d: &DataConfig, which: StageOf, device: &Device| {
-                if which.stages != 2 {
-                    return Err(AppError::key(
-                        "distributed.pipeline_stages",
-                        format!(
-                            "CirclesNet has 2 layers: 1 or 2 stages, not {}",
-                            which.stages
-                        ),
-                    ));
-                }
-                let CirclesNet {
-                    hidden,
-                    output,
-                    activation,
-                } = CirclesApp.model(m, d, device)?;
-                draw(&hidden);
-                draw(&output);
-                Ok(CirclesStage {
-                    hidden: which.is_first().then_some(hidden),
-                    output: which.is_last().then_some(output),
-                    activation,
-                })
-            },
-            // The last stage's logits as the whole model's output, for the metrics above.
-            |logits: Tensor<2>, loss: Tensor<1>, batch: &PointsBatch| {
-                ClassificationOutput::new(loss, logits, batch.labels.clone())
-            },
-        ))
-    }
-
     /// Lets the pre-flight refuse a model too big for memory before any rank starts (a
     /// formula here; `trainer::app::parameter_count` counts a lazily built model instead).
     fn parameter_count(&self, model: &ModelConfig, _data: &DataConfig) -> Option<u64> {
@@ -357,6 +319,45 @@ impl App for CirclesApp {
 #[global_allocator]
 static ALLOC: trainer::alloc::ReportingAllocator = trainer::alloc::ReportingAllocator;
 
+/// How the model splits for `[distributed] pipeline_stages = 2`, given to the entry point beside
+/// the app (see `main`). Both layers are drawn in
+/// the whole model's order, so each stage starts with the whole model's weights (a model
+/// too big for one process would build only its own stage's layers, drawing the others one
+/// at a time, as `models::TextClassifierStage` does).
+fn circles_stages() -> StageSplit<CirclesApp> {
+    StageSplit::new(
+        |m: &ModelConfig, d: &DataConfig, which: StageOf, device: &Device| {
+            if which.stages != 2 {
+                return Err(AppError::key(
+                    "distributed.pipeline_stages",
+                    format!(
+                        "CirclesNet has 2 layers: 1 or 2 stages, not {}",
+                        which.stages
+                    ),
+                ));
+            }
+            let CirclesNet {
+                hidden,
+                output,
+                activation,
+            } = CirclesApp.model(m, d, device)?;
+            draw(&hidden);
+            draw(&output);
+            Ok(CirclesStage {
+                hidden: which.is_first().then_some(hidden),
+                output: which.is_last().then_some(output),
+                activation,
+            })
+        },
+        // The last stage's logits as the whole model's output, for the metrics above.
+        |logits: Tensor<2>, loss: Tensor<1>, batch: &PointsBatch| {
+            ClassificationOutput::new(loss, logits, batch.labels.clone())
+        },
+    )
+}
+
 fn main() -> ExitCode {
-    trainer::run::main_with(CirclesApp, trainer::program_info!())
+    // `main_with(CirclesApp, ...)` would train data-parallel only; the split lets a config ask
+    // for pipeline stages too.
+    trainer::run::main_with_stages(CirclesApp, circles_stages(), trainer::program_info!())
 }

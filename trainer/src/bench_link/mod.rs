@@ -36,10 +36,10 @@ use clap::Args;
 
 use self::bounds::{LinkRate, StepModel};
 use self::net::{Network, Shaping};
-use crate::app::App;
+use crate::app::{App, AppConfig};
 use crate::builtin::{self, WithApp};
-use crate::config::AppConfig;
 use crate::error::UsageError;
+use crate::pipeline::StageSplit;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchLinkArgs {
@@ -89,7 +89,7 @@ pub fn bench_link(args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
     struct Bench<'a>(&'a BenchLinkArgs);
     impl WithApp for Bench<'_> {
         type Output = anyhow::Result<ExitCode>;
-        fn run<A: App + Clone>(self, app: A) -> Self::Output {
+        fn run<A: App + Clone>(self, app: A, _stages: Option<StageSplit<A>>) -> Self::Output {
             bench_app(app, self.0)
         }
     }

@@ -21,14 +21,16 @@ use burn::train::ClassificationOutput;
 
 use crate::app::{App, Datasets};
 use crate::metrics::Metrics;
+use crate::pipeline::StageSplit;
 
 use crate::config::ConfigError;
 
 /// Work to do with the app a config file names ([`with_app`]): a generic function over the
-/// app type (the device is chosen at run time, inside).
+/// app type (the device is chosen at run time, inside), given the app's pipeline split where
+/// its model has one.
 pub trait WithApp {
     type Output;
-    fn run<A: App + Clone>(self, app: A) -> Self::Output;
+    fn run<A: App + Clone>(self, app: A, stages: Option<StageSplit<A>>) -> Self::Output;
 }
 
 /// Every `[model] name` the built-in apps know.
@@ -60,9 +62,9 @@ pub fn with_app<T: WithApp>(config: &Path, task: T) -> Result<T::Output, ConfigE
             problem: format!("is missing: name one of {:?}", model_names()),
         })?;
     match name {
-        regression::NAME => Ok(task.run(regression::RegressionApp)),
-        text::NAME => Ok(task.run(text::TextApp)),
-        n if models::MODEL_NAMES.contains(&n) => Ok(task.run(classifier::ClassifierApp)),
+        regression::NAME => Ok(task.run(regression::RegressionApp, None)),
+        text::NAME => Ok(task.run(text::TextApp, Some(text::stages()))),
+        n if models::MODEL_NAMES.contains(&n) => Ok(task.run(classifier::ClassifierApp, None)),
         other => Err(ConfigError::Invalid {
             path: config.to_path_buf(),
             field: "model.name",

@@ -11,8 +11,9 @@ use models::{
 use serde::{Deserialize, Serialize};
 
 use super::{loss_and_accuracy, split_by_index, Named};
-use crate::app::{App, AppError, Datasets, StageOf, StageSplit, TrainItem, ValidItem};
+use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::metrics::Metrics;
+use crate::pipeline::{StageOf, StageSplit};
 
 /// The `[model] name` of this app.
 pub const NAME: &str = "text_transformer";
@@ -118,27 +119,6 @@ impl App for TextApp {
         TextBatcher { pad_token: 0 }
     }
 
-    fn stages(&self) -> Option<StageSplit<Self>> {
-        // The embeddings on the first stage, the encoder layers spread in order, the head on
-        // the last.
-        Some(StageSplit::new(
-            |model: &Self::ModelConfig, _data: &TextData, which: StageOf, device: &Device| {
-                let layers = model.config.layers;
-                if layers < which.stages {
-                    return Err(AppError::key(
-                        "model.layers",
-                        format!(
-                            "{layers} encoder layers cannot be cut into distributed.pipeline_stages = {} stages (each needs at least one layer): raise model.layers or lower pipeline_stages",
-                            which.stages
-                        ),
-                    ));
-                }
-                Ok(model.config.init_stage(which.stage, which.stages, device))
-            },
-            TextClassifierStage::classification,
-        ))
-    }
-
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
         loss_and_accuracy()
     }
@@ -146,4 +126,25 @@ impl App for TextApp {
     fn valid_metrics(&self) -> Metrics<ValidItem<Self>> {
         loss_and_accuracy()
     }
+}
+
+/// How the text classifier is cut into pipeline stages: the embeddings on the first stage, the
+/// encoder layers spread in order, the head on the last.
+pub fn stages() -> StageSplit<TextApp> {
+    StageSplit::new(
+        |model: &Named<TextClassifierConfig>, _data: &TextData, which: StageOf, device: &Device| {
+            let layers = model.config.layers;
+            if layers < which.stages {
+                return Err(AppError::key(
+                    "model.layers",
+                    format!(
+                        "{layers} encoder layers cannot be cut into distributed.pipeline_stages = {} stages (each needs at least one layer): raise model.layers or lower pipeline_stages",
+                        which.stages
+                    ),
+                ));
+            }
+            Ok(model.config.init_stage(which.stage, which.stages, device))
+        },
+        TextClassifierStage::classification,
+    )
 }

@@ -47,13 +47,15 @@ use clap::Args;
 
 use self::checks::{AllReduceRun, CoreFacts, PortProbe, RouteFacts, ShmFacts, ThreadsFrom};
 use self::finding::Finding;
-use crate::app::App;
+use crate::app::{App, AppConfig};
 use crate::backend::{self, DeviceJob};
 use crate::builtin::{self, WithApp};
-use crate::config::{AppConfig, DeviceKind, DistributedConfig, TrainingConfig};
+use crate::config::{DeviceKind, DistributedConfig, TrainingConfig};
 use crate::error::UsageError;
 use crate::launch_plan::{LaunchArgs, LaunchEnv, LaunchPlan};
+use crate::limits::{limit_checks, JobShape};
 use crate::memory::{available_memory, MemoryEstimate};
+use crate::pipeline::StageSplit;
 use crate::worker_env::{MASTER_ADDR_VAR, MASTER_PORT_VAR, THREADS_VAR};
 
 #[derive(Args, Debug, Clone, Default)]
@@ -172,39 +174,6 @@ fn resource_checks(
     }
 }
 
-/// A job as this machine's limits see it.
-#[derive(Debug, Clone, Copy)]
-pub struct JobShape {
-    pub local_ranks: usize,
-    pub world_size: usize,
-    pub threads_per_rank: usize,
-    pub loader_threads: usize,
-    /// Whether this machine's launcher hosts the store (one connection and thread per rank).
-    pub hosts_store: bool,
-}
-
-/// This machine's limits, measured now, against a job of this shape: open files
-/// (`RLIMIT_NOFILE`), this user's threads (`RLIMIT_NPROC`) and the kernel's task cap. The
-/// launcher refuses a job that fails any of them, before it starts a process; the doctor shows
-/// them.
-pub fn limit_checks(job: &JobShape) -> [Finding; 3] {
-    let threads = checks::threads_needed(
-        job.local_ranks,
-        job.world_size,
-        job.threads_per_rank,
-        job.loader_threads,
-        job.hosts_store,
-    );
-    [
-        checks::open_files(
-            &probe::open_file_limit(),
-            checks::fds_needed(job.local_ranks, job.world_size, job.hosts_store),
-        ),
-        checks::processes(&probe::process_limit(), threads, probe::is_root()),
-        checks::kernel_tasks(&probe::kernel_tasks(), threads),
-    ]
-}
-
 /// The all-reduce over `nproc` local ranks, unless left out or there is only one.
 fn allreduce_check(args: &DoctorArgs, nproc: usize) -> Finding {
     let (run, copy_bandwidth) = if args.skip_allreduce {
@@ -257,7 +226,7 @@ struct LoadSettings(PathBuf);
 impl WithApp for LoadSettings {
     type Output = anyhow::Result<Settings>;
 
-    fn run<A: App + Clone>(self, app: A) -> Self::Output {
+    fn run<A: App + Clone>(self, app: A, _stages: Option<StageSplit<A>>) -> Self::Output {
         let config = AppConfig::<A>::load(&self.0)?;
         app.check(&config.model, &config.data)?;
         let estimate = if config.output.device != DeviceKind::Cpu {

@@ -1,11 +1,13 @@
-//! Pipeline stages in the engine (`[distributed] pipeline_stages = P`): an app says how its
-//! model splits with [`StageSplit`] (from [`App::stages`]); each rank then builds and trains
+//! Pipeline stages in the engine (`[distributed] pipeline_stages = P`): a program says how its
+//! app's model splits with a [`StageSplit`], given to the entry point
+//! ([`main_with_stages`](crate::run::main_with_stages)); each rank then builds and trains
 //! only its stage, `world / P` replicas of the pipeline train data-parallel, and
 //! `training.accumulation_steps` is the micro-batch count of each optimizer step.
 //!
 //! | module | owns |
 //! |---|---|
-//! | this one | [`StageSplit`] (the app's answer) and the dispatch from the engine |
+//! | this one | [`StageSplit`] (the program's answer) and the dispatch from the engine |
+//! | [`stage_of`] | [`StageOf`]: which stage a rank builds |
 //! | [`stage_fit`] | one stage's training loop: samples of its replica, micro-batches through burn-ddp's pipeline step, the optimizer, per-stage checkpoints and resume |
 //! | [`stage_checkpoint`] | where each stage's checkpoints live and which step every stage resumes from |
 //!
@@ -20,44 +22,34 @@
 
 pub(crate) mod stage_checkpoint;
 mod stage_fit;
+pub mod stage_of;
 
 use std::process::ExitCode;
 
 use burn::tensor::{Device, Tensor};
-use burn::train::TrainStep;
-use burn_ddp::pipeline::PipelineStage;
 
-use crate::app::{App, AppError, TrainItem, ValidItem};
+use crate::app::{App, AppError, TrainInput, TrainItem, ValidItem};
 use crate::fit::RankStart;
-use crate::preflight::cannot_split;
 
-/// Which stage a rank builds: stage `stage` of `stages`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StageOf {
-    pub stage: usize,
-    pub stages: usize,
-}
-
-impl StageOf {
-    pub fn is_first(&self) -> bool {
-        self.stage == 0
-    }
-
-    pub fn is_last(&self) -> bool {
-        self.stage + 1 == self.stages
-    }
-}
+/// burn-ddp's contract for one pipeline stage of a model (what [`StageSplit::new`] builds).
+pub use burn_ddp::pipeline::PipelineStage;
+pub use stage_of::StageOf;
 
 type Runner<A> = Box<dyn Fn(RankStart<A>) -> anyhow::Result<ExitCode> + Send + Sync>;
 
-/// How an app's model is cut into pipeline stages (see [`App::stages`]): built from the
-/// function that makes stage `i` of `n` on a device.
+/// How an app's model is cut into pipeline stages, for `[distributed] pipeline_stages > 1`:
+/// built from a function that makes stage `i` of `n` on a device (only that stage's layers;
+/// the same parameters as the whole model's when seeded alike, if runs are to be compared) as
+/// a burn-ddp [`PipelineStage`] whose batch is the model's training input, and one that makes
+/// the model's `TrainStep` output from the last stage's output (what the metrics read).
+///
+/// The program gives it to the entry point, [`main_with_stages`](crate::run::main_with_stages),
+/// beside the app: the app itself (the user's contract) knows nothing of the engine. A program
+/// that gives none trains data-parallel only, and the pre-flight refuses a config asking for
+/// stages before any rank starts.
 pub struct StageSplit<A: App> {
     run: Runner<A>,
 }
-
-/// The model's training input: what every stage's micro-batches are.
-pub type TrainInput<A> = <<A as App>::Model as TrainStep>::Input;
 
 impl<A: App> StageSplit<A> {
     /// `build(model, data, which, device)` builds only stage `which.stage` of `which.stages`
@@ -66,7 +58,7 @@ impl<A: App> StageSplit<A> {
     /// and the last its targets. A `build` error is a usage error (exit code 2), e.g. more
     /// stages than the model has layers.
     ///
-    /// `output(last_output, loss, batch)` makes the whole model's [`TrainStep`] output from
+    /// `output(last_output, loss, batch)` makes the whole model's [`TrainStep`](burn::train::TrainStep) output from
     /// the last stage's output, the micro-batch's mean loss (both detached) and the
     /// micro-batch — e.g. `ClassificationOutput::new(loss, logits, batch.targets.clone())`.
     /// The app's training metrics read it, and its validation metrics read it converted
@@ -88,11 +80,8 @@ impl<A: App> StageSplit<A> {
     }
 }
 
-/// Trains this rank's stage of the app's model, as `[distributed] pipeline_stages` asks;
-/// refuses an app whose model does not split (the pre-flight already did).
-pub(crate) fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
-    let Some(split) = start.app.stages() else {
-        anyhow::bail!(cannot_split(&start.app, &start.config));
-    };
+/// Trains this rank's stage of the app's model with the program's split, as
+/// `[distributed] pipeline_stages` asks (the pre-flight refused a program without one).
+pub(crate) fn train<A: App>(start: RankStart<A>, split: StageSplit<A>) -> anyhow::Result<ExitCode> {
     (split.run)(start)
 }

@@ -16,7 +16,7 @@ use burn_ddp::pipeline::PipelineParallel;
 use burn_ddp::ProcessGroup;
 use burn_ddp::ReduceOp;
 
-use super::StageOf;
+use super::stage_of::StageOf;
 use crate::checkpoint::{self, Checkpoint};
 use crate::error::UsageError;
 use crate::parallel::{self, CheckpointPolicy};

@@ -28,16 +28,16 @@ use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
 use burn_ddp::host_values::host_values;
 use burn_ddp::pipeline::{
-    PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StepResult,
+    PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StageStep,
 };
 use burn_ddp::sampler::{DistributedSampler, Sample};
-use burn_ddp::{Distributed, ProcessGroup, ReduceOp};
+use burn_ddp::{Distributed, ProcessGroup, ReduceOp, StepOutcome};
 
 use super::stage_checkpoint::{agreed_checkpoint, stage_policy};
-use super::{StageOf, TrainInput};
-use crate::app::{read_item, App, AppError, TrainItem, ValidItem};
+use super::stage_of::StageOf;
+use crate::app::{read_item, App, AppConfig, AppError, TrainInput, TrainItem, ValidItem};
 use crate::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::config::{AppConfig, OnNonFinite};
+use crate::config::OnNonFinite;
 use crate::error::UsageError;
 use crate::fault_injection;
 use crate::fit::{
@@ -396,71 +396,63 @@ impl<A: App, const D: usize> StageTraining<'_, A, D> {
                 .map(|_| batches.next_batch::<TrainInput<A>, _>(batcher, device))
                 .collect::<anyhow::Result<Vec<_>>>()
         })?;
-        // Forward, backward, the exchanges with the neighbouring stages and the gradients'
-        // average over the stage's replicas, in one; the last stage's outputs for the metrics
-        // (kept for a step that is then skipped too, as the data-parallel loop keeps them).
+        // Forward, backward, the exchanges with the neighbouring stages, the gradients' average
+        // over the stage's replicas, the job's verdict on them, the optimizer and ZeRO's
+        // gather, in one; the last stage's outputs for the metrics (kept for a step that is
+        // then skipped too, as the data-parallel loop keeps them).
         let sizes: Vec<usize> = micro.iter().map(|(samples, _)| samples.len()).collect();
-        let (pp, clock, output) = (&mut self.pp, &mut self.clock, self.output);
-        let outputs = &mut self.outputs;
-        let stepped = clock.time(Phase::Compute, || {
-            pp.step_with_outputs(&stage, &inputs, &weights, device, |i, last, loss| {
-                outputs.push((output(last, loss, &inputs[i]), sizes[i]));
-            })
-        });
-        self.samples += step_samples.len();
         self.lr = schedule.next_lr();
-        let stage = match self.skip_or_result(stepped)? {
-            Some(result) => self.apply(stage, result)?,
-            None => stage,
-        };
+        let (pp, output, outputs) = (&mut self.pp, self.output, &mut self.outputs);
+        let (optim, lr) = (&mut self.optim, self.lr);
+        let mut optimizer_time = Duration::ZERO;
+        let started = Instant::now();
+        let stepped = pp.step_with_outputs(
+            stage,
+            &inputs,
+            &weights,
+            device,
+            |i, last, loss| outputs.push((output(last, loss, &inputs[i]), sizes[i])),
+            |stage, grads| {
+                let optimize = Instant::now();
+                let stage = optim.step(ModuleLearningRate::from(lr), stage, grads);
+                optimizer_time = optimize.elapsed();
+                stage
+            },
+        );
+        // The pipeline's passes and the exchanges count as compute, as before the step was one
+        // call; the optimizer as optimizer.
+        self.clock.add(Phase::Optimizer, optimizer_time);
+        self.clock.add(
+            Phase::Compute,
+            started.elapsed().saturating_sub(optimizer_time),
+        );
+        let StageStep { stage, outcome, .. } = stepped.map_err(usage_or_failure)?;
+        self.samples += step_samples.len();
+        if let StepOutcome::Skipped { ranks } = outcome {
+            self.skip_or_stop(ranks)?;
+        }
         self.clock.end_step();
         self.window.add(step_samples.len() * self.pp.replicas());
         Ok(stage)
     }
 
-    /// The step's result, or `None` when some rank's gradients were not finite and
-    /// `training.on_nonfinite = "skip"`: then every rank of the job skips this optimizer step
-    /// together, since a stage that stepped while another skipped would no longer hold its
-    /// part of one model. Under `"stop"` a non-finite gradient is this rank's error.
-    /// Collective over the whole job under `"skip"`.
-    fn skip_or_result(
-        &mut self,
-        stepped: Result<StepResult, PipelineError>,
-    ) -> anyhow::Result<Option<StepResult>> {
+    /// A step every rank of the job skipped for non-finite gradients (on `ranks`): under
+    /// `training.on_nonfinite = "skip"` counted and warned of (by rank 0), under `"stop"` the
+    /// error every rank stops with.
+    fn skip_or_stop(&mut self, ranks: Vec<usize>) -> anyhow::Result<()> {
+        let step = self.position.step + 1;
         if self.config.training.on_nonfinite == OnNonFinite::Stop {
-            return stepped.map(Some).map_err(usage_or_failure);
-        }
-        let result = match stepped {
-            Ok(result) => Some(result),
-            Err(PipelineError::NonFinite { .. }) => None,
-            Err(error) => return Err(usage_or_failure(error)),
-        };
-        let mut flags = vec![0.0; self.pp.stages() * self.pp.replicas()];
-        let ours = f64::from(u8::from(result.is_none()));
-        self.pp.world_group().all_gather(&[ours], &mut flags)?;
-        let ranks: Vec<usize> = (0..flags.len()).filter(|&r| flags[r] > 0.0).collect();
-        if ranks.is_empty() {
-            return Ok(result);
+            anyhow::bail!(
+                "non-finite gradients (NaN or Inf) at optimizer step {step} on rank(s) {ranks:?}: the stages were not updated; lower optimizer.learning_rate, check the data, or set training.on_nonfinite = \"skip\""
+            );
         }
         self.skipped += 1;
         if self.pp.rank() == 0 {
             tracing::warn!(
-                "non-finite gradients (NaN or Inf) at optimizer step {} on rank(s) {ranks:?}; skipped on every rank (training.on_nonfinite = \"skip\")",
-                self.position.step + 1
+                "non-finite gradients (NaN or Inf) at optimizer step {step} on rank(s) {ranks:?}; skipped on every rank (training.on_nonfinite = \"skip\")"
             );
         }
-        Ok(None)
-    }
-
-    /// The optimizer step with the schedule's rate and ZeRO's gather. Collective over the
-    /// stage's replicas.
-    fn apply<S: Module>(&mut self, stage: S, result: StepResult) -> anyhow::Result<S> {
-        let (optim, lr) = (&mut self.optim, self.lr);
-        let stage = self.clock.time(Phase::Optimizer, || {
-            optim.step(ModuleLearningRate::from(lr), stage, result.grads)
-        });
-        let pp = &mut self.pp;
-        Ok(self.clock.time(Phase::Sync, || pp.finish_step(stage))?)
+        Ok(())
     }
 
     /// What the plan asks for after an optimizer step: the sample log, the loss line, a check

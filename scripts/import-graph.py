@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""The file-level import graph of each crate source folder given (CI: trainer/src, burn-ddp/src).
+
+A file imports another when it names a path into it: `crate::a::b`, `super::x`, `self::x`, or a
+child module by name (`checks::run`), in `use` lines or inline; comments and `#[cfg(test)]`
+modules aside. A folder's front (its mod.rs, or lib.rs) declaring, re-exporting and dispatching
+to its own files is the module tree, not an import, so those edges are left out.
+
+Prints each crate's files, edges, levels (the longest chain of imports), its upward edges (a file
+importing the front of a folder it lives in: `super::Item`) and every circle (a strongly
+connected set of files) with its edges. Exits 1 when there is a circle.
+
+    python3 scripts/import-graph.py trainer/src burn-ddp/src
+"""
+import os, re, sys
+from collections import defaultdict
+
+def modules(src):
+    mods = {}
+    for root, _, files in os.walk(src):
+        for f in files:
+            if not f.endswith('.rs'): continue
+            p = os.path.join(root, f); rel = os.path.relpath(p, src)[:-3].split(os.sep)
+            if rel[-1] in ('mod', 'lib', 'main'): rel = rel[:-1]
+            mods[tuple(rel)] = p
+    return mods
+
+def strip(text):
+    out = []; skip_depth = None; depth = 0; pending_test = False
+    for line in text.split('\n'):
+        s = line.strip()
+        if skip_depth is None:
+            if s.startswith('#[cfg(test)]'): pending_test = True; continue
+            if pending_test and re.match(r'(pub(\(crate\))? )?mod \w+\s*\{', s):
+                skip_depth = depth
+            pending_test = False if not s.startswith('#[') else pending_test
+        depth += line.count('{') - line.count('}')
+        if skip_depth is not None:
+            if depth <= skip_depth: skip_depth = None
+            continue
+        if s.startswith('//'): continue
+        out.append(re.sub(r'//.*', '', line))
+    return '\n'.join(out)
+
+def expand_use(body):
+    # expand `a::{b, c::{d}}` into paths
+    body = re.sub(r'\s+', '', body)
+    def rec(prefix, s):
+        res = []; i = 0; parts = []; depth = 0; cur = ''
+        for ch in s:
+            if ch == '{': depth += 1
+            if ch == '}': depth -= 1
+            if ch == ',' and depth == 0: parts.append(cur); cur = ''
+            else: cur += ch
+        parts.append(cur)
+        for p in parts:
+            if not p: continue
+            m = re.match(r'^(.*?)::\{(.*)\}$', p)
+            if m: res += rec(prefix + m.group(1).split('::'), m.group(2))
+            elif p.startswith('{') and p.endswith('}'): res += rec(prefix, p[1:-1])
+            else: res.append(prefix + p.split(' as ')[0].split('::'))
+        return res
+    return rec([], body)
+
+def test_modules(mods):
+    """Modules declared `#[cfg(test)] mod name;` (a file of tests), with everything below them."""
+    found = set()
+    for mod, path in mods.items():
+        text = open(path).read()
+        for m in re.finditer(r'#\[cfg\(test\)\]\s*(?:pub(?:\(crate\))?\s+)?mod\s+(\w+)\s*;', text):
+            found.add(tuple(mod) + (m.group(1),))
+    return {m for m in mods if any(m[:len(t)] == t for t in found)}
+
+def graph(src):
+    mods = modules(src)
+    for m in test_modules(mods):
+        del mods[m]
+    edges = defaultdict(set)
+    for mod, path in mods.items():
+        text = strip(open(path).read())
+        is_dir_mod = os.path.basename(path) in ('mod.rs', 'lib.rs', 'main.rs')
+        here = list(mod) if is_dir_mod else list(mod[:-1])  # the module `super` is relative to the parent
+        paths = []
+        for m in re.finditer(r'\buse\s+([^;]+);', text):
+            paths += expand_use(m.group(1))
+        for m in re.finditer(r'(?<![\w:])((?:crate|super|self)(?:::\w+)+)', text):
+            paths.append(m.group(1).split('::'))
+        # A child module named without `self::` (`checks::run`, `use checks::X`).
+        inner = tuple(mod) if is_dir_mod else tuple(mod)
+        children = {m[-1] for m in mods if len(m) == len(inner) + 1 and m[:-1] == inner}
+        for m in re.finditer(r'(?<![\w:])(\w+)((?:::\w+)+)', text):
+            if m.group(1) in children:
+                paths.append(['self', m.group(1)] + m.group(2).split('::')[1:])
+        for p in paths:
+            p = [x for x in p if x]
+            if not p: continue
+            if p[0] == 'crate': target = p[1:]
+            elif p[0] in ('super', 'self'):
+                base = list(mod)
+                while p and p[0] in ('super', 'self'):
+                    if p[0] == 'super': base = base[:-1]
+                    p = p[1:]
+                target = base + p
+            else: continue
+            for n in range(len(target), -1, -1):
+                t = tuple(target[:n])
+                if t in mods:
+                    # A folder's front (its mod.rs) declares, re-exports and dispatches to its
+                    # own files: those edges are the module tree, not imports.
+                    if t != mod and n > 0 and t[:len(mod)] != mod: edges[mod].add(t)
+                    break
+    return mods, edges
+
+def sccs(nodes, edges):
+    index = {}; low = {}; stack = []; on = set(); out = []; c = [0]
+    sys.setrecursionlimit(10000)
+    def visit(v):
+        index[v] = low[v] = c[0]; c[0] += 1; stack.append(v); on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index: visit(w); low[v] = min(low[v], low[w])
+            elif w in on: low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop(); on.discard(w); comp.append(w)
+                if w == v: break
+            out.append(comp)
+    for v in nodes:
+        if v not in index: visit(v)
+    return out
+
+def levels(mods, edges):
+    """Each file's level: 0 for a file that imports none, else 1 + its imports' highest."""
+    level = {}
+    def visit(m, seen):
+        if m in level: return level[m]
+        if m in seen: return 0  # a circle: reported apart
+        seen.add(m)
+        level[m] = 1 + max((visit(t, seen) for t in edges.get(m, ())), default=-1)
+        return level[m]
+    for m in mods: visit(m, set())
+    return level
+
+status = 0
+if len(sys.argv) < 2:
+    sys.exit(__doc__)
+for src in sys.argv[1:]:
+    mods, edges = graph(src)
+    comps = [c for c in sccs(list(mods), edges) if len(c) > 1]
+    upward = sorted((m, t) for m in edges for t in edges[m] if m[:len(t)] == t)
+    depth = 1 + max(levels(mods, edges).values(), default=0)
+    print(f"{src}: {len(mods)} files, {sum(len(v) for v in edges.values())} edges, {depth} levels, {len(upward)} upward (a file importing its folder's front), {len(comps)} circles")
+    for c in comps:
+        status = 1
+        names = sorted('/'.join(m) or 'lib' for m in c)
+        print("  circle:", ", ".join(names))
+        cs = set(c)
+        for m in sorted(c):
+            for t in sorted(edges[m]):
+                if t in cs: print(f"    {'/'.join(m) or 'lib'} -> {'/'.join(t) or 'lib'}")
+sys.exit(status)
