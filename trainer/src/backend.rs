@@ -157,6 +157,7 @@ pub struct CudaFacts {
 
 /// Why CUDA cannot be used here.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))] // probed in `cuda` builds only
 pub enum CudaProblem {
     /// No driver library could be opened.
     DriverNotFound { tried: String, reason: String },
@@ -175,6 +176,7 @@ pub struct WgpuAdapter {
 
 /// Why no wgpu adapter was found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(not(feature = "wgpu"), allow(dead_code))] // probed in `wgpu` builds only
 pub enum WgpuProblem {
     /// The search failed, with its message.
     NotFound(String),

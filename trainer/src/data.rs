@@ -2,7 +2,7 @@
 //! synthetic data for benchmarks, and the Burn batcher.
 //!
 //! Items are plain [`ClassificationItem`]s (flat `f32` features and a class
-//! index); wrap them in a [`ClassificationDataset`] (Burn's `InMemDataset`) to
+//! index); wrap them in Burn's `InMemDataset` to
 //! serve them, and turn a list of them into tensors with
 //! [`ClassificationBatcher`].
 
@@ -11,7 +11,6 @@ use std::io::{self, BufRead, BufReader};
 use std::path::{Path, PathBuf};
 
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataset::InMemDataset;
 use burn::prelude::*;
 use burn_ddp::rng::SplitMix64;
 use flate2::read::MultiGzDecoder;
@@ -33,9 +32,6 @@ pub struct ClassificationItem {
     /// Class index, `0 <= label < classes`.
     pub label: usize,
 }
-
-/// Items served through Burn's dataset API (`Dataset::get`, `Dataset::len`).
-pub type ClassificationDataset = InMemDataset<ClassificationItem>;
 
 /// Why a data file could not be loaded. Every message names the file; parse
 /// errors also give the 1-based line and column and what was expected.
@@ -321,6 +317,7 @@ impl Batcher<ClassificationItem, ClassificationBatch> for ClassificationBatcher 
 mod tests {
     use super::*;
     use burn::data::dataset::Dataset;
+    use burn::data::dataset::InMemDataset;
     use std::io::Write;
 
     fn digits_path() -> PathBuf {
@@ -574,7 +571,7 @@ mod tests {
 
     #[test]
     fn dataset_and_batcher_stack_items_in_order() {
-        let dataset = ClassificationDataset::new(synthetic(5, 3, 4, 9));
+        let dataset = InMemDataset::new(synthetic(5, 3, 4, 9));
         assert_eq!(dataset.len(), 5);
         let items: Vec<_> = (0..dataset.len())
             .map(|i| dataset.get(i).expect("in memory"))

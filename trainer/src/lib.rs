@@ -12,116 +12,85 @@
 //! | module | owns |
 //! |---|---|
 //! | [`app`] | the user's contract, one trait: `App` (config tables, data sets, model, batcher, metrics) |
-//! | [`run`] | tier 1: an app's whole command line (train, launch, eval) |
-//! | [`parallel`] | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
-//! | [`fit`] | the training loop, for any app |
-//! | [`eval`] | validation over every sample once, and the `eval` command |
-//! | [`preflight`] | the check before any rank starts: config, app tables, device; never the data |
-//! | [`plan`] | the step plan (pure): steps, logs, checkpoints, validations |
-//! | [`schedule`] | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
-//! | [`loader`] | items read ahead of the training thread (`training.num_workers`) |
-//! | [`backend`] | every device and cargo feature: the run-time training device, what the doctor needs to know of the devices |
+//! | [`run`] | tier 1: an app's whole command line (train, launch, eval); `main_with_stages` with a pipeline split |
+//! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), one stage's loop, stage checkpoints |
+//! | `parallel` | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
+//! | `fit` | the training loop, for any app |
+//! | `eval` | validation over every sample once, and the `eval` command |
+//! | `preflight` | the check before any rank starts: config, app tables, device; never the data |
+//! | `plan` | the step plan (pure): steps, logs, checkpoints, validations |
+//! | `schedule` | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
+//! | `loader` | items read ahead of the training thread (`training.num_workers`) |
+//! | `backend` | every device and cargo feature: the run-time training device, what the doctor needs to know of the devices |
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
-//! | [`checkpoint`] | rank-0 checkpoints: atomic save, manifest, resume |
+//! | `checkpoint` | rank-0 checkpoints: atomic save, manifest, resume |
 //! | [`metrics`] | burn-train metrics summed across ranks with counts, progress bar, metrics file |
-//! | [`record`] | the records of `metrics.jsonl` (the schema TensorBoard files and charts read back) |
-//! | [`launch`] | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`), like torchrun |
-//! | [`launch_plan`] | the launcher's pure decisions: ranks, each rank's environment, threads, port |
+//! | `record` | the records of `metrics.jsonl` (the schema TensorBoard files and charts read back) |
+//! | `launch` | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`), like torchrun |
+//! | `launch_plan` | the launcher's pure decisions: ranks, each rank's environment, threads, port |
 //! | `limits` | this machine's limits (open files, threads, kernel tasks) against a job: the launcher refuses, the doctor shows |
-//! | [`worker_env`] | the launcher ↔ worker contract: every environment variable and rendezvous key |
-//! | [`orphan`] | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
-//! | [`ranklog`] | each rank's stderr, tagged and kept for the failure report |
-//! | [`error`] | `UsageError` (exit code 2), error reports and exit codes |
+//! | `worker_env` | the launcher ↔ worker contract: every environment variable and rendezvous key |
+//! | `orphan` | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
+//! | `ranklog` | each rank's stderr, tagged and kept for the failure report |
+//! | `error` | `UsageError` (exit code 2), error reports and exit codes |
 //! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
 //! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
-//! | [`data`] | the digits and synthetic classification data, batching |
-//! | [`sources`] | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard |
-//! | [`tools`] | collective self-test and all-reduce benchmark |
-//! | [`torchelastic`] | torchrun's error file, written by a failing rank |
-//! | [`bench`] | the engine's overhead and scaling benchmark, ZeRO stages and peak memory |
-//! | [`bench_link`] | training between network namespaces on a shaped link, against the link's bounds |
+//! | `data` | the digits and synthetic classification data, batching |
+//! | `sources` | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard |
+//! | `tools` | collective self-test and all-reduce benchmark |
+//! | `torchelastic` | torchrun's error file, written by a failing rank |
+//! | `bench` | the engine's overhead and scaling benchmark, ZeRO stages and peak memory |
+//! | `bench_link` | training between network namespaces on a shaped link, against the link's bounds |
 //! | `throughput` | samples per second since the last log line, validation left out |
-//! | [`timing`] | where each step's time goes, per rank and across ranks (pure) |
+//! | `timing` | where each step's time goes, per rank and across ranks (pure) |
 //! | [`plot`] | PNG charts of a run from its metrics file |
-//! | [`tensorboard`] | the metrics records as TensorBoard event files (`output.tensorboard`) |
-//! | [`doctor`] | `trainer doctor`: can this machine and config run a job, and what to fix |
-//! | `cli` | the `trainer` binary's command line (imported by `main` only) |
+//! | `tensorboard` | the metrics records as TensorBoard event files (`output.tensorboard`) |
+//! | `doctor` | `trainer doctor`: can this machine and config run a job, and what to fix |
+//! | [`cli`] | the `trainer` binary's command line (imported by `main` only) |
 
-// The user API is `app`, `run`, `pipeline`, `metrics` and `alloc` (with `program_info!`), and
-// burn-ddp itself: the rest is the engine, public for the `trainer` binary, the benchmarks and
-// the tests, hidden from the docs.
+// The public API is what users and the `trainer` binary need: `app`, `run`, `pipeline`,
+// `metrics`, `config` (the TOML schema) and `alloc` (with `program_info!`), burn-ddp itself, the
+// reference models as apps (`builtin`) and the charts of a run (`plot`), and `cli` for the
+// binary. The rest is the engine, private.
 
 /// burn-ddp, as this engine is built with it: `trainer::burn_ddp::SyncBatchNorm` and the rest
 /// without a second dependency, and without the risk of two builds of it in one program.
 pub use burn_ddp;
 pub mod alloc;
 pub mod app;
-#[doc(hidden)]
-pub mod backend;
-#[doc(hidden)]
-pub mod bench;
-#[doc(hidden)]
-pub mod bench_link;
-#[doc(hidden)]
+mod backend;
+mod bench;
+mod bench_link;
 pub mod builtin;
-#[doc(hidden)]
-pub mod checkpoint;
-#[doc(hidden)]
+mod checkpoint;
 pub mod cli;
-#[doc(hidden)]
 pub mod config;
-#[doc(hidden)]
-pub mod data;
-#[doc(hidden)]
-pub mod doctor;
-#[doc(hidden)]
-pub mod error;
-#[doc(hidden)]
-pub mod eval;
-#[doc(hidden)]
-pub mod fault_injection;
-#[doc(hidden)]
-pub mod fit;
-#[doc(hidden)]
-pub mod launch;
-#[doc(hidden)]
-pub mod launch_plan;
+mod data;
+mod doctor;
+mod error;
+mod eval;
+mod fault_injection;
+mod fit;
+mod launch;
+mod launch_plan;
 mod limits;
-#[doc(hidden)]
-pub mod loader;
-#[doc(hidden)]
-pub mod memory;
+mod loader;
+mod memory;
 pub mod metrics;
-#[doc(hidden)]
-pub mod orphan;
-#[doc(hidden)]
-pub mod parallel;
-/// Pipeline stages in the engine: how an app's model splits ([`pipeline::StageSplit`]) and
-/// the training loop of one stage.
+mod orphan;
+mod parallel;
 pub mod pipeline;
-#[doc(hidden)]
-pub mod plan;
-#[doc(hidden)]
+mod plan;
 pub mod plot;
-#[doc(hidden)]
-pub mod preflight;
-#[doc(hidden)]
-pub mod ranklog;
-#[doc(hidden)]
-pub mod record;
+mod preflight;
+mod ranklog;
+mod record;
 pub mod run;
-#[doc(hidden)]
-pub mod schedule;
-#[doc(hidden)]
-pub mod sources;
-#[doc(hidden)]
-pub mod tensorboard;
+mod schedule;
+mod sources;
+mod tensorboard;
 mod throughput;
-#[doc(hidden)]
-pub mod timing;
-#[doc(hidden)]
-pub mod tools;
-#[doc(hidden)]
-pub mod torchelastic;
-#[doc(hidden)]
-pub mod worker_env;
+mod timing;
+mod tools;
+mod torchelastic;
+mod worker_env;

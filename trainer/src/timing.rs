@@ -77,7 +77,7 @@ impl RankTimes {
     }
 
     /// The values exchanged between ranks.
-    pub fn to_row(&self) -> [f64; Self::ROW] {
+    pub fn to_row(self) -> [f64; Self::ROW] {
         let p = self.phases;
         [p[0], p[1], p[2], p[3], p[4], self.step]
     }

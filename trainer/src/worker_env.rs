@@ -51,7 +51,9 @@ pub const WORKER_VAR: &str = "TRAINER_WORKER";
 /// `"0"` or absent, so a restarted job can succeed.
 pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
 
-/// Every variable the launcher sets in each rank's environment.
+/// Every variable the launcher sets in each rank's environment (the launch plan's tests hold
+/// the plan to it).
+#[cfg(test)]
 pub const LAUNCHER_VARS: [&str; 12] = [
     RANK_VAR,
     WORLD_SIZE_VAR,

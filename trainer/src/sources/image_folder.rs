@@ -41,6 +41,8 @@ pub enum ClassFolders<'a> {
 pub struct ImageFolder {
     /// Every image and its class, class by class, each class's files sorted by name.
     images: Vec<(PathBuf, usize)>,
+    /// The class names, by class index (the tests check their order).
+    #[cfg_attr(not(test), allow(dead_code))]
     classes: Vec<String>,
     height: u32,
     width: u32,
@@ -104,6 +106,7 @@ impl ImageFolder {
     }
 
     /// The class names, by class index.
+    #[cfg(test)]
     pub fn classes(&self) -> &[String] {
         &self.classes
     }

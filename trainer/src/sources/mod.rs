@@ -28,7 +28,7 @@ use burn::data::dataset::transform::SelectionDataset;
 use burn::data::dataset::Dataset;
 use burn_ddp::rng::SplitMix64;
 
-pub use error::{Place, SourceError};
+pub use error::SourceError;
 
 use crate::app::{AppError, Datasets};
 

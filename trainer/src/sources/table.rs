@@ -15,10 +15,6 @@ pub trait Rows: Send + Sync + 'static {
     fn path(&self) -> &Path;
     /// Rows in the table.
     fn len(&self) -> usize;
-    /// True when the table has no rows.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
     /// The cells of row `index` (`< len`), in the order of the columns the table was opened
     /// with, and where the row is (for messages).
     fn cells(&self, index: usize) -> Result<(Vec<Cell>, Place), SourceError>;
@@ -49,11 +45,6 @@ impl<R: Rows, D: Decode<I>, I> TableDataset<R, D, I> {
         self.decoder
             .decode(&cells)
             .map_err(|e| SourceError::cell(self.rows.path(), place, e))
-    }
-
-    /// The rows.
-    pub fn rows(&self) -> &R {
-        &self.rows
     }
 }
 
