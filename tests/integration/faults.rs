@@ -663,7 +663,7 @@ fn on_nonfinite_skip_finishes_and_counts_the_skipped_steps() {
     );
     assert_says(
         &out.stderr,
-        &["skipped (training.on_nonfinite = \"skip\")"],
+        &["skipped on every rank (training.on_nonfinite = \"skip\")"],
         &out,
     );
 }

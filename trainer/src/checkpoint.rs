@@ -35,7 +35,7 @@ use crate::schedule::Schedule;
 pub const FORMAT_VERSION: u32 = 3;
 const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.bpk";
-const SCHEDULER_FILE: &str = "scheduler.bpk";
+pub(crate) const SCHEDULER_FILE: &str = "scheduler.bpk";
 const MANIFEST_FILE: &str = "manifest.json";
 /// The Burn release this build trains with, recorded in every manifest: a build on another
 /// Burn that cannot read these files names it (`tests` checks it against `Cargo.lock`).

@@ -8,7 +8,7 @@
 //! |---|---|
 //! | this one | [`StageSplit`] (the program's answer) and the dispatch from the engine |
 //! | [`stage_of`] | [`StageOf`]: which stage a rank builds |
-//! | [`stage_fit`] | one stage's training loop: samples of its replica, micro-batches through burn-ddp's pipeline step, the optimizer, per-stage checkpoints and resume |
+//! | [`stage_steps`] | the pipeline step kind of the engine's one loop: micro-batches through burn-ddp's pipeline step, the validation pass through the stages, per-stage checkpoints and resume |
 //! | [`stage_checkpoint`] | where each stage's checkpoints live and which step every stage resumes from |
 //!
 //! What the engine gives a stage that plain data parallelism also gives: the sampler (a
@@ -21,8 +21,8 @@
 //! `TrainStep` output by the app's function given to [`StageSplit::new`]).
 
 pub(crate) mod stage_checkpoint;
-mod stage_fit;
 pub mod stage_of;
+mod stage_steps;
 
 use std::process::ExitCode;
 
@@ -75,7 +75,7 @@ impl<A: App> StageSplit<A> {
         TrainItem<A>: Into<ValidItem<A>>,
     {
         Self {
-            run: Box::new(move |start| stage_fit::train::<A, S, D>(start, &build, &output)),
+            run: Box::new(move |start| stage_steps::train::<A, S, D>(start, &build, &output)),
         }
     }
 }
