@@ -13,9 +13,9 @@
 //! |---|---|
 //! | [`app`] | the user's contract, one trait: `App` (config tables, data sets, model, batcher, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval); `main_with_stages` with a pipeline split |
-//! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), one stage's loop, stage checkpoints |
+//! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), the pipeline step kind of the one loop, stage checkpoints |
 //! | `parallel` | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
-//! | `fit` | the training loop, for any app |
+//! | `fit` | the one training loop, over step kinds (data parallel, pipeline stages), and the events its reporter consumes |
 //! | `eval` | validation over every sample once, and the `eval` command |
 //! | `preflight` | the check before any rank starts: config, app tables, device; never the data |
 //! | `plan` | the step plan (pure): steps, logs, checkpoints, validations |

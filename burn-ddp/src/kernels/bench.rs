@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use burn::backend::{Distribution, ExecutionError, FloatDType, Shape};
 
-use super::BucketOps;
+use super::bucket_ops::BucketOps;
 
 /// What [`measure_pack_unpack`] measured.
 #[derive(Debug, Clone, PartialEq)]

@@ -44,8 +44,10 @@ use cubecl::client::Client;
 use cubecl::prelude::*;
 use cubecl::{calculate_cube_count_elemwise, CubeCount, CubeDim};
 
+use super::bucket_ops::{check_len, BucketOps, BucketOpsError};
 use super::fallback::{self, check_bucket, check_bucket_1d, check_words};
-use super::{check_len, wire16, BucketOps, BucketOpsError, HalfFormat};
+use super::half_format::HalfFormat;
+use super::wire16;
 
 /// Units per cube of every kernel here: the portable maximum (WebGPU's guaranteed limit).
 const CUBE_SIZE: u32 = 256;

@@ -19,7 +19,9 @@ use burn::tensor::read_sync;
 
 use crate::host_values::host_values;
 
-use super::{check_len, wire16, BucketOpsError, HalfFormat};
+use super::bucket_ops::{check_len, BucketOpsError};
+use super::half_format::HalfFormat;
+use super::wire16;
 
 /// [`BucketOps::pack_bucket`](super::BucketOps::pack_bucket) with Burn ops.
 pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device) -> FloatTensor<B> {
@@ -209,8 +211,8 @@ pub(crate) use fallback_bucket_ops;
 pub(crate) mod conformance {
     use burn::backend::Distribution;
 
-    pub use super::super::BucketOps;
     use super::*;
+    pub use crate::kernels::bucket_ops::BucketOps;
 
     /// The tests' seeded generator, so failures replay exactly.
     pub use crate::rng::SplitMix64;

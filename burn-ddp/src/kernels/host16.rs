@@ -25,7 +25,7 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use super::HalfFormat;
+use super::half_format::HalfFormat;
 
 /// Values converted per step through a stack buffer (4 KiB of `f32`: stays in L1).
 const CHUNK: usize = 1024;

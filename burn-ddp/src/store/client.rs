@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::backoff::Backoff;
 use super::connection::{is_timeout, read_frame, write_frame, FrameError};
+use super::contract::Store;
 use super::wire::{decode_response, encode_request, Request, Response, MAGIC};
-use super::Store;
 use crate::error::StoreError;
 
 /// Extra time the client waits for the server's answer beyond the server-side timeout of a

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::Store;
+use super::contract::Store;
 use crate::error::StoreError;
 
 /// An in-process [`Store`]: a map behind a mutex, and a condition variable that wakes waiters

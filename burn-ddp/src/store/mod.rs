@@ -11,55 +11,35 @@
 //! - [`host`]: [`StoreHost`], who hosts the job's store, from the launcher's variables.
 //! - [`prefix`]: [`PrefixStore`], one namespace of a store (a group's keys), so several groups and
 //!   job attempts can share one store.
+//! - `contract`: the [`Store`] trait every store implements.
 //! - `backoff`: the capped back-off of every retry loop in the crate.
 
 pub(crate) mod backoff;
 pub mod c10d;
 pub mod client;
 mod connection;
+mod contract;
 pub mod host;
 pub mod memory;
 pub mod prefix;
 pub mod server;
 pub mod wire;
 
-use std::time::Duration;
-
 pub use c10d::C10dStore;
 pub use client::TcpStore;
+pub use contract::Store;
 pub use host::StoreHost;
 pub use memory::MemoryStore;
 pub use prefix::PrefixStore;
 pub use server::TcpStoreServer;
 
-use crate::error::StoreError;
-
-/// A key-value store shared by all ranks of a job.
-///
-/// None of these calls is collective: any rank may call any of them at any time. Calls that wait
-/// take a timeout and return [`StoreError::Timeout`] when it passes; the others use the client's
-/// default timeout for the round trip.
-pub trait Store: Send + Sync {
-    /// Stores `value` under `key`, replacing any previous value, and wakes every waiter.
-    fn set(&self, key: &str, value: &[u8]) -> Result<(), StoreError>;
-    /// Returns the value under `key`, waiting up to `timeout` for some rank to set it.
-    fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, StoreError>;
-    /// Atomically adds `delta` to the counter under `key` (absent counts as 0); returns the new
-    /// value. Counters are stored as decimal text, so `get` reads them too.
-    fn add(&self, key: &str, delta: i64) -> Result<i64, StoreError>;
-    /// Waits up to `timeout` until every key in `keys` is set.
-    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), StoreError>;
-    /// Whether every key in `keys` is set, without waiting.
-    fn check(&self, keys: &[&str]) -> Result<bool, StoreError>;
-    /// Removes `key`; returns whether it was present.
-    fn delete_key(&self, key: &str) -> Result<bool, StoreError>;
-}
-
 #[cfg(test)]
 pub(crate) mod conformance {
     //! One contract suite, run against every [`Store`] implementation.
     use super::*;
+    use crate::error::StoreError;
     use std::sync::Arc;
+    use std::time::Duration;
 
     pub fn run_all<S: Store + 'static>(make: impl Fn() -> (Arc<S>, Arc<S>)) {
         set_get_overwrite(make());

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::Store;
+use super::contract::Store;
 use crate::error::StoreError;
 
 /// A view of `inner` in which every key is `{prefix}/{key}`. Cheap to clone; the inner store

@@ -13,9 +13,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::connection::{read_frame, write_frame, FrameError};
+use super::contract::Store;
 use super::memory::{MemoryStore, WaitOutcome};
 use super::wire::{decode_request, encode_response, Request, Response, MAGIC};
-use super::Store;
 use crate::error::StoreError;
 
 /// How long a new connection may take to send its hello before it is dropped, so a silent

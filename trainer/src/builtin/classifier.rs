@@ -423,10 +423,10 @@ impl App for ClassifierApp {
     }
 
     fn train_metrics(&self) -> Metrics<TrainItem<Self>> {
-        super::loss_and_accuracy()
+        super::parts::loss_and_accuracy()
     }
 
     fn valid_metrics(&self) -> Metrics<ValidItem<Self>> {
-        super::loss_and_accuracy()
+        super::parts::loss_and_accuracy()
     }
 }

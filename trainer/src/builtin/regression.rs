@@ -12,7 +12,7 @@ use models::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{split_by_index, Named};
+use super::parts::{split_by_index, Named};
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;

@@ -10,7 +10,7 @@ use models::{
 };
 use serde::{Deserialize, Serialize};
 
-use super::{loss_and_accuracy, split_by_index, Named};
+use super::parts::{loss_and_accuracy, split_by_index, Named};
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::metrics::Metrics;
 use crate::pipeline::{StageOf, StageSplit};

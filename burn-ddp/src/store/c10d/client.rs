@@ -13,7 +13,7 @@ use super::wire::{
 use crate::error::{StoreError, WireError};
 use crate::store::backoff::Backoff;
 use crate::store::connection::is_timeout;
-use crate::store::Store;
+use crate::store::contract::Store;
 
 /// What torch's own `TCPStore` client puts before every key (its `keyPrefix_`). This client does
 /// the same, so a key set here is the key a Python `TCPStore` client of the same server reads.
