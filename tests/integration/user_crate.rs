@@ -124,6 +124,39 @@ fn the_users_model_in_two_pipeline_stages_trains_to_the_weights_of_one_process()
     assert!(diff < 1e-4, "max |Δw| = {diff:e}");
 }
 
+/// The user's model with a `SyncBatchNorm` (taken through `trainer::burn_ddp`, the engine's own
+/// build of burn-ddp) on 2 ranks with batches of 16 ends with the weights and running statistics
+/// of one process with batches of 32: its statistics are the global batch's. Per-rank
+/// statistics (plain BatchNorm, or a SyncBatchNorm of a second burn-ddp build that finds no
+/// process group) would normalise each rank's half by its own mean and variance.
+#[test]
+fn the_users_sync_batch_norm_on_two_ranks_matches_one_process_with_the_whole_batch() {
+    let dir = scratch("user-crate-sync-batch-norm");
+    let config = |batch: &str| {
+        circles_config(1, "")
+            .replace("hidden = 16", "hidden = 16\nsync_batch_norm = true")
+            .replace("batch_size = 16", batch)
+            // SGD: Adam's step divides by the gradient's own size, so where a gradient is near
+            // zero it turns rounding differences of the two reductions into visible ones.
+            .replace(
+                "name = \"adam\"\nlearning_rate = 0.01",
+                "name = \"sgd\"\nlearning_rate = 0.1",
+            )
+    };
+    for (name, batch, nproc) in [("one", "batch_size = 32", 1), ("two", "batch_size = 16", 2)] {
+        let out = launch_example_on(nproc, &write_config(&dir, name, &config(batch)), &[], &[]);
+        assert_eq!(out.code, Some(0), "{name}: {}", out.all());
+    }
+    let (one, two) = (final_weights(&dir, "one"), final_weights(&dir, "two"));
+    assert!(
+        one.keys().any(|k| k.contains("norm.running_var")),
+        "the norm's statistics are in the checkpoint: {:?}",
+        one.keys()
+    );
+    let diff = max_abs_diff(&two, &one);
+    assert!(diff < 1e-5, "max |Δw| = {diff:e}");
+}
+
 /// The user's model on `nproc` ranks for `epochs` epochs, rank 1 killed after step
 /// `crash_after` and restarted by the launcher from the checkpoint of step `resumed_at`, ends
 /// with the uninterrupted run's weights, bit for bit.

@@ -26,6 +26,9 @@ use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
 use serde::{Deserialize, Serialize};
 use trainer::app::{App, AppError, Datasets, Metrics, TrainItem, ValidItem};
+// burn-ddp through the engine's re-export: one build of it in the program, the engine's, so
+// SyncBatchNorm finds the job's process group (no second path dependency to keep in step).
+use trainer::burn_ddp::{SyncBatchNorm, SyncBatchNormConfig};
 use trainer::pipeline::{PipelineStage, StageOf, StageSplit};
 
 /// The model: a two-layer perceptron on 2-D points (Burn 0.22: no backend type parameter; the
@@ -33,14 +36,19 @@ use trainer::pipeline::{PipelineStage, StageOf, StageSplit};
 #[derive(Module, Debug)]
 pub struct CirclesNet {
     hidden: Linear,
+    /// `model.sync_batch_norm`: the hidden features normalised over the job's global batch.
+    norm: Option<SyncBatchNorm>,
     output: Linear,
     activation: Relu,
 }
 
 impl CirclesNet {
     fn forward(&self, points: Tensor<2>) -> Tensor<2> {
-        let x = self.activation.forward(self.hidden.forward(points));
-        self.output.forward(x)
+        let mut x = self.hidden.forward(points);
+        if let Some(norm) = &self.norm {
+            x = norm.forward(x);
+        }
+        self.output.forward(self.activation.forward(x))
     }
 
     fn classify(&self, batch: PointsBatch) -> ClassificationOutput {
@@ -222,6 +230,10 @@ fn splitmix(x: u64) -> u64 {
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     pub hidden: usize,
+    /// A `SyncBatchNorm` after the hidden layer (PyTorch's `SyncBatchNorm`: statistics over
+    /// every rank's batch, as one process with the whole batch computes them).
+    #[serde(default)]
+    pub sync_batch_norm: bool,
 }
 
 /// `[data]`.
@@ -268,6 +280,9 @@ impl App for CirclesApp {
     ) -> Result<CirclesNet, AppError> {
         Ok(CirclesNet {
             hidden: LinearConfig::new(2, m.hidden).init(device),
+            norm: m
+                .sync_batch_norm
+                .then(|| SyncBatchNormConfig::new(m.hidden).init(device)),
             output: LinearConfig::new(m.hidden, 2).init(device),
             activation: Relu::new(),
         })
@@ -311,7 +326,8 @@ impl App for CirclesApp {
     /// formula here; `trainer::app::parameter_count` counts a lazily built model instead).
     fn parameter_count(&self, model: &ModelConfig, _data: &DataConfig) -> Option<u64> {
         let h = model.hidden as u64;
-        Some((2 * h + h) + (h * 2 + 2))
+        let norm = if model.sync_batch_norm { 2 * h } else { 0 };
+        Some((2 * h + h) + norm + (h * 2 + 2))
     }
 }
 
@@ -336,10 +352,17 @@ fn circles_stages() -> StageSplit<CirclesApp> {
                     ),
                 ));
             }
+            if m.sync_batch_norm {
+                return Err(AppError::key(
+                    "model.sync_batch_norm",
+                    "the 2-stage split of CirclesNet has no place for the norm: turn it off for pipeline stages",
+                ));
+            }
             let CirclesNet {
                 hidden,
                 output,
                 activation,
+                ..
             } = CirclesApp.model(m, d, device)?;
             draw(&hidden);
             draw(&output);
