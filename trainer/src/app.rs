@@ -17,7 +17,7 @@
 //! Then `fn main() -> ExitCode { trainer::run::main_with(MyApp, trainer::program_info!()) }` is a complete `trainer` for the
 //! user's model: `--config`, `--nproc-per-node`, multi-node, `--max-restarts`, `eval`, resume,
 //! rank-0 checkpoints. See `examples/custom-model/` for a compiled example. A model that also
-//! trains as pipeline stages is cut by a [`StageSplit`](crate::pipeline::StageSplit) the
+//! trains as pipeline stages is cut by a [`StageSplit`](crate::engine::pipeline::StageSplit) the
 //! program gives beside the app ([`main_with_stages`](crate::run::main_with_stages)): the app
 //! names what only the user knows, and nothing of the engine.
 
@@ -35,7 +35,7 @@ use serde::Serialize;
 use crate::config::Config;
 /// The metrics an app shows ([`App::train_metrics`], [`App::valid_metrics`]), here with every
 /// other name an app needs.
-pub use crate::metrics::Metrics;
+pub use crate::report::metrics::Metrics;
 
 /// The parameter counter for [`App::parameter_count`] (burn-ddp's).
 pub use burn_ddp::parameter_count;

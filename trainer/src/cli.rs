@@ -16,12 +16,13 @@ use clap::{Parser, Subcommand};
 
 use crate::app::App;
 use crate::builtin::{self, WithApp};
+use crate::engine::pipeline::StageSplit;
 use crate::error::UsageError;
-use crate::launch::{self, Program};
-use crate::pipeline::StageSplit;
+use crate::launcher::launch::{self, Program};
+use crate::launcher::worker_env::WORKER_VAR;
+use crate::report::plot;
 use crate::run::{self, EvalArgs, TrainArgs};
-use crate::worker_env::WORKER_VAR;
-use crate::{bench, doctor, plot, tools};
+use crate::tools::{bench, collectives as tools, doctor};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -48,7 +49,7 @@ enum Command {
     /// Measure the engine against a plain Burn loop, and scaling from 1 to 2 processes.
     BenchTrain(bench::BenchTrainArgs),
     /// Train between network namespaces on a shaped link; samples/s against the link's bounds.
-    BenchLink(crate::bench_link::BenchLinkArgs),
+    BenchLink(crate::tools::bench_link::BenchLinkArgs),
     /// Start any program as N supervised ranks, like `torchrun --no-python`:
     /// `trainer launch --nproc-per-node N -- PROGRAM [ARGS...]`.
     Launch(launch::LaunchCommand),
@@ -77,7 +78,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     app: A,
                     _stages: Option<StageSplit<A>>,
                 ) -> Self::Output {
-                    crate::eval::evaluate(app, &self.0.config, &self.0.checkpoint)
+                    crate::engine::eval::evaluate(app, &self.0.config, &self.0.checkpoint)
                 }
             }
             let config = args.config.clone();
@@ -98,7 +99,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Some(Command::BenchTrain(args)) => bench::bench_train(&args),
-        Some(Command::BenchLink(args)) => crate::bench_link::bench_link(&args),
+        Some(Command::BenchLink(args)) => crate::tools::bench_link::bench_link(&args),
         Some(Command::Plot(args)) => plot::plot_command(&args),
         Some(Command::Doctor(args)) => doctor::doctor_command(&args),
         Some(Command::Launch(cmd)) => launch::launch(&cmd.launch, &Program::resolve(&cmd.program)?),

@@ -102,7 +102,7 @@ impl OptimizerConfig {
             return base * (step + 1) as f64 / self.warmup_steps as f64;
         }
         match self.schedule {
-            // Noam is stateful: `crate::schedule` steps Burn's scheduler instead.
+            // Noam is stateful: `crate::engine::schedule` steps Burn's scheduler instead.
             LrSchedule::Constant | LrSchedule::Noam => base,
             LrSchedule::Cosine => {
                 let span = total_steps.saturating_sub(self.warmup_steps).max(1) as f64;
@@ -243,7 +243,7 @@ pub struct DistributedConfig {
     /// Pipeline stages the model is cut into (1: none, plain data parallelism). With `P > 1`
     /// the world size must be a multiple of `P`: `world / P` replicas of the pipeline train
     /// data-parallel, and `training.accumulation_steps` is the micro-batch count. Needs a
-    /// program that says how its model splits ([`StageSplit`](crate::pipeline::StageSplit)).
+    /// program that says how its model splits ([`StageSplit`](crate::engine::pipeline::StageSplit)).
     pub pipeline_stages: usize,
     /// The order of micro-batches on each stage: `"gpipe"` or `"1f1b"` (see
     /// [`PipelineScheduleName`]).

@@ -18,12 +18,12 @@ use std::process::ExitCode;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::app::App;
+use crate::engine::fit;
+use crate::engine::pipeline::{self, StageSplit};
+use crate::engine::preflight::{preflight, Splitting};
 use crate::error::{describe_error, UsageError};
-use crate::fit;
-use crate::launch::{self, LaunchArgs, Program};
-use crate::pipeline::{self, StageSplit};
-use crate::preflight::{preflight, Splitting};
-use crate::worker_env::WORKER_VAR;
+use crate::launcher::launch::{self, LaunchArgs, Program};
+use crate::launcher::worker_env::WORKER_VAR;
 
 /// The training command line shared by `trainer` and every app's binary.
 #[derive(Args, Debug, Clone)]
@@ -127,7 +127,9 @@ fn run_app<A: App>(app: A, stages: Option<StageSplit<A>>, command: clap::Command
     let cli = AppCli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit());
     init_logging();
     report(match cli.command {
-        Some(AppCommand::Eval(args)) => crate::eval::evaluate(app, &args.config, &args.checkpoint),
+        Some(AppCommand::Eval(args)) => {
+            crate::engine::eval::evaluate(app, &args.config, &args.checkpoint)
+        }
         None => match cli.train.config.clone() {
             Some(config) => train_or_launch(app, stages, &config, &cli.train),
             None => Err(UsageError("missing --config FILE (try `--help`)".into()).into()),
@@ -136,7 +138,7 @@ fn run_app<A: App>(app: A, stages: Option<StageSplit<A>>, command: clap::Command
 }
 
 /// With any launcher option (`--nproc-per-node`, `--nnodes`, `--max-restarts`, …; see
-/// [`LaunchArgs::requested`](crate::launch_plan::LaunchArgs::requested)) and not already a
+/// [`LaunchArgs::requested`](crate::launcher::launch_plan::LaunchArgs::requested)) and not already a
 /// rank: check the config once, then start and supervise the local ranks, each running this
 /// same program. Otherwise: train as one rank, data-parallel or, with `pipeline_stages > 1`,
 /// as one stage cut by `stages` (refused without it).
@@ -160,7 +162,10 @@ pub fn train_or_launch<A: App>(
         // Started by another launcher (torchrun, mpirun, srun): die with it. (A parent of pid
         // 1 cannot be told apart from a container's init that started this rank, so that
         // case is not watched.)
-        if !is_worker && burn_ddp::DistEnv::is_present() && !crate::orphan::die_with_parent() {
+        if !is_worker
+            && burn_ddp::DistEnv::is_present()
+            && !crate::launcher::orphan::die_with_parent()
+        {
             tracing::debug!("the parent is pid 0 or 1: not watching for the launcher's death");
         }
         let start = fit::start(app, config, args.no_resume, splitting)?;
@@ -183,7 +188,7 @@ pub fn report(result: anyhow::Result<ExitCode>) -> ExitCode {
                 .unwrap_or_default();
             let message = describe_error(&e);
             eprintln!("{rank}error: {message}");
-            crate::torchelastic::record_failure(&message);
+            crate::launcher::torchelastic::record_failure(&message);
             ExitCode::from(exit_code(&e))
         }
     }
@@ -219,7 +224,7 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || c.is::<crate::app::AppError>()
             || c.is::<crate::data::DataError>()
             || c.is::<models::ModelError>()
-            || c.is::<crate::checkpoint::CheckpointMismatch>()
+            || c.is::<crate::engine::checkpoint::CheckpointMismatch>()
             || c.is::<burn_ddp::InitError>()
             || c.downcast_ref::<burn_ddp::DdpError>()
                 .is_some_and(burn_ddp::DdpError::is_usage)

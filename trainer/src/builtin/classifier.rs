@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
 use crate::data::{self, ClassificationBatcher, ClassificationItem};
-use crate::metrics::Metrics;
+use crate::report::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::image_folder::{ClassFolders, ImageFolder};
 use crate::sources::schema::{self, ClassColumns, Features};

@@ -17,7 +17,7 @@ pub use parts::{loss_and_accuracy, split_by_index, Named};
 use std::path::Path;
 
 use crate::app::App;
-use crate::pipeline::StageSplit;
+use crate::engine::pipeline::StageSplit;
 
 use crate::config::ConfigError;
 

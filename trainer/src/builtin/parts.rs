@@ -9,7 +9,7 @@ use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::ClassificationOutput;
 
 use crate::app::Datasets;
-use crate::metrics::Metrics;
+use crate::report::metrics::Metrics;
 
 /// Training set = indices `0..train` of `all`, validation set = the next `valid` (none when
 /// 0): one generator, one task, read lazily through Burn's `PartialDataset`.

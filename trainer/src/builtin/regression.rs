@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::parts::{split_by_index, Named};
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
-use crate::metrics::Metrics;
+use crate::report::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::schema::{self, Features, Targets, ValueColumns};
 use crate::sources::{self, csv, sqlite};

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use super::parts::{loss_and_accuracy, split_by_index, Named};
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
-use crate::metrics::Metrics;
-use crate::pipeline::{StageOf, StageSplit};
+use crate::engine::pipeline::{StageOf, StageSplit};
+use crate::report::metrics::Metrics;
 
 /// The `[model] name` of this app.
 pub const NAME: &str = "text_transformer";

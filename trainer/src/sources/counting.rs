@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use burn::data::dataset::{Dataset, DatasetError};
 
 use crate::app::{AppError, Datasets};
-use crate::worker_env::RANK_VAR;
+use crate::launcher::worker_env::RANK_VAR;
 
 /// The environment variable naming the folder of the read logs.
 pub const COUNT_READS_VAR: &str = "TRAINER_COUNT_DATA_READS";

@@ -1,0 +1,175 @@
+//! Fault injection for tests: crashes, stalls, stragglers and unequal initial weights, each
+//! asked for by an environment variable (named in [`crate::launcher::worker_env`]) and read by the rank.
+//! A run without those variables is untouched. What to do is decided by pure functions
+//! (unit-tested here); the hooks only read the environment and act.
+
+use std::time::Duration;
+
+use crate::launcher::worker_env::{
+    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_RANK_VAR, RESTART_COUNT_VAR,
+    SEED_BY_RANK_VAR, SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
+};
+
+/// The launcher's restart count: 0 on the first attempt and without a launcher (ours, or
+/// torchrun's `TORCHELASTIC_RESTART_COUNT`).
+pub fn restart_count() -> u64 {
+    std::env::var(RESTART_COUNT_VAR)
+        .or_else(|_| std::env::var("TORCHELASTIC_RESTART_COUNT"))
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Which step attempt `attempt` is killed after, and on which rank (`None`: every rank), from
+/// the values of `TRAINER_CRASH_AFTER_STEP` and `TRAINER_CRASH_RANK`: comma-separated lists
+/// whose `k`-th entry is for attempt `k` (restart count `k`). One step means the first attempt
+/// only; one rank means that rank in every attempt. `None` when attempt `attempt` is not
+/// killed or a value does not parse.
+pub fn crash_point(
+    steps: &str,
+    ranks: Option<&str>,
+    attempt: u64,
+) -> Option<(usize, Option<usize>)> {
+    let nth = |list: &str, k: usize| {
+        list.split(',')
+            .nth(k)
+            .map(str::trim)
+            .map(str::parse::<usize>)
+    };
+    let attempt = usize::try_from(attempt).ok()?;
+    let step = nth(steps, attempt)?.ok()?;
+    let rank = match ranks {
+        None => None,
+        Some(ranks) if !ranks.contains(',') => Some(ranks.trim().parse().ok()?),
+        Some(ranks) => Some(nth(ranks, attempt)?.ok()?),
+    };
+    Some((step, rank))
+}
+
+/// `TRAINER_CRASH_AFTER_STEP` / `TRAINER_CRASH_RANK` ([`crash_point`]): kills this process with
+/// SIGKILL right after optimizer step `step` and its checkpoint — exactly what `kill -9` at that
+/// point does. A restarted job gets past the steps of earlier attempts.
+pub fn crash_after_step_if_asked(rank: usize, step: usize) {
+    let Ok(steps) = std::env::var(CRASH_AFTER_STEP_VAR) else {
+        return;
+    };
+    let ranks = std::env::var(CRASH_RANK_VAR).ok();
+    let attempt = restart_count();
+    if let Some((at, who)) = crash_point(&steps, ranks.as_deref(), attempt) {
+        if at == step && who.is_none_or(|r| r == rank) {
+            eprintln!(
+                "[rank {rank}] {CRASH_AFTER_STEP_VAR}={steps}: killing this process after step {step}, attempt {attempt} (fault injection)"
+            );
+            kill_self();
+        }
+    }
+}
+
+/// `TRAINER_CRASH_IN_CHECKPOINT=STEP`: kills rank 0 with SIGKILL after it wrote the weights of
+/// the checkpoint of step `STEP` and before the checkpoint is complete — a crash in the middle
+/// of a checkpoint write. First attempt only.
+pub fn crash_in_checkpoint_if_asked(step: usize) {
+    let at = std::env::var(CRASH_IN_CHECKPOINT_VAR)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    if at == Some(step) && restart_count() == 0 {
+        eprintln!(
+            "{CRASH_IN_CHECKPOINT_VAR}={step}: killing this process mid-checkpoint (fault injection)"
+        );
+        kill_self();
+    }
+}
+
+fn kill_self() {
+    // SAFETY: kill(2) on our own pid with a signal number; no memory is involved.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}
+
+/// `TRAINER_SLOW_STEP=RANK:MS`: rank RANK gets MS more milliseconds of compute in every
+/// optimizer step (a straggler). Returns this rank's extra time, if any.
+pub fn slow_step_if_asked(rank: usize) -> Option<Duration> {
+    let spec = std::env::var(SLOW_STEP_VAR).ok()?;
+    let (who, millis) = spec.split_once(':')?;
+    let (who, millis) = (
+        who.trim().parse::<usize>().ok()?,
+        millis.trim().parse::<u64>().ok()?,
+    );
+    (who == rank).then(|| {
+        eprintln!("[rank {rank}] {SLOW_STEP_VAR}={spec}: {millis} ms more compute per step (fault injection)");
+        Duration::from_millis(millis)
+    })
+}
+
+/// The seed of the model's initial weights: `training.seed`, or with `TRAINER_SEED_BY_RANK=1`
+/// `training.seed + rank`, so that only the start-up broadcast makes the replicas equal.
+pub fn init_seed(seed: u64, rank: usize) -> u64 {
+    if std::env::var(SEED_BY_RANK_VAR).is_ok_and(|v| v.trim() == "1") {
+        eprintln!(
+            "[rank {rank}] {SEED_BY_RANK_VAR}=1: initial weights seeded with {} (fault injection)",
+            seed.wrapping_add(rank as u64)
+        );
+        seed.wrapping_add(rank as u64)
+    } else {
+        seed
+    }
+}
+
+/// `TRAINER_STALL_AFTER_STEP=STEP:SECS` (optionally with `TRAINER_STALL_RANK=R`): sleeps right
+/// after optimizer step STEP, so the other ranks wait for this one in their next collective.
+pub fn stall_if_asked(rank: usize, step: usize) {
+    let Ok(spec) = std::env::var(STALL_AFTER_STEP_VAR) else {
+        return;
+    };
+    let parsed = spec
+        .split_once(':')
+        .and_then(|(at, secs)| Some((at.parse::<usize>().ok()?, secs.parse::<f64>().ok()?)));
+    let who = std::env::var(STALL_RANK_VAR)
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok());
+    if let Some((at, secs)) = parsed {
+        if at == step && who.is_none_or(|r| r == rank) {
+            eprintln!("[rank {rank}] {STALL_AFTER_STEP_VAR}={spec}: sleeping (fault injection)");
+            std::thread::sleep(Duration::from_secs_f64(secs));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::crash_point;
+
+    #[test]
+    fn one_step_crashes_the_first_attempt_only() {
+        assert_eq!(crash_point("15", None, 0), Some((15, None)));
+        assert_eq!(crash_point("15", Some("1"), 0), Some((15, Some(1))));
+        assert_eq!(crash_point("15", Some("1"), 1), None);
+    }
+
+    #[test]
+    fn lists_give_each_attempt_its_step_and_rank() {
+        let (steps, ranks) = ("10, 25,40", Some("2,0,1"));
+        assert_eq!(crash_point(steps, ranks, 0), Some((10, Some(2))));
+        assert_eq!(crash_point(steps, ranks, 1), Some((25, Some(0))));
+        assert_eq!(crash_point(steps, ranks, 2), Some((40, Some(1))));
+        assert_eq!(
+            crash_point(steps, ranks, 3),
+            None,
+            "the last attempt runs through"
+        );
+        assert_eq!(crash_point(steps, Some("1"), 2), Some((40, Some(1))));
+        assert_eq!(
+            crash_point(steps, Some("2,0"), 2),
+            None,
+            "no rank for attempt 2"
+        );
+    }
+
+    #[test]
+    fn values_that_do_not_parse_crash_nothing() {
+        assert_eq!(crash_point("x", None, 0), None);
+        assert_eq!(crash_point("10,x", None, 1), None);
+        assert_eq!(crash_point("10", Some("r"), 0), None);
+    }
+}

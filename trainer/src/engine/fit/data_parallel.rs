@@ -1,0 +1,410 @@
+//! The data-parallel step kind: every rank holds the whole model and trains on its shard; one
+//! optimizer step is burn-ddp's `DataParallel::step` over the accumulated micro-batches
+//! (gradients averaged across the ranks, the job's verdict on them, the optimizer, the buffers
+//! made equal). [`start`] joins the job, [`train`] runs the loop with this step kind.
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use burn::data::dataset::Dataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor};
+use burn::train::TrainStep;
+use burn_ddp::{DataParallel, Distributed, StepOutcome};
+
+use super::across_ranks::{across_ranks, train_metrics_window};
+use super::optimizer::optimizer;
+use super::sampler::EpochSampler;
+use super::step_kind::{StepInput, StepKind};
+use super::summary::Validation;
+use super::training_loop::{fit, LoopSettings};
+use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
+use crate::backend;
+use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::engine::fault_injection;
+use crate::engine::loader::BatchStream;
+use crate::engine::parallel::{self, CheckpointPolicy};
+use crate::engine::preflight::{preflight, Splitting};
+use crate::engine::schedule::Schedule;
+use crate::engine::timing::{Phase, PhaseClock, RankTimes, StepTime};
+use crate::report::metrics::{MetricValue, Metrics};
+use crate::report::rank_reporter::RankReporter;
+
+/// Everything one rank's training needs (steps 1 and 2 of the module docs of [`super`]): the
+/// app, its config, the formed job, the data sets and the device; then [`train`] (data
+/// parallel) or the program's pipeline split (pipeline stages) trains.
+pub struct RankStart<A: App> {
+    pub app: A,
+    pub config: AppConfig<A>,
+    pub dist: Distributed,
+    pub data: Datasets<A::Item>,
+    /// This rank's autodiff training device.
+    pub device: Device,
+    /// `--no-resume`: start over even where `checkpoint.resume` would resume.
+    pub no_resume: bool,
+}
+
+impl<A: App> RankStart<A> {
+    /// The config tables the training loop reads.
+    pub(crate) fn loop_settings(&self) -> LoopSettings {
+        LoopSettings {
+            training: self.config.training.clone(),
+            checkpoint: self.config.checkpoint.clone(),
+            optimizer: self.config.optimizer.clone(),
+        }
+    }
+}
+
+/// `--config FILE` as one rank (or the only process): the pre-flight (`splitting`: whether the
+/// program gave a pipeline split), the data sets, the job (collective: every rank joins) and
+/// the device.
+pub fn start<A: App>(
+    app: A,
+    config_path: &Path,
+    no_resume: bool,
+    splitting: Splitting,
+) -> anyhow::Result<RankStart<A>> {
+    // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
+    let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
+    let config = preflight(&app, config_path, 1, world_size, splitting)?;
+    backend::pin_default_device();
+    let data = app.datasets(&config.data)?;
+    if data.train.is_empty() {
+        bail!(AppError(
+            "data: the training set is empty (check the [data] table)".into()
+        ));
+    }
+    let dist = Distributed::from_env_or_standalone(
+        parallel::ddp_options(&config.distributed).tcp_options(),
+    )?;
+    let device = backend::train_device(config.output.device, dist.env.local_rank)?;
+    Ok(RankStart {
+        app,
+        config,
+        dist,
+        data,
+        device,
+        no_resume,
+    })
+}
+
+/// Trains app `A` data-parallel as one rank of the formed job (steps 3 and 4 of the module
+/// docs of [`super`]); rank 0 prints the closing lines. Collective.
+pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
+    let settings = start.loop_settings();
+    let RankStart {
+        app,
+        config,
+        dist,
+        data,
+        device,
+        no_resume,
+    } = start;
+    let mut ddp =
+        parallel::data_parallel(dist, &config.distributed, config.output.device, &device)?;
+    ddp.check_same(&config.fingerprint())?;
+    let (rank, world) = (ddp.rank(), ddp.world_size());
+    device.seed(fault_injection::init_seed(config.training.seed, rank));
+    let model = app.model(&config.model, &config.data, &device)?;
+    let sampler = EpochSampler::for_app(&app, &config.training, &*data.train, world, rank)?;
+    let mut reporter = RankReporter::new(rank, &config.output);
+    let mut steps = DataParallelSteps::new(app, config, ddp, data, device, no_resume);
+    let (_, summary) = fit(&mut steps, model, sampler, &settings, &mut reporter)?;
+    if rank == 0 {
+        println!("{}", summary.line(world));
+        if let Some(time) = &summary.time {
+            println!("{time}");
+        }
+    }
+    // Rank 0 may host the store: leave together.
+    steps.ddp.barrier()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The data-parallel step kind of one rank (module docs).
+struct DataParallelSteps<A: App> {
+    config: AppConfig<A>,
+    ddp: DataParallel,
+    data: Datasets<A::Item>,
+    /// This rank's autodiff training device.
+    device: Device,
+    optim: ModuleOptimizer,
+    batcher: A::Batcher,
+    train_metrics: Metrics<TrainItem<A>>,
+    valid_metrics: Metrics<ValidItem<A>>,
+    /// Each micro-batch's output with its number of samples, until the next `train` line.
+    outputs: Vec<(TrainItem<A>, usize)>,
+    /// `None` without `checkpoint.dir`.
+    checkpoints: Option<CheckpointPolicy>,
+    /// Resume from the newest checkpoint (`checkpoint.resume`, not `--no-resume`).
+    resume: bool,
+    /// Fault injection: extra time in every step of this rank.
+    slow_step: Option<Duration>,
+}
+
+impl<A: App> DataParallelSteps<A> {
+    fn new(
+        app: A,
+        config: AppConfig<A>,
+        ddp: DataParallel,
+        data: Datasets<A::Item>,
+        device: Device,
+        no_resume: bool,
+    ) -> Self {
+        Self {
+            optim: optimizer(&config.optimizer),
+            batcher: app.batcher(&config.model, &config.data, &device),
+            train_metrics: app.train_metrics(),
+            valid_metrics: app.valid_metrics(),
+            outputs: Vec::new(),
+            checkpoints: CheckpointPolicy::for_app(&app, &config),
+            resume: config.checkpoint.resume && !no_resume,
+            slow_step: fault_injection::slow_step_if_asked(ddp.rank()),
+            config,
+            ddp,
+            data,
+            device,
+        }
+    }
+
+    /// Forward and backward of each micro-batch of the step, each weighted by its share of the
+    /// step's samples (the step's gradient is the mean over its samples); waits for the device.
+    fn accumulate(
+        &mut self,
+        model: &A::Model,
+        batches: &mut BatchStream<A::Item>,
+        step: &StepInput<'_>,
+        clock: &mut PhaseClock,
+    ) -> anyhow::Result<GradientsParams> {
+        let mut accumulator = GradientsAccumulator::<A::Model>::new();
+        for (micro, weight) in &step.micro_batches {
+            let (batcher, device) = (&self.batcher, &self.device);
+            let batch = clock.time(Phase::Data, || batches.next_batch(batcher, device))?;
+            let compute = Instant::now();
+            let output = TrainStep::step(model, batch);
+            let mut grads = output.grads;
+            if *weight != 1.0 {
+                // Each micro-batch's mean loss counts by its share.
+                scale_gradients(model, &mut grads, *weight);
+            }
+            accumulator.accumulate(model, grads);
+            self.outputs.push((output.item, micro.len()));
+            clock.add(Phase::Compute, compute.elapsed());
+        }
+        let compute = Instant::now();
+        if let Some(extra) = self.slow_step {
+            std::thread::sleep(extra);
+        }
+        // On an asynchronous device the backward is still queued: wait for it here, so that
+        // its time counts as compute, not as gradient communication (the sync needs the
+        // gradients next anyway).
+        self.device
+            .sync()
+            .map_err(|e| anyhow::anyhow!("the device failed: {e:?}"))?;
+        clock.add(Phase::Compute, compute.elapsed());
+        Ok(accumulator.grads())
+    }
+}
+
+impl<A: App> StepKind for DataParallelSteps<A> {
+    type Item = A::Item;
+    type Module = A::Model;
+
+    fn rank(&self) -> usize {
+        self.ddp.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.ddp.world_size()
+    }
+
+    fn data_parallel_size(&self) -> usize {
+        self.ddp.world_size()
+    }
+
+    fn train_set(&self) -> Arc<dyn Dataset<A::Item>> {
+        self.data.train.clone()
+    }
+
+    /// Loads the newest checkpoint, if resuming, then makes the replicas equal (rank 0's
+    /// weights, deterministic parameter ids) and keeps this rank's optimizer state.
+    fn restore(&mut self, model: A::Model) -> anyhow::Result<(A::Model, Option<Checkpoint>)> {
+        let restored = match (&self.checkpoints, self.resume) {
+            (Some(policy), true) => parallel::latest_checkpoint(&mut self.ddp, policy)?,
+            _ => None,
+        };
+        let mut model = model;
+        if let Some(ckpt) = &restored {
+            model = checkpoint::load_model(ckpt, model)?;
+        }
+        let model = self.ddp.prepare(model)?;
+        if let Some(ckpt) = &restored {
+            let optim = std::mem::replace(&mut self.optim, optimizer(&self.config.optimizer));
+            let optim = checkpoint::load_optimizer(ckpt, optim)?;
+            // A checkpoint holds every parameter's state; under ZeRO stage 1 keep this rank's.
+            self.optim = self.ddp.keep_owned_state(&model, optim)?;
+            let position = ckpt.manifest.position;
+            tracing::info!(
+                "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {})",
+                ckpt.dir.display(),
+                position.epoch,
+                position.consumed,
+                position.step,
+                ckpt.manifest.world_size,
+                self.ddp.world_size()
+            );
+        }
+        Ok((model, restored))
+    }
+
+    /// The micro-batches' gradients accumulated, then burn-ddp's DDP step with the optimizer
+    /// at the step's rate. The DDP step's time counts as sync, the optimizer's own as
+    /// optimizer.
+    fn step(
+        &mut self,
+        model: A::Model,
+        batches: &mut BatchStream<A::Item>,
+        step: &StepInput<'_>,
+        clock: &mut PhaseClock,
+    ) -> anyhow::Result<(A::Model, StepOutcome)> {
+        self.device.seed(step.seed);
+        let grads = self.accumulate(&model, batches, step, clock)?;
+        let (optim, lr) = (&mut self.optim, step.lr);
+        let mut optimizer_time = Duration::ZERO;
+        let started = Instant::now();
+        let stepped = self.ddp.step(model, grads, |model, grads| {
+            let optimize = Instant::now();
+            let model = model.optimize(optim, lr.into(), grads);
+            optimizer_time = optimize.elapsed();
+            model
+        })?;
+        clock.add(Phase::Optimizer, optimizer_time);
+        clock.add(
+            Phase::Sync,
+            started.elapsed().saturating_sub(optimizer_time),
+        );
+        Ok(stepped)
+    }
+
+    fn train_metrics(
+        &mut self,
+        position: TrainPosition,
+        lr: f64,
+    ) -> anyhow::Result<Vec<MetricValue>> {
+        train_metrics_window(
+            &mut self.train_metrics,
+            std::mem::take(&mut self.outputs),
+            position,
+            self.data.train.len(),
+            lr,
+            self.ddp.group(),
+        )
+    }
+
+    fn across_ranks(&mut self, ours: RankTimes) -> anyhow::Result<(StepTime, Vec<RankTimes>)> {
+        across_ranks(self.ddp.group(), ours)
+    }
+
+    fn all_gather(&mut self, ours: &[f64]) -> anyhow::Result<Vec<f64>> {
+        Ok(self.ddp.all_gather(ours)?)
+    }
+
+    fn optimizer_state_params(&self) -> anyhow::Result<usize> {
+        Ok(burn_ddp::ddp::zero::state_param_ids(&self.optim)?.len())
+    }
+
+    fn check_replicas(&mut self, model: &A::Model, step: usize) -> anyhow::Result<()> {
+        Ok(self.ddp.check_replicas(model, step)?)
+    }
+
+    /// Rank 0 writes; the others wait for it.
+    fn save(
+        &mut self,
+        position: TrainPosition,
+        model: &A::Model,
+        schedule: &Schedule,
+    ) -> anyhow::Result<()> {
+        let Some(policy) = &self.checkpoints else {
+            return Ok(());
+        };
+        parallel::save_training_checkpoint(
+            &mut self.ddp,
+            policy,
+            position,
+            model,
+            &self.optim,
+            schedule,
+        )
+    }
+
+    /// Evaluates every validation sample exactly once across the ranks (no padding) and sums
+    /// the metrics with their real counts.
+    fn validate(&mut self, model: &A::Model, step: usize) -> anyhow::Result<Option<Validation>> {
+        let Some(valid) = self.data.valid.clone() else {
+            return Ok(None);
+        };
+        // The model without autodiff, fed batches made on the device without autodiff (as
+        // burn-train's own validation does).
+        let inner = model.valid();
+        let device = self.device.clone().inner();
+        let samples = crate::engine::eval::evaluate_shard(
+            &inner,
+            &*valid,
+            &self.batcher,
+            &mut self.valid_metrics,
+            self.ddp.rank(),
+            self.ddp.world_size(),
+            &device,
+            self.config.training.batch_size,
+        )?;
+        let values = self.valid_metrics.global(self.ddp.group())?;
+        let [n] = self.ddp.sum([samples as f64])?;
+        Ok(Some(Validation {
+            metrics: values,
+            samples: n as usize,
+            step,
+        }))
+    }
+
+    /// The gradient synchronisations and bytes of the run (rank 0, with `output.log_samples`:
+    /// for the tests).
+    fn finish(&mut self, position: TrainPosition) -> anyhow::Result<()> {
+        let stats = self.ddp.gradient_stats();
+        tracing::debug!(
+            rank = self.ddp.rank(),
+            syncs = stats.syncs,
+            buckets = stats.bucket_all_reduces,
+            "gradient synchronisation"
+        );
+        if self.ddp.rank() == 0 && self.config.output.log_samples {
+            std::fs::write(
+                self.config.output.dir.join("reducer-stats.json"),
+                format!(
+                    "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{}}}",
+                    stats.syncs, stats.bucket_all_reduces, stats.bytes_reduced, position.step
+                ),
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Multiplies every gradient of `model`'s float parameters in `grads` by `factor`.
+fn scale_gradients<M: Module>(model: &M, grads: &mut GradientsParams, factor: f32) {
+    struct Scale<'a> {
+        grads: &'a mut GradientsParams,
+        factor: f32,
+    }
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                self.grads.register(param.id, g.mul_scalar(self.factor));
+            }
+        }
+    }
+    model.visit(&mut Scale { grads, factor });
+}

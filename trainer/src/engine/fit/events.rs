@@ -1,0 +1,60 @@
+//! What the training loop reports, as events (burn-train's `EventProcessor` pattern): the
+//! loop emits them on every rank and knows no file, no progress bar and no chart; an
+//! [`EventSink`] (the rank's reporter, or a test's recorder) decides what each becomes.
+
+use burn_ddp::sampler::Sample;
+
+use super::summary::Validation;
+use crate::engine::checkpoint::TrainPosition;
+use crate::engine::timing::StepTime;
+use crate::report::metrics::MetricValue;
+
+/// One thing that happened in the loop, in the order it happened.
+#[derive(Debug)]
+pub(crate) enum Event<'a> {
+    /// Training starts at `position`: fresh, or resumed from the checkpoint of step
+    /// `resumed_from`.
+    Started {
+        position: TrainPosition,
+        total_steps: usize,
+        world_size: usize,
+        resumed_from: Option<usize>,
+    },
+    /// An optimizer step was taken (or skipped); `samples` are this rank's.
+    Stepped { epoch: usize, samples: &'a [Sample] },
+    /// The training metrics and times of the steps since the last `Trained`, over the job.
+    Trained {
+        position: TrainPosition,
+        lr: f64,
+        samples_per_sec: f64,
+        world_size: usize,
+        metrics: &'a [MetricValue],
+        time: StepTime,
+    },
+    /// A validation during `epoch`; `epochs` when it ended that epoch (of that many), `None`
+    /// for the final one of a run that stopped mid-epoch.
+    Validated {
+        epoch: usize,
+        validation: &'a Validation,
+        epochs: Option<usize>,
+    },
+    /// No more steps: what shows progress can go.
+    StepsDone,
+    /// Where the time of the run's steps went, over the job.
+    Finished {
+        step: usize,
+        world_size: usize,
+        time: StepTime,
+        report: &'a str,
+        peak_rss_bytes: Vec<u64>,
+        optimizer_state_params: Vec<u64>,
+    },
+    /// The run ended: the final checkpoint and validation are done.
+    Ended,
+}
+
+/// Consumes the loop's events. An error stops the run (a reporter that cannot open its files
+/// at the start); what must never stop a run (a full disk for metrics lines) it swallows.
+pub(crate) trait EventSink {
+    fn on(&mut self, event: Event<'_>) -> anyhow::Result<()>;
+}

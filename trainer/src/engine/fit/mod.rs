@@ -1,0 +1,40 @@
+//! The engine's training loop, written once, over step kinds.
+//!
+//! | file | what |
+//! |---|---|
+//! | [`training_loop`] | the loop, for any [`StepKind`](step_kind::StepKind): restore, set-up, each epoch's optimizer steps, after-step (log, replica check, checkpoint), validation, finish |
+//! | [`step_kind`] | the contract of a way to step: what the loop asks of data parallelism, of pipeline stages, and of the kinds to come (overlapped DDP, ZeRO 2 and 3) |
+//! | [`data_parallel`] | the data-parallel step kind (burn-ddp's `DataParallel::step`) and the entry that trains an [`App`](crate::app::App) with it |
+//! | [`events`] | what the loop reports, as events; the loop knows no file and no progress bar (the rank's reporter, [`crate::report::rank_reporter`], consumes them) |
+//! | [`sampler`] | the epoch's sampler: uniform (`DistributedSampler`) or weighted |
+//! | [`summary`] | what a finished run reports, and the non-finite verdict's error |
+//! | [`optimizer`] | the optimizer `[optimizer]` names |
+//! | [`across_ranks`] | the job-wide sums the loop's reports need (training metrics, step times) |
+//!
+//! A run, read top to bottom:
+//!
+//! 1. **join the job** — one process or one rank of many (launcher, torchrun, SLURM); ranks
+//!    check that they run the same config ([`data_parallel::start`]);
+//! 2. **open the data** — the app's data sets, once per rank; only this rank's shard is read;
+//! 3. **build the model** (or this rank's pipeline stage), **restore** the newest checkpoint if
+//!    there is one, and make replicas equal (the step kind's `restore`);
+//! 4. **for each epoch** ([`training_loop`]): the sampler gives this rank its shard of the
+//!    epoch's global order (skipping what a restored checkpoint already consumed); each
+//!    optimizer step is the step kind's `step` over `accumulation_steps` micro-batches; then
+//!    what the [`StepPlan`](crate::engine::plan::StepPlan) asks for: a `train` line, a replica check, a
+//!    checkpoint, validation on every validation sample exactly once.
+//!
+//! No `cfg(feature)` here: devices live in [`crate::backend`], the gradient path in
+//! `burn_ddp::DataParallel`, which chooses host staging or NCCL from the device.
+
+pub(crate) mod across_ranks;
+pub(crate) mod data_parallel;
+pub(crate) mod events;
+pub(crate) mod optimizer;
+pub(crate) mod sampler;
+pub(crate) mod step_kind;
+pub(crate) mod summary;
+pub(crate) mod training_loop;
+
+pub use data_parallel::{start, train, RankStart};
+pub use summary::{Summary, Validation};

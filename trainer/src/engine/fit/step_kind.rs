@@ -1,0 +1,112 @@
+//! What the training loop asks of a way to step (data parallelism, pipeline stages, and the
+//! kinds to come: overlapped DDP, ZeRO stages 2 and 3).
+//!
+//! The loop owns the position, the plan, the schedule, the sampler, the clocks and the
+//! decisions (when to log, check, save, validate; what a non-finite step means); a step kind
+//! owns the model (or stage), the optimizer, the process groups, the app's metrics and how one
+//! optimizer step, one checkpoint and one validation are done. Every method marked collective
+//! is called by the loop at the same point on every rank of the job, so a step kind may run
+//! collectives in it; each has the deadline of the groups it uses (`[distributed]
+//! timeout_secs`), and a rank that misses one fails the job with the group's error.
+
+use std::sync::Arc;
+
+use burn::data::dataset::Dataset;
+use burn_ddp::sampler::Sample;
+use burn_ddp::StepOutcome;
+
+use super::summary::Validation;
+use crate::engine::checkpoint::{Checkpoint, TrainPosition};
+use crate::engine::loader::BatchStream;
+use crate::engine::schedule::Schedule;
+use crate::engine::timing::{PhaseClock, RankTimes, StepTime};
+use crate::report::metrics::MetricValue;
+
+/// One optimizer step as the loop hands it to the step kind.
+pub(crate) struct StepInput<'a> {
+    /// The step's samples of this rank (or of this rank's replica).
+    pub samples: &'a [Sample],
+    /// The step's micro-batches in order, each with its weight (its share of the step's
+    /// samples); the batch stream yields them in this order.
+    pub micro_batches: Vec<(&'a [Sample], f32)>,
+    /// The seed of the step's randomness (dropout): the same in a resumed run.
+    pub seed: u64,
+    /// The learning rate of this step.
+    pub lr: f64,
+}
+
+/// A way to step, for [`super::training_loop::fit`]. See the module docs for who owns what.
+pub(crate) trait StepKind {
+    /// One sample of the training set.
+    type Item: Send + Sync + 'static;
+    /// What this rank trains: the whole model, or its pipeline stage.
+    type Module;
+
+    /// This process's rank in the job.
+    fn rank(&self) -> usize;
+    /// Every process of the job.
+    fn world_size(&self) -> usize;
+    /// The ranks the sampler shards each epoch over (the job's world for data parallelism,
+    /// the replicas of a pipeline); a step's global batch is its samples × this.
+    fn data_parallel_size(&self) -> usize;
+    /// The training set (this rank reads only its shard of it).
+    fn train_set(&self) -> Arc<dyn Dataset<Self::Item>>;
+
+    /// Loads the newest checkpoint every rank agrees on, if resuming, and makes the replicas
+    /// equal. Collective.
+    fn restore(
+        &mut self,
+        module: Self::Module,
+    ) -> anyhow::Result<(Self::Module, Option<Checkpoint>)>;
+
+    /// One optimizer step over `step`'s micro-batches, read from `batches`, its time added to
+    /// `clock`'s phases; the outcome is the same on every rank. Collective.
+    fn step(
+        &mut self,
+        module: Self::Module,
+        batches: &mut BatchStream<Self::Item>,
+        step: &StepInput<'_>,
+        clock: &mut PhaseClock,
+    ) -> anyhow::Result<(Self::Module, StepOutcome)>;
+
+    /// The app's training metrics over the steps since the last call, over the job.
+    /// Collective.
+    fn train_metrics(
+        &mut self,
+        position: TrainPosition,
+        lr: f64,
+    ) -> anyhow::Result<Vec<MetricValue>>;
+
+    /// Every rank's phase times, and their spread over the job. Collective.
+    fn across_ranks(&mut self, ours: RankTimes) -> anyhow::Result<(StepTime, Vec<RankTimes>)>;
+
+    /// Every rank's `ours`, in rank order. Collective.
+    fn all_gather(&mut self, ours: &[f64]) -> anyhow::Result<Vec<f64>>;
+
+    /// How many parameters this rank holds optimizer state for.
+    fn optimizer_state_params(&self) -> anyhow::Result<usize>;
+
+    /// Fails when the replicas no longer hold the same parameters. Collective.
+    fn check_replicas(&mut self, module: &Self::Module, step: usize) -> anyhow::Result<()>;
+
+    /// Writes a checkpoint of `position` (nothing without `checkpoint.dir`). Collective.
+    fn save(
+        &mut self,
+        position: TrainPosition,
+        module: &Self::Module,
+        schedule: &Schedule,
+    ) -> anyhow::Result<()>;
+
+    /// Every validation sample once over the job; `None` without a validation set.
+    /// Collective.
+    fn validate(
+        &mut self,
+        module: &Self::Module,
+        step: usize,
+    ) -> anyhow::Result<Option<Validation>>;
+
+    /// The end of the run, after the final checkpoint and validation.
+    fn finish(&mut self, _position: TrainPosition) -> anyhow::Result<()> {
+        Ok(())
+    }
+}

@@ -1,0 +1,671 @@
+//! The training loop, written once for every step kind: restore, set up, then each epoch's
+//! optimizer steps (each followed by what the [`StepPlan`] asks for: a `train` line, a replica
+//! check, a checkpoint), each complete epoch's validation and checkpoint, and the finish (the
+//! time report, the final checkpoint and validation).
+//!
+//! In code: [`fit`] runs `restore` (the step kind's) → [`TrainingLoop::set_up`] → per epoch
+//! `train_epoch`: for each optimizer step `optimizer_step` and `after_step` (`log_train`,
+//! checkpoint); then `end_of_epoch` → `finish` (`time_report`). What each becomes on disk or
+//! screen is the [`EventSink`]'s business.
+
+use std::time::Instant;
+
+use burn_ddp::sampler::Sample;
+use burn_ddp::StepOutcome;
+
+use super::events::{Event, EventSink};
+use super::sampler::EpochSampler;
+use super::step_kind::{StepInput, StepKind};
+use super::summary::{NonFiniteGradients, Summary, Validation};
+use crate::config::{CheckpointConfig, OnNonFinite, OptimizerConfig, TrainingConfig};
+use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::engine::fault_injection;
+use crate::engine::loader::BatchStream;
+use crate::engine::plan::{PlanInput, StepPlan};
+use crate::engine::schedule::Schedule;
+use crate::engine::throughput::ThroughputWindow;
+use crate::engine::timing::PhaseClock;
+
+/// The config tables the loop reads.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct LoopSettings {
+    pub training: TrainingConfig,
+    pub checkpoint: CheckpointConfig,
+    pub optimizer: OptimizerConfig,
+}
+
+/// Trains `module` with step kind `kind` from the newest checkpoint (or the start) to the end
+/// of the plan, reporting to `events`; returns the trained module and the run's summary.
+/// Collective over the job (every rank runs it with the same settings).
+pub(crate) fn fit<K: StepKind, E: EventSink>(
+    kind: &mut K,
+    module: K::Module,
+    sampler: EpochSampler,
+    settings: &LoopSettings,
+    events: &mut E,
+) -> anyhow::Result<(K::Module, Summary)> {
+    let (mut module, restored) = kind.restore(module)?;
+    let mut run = TrainingLoop::set_up(kind, events, settings, sampler, restored.as_ref())?;
+    while run.plan.more_after(run.position) {
+        module = run.train_epoch(module)?;
+    }
+    let summary = run.finish(&module)?;
+    Ok((module, summary))
+}
+
+/// The state of one rank's training between its named steps (see [`fit`]).
+struct TrainingLoop<'r, K: StepKind, E: EventSink> {
+    kind: &'r mut K,
+    events: &'r mut E,
+    settings: &'r LoopSettings,
+    schedule: Schedule,
+    plan: StepPlan,
+    sampler: EpochSampler,
+    clock: PhaseClock,
+    window: ThroughputWindow,
+    position: TrainPosition,
+    last_saved: Option<usize>,
+    last_valid: Option<Validation>,
+    lr: f64,
+    skipped: usize,
+}
+
+impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
+    /// The step plan from the restored position, the schedule (restored), and the `Started`
+    /// event.
+    fn set_up(
+        kind: &'r mut K,
+        events: &'r mut E,
+        settings: &'r LoopSettings,
+        sampler: EpochSampler,
+        restored: Option<&Checkpoint>,
+    ) -> anyhow::Result<Self> {
+        let position = restored.map_or_else(TrainPosition::default, |c| c.manifest.position);
+        let plan = plan(&*kind, settings, &sampler, position);
+        let mut schedule = Schedule::new(
+            &settings.optimizer,
+            kind.data_parallel_size(),
+            plan.total_steps,
+        )?;
+        if let Some(ckpt) = restored {
+            schedule = checkpoint::load_schedule(ckpt, schedule)?;
+        }
+        let resumed_from = restored.map(|c| c.manifest.position.step);
+        events.on(Event::Started {
+            position,
+            total_steps: plan.total_steps,
+            world_size: kind.world_size(),
+            resumed_from,
+        })?;
+        Ok(Self {
+            kind,
+            events,
+            settings,
+            schedule,
+            plan,
+            sampler,
+            clock: PhaseClock::new(),
+            window: ThroughputWindow::new(),
+            position,
+            last_saved: resumed_from,
+            last_valid: None,
+            lr: 0.0,
+            skipped: 0,
+        })
+    }
+
+    /// The rest of the current epoch: its optimizer steps (until the plan's last step), then
+    /// its end if every sample of it was consumed.
+    fn train_epoch(&mut self, mut module: K::Module) -> anyhow::Result<K::Module> {
+        let samples = self
+            .sampler
+            .samples(self.position.epoch as u64, self.position.consumed);
+        let epoch_start = self.position.consumed;
+        // Each optimizer step's micro-batches, as lists of data-set indices, for the loader.
+        let steps: Vec<&[Sample]> = samples.chunks(self.plan.per_step).collect();
+        let micro_indices: Vec<Vec<usize>> = steps
+            .iter()
+            .flat_map(|step| self.plan.micro_batches(step))
+            .map(|(micro, _)| micro.iter().map(|s| s.index).collect())
+            .collect();
+        let workers = self.settings.training.num_workers;
+        let mut batches = BatchStream::new(self.kind.train_set(), micro_indices, workers);
+        for (k, step_samples) in steps.iter().enumerate() {
+            module = self.optimizer_step(module, &mut batches, step_samples)?;
+            self.position = self.plan.after_step(self.position, epoch_start, k);
+            self.clock.end_step();
+            self.window
+                .add(step_samples.len() * self.kind.data_parallel_size());
+            self.after_step(&module, step_samples)?;
+            if self.position.step >= self.plan.total_steps {
+                break;
+            }
+        }
+        if self.plan.epoch_complete(self.position, samples.is_empty()) {
+            self.end_of_epoch(&module)?;
+        }
+        Ok(module)
+    }
+
+    /// One optimizer step of the step kind at the schedule's next rate; when some rank's
+    /// gradients were not finite, stops or skips on every rank alike
+    /// (`training.on_nonfinite`). Collective.
+    fn optimizer_step(
+        &mut self,
+        module: K::Module,
+        batches: &mut BatchStream<K::Item>,
+        step_samples: &[Sample],
+    ) -> anyhow::Result<K::Module> {
+        self.lr = self.schedule.next_lr();
+        let step = StepInput {
+            samples: step_samples,
+            micro_batches: self.plan.micro_batches(step_samples),
+            // Seeded per step, so dropout masks are the same in a resumed run.
+            seed: (self.settings.training.seed).wrapping_add(self.position.step as u64 + 1),
+            lr: self.lr,
+        };
+        let (module, outcome) = self.kind.step(module, batches, &step, &mut self.clock)?;
+        if let StepOutcome::Skipped { ranks } = outcome {
+            // Every rank has the same outcome: all stop, or all skip, together.
+            let failed = NonFiniteGradients {
+                step: self.position.step + 1,
+                ranks,
+                last_checkpoint: self.last_saved,
+            };
+            match self.settings.training.on_nonfinite {
+                OnNonFinite::Stop => return Err(failed.into()),
+                OnNonFinite::Skip => {
+                    self.skipped += 1;
+                    tracing::warn!(
+                        "{failed}; skipped on every rank (training.on_nonfinite = \"skip\")"
+                    );
+                }
+            }
+        }
+        Ok(module)
+    }
+
+    /// What the plan asks for after an optimizer step: a metrics line, a replica check, a
+    /// checkpoint; then the fault-injection hooks.
+    fn after_step(&mut self, module: &K::Module, step_samples: &[Sample]) -> anyhow::Result<()> {
+        let step = self.position.step;
+        self.events.on(Event::Stepped {
+            epoch: self.position.epoch,
+            samples: step_samples,
+        })?;
+        if self.plan.log_after(step) {
+            self.log_train()?;
+        }
+        if self.plan.check_replicas_after(step) {
+            self.kind.check_replicas(module, step)?;
+        }
+        if self.plan.checkpoint_after_step(step) {
+            self.save_checkpoint(module)?;
+        }
+        let rank = self.kind.rank();
+        fault_injection::crash_after_step_if_asked(rank, step);
+        fault_injection::stall_if_asked(rank, step);
+        Ok(())
+    }
+
+    /// A `Trained` event: the metrics of the steps since the last one over the job, the rate,
+    /// the step times. Collective.
+    fn log_train(&mut self) -> anyhow::Result<()> {
+        let position = self.position;
+        let metrics = self.kind.train_metrics(position, self.lr)?;
+        let samples_per_sec = self.window.rate();
+        let (time, _) = self.kind.across_ranks(self.clock.take_window())?;
+        self.events.on(Event::Trained {
+            position,
+            lr: self.lr,
+            samples_per_sec,
+            world_size: self.kind.world_size(),
+            metrics: &metrics,
+            time,
+        })?;
+        self.window = ThroughputWindow::new();
+        Ok(())
+    }
+
+    /// A complete epoch: the position moves to the next one, then validation (kept out of
+    /// the step times and the rate) and, as the plan says, a checkpoint. Collective.
+    fn end_of_epoch(&mut self, module: &K::Module) -> anyhow::Result<()> {
+        self.position.epoch += 1;
+        self.position.consumed = 0;
+        let validating = Instant::now();
+        let v = self.kind.validate(module, self.position.step)?;
+        self.clock.exclude(validating.elapsed());
+        self.window.exclude(validating.elapsed());
+        if let Some(v) = &v {
+            self.events.on(Event::Validated {
+                epoch: self.position.epoch - 1,
+                validation: v,
+                epochs: Some(self.settings.training.epochs),
+            })?;
+        }
+        self.last_valid = v;
+        if self.plan.checkpoint_after_epoch(self.position.epoch)
+            && self.last_saved != Some(self.position.step)
+        {
+            self.save_checkpoint(module)?;
+        }
+        Ok(())
+    }
+
+    /// The end of the run: where the time went (`Finished`), the final checkpoint and
+    /// validation if the last step had none, the step kind's own end. Collective.
+    fn finish(mut self, module: &K::Module) -> anyhow::Result<Summary> {
+        self.events.on(Event::StepsDone)?;
+        let time = self.time_report()?;
+        let position = self.position;
+        if self.last_saved != Some(position.step) {
+            self.save_checkpoint(module)?;
+        }
+        let validation = match self.last_valid.take() {
+            Some(v) if v.step == position.step => Some(v),
+            _ => {
+                // Stopped mid-epoch (max_steps): validate the final model too, and record it.
+                let v = self.kind.validate(module, position.step)?;
+                if let Some(v) = &v {
+                    self.events.on(Event::Validated {
+                        epoch: position.epoch,
+                        validation: v,
+                        epochs: None,
+                    })?;
+                }
+                v
+            }
+        };
+        self.kind.finish(position)?;
+        self.events.on(Event::Ended)?;
+        Ok(Summary {
+            validation,
+            steps: position.step,
+            skipped_steps: self.skipped,
+            time,
+        })
+    }
+
+    /// The run's step times over the ranks, its peak memory and optimizer state per rank, as
+    /// a `Finished` event; the report in words, `None` without steps. Collective.
+    fn time_report(&mut self) -> anyhow::Result<Option<String>> {
+        // The steps since the last log line count in the run's totals.
+        let _ = self.clock.take_window();
+        if self.clock.run_steps() == 0 {
+            return Ok(None);
+        }
+        let (time, ranks) = self.kind.across_ranks(self.clock.run_means())?;
+        let report = time.describe(&ranks);
+        let ours = [
+            crate::engine::memory::peak_resident_bytes().unwrap_or(0) as f64,
+            self.kind.optimizer_state_params()? as f64,
+        ];
+        let all = self.kind.all_gather(&ours)?;
+        self.events.on(Event::Finished {
+            step: self.position.step,
+            world_size: self.kind.world_size(),
+            time,
+            report: &report,
+            peak_rss_bytes: all.iter().step_by(2).map(|&b| b as u64).collect(),
+            optimizer_state_params: all.iter().skip(1).step_by(2).map(|&n| n as u64).collect(),
+        })?;
+        Ok(Some(report))
+    }
+
+    /// A checkpoint of the current position (the step kind writes it). Collective.
+    fn save_checkpoint(&mut self, module: &K::Module) -> anyhow::Result<()> {
+        let saving = Instant::now();
+        self.kind.save(self.position, module, &self.schedule)?;
+        self.clock
+            .add(crate::engine::timing::Phase::Checkpoint, saving.elapsed());
+        self.last_saved = Some(self.position.step);
+        Ok(())
+    }
+}
+
+/// The step plan of this rank's shard from `position` (a pipeline's replica is one rank of
+/// the sampler).
+fn plan<K: StepKind>(
+    kind: &K,
+    settings: &LoopSettings,
+    sampler: &EpochSampler,
+    position: TrainPosition,
+) -> StepPlan {
+    let t = &settings.training;
+    let c = &settings.checkpoint;
+    StepPlan::new(
+        PlanInput {
+            train_len: kind.train_set().len(),
+            world_size: kind.data_parallel_size(),
+            batch_size: t.batch_size,
+            accumulation_steps: t.accumulation_steps,
+            epochs: t.epochs,
+            max_steps: t.max_steps,
+            log_every: t.log_every,
+            checkpoint_every_steps: c.every_steps,
+            checkpoint_every_epochs: c.every_epochs,
+            check_replicas_every: t.check_replicas_every,
+        },
+        position,
+        sampler.samples(0, 0).len(),
+        sampler
+            .samples(position.epoch as u64, position.consumed)
+            .len(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    //! The loop against a fake step kind: a "module" that counts its applied steps, a data set
+    //! of the numbers 0..20, and a recorder of every event. Each test fails when the loop
+    //! skips a planned checkpoint, logs a window twice, resumes at the wrong step, or decides
+    //! a non-finite step otherwise than `training.on_nonfinite` says.
+
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use burn::data::dataloader::batcher::Batcher;
+    use burn::data::dataset::{Dataset, InMemDataset};
+    use burn::tensor::Device;
+    use burn_ddp::StepOutcome;
+
+    use super::*;
+    use crate::engine::checkpoint::Manifest;
+    use crate::engine::timing::{RankTimes, StepTime};
+    use crate::report::metrics::MetricValue;
+
+    const SAMPLES: usize = 20;
+
+    /// The batch of a micro-batch: its sample indices.
+    struct Ids;
+    impl Batcher<usize, Vec<usize>> for Ids {
+        fn batch(&self, items: Vec<usize>, _device: &Device) -> Vec<usize> {
+            items
+        }
+    }
+
+    /// A step kind on one rank that records what the loop asked of it.
+    struct Fake {
+        data: Arc<dyn Dataset<usize>>,
+        /// Returned by `restore`.
+        checkpoint: Option<Checkpoint>,
+        /// Steps (1-based) whose gradients are not finite.
+        nonfinite: Vec<usize>,
+        /// The step the next `step` call takes (1-based).
+        next_step: usize,
+        /// Each step's samples (epoch of the position before it, indices read).
+        trained: Vec<Vec<usize>>,
+        saved: Vec<usize>,
+        validated: Vec<usize>,
+    }
+
+    impl Fake {
+        fn new() -> Self {
+            Self {
+                data: Arc::new(InMemDataset::new((0..SAMPLES).collect())),
+                checkpoint: None,
+                nonfinite: Vec::new(),
+                next_step: 1,
+                trained: Vec::new(),
+                saved: Vec::new(),
+                validated: Vec::new(),
+            }
+        }
+    }
+
+    impl StepKind for Fake {
+        type Item = usize;
+        /// The number of applied steps.
+        type Module = usize;
+
+        fn rank(&self) -> usize {
+            0
+        }
+        fn world_size(&self) -> usize {
+            1
+        }
+        fn data_parallel_size(&self) -> usize {
+            1
+        }
+        fn train_set(&self) -> Arc<dyn Dataset<usize>> {
+            self.data.clone()
+        }
+        fn restore(&mut self, module: usize) -> anyhow::Result<(usize, Option<Checkpoint>)> {
+            let ckpt = self.checkpoint.take();
+            if let Some(c) = &ckpt {
+                self.next_step = c.manifest.position.step + 1;
+            }
+            Ok((module, ckpt))
+        }
+        fn step(
+            &mut self,
+            module: usize,
+            batches: &mut BatchStream<usize>,
+            step: &StepInput<'_>,
+            _clock: &mut PhaseClock,
+        ) -> anyhow::Result<(usize, StepOutcome)> {
+            let mut read = Vec::new();
+            for (micro, _) in &step.micro_batches {
+                let batch: Vec<usize> = batches.next_batch(&Ids, &Device::flex())?;
+                assert_eq!(batch.len(), micro.len());
+                read.extend(batch);
+            }
+            self.trained.push(read);
+            let this = self.next_step;
+            self.next_step += 1;
+            Ok(if self.nonfinite.contains(&this) {
+                (module, StepOutcome::Skipped { ranks: vec![0] })
+            } else {
+                (module + 1, StepOutcome::Applied)
+            })
+        }
+        fn train_metrics(&mut self, _: TrainPosition, _: f64) -> anyhow::Result<Vec<MetricValue>> {
+            Ok(Vec::new())
+        }
+        fn across_ranks(&mut self, ours: RankTimes) -> anyhow::Result<(StepTime, Vec<RankTimes>)> {
+            Ok((StepTime::across_ranks(&[ours]), vec![ours]))
+        }
+        fn all_gather(&mut self, ours: &[f64]) -> anyhow::Result<Vec<f64>> {
+            Ok(ours.to_vec())
+        }
+        fn optimizer_state_params(&self) -> anyhow::Result<usize> {
+            Ok(0)
+        }
+        fn check_replicas(&mut self, _: &usize, _: usize) -> anyhow::Result<()> {
+            Ok(())
+        }
+        fn save(&mut self, position: TrainPosition, _: &usize, _: &Schedule) -> anyhow::Result<()> {
+            self.saved.push(position.step);
+            Ok(())
+        }
+        fn validate(&mut self, _: &usize, step: usize) -> anyhow::Result<Option<Validation>> {
+            self.validated.push(step);
+            Ok(Some(Validation {
+                metrics: Vec::new(),
+                samples: 4,
+                step,
+            }))
+        }
+    }
+
+    /// The events, by kind, with the step each was at.
+    #[derive(Default)]
+    struct Recorder {
+        lines: Vec<String>,
+    }
+
+    impl EventSink for Recorder {
+        fn on(&mut self, event: Event<'_>) -> anyhow::Result<()> {
+            self.lines.push(match event {
+                Event::Started { position, .. } => format!("started {}", position.step),
+                Event::Stepped { epoch, .. } => format!("stepped {epoch}"),
+                Event::Trained { position, .. } => format!("trained {}", position.step),
+                Event::Validated {
+                    epoch, validation, ..
+                } => format!("validated {epoch} {}", validation.step),
+                Event::StepsDone => "steps done".into(),
+                Event::Finished { step, .. } => format!("finished {step}"),
+                Event::Ended => "ended".into(),
+            });
+            Ok(())
+        }
+    }
+
+    impl Recorder {
+        /// The steps of the events whose line starts with `kind`.
+        fn steps(&self, kind: &str) -> Vec<String> {
+            self.lines
+                .iter()
+                .filter_map(|l| l.strip_prefix(kind).map(|rest| rest.trim().to_string()))
+                .collect()
+        }
+    }
+
+    /// 20 samples in steps of 2 (10 per epoch), 2 epochs; a `train` line every 4 steps, a
+    /// checkpoint every 3 steps and at every epoch's end.
+    fn settings() -> LoopSettings {
+        LoopSettings {
+            training: TrainingConfig {
+                epochs: 2,
+                batch_size: 2,
+                log_every: 4,
+                num_workers: 0,
+                ..TrainingConfig::default()
+            },
+            checkpoint: CheckpointConfig {
+                every_steps: 3,
+                every_epochs: 1,
+                ..CheckpointConfig::default()
+            },
+            optimizer: OptimizerConfig::default(),
+        }
+    }
+
+    fn sampler(settings: &LoopSettings) -> EpochSampler {
+        EpochSampler::new(SAMPLES, &settings.training, 1, 0, None).unwrap()
+    }
+
+    fn run(fake: &mut Fake, settings: &LoopSettings) -> (anyhow::Result<Summary>, Recorder) {
+        let mut events = Recorder::default();
+        let result = fit(fake, 0, sampler(settings), settings, &mut events).map(|(_, s)| s);
+        (result, events)
+    }
+
+    fn steps(list: &[usize]) -> Vec<String> {
+        list.iter().map(usize::to_string).collect()
+    }
+
+    #[test]
+    fn a_run_saves_every_planned_checkpoint_once_and_logs_each_window_once() {
+        let settings = settings();
+        let mut fake = Fake::new();
+        let (summary, events) = run(&mut fake, &settings);
+        let summary = summary.unwrap();
+        assert_eq!(summary.steps, 20);
+        assert_eq!(summary.skipped_steps, 0);
+        assert_eq!(fake.saved, [3, 6, 9, 10, 12, 15, 18, 20]);
+        assert_eq!(events.steps("trained"), steps(&[4, 8, 12, 16, 20]));
+        assert_eq!(events.steps("validated"), ["0 10", "1 20"]);
+        assert_eq!(fake.validated, [10, 20], "no second validation of step 20");
+        // Every sample once per epoch, in the sampler's order.
+        let order = sampler(&settings);
+        for epoch in 0..2 {
+            let got: Vec<usize> = fake.trained[epoch * 10..(epoch + 1) * 10].concat();
+            let want: Vec<usize> = order
+                .samples(epoch as u64, 0)
+                .iter()
+                .map(|s| s.index)
+                .collect();
+            assert_eq!(got, want, "epoch {epoch}");
+        }
+        let first_and_last = (events.lines.first(), events.lines.last());
+        assert_eq!(
+            first_and_last,
+            (Some(&"started 0".to_string()), Some(&"ended".to_string()))
+        );
+        let done = events.lines.iter().position(|l| l == "steps done");
+        let finished = events.lines.iter().position(|l| l == "finished 20");
+        assert!(done.is_some() && done < finished, "{:?}", events.lines);
+    }
+
+    /// A checkpoint of step 6 (12 samples into epoch 0) with a schedule of its own.
+    fn checkpoint_of_step_6(dir: &std::path::Path, settings: &LoopSettings) -> Checkpoint {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut schedule = Schedule::new(&settings.optimizer, 1, 20).unwrap();
+        for _ in 0..6 {
+            schedule.next_lr();
+        }
+        std::fs::write(
+            dir.join(crate::engine::checkpoint::SCHEDULER_FILE),
+            schedule.to_bytes().unwrap(),
+        )
+        .unwrap();
+        Checkpoint {
+            dir: dir.to_path_buf(),
+            manifest: Manifest {
+                format_version: 3,
+                model: "fake".into(),
+                model_fingerprint: String::new(),
+                config_fingerprint: String::new(),
+                seed: 0,
+                world_size: 1,
+                position: TrainPosition {
+                    epoch: 0,
+                    consumed: 12,
+                    step: 6,
+                },
+                checksums: BTreeMap::new(),
+                burn_version: None,
+            },
+        }
+    }
+
+    #[test]
+    fn a_resumed_run_starts_after_the_restored_step_and_sample() {
+        let settings = settings();
+        let dir = std::env::temp_dir().join(format!("fit-loop-resume-{}", std::process::id()));
+        let mut fake = Fake::new();
+        fake.checkpoint = Some(checkpoint_of_step_6(&dir, &settings));
+        let (summary, events) = run(&mut fake, &settings);
+        std::fs::remove_dir_all(&dir).ok();
+        assert_eq!(summary.unwrap().steps, 20);
+        assert_eq!(events.lines.first().map(String::as_str), Some("started 6"));
+        assert_eq!(fake.trained.len(), 14, "steps 7 to 20");
+        // The rest of epoch 0 is the sampler's order after its first 12 samples.
+        let rest: Vec<usize> = sampler(&settings)
+            .samples(0, 12)
+            .iter()
+            .map(|s| s.index)
+            .collect();
+        assert_eq!(fake.trained[..4].concat(), rest);
+        assert_eq!(
+            fake.saved,
+            [9, 10, 12, 15, 18, 20],
+            "step 6 is not saved again"
+        );
+        assert_eq!(events.steps("trained"), steps(&[8, 12, 16, 20]));
+    }
+
+    #[test]
+    fn a_nonfinite_step_is_skipped_or_stops_the_run_as_configured() {
+        let mut settings = settings();
+        settings.training.on_nonfinite = OnNonFinite::Skip;
+        let mut fake = Fake::new();
+        fake.nonfinite = vec![5];
+        let mut events = Recorder::default();
+        let (applied, summary) = fit(&mut fake, 0, sampler(&settings), &settings, &mut events)
+            .expect("skipping trains on");
+        assert_eq!((applied, summary.steps, summary.skipped_steps), (19, 20, 1));
+
+        settings.training.on_nonfinite = OnNonFinite::Stop;
+        let mut fake = Fake::new();
+        fake.nonfinite = vec![5];
+        let (result, _) = run(&mut fake, &settings);
+        let error = result.expect_err("stop fails the run");
+        let failed = error
+            .downcast_ref::<NonFiniteGradients>()
+            .expect("the non-finite error");
+        assert_eq!((failed.step, failed.last_checkpoint), (5, Some(3)));
+        assert_eq!(fake.saved, [3], "no checkpoint after the failed step");
+    }
+}

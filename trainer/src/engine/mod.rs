@@ -1,0 +1,31 @@
+//! The training engine: what runs on every rank between joining the job and leaving it.
+//!
+//! | module | owns |
+//! |---|---|
+//! | `fit/` | the one training loop over step kinds (data parallel, pipeline stages), its events |
+//! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), the pipeline step kind, stage checkpoints |
+//! | `parallel` | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
+//! | `eval` | validation over every sample once, and the `eval` command |
+//! | `preflight` | the check before any rank starts: config, app tables, device; never the data |
+//! | `plan` | the step plan (pure): steps, logs, checkpoints, validations |
+//! | `schedule` | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
+//! | `loader` | items read ahead of the training thread (`training.num_workers`) |
+//! | `checkpoint` | rank-0 checkpoints: atomic save, manifest, resume |
+//! | `memory` | the memory pre-flight: parameters, optimizer state and activations against the machine |
+//! | `throughput` | samples per second since the last log line, validation left out |
+//! | `timing` | where each step's time goes, per rank and across ranks (pure) |
+//! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
+
+pub(crate) mod checkpoint;
+pub(crate) mod eval;
+pub(crate) mod fault_injection;
+pub(crate) mod fit;
+pub(crate) mod loader;
+pub(crate) mod memory;
+pub(crate) mod parallel;
+pub mod pipeline;
+pub(crate) mod plan;
+pub(crate) mod preflight;
+pub(crate) mod schedule;
+pub(crate) mod throughput;
+pub(crate) mod timing;

@@ -1,0 +1,190 @@
+//! The engine's side of the DDP step: [`burn_ddp::DataParallel`] (the handle every rank
+//! trains through; own-loop programs use it directly) configured from `[distributed]`, and the
+//! collectives of the engine's checkpoints ([`latest_checkpoint`], [`save_checkpoint`]).
+//!
+//! Every function marked *collective* must be called by every rank, in the same order; each
+//! has a deadline (`distributed.timeout_secs`, or the checkpoint timeout) after which it fails
+//! naming the ranks that did not arrive.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::bail;
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Device;
+use burn_ddp::ddp::BufferSync;
+use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport};
+
+use crate::app::{App, AppConfig};
+use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
+use crate::engine::checkpoint::{
+    self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
+};
+use crate::engine::schedule::Schedule;
+use crate::launcher::worker_env;
+
+/// Where rank 0 writes checkpoints and what they must match to be loaded.
+#[derive(Debug, Clone)]
+pub struct CheckpointPolicy {
+    /// The checkpoint root (`step-XXXXXXXX/` directories), shared by every rank.
+    pub dir: PathBuf,
+    /// Keep this many newest checkpoints.
+    pub keep_last: usize,
+    /// How long the other ranks wait for rank 0's write.
+    pub timeout: Duration,
+    /// A checkpoint of another model name or model fingerprint is refused on load.
+    pub model_name: String,
+    pub model_fingerprint: String,
+    /// Recorded in the manifest (which settings produced it).
+    pub config_fingerprint: String,
+    pub seed: u64,
+}
+
+/// The DDP options `[distributed]` describes.
+pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
+    DdpOptions {
+        transport: match d.gradient_sync {
+            GradientSyncMode::Auto => GradientTransport::Auto,
+            GradientSyncMode::Host => GradientTransport::Host,
+            GradientSyncMode::Nccl => GradientTransport::Nccl,
+        },
+        zero_stage: d.zero_stage,
+        compression: d.gradient_compression.format(),
+        bucket_cap_mb: d.bucket_cap_mb,
+        buffers: match d.sync_buffers {
+            SyncBuffers::Broadcast => Some(BufferSync::Broadcast { root: 0 }),
+            SyncBuffers::Average => Some(BufferSync::Average),
+            SyncBuffers::Off => None,
+        },
+        timeout: Duration::from_secs(d.timeout_secs),
+        stall_warning: Duration::from_secs(d.stall_warning_secs),
+    }
+}
+
+impl CheckpointPolicy {
+    /// The run's policy from `[checkpoint]` for app `app`; `None` without `checkpoint.dir`.
+    pub fn for_app<A: App>(app: &A, config: &AppConfig<A>) -> Option<Self> {
+        let c = &config.checkpoint;
+        Some(Self {
+            dir: c.dir.clone()?,
+            keep_last: c.keep_last,
+            timeout: Duration::from_secs(c.timeout_secs),
+            model_name: app.name(&config.model),
+            model_fingerprint: config.model_fingerprint(),
+            config_fingerprint: config.fingerprint(),
+            seed: config.training.seed,
+        })
+    }
+}
+
+/// The DDP handle of this rank over the formed job `dist`, as `[distributed]` says, for a
+/// model trained on `device` (of `output.device = kind`), which decides how gradients travel
+/// (through the host, or NCCL on CUDA). Collective when the options choose NCCL.
+pub fn data_parallel(
+    dist: Distributed,
+    options: &DistributedConfig,
+    kind: DeviceKind,
+    device: &Device,
+) -> anyhow::Result<DataParallel> {
+    // Validation keeps "nccl" to `output.device = "cuda"`; a CPU or wgpu job never asks.
+    debug_assert!(options.gradient_sync != GradientSyncMode::Nccl || kind == DeviceKind::Cuda);
+    Ok(DataParallel::new(dist, ddp_options(options), device)?)
+}
+
+/// The newest usable checkpoint under `policy.dir` (damaged ones are skipped with a
+/// warning), checked against the policy's model; the same on every rank or an error.
+/// Collective.
+pub fn latest_checkpoint(
+    ddp: &mut DataParallel,
+    policy: &CheckpointPolicy,
+) -> anyhow::Result<Option<Checkpoint>> {
+    let found = checkpoint::latest(&policy.dir)?;
+    if let Some(ckpt) = &found {
+        checkpoint::check_compatible(ckpt, &policy.model_name, &policy.model_fingerprint)?;
+    }
+    let step = found
+        .as_ref()
+        .map_or(-1, |c| c.manifest.position.step as i64);
+    let agreed = ddp.broadcast_from_rank_zero(step)?;
+    if agreed != step {
+        bail!(
+            "rank {} found the checkpoint of step {step} but rank 0 found step {agreed} (-1: none): the checkpoint directory must be the same directory, shared by every rank",
+            ddp.rank(),
+        );
+    }
+    Ok(found)
+}
+
+/// Rank 0 writes a checkpoint of `model`, `optim` and `scheduler` (a learning-rate
+/// scheduler's record, or empty) at `position`, atomically, and prunes old ones; the others
+/// wait for it (deadline `policy.timeout`, so a slow disk never trips the collectives'),
+/// and fail if it failed. Collective.
+///
+/// Refuses (on every rank alike, without writing or pruning anything) a model whose
+/// weights hold a NaN or an infinity: a diverged run never rotates good checkpoints out.
+pub fn save_checkpoint<M: Module>(
+    ddp: &mut DataParallel,
+    policy: &CheckpointPolicy,
+    position: TrainPosition,
+    model: &M,
+    optim: OptimizerState<'_>,
+    scheduler: &[u8],
+) -> anyhow::Result<()> {
+    if !burn_ddp::ddp::finite::module_is_finite(model)? {
+        bail!(
+            "refusing to write a checkpoint of non-finite weights (NaN or Inf) at optimizer step {}: the checkpoints already in {} are kept",
+            position.step,
+            policy.dir.display()
+        );
+    }
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        model: policy.model_name.clone(),
+        model_fingerprint: policy.model_fingerprint.clone(),
+        config_fingerprint: policy.config_fingerprint.clone(),
+        seed: policy.seed,
+        world_size: ddp.world_size(),
+        position,
+        checksums: Default::default(),
+        burn_version: Some(checkpoint::BURN_VERSION.to_string()),
+    };
+    let key = worker_env::checkpoint_key(position.step);
+    let written = ddp.run_on_rank_zero("to write a checkpoint", &key, policy.timeout, || {
+        checkpoint::save(
+            &policy.dir,
+            policy.keep_last,
+            manifest,
+            model,
+            optim,
+            scheduler,
+        )
+        .map(|dir| tracing::info!("checkpoint written: {}", dir.display()))
+    })?;
+    written
+}
+
+/// [`save_checkpoint`] of a training run's state: `model`, its optimizer's state (under ZeRO
+/// stage 1 every rank's part, merged on rank 0) and the learning-rate schedule. Collective.
+pub fn save_training_checkpoint<M: Module>(
+    ddp: &mut DataParallel,
+    policy: &CheckpointPolicy,
+    position: TrainPosition,
+    model: &M,
+    optim: &ModuleOptimizer,
+    schedule: &Schedule,
+) -> anyhow::Result<()> {
+    let scheduler = schedule.to_bytes().map_err(anyhow::Error::msg)?;
+    // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged (collective).
+    let merged = ddp.gather_optimizer_state(optim)?;
+    save_checkpoint(
+        ddp,
+        policy,
+        position,
+        model,
+        merged
+            .as_deref()
+            .map_or(OptimizerState::Whole(optim), OptimizerState::Bytes),
+        &scheduler,
+    )
+}

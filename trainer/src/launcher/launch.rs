@@ -1,0 +1,574 @@
+//! The launcher: `--nproc-per-node N` starts N ranks of this same program on this machine and
+//! supervises them, like `torchrun`; `trainer launch [OPTIONS] -- PROGRAM [ARGS...]` does the
+//! same for any other program (torchrun's `--no-python`).
+//!
+//! - What to start, where, with which environment, is decided first by the pure
+//!   [`LaunchPlan`](crate::launcher::launch_plan::LaunchPlan); this file only binds, spawns and waits. The
+//!   variables each rank gets are listed in [`crate::launcher::worker_env`].
+//! - On the first node (`--node-rank 0`) the launcher hosts the rendezvous store itself (so the
+//!   port is bound before any rank starts: no race for a "free" port), on loopback when every
+//!   rank is local and on all interfaces otherwise. Without `--master-port` on a single node the
+//!   OS picks a free port, so two jobs on one machine never collide.
+//! - Each child gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
+//!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job token, and dies with the
+//!   launcher (`PR_SET_PDEATHSIG`), so no orphan outlives it.
+//! - The first rank to fail stops the others (SIGTERM, then SIGKILL after a grace period), and
+//!   the launcher reports which rank failed and how, last, where the user looks; with
+//!   `--max-restarts K` every rank is then started again, up to K times.
+
+use std::ffi::{OsStr, OsString};
+use std::io::IsTerminal;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use burn_ddp::store::TcpStoreServer;
+use clap::Args;
+
+use crate::error::UsageError;
+use crate::finding::Status;
+pub use crate::launcher::launch_plan::LaunchArgs;
+use crate::launcher::launch_plan::{LaunchEnv, LaunchPlan, USAGE_EXIT_CODE};
+use crate::launcher::limits::{limit_checks, JobShape};
+use crate::launcher::ranklog::RankLog;
+use crate::launcher::worker_env::{THREADS_VAR, TOKEN_VAR};
+
+/// Kept here too for the callers that still name it `launch::RESTART_COUNT_VAR`.
+pub use crate::launcher::worker_env::RESTART_COUNT_VAR;
+
+/// `trainer launch [OPTIONS] -- PROGRAM [ARGS...]`: any program as N supervised ranks.
+#[derive(Args, Debug, Clone)]
+pub struct LaunchCommand {
+    #[command(flatten)]
+    pub launch: LaunchArgs,
+    /// The program every rank runs (looked up in PATH unless it contains a `/`), and its
+    /// arguments, after `--`.
+    #[arg(last = true, required = true, value_name = "PROGRAM")]
+    pub program: Vec<OsString>,
+}
+
+/// The program every rank runs, and its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Program {
+    pub exe: PathBuf,
+    pub args: Vec<OsString>,
+}
+
+impl Program {
+    /// This same program with this process's arguments: `trainer ... --nproc-per-node N`
+    /// starts N copies of itself, which see the launcher's variables and train.
+    pub fn this_process() -> anyhow::Result<Self> {
+        let exe =
+            std::env::current_exe().context("cannot find this program's path to start ranks")?;
+        Ok(Self {
+            exe,
+            args: std::env::args_os().skip(1).collect(),
+        })
+    }
+
+    /// `command[0]` found the way `execvp` finds it — in `PATH` (`/bin:/usr/bin` when unset)
+    /// unless it contains a `/` — with the rest of `command` as its arguments. A program that
+    /// is not there, or not executable, is a [`UsageError`] naming it, before any rank starts.
+    pub fn resolve(command: &[OsString]) -> Result<Self, UsageError> {
+        let (name, args) = command
+            .split_first()
+            .ok_or_else(|| UsageError("no program to launch (give it after `--`)".into()))?;
+        let path = std::env::var_os("PATH").unwrap_or_else(|| "/bin:/usr/bin".into());
+        let exe = find_program(name, &path)?;
+        Ok(Self {
+            exe,
+            args: args.to_vec(),
+        })
+    }
+}
+
+/// Looks `name` up like `execvp`: a name with a `/` is taken as a path, anything else is
+/// searched in the directories of `search_path` (an empty entry is the current directory).
+fn find_program(name: &OsStr, search_path: &OsStr) -> Result<PathBuf, UsageError> {
+    let shown = Path::new(name).display();
+    if name.is_empty() {
+        return Err(UsageError(
+            "the program to launch is an empty string".into(),
+        ));
+    }
+    if name.as_encoded_bytes().contains(&b'/') {
+        let path = PathBuf::from(name);
+        return match std::fs::metadata(&path) {
+            Ok(meta) if is_executable(&meta) => Ok(path),
+            Ok(_) => Err(UsageError(format!(
+                "cannot launch `{shown}`: not an executable file"
+            ))),
+            Err(e) => Err(UsageError(format!("cannot launch `{shown}`: {e}"))),
+        };
+    }
+    std::env::split_paths(search_path)
+        .map(|dir| {
+            if dir.as_os_str().is_empty() {
+                PathBuf::from(".").join(name)
+            } else {
+                dir.join(name)
+            }
+        })
+        .find(|candidate| std::fs::metadata(candidate).is_ok_and(|m| is_executable(&m)))
+        .ok_or_else(|| {
+            UsageError(format!(
+                "cannot launch `{shown}`: no such program in PATH ({})",
+                Path::new(search_path).display()
+            ))
+        })
+}
+
+fn is_executable(meta: &std::fs::Metadata) -> bool {
+    meta.is_file() && meta.permissions().mode() & 0o111 != 0
+}
+
+/// How long ranks get to exit after SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(10);
+
+/// Starts the local ranks of `program` and waits for them (and restarts them, if asked).
+///
+/// Returns the job's exit code: 0 when every rank succeeded, the failing rank's code (1 when
+/// killed by a signal), or 128 + N when the launcher got signal N. Invalid options are a
+/// [`UsageError`]. Checks of the program's input (a config file, for example) are the caller's,
+/// before this call, so that bad input fails once instead of once per rank.
+pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> {
+    let plan = LaunchPlan::new(args, &machine())?;
+    if let Ok(outer) = burn_ddp::DistEnv::from_env() {
+        plan.check_outer_job(outer.rank, outer.world_size)?;
+    }
+    refuse_beyond_limits(&plan)?;
+
+    // Ctrl-C or SIGTERM: stop every rank, then exit (the flag is polled by `supervise`).
+    let interrupted = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, interrupted.clone(), sig as usize)
+            .context("cannot install the signal handler")?;
+    }
+
+    let mut port = plan.port;
+    for attempt in 0..=plan.max_restarts {
+        // A fresh store per attempt: the ranks of a restarted job start from an empty store.
+        let server = match plan.store_bind_addr(port) {
+            Some(addr) => {
+                let server = TcpStoreServer::bind(&addr, &plan.token)
+                    .map_err(|e| UsageError(e.to_string()))?;
+                port = server.local_addr().port();
+                Some(server)
+            }
+            None => None,
+        };
+        tracing::info!(
+            "launching {} rank(s) on node {} of {} (world size {}), store at {}:{port}{}",
+            plan.nproc,
+            plan.node_rank,
+            plan.nnodes,
+            plan.world_size,
+            plan.master_addr,
+            if attempt > 0 {
+                format!(", restart {attempt} of {}", plan.max_restarts)
+            } else {
+                String::new()
+            }
+        );
+        let children = start_ranks(&plan, program, port, attempt)?;
+        let outcome = supervise(children, &interrupted);
+        drop(server);
+        match outcome {
+            Outcome::Success => return Ok(ExitCode::SUCCESS),
+            Outcome::Interrupted(sig) => {
+                eprintln!("trainer launcher: stopped every rank on signal {sig}");
+                return Ok(ExitCode::from(128 + sig as u8));
+            }
+            Outcome::Failed { code } if plan.restarts_after(code, attempt) => eprintln!(
+                "trainer launcher: restarting every rank ({} of {} restarts, {RESTART_COUNT_VAR}={}); \
+                 a trainer resumes from its newest complete checkpoint",
+                attempt + 1,
+                plan.max_restarts,
+                attempt + 1
+            ),
+            Outcome::Failed { code } => return Ok(ExitCode::from(code)),
+        }
+    }
+    unreachable!("the last attempt always returns")
+}
+
+/// Refuses, before any process starts, a job this machine's limits cannot hold
+/// ([`limit_checks`], which the doctor shows too), naming each limit, the numbers and the fix:
+/// starting it would end in a failed `fork` or `accept` part-way, after a machine-wide flood of
+/// processes.
+fn refuse_beyond_limits(plan: &LaunchPlan) -> Result<(), UsageError> {
+    let shape = JobShape {
+        local_ranks: plan.nproc,
+        world_size: plan.world_size,
+        threads_per_rank: plan.threads_per_rank.parse().unwrap_or(1),
+        // The program's own loader threads are not known here: the need stays a lower bound.
+        loader_threads: 0,
+        hosts_store: plan.store_host.is_some(),
+    };
+    let failed: Vec<String> = limit_checks(&shape)
+        .into_iter()
+        .filter(|f| f.status == Status::Fail)
+        .map(|f| {
+            let advice = f.advice.map(|a| format!(": {a}")).unwrap_or_default();
+            format!("{}: {}{advice}", f.check, f.detail)
+        })
+        .collect();
+    if failed.is_empty() {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "this machine cannot start {} local ranks (world size {}); no rank was started:\n  {}\n(`trainer doctor` with the same options shows every check)",
+        plan.nproc,
+        plan.world_size,
+        failed.join("\n  ")
+    )))
+}
+
+/// What the plan needs from this machine: its cores, the launcher's `RAYON_NUM_THREADS`, and
+/// the job token (the launcher's `BURN_DDP_TOKEN`, else 128 fresh random bits).
+fn machine() -> LaunchEnv {
+    LaunchEnv {
+        cores: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        threads: std::env::var(THREADS_VAR).ok(),
+        token: std::env::var(TOKEN_VAR).unwrap_or_else(|_| random_token()),
+    }
+}
+
+/// Starts every local rank of one attempt; if one cannot start, stops those already started.
+fn start_ranks(
+    plan: &LaunchPlan,
+    program: &Program,
+    port: u16,
+    attempt: usize,
+) -> anyhow::Result<Vec<Rank>> {
+    let stderr_is_terminal = std::io::stderr().is_terminal();
+    let mut children = Vec::with_capacity(plan.nproc);
+    for local_rank in 0..plan.nproc {
+        let rank = plan.rank(local_rank);
+        let mut cmd = Command::new(&program.exe);
+        cmd.args(&program.args)
+            .envs(plan.rank_env(local_rank, port, attempt));
+        if plan.pipes_stderr(rank, stderr_is_terminal) {
+            cmd.stderr(Stdio::piped());
+        }
+        die_with_parent(&mut cmd);
+        let started = plan
+            .log_dir
+            .as_deref()
+            .map(|dir| open_log(dir, rank))
+            .transpose()
+            .and_then(|file| {
+                let mut child = cmd.spawn().with_context(|| {
+                    format!("cannot start rank {rank} ({})", program.exe.display())
+                })?;
+                let log = child.stderr.take().map(|e| RankLog::forward(rank, e, file));
+                Ok(Rank { rank, child, log })
+            });
+        match started {
+            Ok(started) => children.push(started),
+            Err(e) => {
+                let done = vec![None; children.len()];
+                stop_all(&mut children, &done);
+                return Err(e);
+            }
+        }
+    }
+    Ok(children)
+}
+
+/// Opens (appending) DIR/rank-N.log.
+fn open_log(dir: &Path, rank: usize) -> anyhow::Result<std::fs::File> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create --log-dir {}", dir.display()))?;
+    let path = dir.join(format!("rank-{rank}.log"));
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))
+}
+
+/// Asks the kernel to SIGKILL the child when the launcher dies, however it dies.
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) is async-signal-safe and touches no memory of the parent;
+    // it is the only call made between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// A started rank: its process and, when its stderr is piped, the forwarder of its lines.
+struct Rank {
+    rank: usize,
+    child: Child,
+    log: Option<RankLog>,
+}
+
+/// How a launched group ended.
+enum Outcome {
+    Success,
+    /// A rank failed; the others were stopped. `code` is what the launcher exits with.
+    Failed {
+        code: u8,
+    },
+    /// The launcher got this signal; every rank was stopped.
+    Interrupted(usize),
+}
+
+/// Waits for every rank; on the first failure stops the rest and reports it.
+///
+/// The likely cause is reported first ([`likely_cause_first`]). After an error exit, other
+/// ranks get up to [`SETTLE`] to show such a crash before they are stopped.
+fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
+    let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    loop {
+        let sig = interrupted.load(Ordering::SeqCst);
+        if sig != 0 {
+            stop_all(&mut children, &done);
+            flush_logs(children);
+            return Outcome::Interrupted(sig);
+        }
+        let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
+        reap(&mut children, &mut done, &mut failed);
+        // A rank that exits with an error may only be reacting to a peer that crashed: the
+        // peer's socket or shared memory closed before we could reap it. Give such a crash a
+        // moment to show up, so that it, not its messenger, is named as the cause.
+        let settle = Instant::now() + SETTLE;
+        while !failed.is_empty()
+            && failed.iter().all(|(_, status)| status.signal().is_none())
+            && done.iter().any(Option::is_none)
+            && Instant::now() < settle
+        {
+            std::thread::sleep(Duration::from_millis(20));
+            reap(&mut children, &mut done, &mut failed);
+        }
+        failed.sort_by_key(likely_cause_first);
+        if let Some(&(rank, status)) = failed.first() {
+            stop_all(&mut children, &done);
+            for &(other, other_status) in &failed[1..] {
+                eprintln!(
+                    "trainer launcher: rank {other} also failed: {}",
+                    describe(other_status)
+                );
+            }
+            // The failing rank's last words come last, where the user looks: every other
+            // rank's output is forwarded in full before them.
+            let failing = children.iter().position(|r| r.rank == rank);
+            let tail = failing
+                .and_then(|i| children.swap_remove(i).log)
+                .map(RankLog::last_lines);
+            flush_logs(children);
+            eprintln!(
+                "\ntrainer launcher: rank {rank} failed: {}; stopped the other ranks.",
+                describe(status)
+            );
+            match tail {
+                Some((_, lines)) if !lines.is_empty() => {
+                    eprintln!("---- last lines of rank {rank} ----");
+                    for line in lines {
+                        eprintln!("{line}");
+                    }
+                }
+                _ => eprintln!("Its messages are above."),
+            }
+            return Outcome::Failed {
+                code: status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
+            };
+        }
+        if done.iter().all(Option::is_some) {
+            flush_logs(children);
+            return Outcome::Success;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The sort key that puts the likely cause of a failure first: a rank killed by a signal (its
+/// peers then fail with "connection lost"), then a rank that refused bad input (exit code 2:
+/// its peers fail only because it left, and the job must end with 2 and not be restarted),
+/// then the lowest rank.
+fn likely_cause_first(&(rank, status): &(usize, ExitStatus)) -> (bool, bool, usize) {
+    let bad_input = status.code() == Some(i32::from(USAGE_EXIT_CODE));
+    (status.signal().is_none(), !bad_input, rank)
+}
+
+/// Waits until every rank's forwarded output has reached our stderr (their pipes close when
+/// they exit), so that no line is lost when the launcher exits.
+fn flush_logs(children: Vec<Rank>) {
+    for log in children.into_iter().filter_map(|r| r.log) {
+        let _ = log.last_lines();
+    }
+}
+
+/// How long a rank's error exit waits for a crash of another rank to show (see `supervise`).
+const SETTLE: Duration = Duration::from_secs(1);
+
+/// Records the ranks that have exited since the last call; failures go to `failed`.
+fn reap(
+    children: &mut [Rank],
+    done: &mut [Option<ExitStatus>],
+    failed: &mut Vec<(usize, ExitStatus)>,
+) {
+    for (i, Rank { rank, child, .. }) in children.iter_mut().enumerate() {
+        if done[i].is_none() {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    done[i] = Some(status);
+                    if !status.success() {
+                        failed.push((*rank, status));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!("cannot query rank {rank}: {e}"),
+            }
+        }
+    }
+}
+
+fn stop_all(children: &mut [Rank], done: &[Option<ExitStatus>]) {
+    for (i, Rank { child, .. }) in children.iter_mut().enumerate() {
+        if done[i].is_none() {
+            // SAFETY: kill(2) on our own child's pid; the child has not been reaped (try_wait
+            // returned None), so the pid still names it.
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            }
+        }
+    }
+    let deadline = Instant::now() + GRACE;
+    for (i, Rank { child, .. }) in children.iter_mut().enumerate() {
+        if done[i].is_some() {
+            continue;
+        }
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) | Err(_) => break,
+                Ok(None) if Instant::now() >= deadline => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+}
+
+/// "exit code 3" or "killed by signal 9 (SIGKILL)".
+pub fn describe(status: ExitStatus) -> String {
+    if let Some(code) = status.code() {
+        return format!("exit code {code}");
+    }
+    match status.signal() {
+        Some(sig) => {
+            let name = match sig {
+                libc::SIGKILL => " (SIGKILL: killed, e.g. by the OOM killer or kill -9)",
+                libc::SIGSEGV => " (SIGSEGV: crashed)",
+                libc::SIGABRT => " (SIGABRT: aborted)",
+                libc::SIGTERM => " (SIGTERM)",
+                libc::SIGINT => " (SIGINT)",
+                _ => "",
+            };
+            format!("killed by signal {sig}{name}")
+        }
+        None => format!("{status}"),
+    }
+}
+
+/// 128 random bits as hex, from the OS.
+fn random_token() -> String {
+    let mut bytes = [0u8; 16];
+    let filled = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if filled.is_err() {
+        // No /dev/urandom: the pid and the clock still separate concurrent jobs.
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        bytes.copy_from_slice(&(nanos ^ ((std::process::id() as u128) << 64)).to_le_bytes());
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn a_program_is_found_in_path_like_execvp_finds_it() {
+        let dir = std::env::temp_dir().join(format!("launch-find-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("hello-rank");
+        std::fs::write(&script, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let plain = dir.join("not-executable");
+        std::fs::write(&plain, "").unwrap();
+        let search = std::env::join_paths(["/nonexistent-dir", dir.to_str().unwrap()]).unwrap();
+
+        assert_eq!(
+            find_program("hello-rank".as_ref(), &search).unwrap(),
+            script
+        );
+        let missing = find_program("no-such-program-xyz".as_ref(), &search).unwrap_err();
+        assert!(missing.0.contains("`no-such-program-xyz`"), "{}", missing.0);
+        assert!(missing.0.contains("PATH"), "{}", missing.0);
+        // A file without execute permission is skipped, as execvp skips it.
+        assert!(find_program("not-executable".as_ref(), &search).is_err());
+        // With a `/`, PATH is not searched.
+        assert_eq!(
+            find_program(script.as_os_str(), "".as_ref()).unwrap(),
+            script
+        );
+        let gone = find_program("./no-such-file".as_ref(), &search).unwrap_err();
+        assert!(gone.0.contains("`./no-such-file`"), "{}", gone.0);
+        let plain = find_program(plain.as_os_str(), &search).unwrap_err();
+        assert!(plain.0.contains("not an executable file"), "{}", plain.0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_resolved_program_keeps_its_arguments() {
+        let program = Program::resolve(&os(&["sh", "-c", "echo $RANK"])).unwrap();
+        assert!(program.exe.ends_with("sh"), "{}", program.exe.display());
+        assert_eq!(program.args, os(&["-c", "echo $RANK"]));
+        assert!(Program::resolve(&[]).is_err());
+    }
+
+    #[test]
+    fn a_crash_then_bad_input_then_the_lowest_rank_is_named_as_the_cause() {
+        // Wait statuses as waitpid(2) gives them: exit code in the second byte, signal in the
+        // first.
+        let exited = |code: i32| ExitStatus::from_raw(code << 8);
+        let killed = |signal: i32| ExitStatus::from_raw(signal);
+        let first = |mut failed: Vec<(usize, ExitStatus)>| {
+            failed.sort_by_key(likely_cause_first);
+            failed[0].0
+        };
+        // Rank 0 lost its peer (exit 1) because rank 1 refused its data file (exit 2): the
+        // job ends with 2, unretried.
+        assert_eq!(first(vec![(0, exited(1)), (1, exited(2))]), 1);
+        assert_eq!(
+            first(vec![(0, exited(1)), (2, exited(2)), (1, killed(9))]),
+            1
+        );
+        assert_eq!(first(vec![(3, exited(1)), (1, exited(1))]), 1);
+        assert_eq!(first(vec![(3, exited(2)), (1, exited(2))]), 1);
+    }
+}

@@ -1,0 +1,20 @@
+//! The launcher: spawns and supervises this machine's ranks (`--nproc-per-node`,
+//! `trainer launch`), as torchrun does, and what ranks of any launcher share with it.
+//!
+//! | module | owns |
+//! |---|---|
+//! | `launch` | spawning, supervising and restarting local ranks; the failure report |
+//! | `launch_plan` | the launcher's pure decisions: ranks, each rank's environment, threads, port |
+//! | `worker_env` | the launcher ↔ worker contract: every environment variable and rendezvous key |
+//! | `limits` | this machine's limits (open files, threads, kernel tasks) against a job: the launcher refuses, the doctor shows |
+//! | `ranklog` | each rank's stderr, tagged and kept for the failure report |
+//! | `orphan` | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
+//! | `torchelastic` | torchrun's error file, written by a failing rank |
+
+pub(crate) mod launch;
+pub(crate) mod launch_plan;
+pub(crate) mod limits;
+pub(crate) mod orphan;
+pub(crate) mod ranklog;
+pub(crate) mod torchelastic;
+pub(crate) mod worker_env;

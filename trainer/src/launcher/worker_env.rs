@@ -1,0 +1,114 @@
+//! The launcher ↔ worker contract: every environment variable the launcher sets in a rank's
+//! environment, and the fault-injection variables the workers read. Nothing else in the
+//! trainer should spell these names.
+//!
+//! The launcher ([`crate::launcher::launch`]) sets each of [`LAUNCHER_VARS`] for every rank it starts,
+//! whatever the program (`trainer` itself or `trainer launch -- PROGRAM`); the names and
+//! meanings of the first seven are torchrun's, so a worker can equally run under torchrun, and
+//! `burn_ddp::env` reads them (or SLURM's / Open MPI's) to form the group.
+
+/// This rank's index in the job, `0..WORLD_SIZE` (`node_rank * LOCAL_WORLD_SIZE + LOCAL_RANK`).
+pub const RANK_VAR: &str = "RANK";
+
+/// How many ranks the job has, on every node together.
+pub const WORLD_SIZE_VAR: &str = "WORLD_SIZE";
+
+/// This rank's index on its machine, `0..LOCAL_WORLD_SIZE` (picks the GPU, for example).
+pub const LOCAL_RANK_VAR: &str = "LOCAL_RANK";
+
+/// How many ranks run on this machine (`--nproc-per-node`).
+pub const LOCAL_WORLD_SIZE_VAR: &str = "LOCAL_WORLD_SIZE";
+
+/// This machine's index in the job (`--node-rank`; torchrun's name).
+pub const GROUP_RANK_VAR: &str = "GROUP_RANK";
+
+/// The host of the rendezvous store: node 0's address (`--master-addr`).
+pub const MASTER_ADDR_VAR: &str = "MASTER_ADDR";
+
+/// The port of the rendezvous store on node 0 (the port the launcher actually bound, also when
+/// the OS picked it).
+pub const MASTER_PORT_VAR: &str = "MASTER_PORT";
+
+/// The job's secret: the store and the ring refuse peers that do not present it. Taken from the
+/// launcher's own environment when set (it must be the same on every node), else generated per
+/// job by the launcher.
+pub use burn_ddp::init::TOKEN_VAR;
+
+/// `"1"` when the launcher hosts the rendezvous store itself (node 0; torchrun's agent store),
+/// so rank 0 does not start one; `"0"` on the other nodes.
+pub use burn_ddp::init::AGENT_STORE_VAR;
+
+/// Threads per rank for the CPU backend: the machine's cores shared among the local ranks (like
+/// torchrun's `OMP_NUM_THREADS`), or the launcher's own value when it has one.
+pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Always `"1"` in a rank's environment: "you are a rank, do not launch again" — a `trainer`
+/// started with `--nproc-per-node` then trains instead of launching. Harmless for other programs.
+pub const WORKER_VAR: &str = "TRAINER_WORKER";
+
+/// How many times the launcher has restarted the job (`--max-restarts`): `"0"` on the first
+/// attempt (torchrun's `TORCHELASTIC_RESTART_COUNT`). Fault injection only fires when it is
+/// `"0"` or absent, so a restarted job can succeed.
+pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
+
+/// Every variable the launcher sets in each rank's environment (the launch plan's tests hold
+/// the plan to it).
+#[cfg(test)]
+pub const LAUNCHER_VARS: [&str; 12] = [
+    RANK_VAR,
+    WORLD_SIZE_VAR,
+    LOCAL_RANK_VAR,
+    LOCAL_WORLD_SIZE_VAR,
+    GROUP_RANK_VAR,
+    MASTER_ADDR_VAR,
+    MASTER_PORT_VAR,
+    TOKEN_VAR,
+    AGENT_STORE_VAR,
+    THREADS_VAR,
+    WORKER_VAR,
+    RESTART_COUNT_VAR,
+];
+
+/// Fault injection (tests only; read by the worker, never set by the launcher): SIGKILL the
+/// rank right after optimizer step N and its checkpoint, on the first attempt only (see
+/// [`RESTART_COUNT_VAR`]) — what `kill -9` at that point does. A list `N0,N1,…` kills attempt
+/// `k` after step `Nk` (`crate::engine::fault_injection::crash_point`).
+pub const CRASH_AFTER_STEP_VAR: &str = "TRAINER_CRASH_AFTER_STEP";
+
+/// Fault injection: with [`CRASH_AFTER_STEP_VAR`], only this rank crashes (default: every rank);
+/// a list `R0,R1,…` names attempt `k`'s rank.
+pub const CRASH_RANK_VAR: &str = "TRAINER_CRASH_RANK";
+
+/// Fault injection: SIGKILL rank 0 in the middle of writing the checkpoint of step N (after the
+/// weights are written, before the checkpoint is complete), on the first attempt only.
+pub const CRASH_IN_CHECKPOINT_VAR: &str = "TRAINER_CRASH_IN_CHECKPOINT";
+
+/// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
+/// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other
+/// ranks' stall warning (`distributed.stall_warning_secs`) can be seen in a live job.
+pub const STALL_AFTER_STEP_VAR: &str = "TRAINER_STALL_AFTER_STEP";
+
+/// Fault injection: with [`STALL_AFTER_STEP_VAR`], only this rank sleeps.
+pub const STALL_RANK_VAR: &str = "TRAINER_STALL_RANK";
+
+/// Fault injection: `"RANK:MS"` makes rank RANK spend MS more milliseconds computing in every
+/// optimizer step (a sleep inside the forward/backward phase) — a straggler for the step-time
+/// report (`slowest rank`).
+pub const SLOW_STEP_VAR: &str = "TRAINER_SLOW_STEP";
+
+/// Fault injection: `"1"` seeds each rank's freshly initialised model with `training.seed +
+/// rank` instead of `training.seed`, so the replicas start different (the config, and so its
+/// fingerprint, stays the same on every rank). The start-up broadcast of rank 0's weights must
+/// then make them equal; tests use it to show that it does.
+pub const SEED_BY_RANK_VAR: &str = "TRAINER_SEED_BY_RANK";
+
+/// The memory (bytes) the pre-flight takes as available on this machine instead of what the
+/// system reports: to check a config for a smaller machine (or a device's memory) here, and
+/// for the tests of the pre-flight.
+pub const MEMORY_AVAILABLE_VAR: &str = "TRAINER_MEMORY_AVAILABLE";
+
+/// Rendezvous-store key under which rank 0 reports the checkpoint of optimizer step `step`
+/// (`ok`, or the error) to the ranks waiting for it.
+pub fn checkpoint_key(step: usize) -> String {
+    format!("trainer/checkpoint/{step}")
+}

@@ -1,0 +1,63 @@
+//! The records of `metrics.jsonl`: the run's history as rank 0 writes it (and as TensorBoard
+//! event files and the charts read it back). The schema alone; writing is `metrics::Reporter`'s.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use crate::engine::timing::StepTime;
+
+/// One line of `metrics.jsonl`. Metric values are keyed by the burn-train metric's name
+/// (`"Loss"`, `"Accuracy"`, ...), each the global mean over the samples it covers (`null` when
+/// no sample was counted). Times are seconds.
+///
+/// A resumed or restarted run appends to the same file, after a `start` line of its own.
+#[derive(Debug, Serialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Record {
+    /// A process (or the ranks of a job) started training: fresh, or resumed from a checkpoint.
+    Start {
+        /// The optimizer step it starts after (0 for a fresh run).
+        step: usize,
+        epoch: usize,
+        world_size: usize,
+        /// `Some(step)` when it resumed from a checkpoint of that step.
+        resumed_from: Option<usize>,
+        /// The launcher's restart count (`TORCHELASTIC_RESTART_COUNT`; 0 on the first attempt).
+        restart: u64,
+        /// Seconds since the Unix epoch.
+        unix_time: f64,
+    },
+    /// Training metrics over the steps since the previous record, over all ranks.
+    Train {
+        epoch: usize,
+        step: usize,
+        lr: f64,
+        samples_per_sec: f64,
+        world_size: usize,
+        metrics: BTreeMap<String, f64>,
+        /// Seconds per optimizer step by phase, over the ranks (min / median / max), and the
+        /// slowest rank.
+        time: StepTime,
+    },
+    /// Validation over every validation sample exactly once.
+    Valid {
+        epoch: usize,
+        step: usize,
+        samples: usize,
+        metrics: BTreeMap<String, f64>,
+    },
+    /// The end of a process's training: where the time went over all its steps.
+    Finish {
+        step: usize,
+        world_size: usize,
+        time: StepTime,
+        /// The same, in words (what the final summary prints).
+        report: String,
+        /// Each rank's peak resident memory in bytes (0 where the system does not say).
+        peak_rss_bytes: Vec<u64>,
+        /// How many parameters each rank holds optimizer state for: all of them under ZeRO
+        /// stage 0, its own under stage 1.
+        optimizer_state_params: Vec<u64>,
+    },
+}
