@@ -10,7 +10,7 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::charts::{ranges, segments, tick_label, Chart};
-use super::PlotError;
+use super::error::PlotError;
 
 /// Pixels of every chart: wide enough for a legend beside a long run.
 pub const SIZE: (u32, u32) = (900, 500);

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::PlotError;
+use super::error::PlotError;
 
 /// One line of `metrics.jsonl` that the charts use.
 #[derive(Debug, Clone, PartialEq)]

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use super::error::PlotError;
 use super::records::{parse_lines, Line, SpreadLine, StartLine, TrainLine};
-use super::PlotError;
 
 /// Points of one curve, `(x, y)` in file order. `y` is NaN where the file has `null` or no
 /// value (a gap in the curve); `x` goes back where a resumed run redid steps.
