@@ -2,13 +2,14 @@
 """The file-level import graph of each crate source folder given (CI: trainer/src, burn-ddp/src).
 
 A file imports another when it names a path into it: `crate::a::b`, `super::x`, `self::x`, or a
-child module by name (`checks::run`), in `use` lines or inline; comments and `#[cfg(test)]`
+child module by name (`checks::run`), in `use` lines or inline; comments and `#[cfg(test)]` (or `#[cfg(all(test, ...))]`)
 modules aside. A folder's front (its mod.rs, or lib.rs) declaring, re-exporting and dispatching
 to its own files is the module tree, not an import, so those edges are left out.
 
 Prints each crate's files, edges, levels (the longest chain of imports), its upward edges (a file
 importing the front of a folder it lives in: `super::Item`) and every circle (a strongly
-connected set of files) with its edges. Exits 1 when there is a circle.
+connected set of files) with its edges. Exits 1 when there is a circle or an upward edge (a
+file names its own contract's file, not the front that re-exports it).
 
     python3 scripts/import-graph.py trainer/src burn-ddp/src
 """
@@ -30,7 +31,7 @@ def strip(text):
     for line in text.split('\n'):
         s = line.strip()
         if skip_depth is None:
-            if s.startswith('#[cfg(test)]'): pending_test = True; continue
+            if s.startswith('#[cfg(test)]') or s.startswith('#[cfg(all(test,'): pending_test = True; continue
             if pending_test and re.match(r'(pub(\(crate\))? )?mod \w+\s*\{', s):
                 skip_depth = depth
             pending_test = False if not s.startswith('#[') else pending_test
@@ -150,6 +151,9 @@ for src in sys.argv[1:]:
     upward = sorted((m, t) for m in edges for t in edges[m] if m[:len(t)] == t)
     depth = 1 + max(levels(mods, edges).values(), default=0)
     print(f"{src}: {len(mods)} files, {sum(len(v) for v in edges.values())} edges, {depth} levels, {len(upward)} upward (a file importing its folder's front), {len(comps)} circles")
+    for m, t in upward:
+        status = 1
+        print(f"  upward: {'/'.join(m)} -> {'/'.join(t) or 'lib'} (import the file that defines the item, not the folder's front)")
     for c in comps:
         status = 1
         names = sorted('/'.join(m) or 'lib' for m in c)

@@ -79,7 +79,7 @@ use cubecl_runtime::runtime::Runtime;
 
 use super::comm::BucketComm;
 use super::finite::{FiniteScan, GradientCheck};
-use super::Reducer;
+use super::reducer::Reducer;
 use crate::error::DdpError;
 use crate::group::nccl::NcclProcessGroup;
 use crate::group::{DataType, ReduceOp};

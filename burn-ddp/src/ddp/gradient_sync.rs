@@ -6,7 +6,10 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
 
-use super::{DdpOptions, GradientCheck, GradientTransport, HostStaging, Reducer, ReducerStats};
+use super::comm::HostStaging;
+use super::finite::GradientCheck;
+use super::options::{DdpOptions, GradientTransport};
+use super::reducer::{Reducer, ReducerStats};
 use crate::error::DdpError;
 #[cfg(feature = "cuda")]
 use crate::group::nccl::{NcclGroupOptions, NcclProcessGroup};

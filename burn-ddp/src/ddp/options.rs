@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use super::BufferSync;
+use super::buffers::BufferSync;
 use crate::group::TcpGroupOptions;
 use crate::kernels::HalfFormat;
 

@@ -56,13 +56,15 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{result as cu, sys as cu_sys, CudaContext};
 use cudarc::nccl::{result as nccl, sys as nccl_sys};
 
+use super::call_log::CallLog;
+use super::check;
+use super::collective::{Checked, Collective, Membership};
+use super::element::Element;
+use super::process_group::ProcessGroup;
 use super::rendezvous::{self, check_member, Rendezvous, ABORT_CHECK_EVERY};
 use super::stall::{self, StallReporter};
 use super::wire::{self, HEADER_LEN};
-use super::{
-    check, CallLog, Checked, Collective, CollectiveDesc, CollectiveKind, DataType, Element,
-    Membership, ProcessGroup, ReduceOp,
-};
+use crate::call::{CollectiveDesc, CollectiveKind, DataType, ReduceOp};
 use crate::cuda::{self, driver_error_text, NcclVersion};
 use crate::error::{CollectiveError, WireError};
 use crate::store::backoff::Backoff;

@@ -4,7 +4,7 @@
 //! Data pieces that follow a header are raw little-endian elements; their lengths come from the
 //! plan both sides compute from the (checked) header, so they need no framing of their own.
 
-use super::{CollectiveDesc, CollectiveKind, DataType, ReduceOp};
+use crate::call::{CollectiveDesc, CollectiveKind, DataType, ReduceOp};
 use crate::error::WireError;
 
 /// "DDPR": the first bytes of a ring hello.

@@ -310,7 +310,7 @@ impl UnpackLayout {
 }
 
 /// The offsets as the kernel reads them. Every offset is at most the output length, which the
-/// caller checked against [`MAX_BUCKET_LEN`](super::MAX_BUCKET_LEN), so this cannot truncate.
+/// caller checked against [`MAX_BUCKET_LEN`](super::bucket_ops::MAX_BUCKET_LEN), so this cannot truncate.
 fn to_u32s(offsets: &[usize]) -> Vec<u32> {
     offsets
         .iter()

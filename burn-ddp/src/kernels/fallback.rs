@@ -11,7 +11,7 @@
 //!
 //! [`Flex`]: burn::backend::Flex
 //! [`Dispatch`]: burn::backend::Dispatch
-//! [`BucketOps`]: super::BucketOps
+//! [`BucketOps`]: super::bucket_ops::BucketOps
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, DType, FloatDType, Shape, Slice, TensorData, TensorMetadata};
@@ -23,7 +23,7 @@ use super::bucket_ops::{check_len, BucketOpsError};
 use super::half_format::HalfFormat;
 use super::wire16;
 
-/// [`BucketOps::pack_bucket`](super::BucketOps::pack_bucket) with Burn ops.
+/// [`BucketOps::pack_bucket`](super::bucket_ops::BucketOps::pack_bucket) with Burn ops.
 pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device) -> FloatTensor<B> {
     let mut flat: Vec<FloatTensor<B>> = tensors
         .into_iter()
@@ -42,7 +42,7 @@ pub fn pack_bucket<B: Backend>(tensors: Vec<FloatTensor<B>>, device: &B::Device)
     }
 }
 
-/// [`BucketOps::unpack_bucket`](super::BucketOps::unpack_bucket) with Burn ops.
+/// [`BucketOps::unpack_bucket`](super::bucket_ops::BucketOps::unpack_bucket) with Burn ops.
 pub fn unpack_bucket<B: Backend>(
     bucket: FloatTensor<B>,
     shapes: &[Shape],
@@ -73,7 +73,7 @@ pub fn unpack_bucket<B: Backend>(
         .collect()
 }
 
-/// [`BucketOps::compress_bucket`](super::BucketOps::compress_bucket) on the host: reads the bucket, scales and rounds with
+/// [`BucketOps::compress_bucket`](super::bucket_ops::BucketOps::compress_bucket) on the host: reads the bucket, scales and rounds with
 /// [`wire16::compress`], uploads the words.
 pub fn compress_bucket<B: Backend>(
     bucket: FloatTensor<B>,
@@ -94,7 +94,7 @@ pub fn compress_bucket<B: Backend>(
     Ok(B::int_from_data(data, &device))
 }
 
-/// [`BucketOps::decompress_bucket`](super::BucketOps::decompress_bucket) on the host: reads the words, widens with
+/// [`BucketOps::decompress_bucket`](super::bucket_ops::BucketOps::decompress_bucket) on the host: reads the words, widens with
 /// [`wire16::decompress`], uploads the `f32` values.
 pub fn decompress_bucket<B: Backend>(
     words: IntTensor<B>,
@@ -137,7 +137,7 @@ pub(crate) fn check_bucket_1d<T: TensorMetadata>(op: &str, bucket: &T) -> usize 
     len
 }
 
-/// Checks the [`BucketOps::unpack_bucket`](super::BucketOps::unpack_bucket) contract and returns the bucket length.
+/// Checks the [`BucketOps::unpack_bucket`](super::bucket_ops::BucketOps::unpack_bucket) contract and returns the bucket length.
 pub(crate) fn check_bucket<T: TensorMetadata>(op: &str, bucket: &T, shapes: &[Shape]) -> usize {
     let len = check_bucket_1d(op, bucket);
     let expected: usize = shapes.iter().map(Shape::num_elements).sum();
@@ -150,7 +150,7 @@ pub(crate) fn check_bucket<T: TensorMetadata>(op: &str, bucket: &T, shapes: &[Sh
     len
 }
 
-/// Checks the [`BucketOps::decompress_bucket`](super::BucketOps::decompress_bucket) contract on the packed words.
+/// Checks the [`BucketOps::decompress_bucket`](super::bucket_ops::BucketOps::decompress_bucket) contract on the packed words.
 pub(crate) fn check_words<T: TensorMetadata>(op: &str, words: &T, len: usize) {
     let shape = words.shape();
     assert!(
@@ -186,17 +186,17 @@ macro_rules! fallback_bucket_ops {
 
             fn compress_bucket(
                 bucket: burn::backend::tensor::FloatTensor<Self>,
-                format: $crate::kernels::HalfFormat,
+                format: $crate::kernels::half_format::HalfFormat,
                 scale: f32,
-            ) -> Result<burn::backend::tensor::IntTensor<Self>, $crate::kernels::BucketOpsError> {
+            ) -> Result<burn::backend::tensor::IntTensor<Self>, $crate::kernels::bucket_ops::BucketOpsError> {
                 $crate::kernels::fallback::compress_bucket::<Self>(bucket, format, scale)
             }
 
             fn decompress_bucket(
                 words: burn::backend::tensor::IntTensor<Self>,
                 len: usize,
-                format: $crate::kernels::HalfFormat,
-            ) -> Result<burn::backend::tensor::FloatTensor<Self>, $crate::kernels::BucketOpsError> {
+                format: $crate::kernels::half_format::HalfFormat,
+            ) -> Result<burn::backend::tensor::FloatTensor<Self>, $crate::kernels::bucket_ops::BucketOpsError> {
                 $crate::kernels::fallback::decompress_bucket::<Self>(words, len, format)
             }
         }

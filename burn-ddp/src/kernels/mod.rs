@@ -40,12 +40,12 @@
 //! [`Backend`]: burn::backend::Backend
 
 pub mod bench;
-mod bucket_ops;
+pub mod bucket_ops;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 mod dispatch;
 pub mod fallback;
-mod half_format;
+pub mod half_format;
 pub mod host16;
 pub mod wire16;
 

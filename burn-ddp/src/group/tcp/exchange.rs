@@ -20,12 +20,13 @@ use std::time::{Duration, Instant};
 
 use super::setup::{Link, Ring};
 use super::transport::{pollfd, socket_read, socket_write, Wakeup};
+use crate::call::{CollectiveDesc, ReduceOp};
 use crate::error::CollectiveError;
+use crate::group::element::Element;
 use crate::group::ring::{RecvAction, RingPlan, SendItem};
 use crate::group::staging::StagedBuffer;
 use crate::group::stall::StallReporter;
 use crate::group::wire::{self, HEADER_LEN};
-use crate::group::{CollectiveDesc, Element, ReduceOp};
 
 /// What one collective needs besides the ring and the buffers.
 pub(super) struct Call<'a> {

@@ -47,75 +47,29 @@
 //! turns shared memory on for a job unless `BURN_DDP_SHM=0`.
 
 mod exchange;
+mod options;
 mod setup;
 pub(crate) mod transport;
 
-use std::net::{IpAddr, Shutdown};
+use std::net::Shutdown;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use self::exchange::Call;
+pub use self::options::{TcpGroupOptions, DEFAULT_STORE_PREFIX};
 use self::setup::Ring;
+use super::call_log::CallLog;
+use super::collective::{Checked, Collective, Membership};
+use super::element::Element;
 use super::postmortem::{post_mortem, Report, Verdict};
+use super::process_group::ProcessGroup;
 use super::rendezvous::{check_member, Rendezvous};
 use super::ring::{self, RingPlan};
 use super::staging::{self, PieceSchedule, PieceStaging, StagedBuffer};
 use super::stall::StallReporter;
-use super::{
-    CallLog, Checked, Collective, CollectiveDesc, CollectiveKind, Element, Membership,
-    ProcessGroup, ReduceOp,
-};
+use crate::call::{CollectiveDesc, CollectiveKind, ReduceOp};
 use crate::error::CollectiveError;
 use crate::store::{PrefixStore, Store};
-
-/// The namespace of a TCP group's keys in the store unless its options name another.
-pub const DEFAULT_STORE_PREFIX: &str = "pg/default";
-
-/// Settings of a [`TcpProcessGroup`]. Every rank of a group must use the same values.
-#[derive(Debug, Clone)]
-pub struct TcpGroupOptions {
-    /// Deadline of set-up and of each collective (PyTorch's default is 30 min for NCCL; 5 min
-    /// here: a collective on a CPU ring that takes longer than that has a dead peer).
-    pub timeout: Duration,
-    /// After this long without finishing a collective, log who has not arrived (Horovod's stall
-    /// warning, 60 s). Repeats every such interval until the timeout.
-    pub stall_warning: Duration,
-    /// Bytes per pipelined piece; smaller pieces overlap more, larger ones cost fewer syscalls.
-    pub piece_bytes: usize,
-    /// The job's shared secret; ring connections without it are refused.
-    pub token: String,
-    /// The address to listen on and publish for ring connections. `None`: loopback.
-    pub advertise_ip: Option<IpAddr>,
-    /// Move data to neighbours on the same host through shared memory (module docs).
-    /// `Some(true)`: yes, where the neighbour shares the host; `Some(false)`: sockets only;
-    /// `None` (the default): not decided by the caller, which the group takes as sockets only,
-    /// and [`crate::init::Distributed::init`] resolves from `BURN_DDP_SHM` (on unless `0`).
-    pub shared_memory: Option<bool>,
-    /// The group's namespace in the store ([`PrefixStore`]): two groups formed through one store
-    /// at the same time need different prefixes. Default [`DEFAULT_STORE_PREFIX`].
-    pub store_prefix: String,
-}
-
-impl Default for TcpGroupOptions {
-    fn default() -> Self {
-        Self {
-            timeout: Duration::from_secs(300),
-            stall_warning: Duration::from_secs(60),
-            piece_bytes: 1 << 20,
-            token: String::new(),
-            advertise_ip: None,
-            shared_memory: None,
-            store_prefix: DEFAULT_STORE_PREFIX.into(),
-        }
-    }
-}
-
-impl TcpGroupOptions {
-    /// Whether links to same-host neighbours use shared memory (`shared_memory == Some(true)`).
-    pub fn uses_shared_memory(&self) -> bool {
-        self.shared_memory == Some(true)
-    }
-}
 
 /// A process group whose collectives run over a TCP ring. See the module docs.
 pub struct TcpProcessGroup {
@@ -448,7 +402,7 @@ impl ProcessGroup for TcpProcessGroup {
         let call = StagedCall {
             kind: CollectiveKind::ReduceScatterV {
                 op,
-                layout: super::layout_fingerprint(counts),
+                layout: super::collective::layout_fingerprint(counts),
             },
             plan: &plan,
             op,
@@ -530,6 +484,7 @@ mod tests {
     use crate::group::wire::{self, RingHello};
     use crate::store::MemoryStore;
     use std::net::TcpStream;
+    use std::time::Duration;
 
     fn with_group<R: Send + 'static>(
         world: usize,

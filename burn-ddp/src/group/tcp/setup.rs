@@ -6,13 +6,14 @@ use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use super::options::TcpGroupOptions;
 use super::transport::{DataReceiver, DataSender, SocketData};
-use super::TcpGroupOptions;
+use crate::call::CollectiveDesc;
 use crate::error::CollectiveError;
 use crate::group::greeting::{accept_greeted, connect_and_greet, Greeting};
+use crate::group::netif;
 use crate::group::rendezvous::Rendezvous;
 use crate::group::shm::{self, ShmDir, ShmReceiver, ShmSender};
-use crate::group::{netif, CollectiveDesc};
 
 /// A non-blocking connection to a ring neighbour: the per-collective headers go through it, and
 /// the data too unless the link uses shared memory.
