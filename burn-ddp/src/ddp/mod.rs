@@ -3,6 +3,8 @@
 //! - [`module`]: [`prepare_module`] gives parameters deterministic ids and broadcasts rank 0's
 //!   values, so every replica starts equal (and optimizer state is keyed the same everywhere).
 //! - [`bucket`]: the pure bucket plan.
+//! - `config_names` (feature `serde`): the config names of the options that are `Option`s
+//!   (compression, the buffer rule), as serde `with` modules.
 //! - [`buffers`]: [`sync_buffers`], BatchNorm running statistics and other buffers made equal
 //!   across ranks (rank 0's, or the mean).
 //! - [`reducer`]: [`Reducer`], which averages `GradientsParams` across ranks, bucket by bucket
@@ -27,6 +29,8 @@ pub mod all_reduce_op;
 pub mod bucket;
 pub mod buffers;
 pub mod comm;
+#[cfg(feature = "serde")]
+pub mod config_names;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod finite;

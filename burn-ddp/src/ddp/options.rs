@@ -11,7 +11,15 @@ use crate::kernels::HalfFormat;
 
 /// Where gradients are summed (PyTorch's choice of backend for the DDP process group).
 /// Metrics, checkpoints and the start-up broadcast always use the TCP group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+///
+/// With feature `serde`: `"auto"`, `"host"`, `"nccl"` (the trainer's
+/// `distributed.gradient_sync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "lowercase")
+)]
 pub enum GradientTransport {
     /// NCCL on Burn's plain CUDA backend with more than one rank, the host otherwise.
     #[default]
