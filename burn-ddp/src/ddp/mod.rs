@@ -3,6 +3,10 @@
 //! - [`module`]: [`prepare_module`] gives parameters deterministic ids and broadcasts rank 0's
 //!   values, so every replica starts equal (and optimizer state is keyed the same everywhere).
 //! - [`bucket`]: the pure bucket plan.
+//! - [`options`]: [`DdpOptions`], the job's synchronisation as one value; [`transport`]:
+//!   [`GradientTransport`], where gradients are summed and the rules that choose it (pure);
+//!   [`zero_stage`]: [`ZeroStage`], 0 or 1. With feature `serde` they read and write the
+//!   trainer's `[distributed]` names.
 //! - `config_names` (feature `serde`): the config names of the options that are `Option`s
 //!   (compression, the buffer rule), as serde `with` modules.
 //! - [`buffers`]: [`sync_buffers`], BatchNorm running statistics and other buffers made equal
@@ -42,7 +46,9 @@ pub mod reducer;
 pub mod shard_plan;
 pub mod sync_batch_norm;
 pub mod sync_group;
+pub mod transport;
 pub mod zero;
+pub mod zero_stage;
 
 pub use buffers::{sync_buffers, BufferSync};
 pub use comm::{BucketComm, HostStaging};
@@ -51,8 +57,10 @@ pub use device::{cuda_ordinal, NcclBuckets};
 pub use finite::GradientCheck;
 pub use gradient_sync::GradientSync;
 pub use module::{param_checksum, parameter_count, prepare_module};
-pub use options::{DdpOptions, GradientTransport};
+pub use options::DdpOptions;
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;
 pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
+pub use transport::{GradientTransport, TransportError};
 pub use zero::ShardedSync;
+pub use zero_stage::{UnsupportedZeroStage, ZeroStage};
