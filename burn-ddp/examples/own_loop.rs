@@ -21,7 +21,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn_ddp::rng::SplitMix64;
-use burn_ddp::{DataParallel, DdpError, DdpOptions, StepOutcome};
+use burn_ddp::{DataParallel, DdpError, DdpOptions, StepOutcome, ZeroStage};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 /// Where this program trains: Burn's CPU backend, with autodiff.
@@ -84,7 +84,7 @@ struct Args {
     batch: usize,
     steps: usize,
     out: PathBuf,
-    zero_stage: u8,
+    zero_stage: ZeroStage,
     adam: bool,
 }
 
@@ -94,7 +94,7 @@ fn args() -> Result<Args, String> {
         batch: 8,
         steps: 20,
         out: PathBuf::from("runs/own-loop"),
-        zero_stage: 0,
+        zero_stage: ZeroStage::Off,
         adam: false,
     };
     let mut it = std::env::args().skip(1);
@@ -112,7 +112,9 @@ fn args() -> Result<Args, String> {
         match flag.as_str() {
             "--batch" => a.batch = number()?,
             "--steps" => a.steps = number()?,
-            "--zero-stage" => a.zero_stage = number()? as u8,
+            "--zero-stage" => {
+                a.zero_stage = value.parse().map_err(|e| format!("{flag} {value}: {e}"))?
+            }
             "--out" => a.out = value.into(),
             other => {
                 return Err(format!(

@@ -22,7 +22,7 @@ use burn::optim::SgdConfig;
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 use burn_ddp::pipeline::{
-    PipelineConfig, PipelineError, PipelineParallel, PipelineSchedule, PipelineStage,
+    check_layers, PipelineConfig, PipelineError, PipelineParallel, PipelineSchedule, PipelineStage,
 };
 use burn_ddp::rng::SplitMix64;
 use burn_ddp::{DdpError, DdpOptions, StepOutcome};
@@ -151,12 +151,8 @@ fn args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other}")),
         }
     }
-    if a.stages == 0 || a.stages > LAYERS {
-        return Err(format!(
-            "--stages {}: use 1 to {LAYERS} (the model has {LAYERS} layers)",
-            a.stages
-        ));
-    }
+    // Every stage needs a layer of the model: 1 to LAYERS stages.
+    check_layers(LAYERS, a.stages).map_err(|e| format!("--stages {}: {e}", a.stages))?;
     if a.micro_batches == 0 || !a.batch.is_multiple_of(a.micro_batches) {
         return Err(format!(
             "--batch {} is not a multiple of --micro-batches {}",

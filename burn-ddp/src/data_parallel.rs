@@ -35,6 +35,7 @@ use burn::tensor::{Bytes, Device};
 use crate::ddp::buffers::{self, BufferSync};
 use crate::ddp::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero;
+use crate::ddp::zero_stage::ZeroStage;
 use crate::ddp::{
     param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, ReducerStats,
     ShardedSync,
@@ -100,14 +101,9 @@ impl DataParallel {
     /// BatchNorm needs to form its own group at its first use (see [`crate::ddp::sync_group`]).
     /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
-        if options.zero_stage > 1 {
-            return Err(DdpError::Options(format!(
-                "ZeRO stage {} is not supported: use 0 (plain DDP) or 1 (sharded optimizer state)",
-                options.zero_stage
-            )));
-        }
         let sync = GradientSync::new(&options, &dist, device)?;
-        let sharded = (options.zero_stage == 1).then(|| ShardedSync::new(options.compression));
+        let sharded = (options.zero_stage == ZeroStage::OptimizerState)
+            .then(|| ShardedSync::new(options.compression));
         let sync_batch_norm = (dist.env.world_size > 1).then(|| {
             let mut options = dist.group.options().clone();
             options.store_prefix.push_str(sync_group::STORE_SUFFIX);
@@ -237,10 +233,15 @@ impl DataParallel {
         self.sync.sync(&mut self.dist.group, model, grads)
     }
 
-    /// The ZeRO stage this handle runs: 0 (every rank steps every parameter) or 1 (each
-    /// rank steps, and keeps optimizer state for, the parameters it owns).
-    pub fn zero_stage(&self) -> u8 {
-        u8::from(self.sharded.is_some())
+    /// The ZeRO stage this handle runs: `Off` (every rank steps every parameter) or
+    /// `OptimizerState` (each rank steps, and keeps optimizer state for, the parameters it
+    /// owns).
+    pub fn zero_stage(&self) -> ZeroStage {
+        if self.sharded.is_some() {
+            ZeroStage::OptimizerState
+        } else {
+            ZeroStage::Off
+        }
     }
 
     /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:

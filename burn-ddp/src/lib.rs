@@ -17,7 +17,7 @@
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
 //! | [`data_parallel`] | [`DataParallel`], the one home of the DDP step: join, prepare, sync gradients (host ring or NCCL; ZeRO stage 1), buffers, shard, sums, rank-0 actions, barrier — used by the engine, the burn-train strategy and own loops |
 //! | [`ddp::sync_batch_norm`] | [`SyncBatchNorm`]: BatchNorm over the global batch (PyTorch's `SyncBatchNorm`), built on [`ddp::all_reduce_op::all_reduce_sum`] (a differentiable all-reduce: a Burn backend extension with its own backward) and [`ddp::sync_group`] (its own process group, installed process-wide by [`DataParallel`]) |
-//! | [`ddp`] | the DDP layer: parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
+//! | [`ddp`] | the DDP layer: the options ([`DdpOptions`], [`GradientTransport`] and the rules that choose it, [`ZeroStage`]; with feature `serde`, the names of the trainer's `[distributed]`), parameter broadcast, gradient buckets, the reducer, how buckets are summed (host staging or NCCL); ZeRO stage 1 ([`ddp::ShardPlan`], [`ddp::ShardedSync`]): gradients reduced to each parameter's owner, parameters gathered back |
 //! | [`pipeline`] | pipeline parallelism (so far): the stages × replicas layout, GPipe and 1F1B schedules with a simulation of their bubble, the point-to-point links between neighbouring stages, `PipelineStage` and the pipeline step, the `PipelineParallel` handle |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
@@ -55,7 +55,9 @@ pub mod store;
 pub mod testing;
 
 pub use data_parallel::{DataParallel, StepOutcome};
-pub use ddp::{parameter_count, DdpOptions, GradientTransport, SyncBatchNorm, SyncBatchNormConfig};
+pub use ddp::{
+    parameter_count, DdpOptions, GradientTransport, SyncBatchNorm, SyncBatchNormConfig, ZeroStage,
+};
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError, SyncBatchNormError};
 pub use group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};

@@ -31,7 +31,7 @@ use burn::train::{
     TrainingStrategy,
 };
 use burn_ddp::learner::{DdpStrategy, DistributedDataLoaderBuilder};
-use burn_ddp::{DdpOptions, GradientTransport};
+use burn_ddp::{DdpOptions, GradientTransport, ZeroStage};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 const FEATURES: usize = 16;
@@ -149,7 +149,7 @@ struct Args {
     /// No file checkpointer (ZeRO stage 1 refuses one).
     no_checkpointer: bool,
     /// burn-ddp's options: ZeRO stage, gradients over NCCL (feature `cuda`, `--cuda`).
-    zero_stage: u8,
+    zero_stage: ZeroStage,
     nccl: bool,
     cuda: bool,
 }
@@ -165,7 +165,7 @@ fn parse_args() -> Result<Args, String> {
         resume: None,
         adam: false,
         no_checkpointer: false,
-        zero_stage: 0,
+        zero_stage: ZeroStage::Off,
         nccl: false,
         cuda: false,
     };

@@ -5,8 +5,9 @@
 //! it runs on the [`Device`] [`train_device`] picks at run time.
 
 use burn::tensor::Device;
+use burn_ddp::GradientTransport;
 
-use crate::config::{DeviceKind, GradientSyncMode};
+use crate::config::DeviceKind;
 use crate::error::UsageError;
 
 /// The autodiff device this rank trains on for `output.device = device`: the CPU is Burn's
@@ -114,13 +115,19 @@ pub struct DeviceJob {
     /// Ranks on this machine (one GPU each).
     pub local_ranks: usize,
     pub world_size: usize,
-    pub gradient_sync: GradientSyncMode,
+    pub gradient_sync: GradientTransport,
 }
 
 impl DeviceJob {
     /// Whether the job trains on CUDA (any device this build has, without a config).
     pub fn wants_cuda(&self) -> bool {
         self.device.is_none_or(|d| d == DeviceKind::Cuda)
+    }
+
+    /// Whether the job's gradients go through NCCL when it trains on CUDA (burn-ddp's
+    /// [`GradientTransport::resolve`]: `"auto"` means NCCL for several ranks only).
+    pub fn nccl_on_cuda(&self) -> bool {
+        self.gradient_sync.resolve(true, self.world_size) == GradientTransport::Nccl
     }
 }
 

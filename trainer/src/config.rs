@@ -3,8 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use burn_ddp::ddp::BufferSync;
+use burn_ddp::kernels::HalfFormat;
+use burn_ddp::pipeline::{PipelineLayout, PipelineSchedule};
+use burn_ddp::{DdpOptions, GradientTransport, ZeroStage};
+use serde::de::{DeserializeOwned, Error as _};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// A whole configuration file: the app's own `[model]` and `[data]` tables (`M`, `D`: see
 /// [`crate::app::App`]) and the engine's sections. Unknown keys are errors everywhere (the
@@ -219,6 +223,11 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// `[distributed]`: read straight into burn-ddp's option types (feature `serde` of burn-ddp
+/// gives them their names here), so each rule about them has one home, in burn-ddp: what
+/// `"auto"` means and that NCCL needs CUDA ([`GradientTransport`]), that only ZeRO stages 0
+/// and 1 exist ([`ZeroStage`]), that there is a stage and the stages divide the world
+/// ([`PipelineLayout`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct DistributedConfig {
@@ -228,139 +237,62 @@ pub struct DistributedConfig {
     pub timeout_secs: u64,
     /// Warn about ranks that have not arrived after this long in one collective.
     pub stall_warning_secs: u64,
-    /// Where gradients are averaged: `"auto"`, `"host"` or `"nccl"` (see [`GradientSyncMode`]).
-    pub gradient_sync: GradientSyncMode,
-    /// How gradient buckets travel: `"none"` (f32), `"bf16"` or `"fp16"` (see
-    /// [`GradientCompression`]).
-    pub gradient_compression: GradientCompression,
+    /// Where gradients are averaged: `"auto"` (NCCL for a job of several ranks on
+    /// `output.device = "cuda"`, else the host), `"host"` or `"nccl"` (`output.device =
+    /// "cuda"` only, and a build with `--features cuda`). Metrics, checkpoint barriers and the
+    /// initial parameter broadcast always use the TCP process group.
+    pub gradient_sync: GradientTransport,
+    /// How gradient buckets travel, on every path (host and NCCL): `"none"` (f32), `"bf16"`
+    /// or `"fp16"` (see [`HalfFormat`]), what PyTorch's `bf16_compress_hook` /
+    /// `fp16_compress_hook` do.
+    #[serde(with = "burn_ddp::ddp::config_names::compression")]
+    pub gradient_compression: Option<HalfFormat>,
     /// ZeRO stage: 0 = every rank holds the whole optimizer state (plain DDP); 1 = each
     /// parameter's optimizer state lives on one rank, which steps it and sends the new values
-    /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`).
-    pub zero_stage: u8,
+    /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`). 2 and 3 are
+    /// refused.
+    #[serde(deserialize_with = "zero_stage")]
+    pub zero_stage: ZeroStage,
     /// How buffers (BatchNorm running statistics, any `RunningState`, frozen parameters) are
-    /// kept equal across ranks: `"broadcast"`, `"average"` or `"off"` (see [`SyncBuffers`]).
-    pub sync_buffers: SyncBuffers,
+    /// kept equal across ranks after every optimizer step, so that replicas are identical at
+    /// every step boundary (replica checks, checkpoints, validation): `"broadcast"` (rank 0's,
+    /// PyTorch DDP's default), `"average"` (the mean over the ranks) or `"off"` (each rank
+    /// keeps its own; checkpoints hold rank 0's).
+    #[serde(with = "burn_ddp::ddp::config_names::buffers")]
+    pub sync_buffers: Option<BufferSync>,
     /// Pipeline stages the model is cut into (1: none, plain data parallelism). With `P > 1`
     /// the world size must be a multiple of `P`: `world / P` replicas of the pipeline train
     /// data-parallel, and `training.accumulation_steps` is the micro-batch count. Needs a
     /// program that says how its model splits ([`StageSplit`](crate::engine::pipeline::StageSplit)).
     pub pipeline_stages: usize,
-    /// The order of micro-batches on each stage: `"gpipe"` or `"1f1b"` (see
-    /// [`PipelineScheduleName`]).
-    pub pipeline_schedule: PipelineScheduleName,
+    /// The order of micro-batches on each stage: `"gpipe"` (every micro-batch forward, then
+    /// every one backward) or `"1f1b"` (one forward, one backward: fewer activations held,
+    /// the same bubble and weights); see [`PipelineSchedule`].
+    pub pipeline_schedule: PipelineSchedule,
 }
 
-/// `distributed.pipeline_schedule`.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-pub enum PipelineScheduleName {
-    /// Every micro-batch forward, then every one backward: each stage holds all the step's
-    /// activations at once.
-    #[default]
-    #[serde(rename = "gpipe")]
-    GPipe,
-    /// One forward, one backward (PipeDream-flush): a stage holds at most `stages − stage`
-    /// micro-batches' activations; the same bubble and the same weights as GPipe.
-    #[serde(rename = "1f1b")]
-    OneForwardOneBackward,
-}
-
-impl PipelineScheduleName {
-    /// burn-ddp's schedule.
-    pub fn schedule(self) -> burn_ddp::pipeline::PipelineSchedule {
-        match self {
-            Self::GPipe => burn_ddp::pipeline::PipelineSchedule::GPipe,
-            Self::OneForwardOneBackward => {
-                burn_ddp::pipeline::PipelineSchedule::OneForwardOneBackward
-            }
-        }
-    }
-}
-
-/// `distributed.sync_buffers`: after every optimizer step, the ranks' buffers are made equal,
-/// so that replicas are identical at every step boundary (replica checks, checkpoints,
-/// validation).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum SyncBuffers {
-    /// Rank 0's buffers to every rank: PyTorch DDP's default (`broadcast_buffers=True`).
-    #[default]
-    Broadcast,
-    /// The mean over the ranks: a running mean becomes what one process with the global batch
-    /// computes; a running variance the mean of the ranks' batch variances.
-    Average,
-    /// Each rank keeps its own (they drift apart; checkpoints hold rank 0's).
-    Off,
+/// `distributed.zero_stage` as burn-ddp's serde reads it (a number, then
+/// [`ZeroStage::try_from`]), with the key named in the refusal of 2 and 3 (serde's message
+/// knows the value only): `distributed.zero_stage must be 0 (plain DDP) or 1 ...`.
+fn zero_stage<'de, D: Deserializer<'de>>(d: D) -> Result<ZeroStage, D::Error> {
+    ZeroStage::try_from(u8::deserialize(d)?)
+        .map_err(|e| D::Error::custom(format_args!("distributed.zero_stage {e}")))
 }
 
 impl Default for DistributedConfig {
+    /// [`DdpOptions`]' defaults (PyTorch DDP's), and no pipeline.
     fn default() -> Self {
+        let ddp = DdpOptions::default();
         Self {
-            bucket_cap_mb: 25.0,
-            timeout_secs: 300,
-            stall_warning_secs: 60,
-            gradient_sync: GradientSyncMode::default(),
-            gradient_compression: GradientCompression::default(),
-            zero_stage: 0,
-            sync_buffers: SyncBuffers::default(),
+            bucket_cap_mb: ddp.bucket_cap_mb,
+            timeout_secs: ddp.timeout.as_secs(),
+            stall_warning_secs: ddp.stall_warning.as_secs(),
+            gradient_sync: ddp.transport,
+            gradient_compression: ddp.compression,
+            zero_stage: ddp.zero_stage,
+            sync_buffers: ddp.buffers,
             pipeline_stages: 1,
-            pipeline_schedule: PipelineScheduleName::default(),
-        }
-    }
-}
-
-/// `distributed.gradient_sync`: how gradients are averaged across ranks. Metrics, checkpoint
-/// barriers and the initial parameter broadcast always use the TCP process group.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum GradientSyncMode {
-    /// `nccl` for a job of several ranks on `output.device = "cuda"`, else `host`. A job of
-    /// one rank has nothing to average, so it needs no NCCL library.
-    #[default]
-    Auto,
-    /// Copy gradients to the host and all-reduce them over the TCP process group (any device).
-    Host,
-    /// Keep gradients on the GPU and all-reduce them with NCCL (`output.device = "cuda"` only,
-    /// and a build with `--features cuda`). Also with one rank: a one-GPU machine tests the
-    /// NCCL path this way.
-    Nccl,
-}
-
-impl GradientSyncMode {
-    /// What `Auto` means for `device` and `world_size`; `Host` and `Nccl` stay as they are
-    /// (validation refuses `Nccl` on a device other than CUDA).
-    pub fn resolve(self, device: DeviceKind, world_size: usize) -> Self {
-        match self {
-            Self::Auto if device == DeviceKind::Cuda && world_size > 1 => Self::Nccl,
-            Self::Auto => Self::Host,
-            explicit => explicit,
-        }
-    }
-}
-
-/// `distributed.gradient_compression`: the precision of gradient buckets on the wire, on every
-/// path (host and NCCL): what PyTorch's `bf16_compress_hook` / `fp16_compress_hook` do.
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum GradientCompression {
-    /// `f32`: the average is exact up to `f32` summation order.
-    #[default]
-    None,
-    /// bfloat16: half the bytes; `f32`'s range, 8 significant bits.
-    Bf16,
-    /// IEEE half: half the bytes; 11 significant bits, but magnitudes past 65504 overflow and
-    /// those up to 2^-25 (3e-8) become 0 (each rank divides by the world size before rounding,
-    /// so the sum overflows only where the mean would).
-    Fp16,
-}
-
-impl GradientCompression {
-    /// The wire format, `None` for no compression.
-    pub fn format(self) -> Option<burn_ddp::kernels::HalfFormat> {
-        use burn_ddp::kernels::HalfFormat;
-        match self {
-            Self::None => None,
-            Self::Bf16 => Some(HalfFormat::Bf16),
-            Self::Fp16 => Some(HalfFormat::F16),
+            pipeline_schedule: PipelineSchedule::default(),
         }
     }
 }
@@ -487,9 +419,9 @@ impl<M, D> Config<M, D> {
                 "must be at least 1 (got 0)".into(),
             );
         }
-        if self.distributed.gradient_sync == GradientSyncMode::Nccl
-            && self.output.device != DeviceKind::Cuda
-        {
+        // burn-ddp's rule (NCCL needs a CUDA device), in the config's words.
+        let cuda = self.output.device == DeviceKind::Cuda;
+        if self.distributed.gradient_sync.check_device(cuda).is_err() {
             return invalid(
                 "distributed.gradient_sync",
                 format!(
@@ -498,16 +430,7 @@ impl<M, D> Config<M, D> {
                 ),
             );
         }
-        if self.distributed.zero_stage > 1 {
-            return invalid(
-                "distributed.zero_stage",
-                format!(
-                    "must be 0 (plain DDP) or 1 (sharded optimizer state), got {}; stages 2 and 3 (sharded gradients, parameters) are not implemented",
-                    self.distributed.zero_stage
-                ),
-            );
-        }
-        if self.distributed.pipeline_stages == 0 {
+        if PipelineLayout::check_stages(self.distributed.pipeline_stages).is_err() {
             return invalid(
                 "distributed.pipeline_stages",
                 "must be at least 1 (got 0; 1 is plain data parallelism)".into(),
@@ -626,18 +549,9 @@ seed = 1
 
     #[test]
     fn gradient_sync_defaults_to_auto_and_nccl_needs_cuda() {
+        // What "auto" means is burn-ddp's (`GradientTransport::resolve`, tested there).
         let c = parse(MINIMAL).unwrap();
-        assert_eq!(c.distributed.gradient_sync, GradientSyncMode::Auto);
-        let auto = GradientSyncMode::Auto;
-        assert_eq!(auto.resolve(DeviceKind::Cuda, 2), GradientSyncMode::Nccl);
-        assert_eq!(auto.resolve(DeviceKind::Cuda, 1), GradientSyncMode::Host);
-        assert_eq!(auto.resolve(DeviceKind::Cpu, 2), GradientSyncMode::Host);
-        assert_eq!(auto.resolve(DeviceKind::Wgpu, 4), GradientSyncMode::Host);
-        let host = GradientSyncMode::Host;
-        assert_eq!(host.resolve(DeviceKind::Cuda, 2), GradientSyncMode::Host);
-        let nccl = GradientSyncMode::Nccl;
-        assert_eq!(nccl.resolve(DeviceKind::Cuda, 1), GradientSyncMode::Nccl);
-
+        assert_eq!(c.distributed.gradient_sync, GradientTransport::Auto);
         let with = |sync: &str, device: &str| {
             parse(&format!(
                 "{MINIMAL}\n[distributed]\ngradient_sync = \"{sync}\"\n[output]\ndevice = \"{device}\"\n"
@@ -645,11 +559,15 @@ seed = 1
         };
         assert_eq!(
             with("nccl", "cuda").unwrap().distributed.gradient_sync,
-            GradientSyncMode::Nccl
+            GradientTransport::Nccl
         );
         assert_eq!(
             with("host", "cuda").unwrap().distributed.gradient_sync,
-            GradientSyncMode::Host
+            GradientTransport::Host
+        );
+        assert_eq!(
+            with("auto", "wgpu").unwrap().distributed.gradient_sync,
+            GradientTransport::Auto
         );
         let err = with("nccl", "cpu").unwrap_err();
         assert!(matches!(err, ConfigError::Invalid { .. }), "{err}");
@@ -658,18 +576,25 @@ seed = 1
             msg.contains("distributed.gradient_sync") && msg.contains("cpu"),
             "{msg}"
         );
+        assert_eq!(
+            msg,
+            "config file test.toml: distributed.gradient_sync = \"nccl\" needs output.device = \"cuda\" (got \"cpu\"); use \"auto\" or \"host\""
+        );
         let err = with("gloo", "cpu").unwrap_err().to_string();
         assert!(err.contains("gloo"), "{err}");
+        assert!(
+            err.contains("expected one of `auto`, `host`, `nccl`"),
+            "{err}"
+        );
     }
 
     #[test]
     fn gradient_compression_names() {
-        use burn_ddp::kernels::HalfFormat;
         let with = |value: &str| {
             parse(&format!(
                 "{MINIMAL}\n[distributed]\ngradient_compression = \"{value}\"\n"
             ))
-            .map(|c| c.distributed.gradient_compression.format())
+            .map(|c| c.distributed.gradient_compression)
         };
         assert_eq!(with("none").unwrap(), None);
         assert_eq!(with("bf16").unwrap(), Some(HalfFormat::Bf16));
@@ -677,7 +602,97 @@ seed = 1
         let err = with("fp8").unwrap_err().to_string();
         assert!(err.contains("fp8") && err.contains("bf16"), "{err}");
         let default = parse(MINIMAL).unwrap();
-        assert_eq!(default.distributed.gradient_compression.format(), None);
+        assert_eq!(default.distributed.gradient_compression, None);
+    }
+
+    #[test]
+    fn zero_stage_is_0_or_1_and_2_is_refused_naming_the_key() {
+        let with =
+            |stage: &str| parse(&format!("{MINIMAL}\n[distributed]\nzero_stage = {stage}\n"));
+        assert_eq!(
+            parse(MINIMAL).unwrap().distributed.zero_stage,
+            ZeroStage::Off
+        );
+        assert_eq!(with("0").unwrap().distributed.zero_stage, ZeroStage::Off);
+        assert_eq!(
+            with("1").unwrap().distributed.zero_stage,
+            ZeroStage::OptimizerState
+        );
+        for stage in [2, 3] {
+            let err = with(&stage.to_string()).unwrap_err();
+            assert!(matches!(err, ConfigError::Parse { .. }), "{err}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains(&format!(
+                    "distributed.zero_stage must be 0 (plain DDP) or 1 (sharded optimizer state), got {stage}; stages 2 and 3 (sharded gradients, parameters) are not implemented"
+                )) && msg.contains("test.toml"),
+                "{msg}"
+            );
+        }
+        let err = with("-1").unwrap_err().to_string();
+        assert!(err.contains("zero_stage = -1"), "{err}");
+    }
+
+    #[test]
+    fn buffer_rules_and_pipeline_schedules_by_name() {
+        let with = |key: &str, value: &str| {
+            parse(&format!("{MINIMAL}\n[distributed]\n{key} = \"{value}\"\n"))
+                .map(|c| c.distributed)
+        };
+        let rule = |value| with("sync_buffers", value).map(|d| d.sync_buffers);
+        assert_eq!(
+            rule("broadcast").unwrap(),
+            Some(BufferSync::Broadcast { root: 0 })
+        );
+        assert_eq!(rule("average").unwrap(), Some(BufferSync::Average));
+        assert_eq!(rule("off").unwrap(), None);
+        let err = rule("mean").unwrap_err().to_string();
+        assert!(err.contains("mean") && err.contains("average"), "{err}");
+        let schedule = |value| with("pipeline_schedule", value).map(|d| d.pipeline_schedule);
+        assert_eq!(schedule("gpipe").unwrap(), PipelineSchedule::GPipe);
+        assert_eq!(
+            schedule("1f1b").unwrap(),
+            PipelineSchedule::OneForwardOneBackward
+        );
+        let err = schedule("zb").unwrap_err().to_string();
+        assert!(err.contains("zb") && err.contains("1f1b"), "{err}");
+        let err = parse(&format!("{MINIMAL}\n[distributed]\npipeline_stages = 0\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("distributed.pipeline_stages must be at least 1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn distributed_spellings_are_stable_both_ways() {
+        // The JSON of the fingerprint: the names of every value, as configs write them.
+        let default = DistributedConfig::default();
+        assert_eq!(
+            serde_json::to_string(&default).unwrap(),
+            r#"{"bucket_cap_mb":25.0,"timeout_secs":300,"stall_warning_secs":60,"gradient_sync":"auto","gradient_compression":"none","zero_stage":0,"sync_buffers":"broadcast","pipeline_stages":1,"pipeline_schedule":"gpipe"}"#
+        );
+        let other = DistributedConfig {
+            gradient_sync: GradientTransport::Nccl,
+            gradient_compression: Some(HalfFormat::F16),
+            zero_stage: ZeroStage::OptimizerState,
+            sync_buffers: None,
+            pipeline_stages: 2,
+            pipeline_schedule: PipelineSchedule::OneForwardOneBackward,
+            ..default
+        };
+        let text = toml::to_string(&other).unwrap();
+        for line in [
+            "gradient_sync = \"nccl\"",
+            "gradient_compression = \"fp16\"",
+            "zero_stage = 1",
+            "sync_buffers = \"off\"",
+            "pipeline_schedule = \"1f1b\"",
+        ] {
+            assert!(text.contains(line), "{line} in {text}");
+        }
+        assert_eq!(toml::from_str::<DistributedConfig>(&text).unwrap(), other);
     }
 
     #[test]

@@ -8,8 +8,9 @@ use burn::tensor::Device;
 
 use super::comm::HostStaging;
 use super::finite::GradientCheck;
-use super::options::{DdpOptions, GradientTransport};
+use super::options::DdpOptions;
 use super::reducer::{Reducer, ReducerStats};
+use super::transport::GradientTransport;
 use crate::error::DdpError;
 #[cfg(feature = "cuda")]
 use crate::group::nccl::{NcclGroupOptions, NcclProcessGroup};
@@ -32,40 +33,22 @@ impl GradientSync {
     /// bounded by `options.timeout`.
     ///
     /// # Errors
-    /// [`DdpError::Options`] for a combination that cannot work (NCCL asked for with ZeRO
-    /// stage 1, or in a build without feature `cuda`); what forming
-    /// the NCCL group reports.
+    /// [`DdpError::Options`] for a combination that cannot work (what
+    /// [`GradientTransport::choose`] refuses: NCCL asked for with ZeRO stage 1, in a build
+    /// without feature `cuda`, or off CUDA); what forming the NCCL group reports.
     pub fn new(
         options: &DdpOptions,
         dist: &Distributed,
         device: &Device,
     ) -> Result<Self, DdpError> {
         let reducer = Reducer::new(options.bucket_cap_mb, options.compression);
-        let asked = options.transport == GradientTransport::Nccl;
-        let cuda = is_cuda(device);
-        let mut use_nccl =
-            options.resolved_transport(cuda, dist.env.world_size) == GradientTransport::Nccl;
-        if use_nccl && options.zero_stage == 1 {
-            // Stage 1 needs a reduce-scatter and an all-gather over blocks of different sizes
-            // (one per owner), which NCCL lacks: it runs over the TCP group.
-            if asked {
-                return Err(DdpError::Options(
-                    "ZeRO stage 1 runs over the host (TCP ring) in this version; use the automatic or host gradient transport (distributed.gradient_sync = \"auto\" or \"host\"), or ZeRO stage 0 for NCCL".into(),
-                ));
-            }
-            use_nccl = false;
-        }
-        if use_nccl && !cfg!(feature = "cuda") {
-            return Err(DdpError::Options(
-                "gradient transport NCCL needs a build with feature `cuda` and Burn's CUDA backend"
-                    .into(),
-            ));
-        }
-        if use_nccl && !cuda {
-            return Err(DdpError::Options(
-                "gradient transport NCCL needs Burn's CUDA backend; use the automatic or host transport on this device".into(),
-            ));
-        }
+        let chosen = options
+            .transport
+            .choose(options.zero_stage, is_cuda(device), dist.env.world_size)
+            .map_err(|e| DdpError::Options(e.to_string()))?;
+        let use_nccl = chosen == GradientTransport::Nccl;
+        // `choose` refuses NCCL in a build without feature `cuda`.
+        debug_assert!(cfg!(feature = "cuda") || !use_nccl);
         Ok(Self {
             reducer,
             #[cfg(feature = "cuda")]

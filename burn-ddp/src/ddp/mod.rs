@@ -3,6 +3,12 @@
 //! - [`module`]: [`prepare_module`] gives parameters deterministic ids and broadcasts rank 0's
 //!   values, so every replica starts equal (and optimizer state is keyed the same everywhere).
 //! - [`bucket`]: the pure bucket plan.
+//! - [`options`]: [`DdpOptions`], the job's synchronisation as one value; [`transport`]:
+//!   [`GradientTransport`], where gradients are summed and the rules that choose it (pure);
+//!   [`zero_stage`]: [`ZeroStage`], 0 or 1. With feature `serde` they read and write the
+//!   trainer's `[distributed]` names.
+//! - `config_names` (feature `serde`): the config names of the options that are `Option`s
+//!   (compression, the buffer rule), as serde `with` modules.
 //! - [`buffers`]: [`sync_buffers`], BatchNorm running statistics and other buffers made equal
 //!   across ranks (rank 0's, or the mean).
 //! - [`reducer`]: [`Reducer`], which averages `GradientsParams` across ranks, bucket by bucket
@@ -27,6 +33,8 @@ pub mod all_reduce_op;
 pub mod bucket;
 pub mod buffers;
 pub mod comm;
+#[cfg(feature = "serde")]
+pub mod config_names;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod finite;
@@ -38,7 +46,9 @@ pub mod reducer;
 pub mod shard_plan;
 pub mod sync_batch_norm;
 pub mod sync_group;
+pub mod transport;
 pub mod zero;
+pub mod zero_stage;
 
 pub use buffers::{sync_buffers, BufferSync};
 pub use comm::{BucketComm, HostStaging};
@@ -47,8 +57,10 @@ pub use device::{cuda_ordinal, NcclBuckets};
 pub use finite::GradientCheck;
 pub use gradient_sync::GradientSync;
 pub use module::{param_checksum, parameter_count, prepare_module};
-pub use options::{DdpOptions, GradientTransport};
+pub use options::DdpOptions;
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;
 pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};
+pub use transport::{GradientTransport, TransportError};
 pub use zero::ShardedSync;
+pub use zero_stage::{UnsupportedZeroStage, ZeroStage};

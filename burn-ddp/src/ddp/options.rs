@@ -1,37 +1,28 @@
 //! [`DdpOptions`]: how one data-parallel job synchronises, as one value — where gradients
-//! are summed (host ring or NCCL), the ZeRO stage, the wire precision, the bucket size, the
-//! buffer rule and the deadlines. The engine builds it from `[distributed]`, the burn-train
+//! are summed (host ring or NCCL: [`GradientTransport`]), the ZeRO stage ([`ZeroStage`]), the
+//! wire precision, the bucket size, the buffer rule and the deadlines. The engine builds it
+//! from `[distributed]` (whose fields are these types: feature `serde`), the burn-train
 //! strategy and own-loop programs from code; every rank must use the same options.
 
 use std::time::Duration;
 
 use super::buffers::BufferSync;
+use super::transport::GradientTransport;
+use super::zero_stage::ZeroStage;
 use crate::group::TcpGroupOptions;
 use crate::kernels::HalfFormat;
-
-/// Where gradients are summed (PyTorch's choice of backend for the DDP process group).
-/// Metrics, checkpoints and the start-up broadcast always use the TCP group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GradientTransport {
-    /// NCCL on Burn's plain CUDA backend with more than one rank, the host otherwise.
-    #[default]
-    Auto,
-    /// Through host memory and the TCP ring (shared memory between ranks of one machine).
-    Host,
-    /// On the GPU with NCCL (Burn's plain CUDA backend, a build with feature `cuda`).
-    Nccl,
-}
 
 /// The synchronisation of a data-parallel job. `Default` is PyTorch DDP's: 25 MiB buckets,
 /// f32 on the wire, rank 0's buffers broadcast after every step, ZeRO off, NCCL where the
 /// backend allows it, 300 s deadlines.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DdpOptions {
+    /// Where gradients are summed; `Auto` is resolved from the training device and the world
+    /// size by [`GradientTransport::choose`].
     pub transport: GradientTransport,
-    /// 0: every rank holds the whole optimizer state (plain DDP). 1: each parameter's state
-    /// lives on one rank, which steps it and sends the new values to the others (DeepSpeed's
-    /// stage 1, PyTorch's `ZeroRedundancyOptimizer`). Stage 1 runs over the host.
-    pub zero_stage: u8,
+    /// Whether each parameter's optimizer state lives on one rank (stage 1, which runs over
+    /// the host) or on every rank (stage 0, plain DDP).
+    pub zero_stage: ZeroStage,
     /// The precision of gradient buckets on the wire: `None` (f32), bf16 or fp16 (PyTorch's
     /// `bf16_compress_hook` / `fp16_compress_hook`).
     pub compression: Option<HalfFormat>,
@@ -50,7 +41,7 @@ impl Default for DdpOptions {
     fn default() -> Self {
         Self {
             transport: GradientTransport::Auto,
-            zero_stage: 0,
+            zero_stage: ZeroStage::Off,
             compression: None,
             bucket_cap_mb: 25.0,
             buffers: Some(BufferSync::Broadcast { root: 0 }),
@@ -66,7 +57,7 @@ impl DdpOptions {
         self
     }
 
-    pub fn with_zero_stage(mut self, stage: u8) -> Self {
+    pub fn with_zero_stage(mut self, stage: ZeroStage) -> Self {
         self.zero_stage = stage;
         self
     }
@@ -98,32 +89,5 @@ impl DdpOptions {
             stall_warning: self.stall_warning,
             ..Default::default()
         }
-    }
-
-    /// Where gradients go for a backend with (`cuda`) or without Burn's CUDA and `world`
-    /// ranks, before the checks of [`super::GradientSync::new`]. Pure.
-    pub fn resolved_transport(&self, cuda: bool, world: usize) -> GradientTransport {
-        match self.transport {
-            GradientTransport::Auto if cuda && world > 1 => GradientTransport::Nccl,
-            GradientTransport::Auto => GradientTransport::Host,
-            explicit => explicit,
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn auto_means_nccl_only_for_cuda_with_several_ranks() {
-        let auto = DdpOptions::default();
-        assert_eq!(auto.resolved_transport(true, 2), GradientTransport::Nccl);
-        assert_eq!(auto.resolved_transport(true, 1), GradientTransport::Host);
-        assert_eq!(auto.resolved_transport(false, 4), GradientTransport::Host);
-        let host = auto.with_transport(GradientTransport::Host);
-        assert_eq!(host.resolved_transport(true, 2), GradientTransport::Host);
-        let nccl = auto.with_transport(GradientTransport::Nccl);
-        assert_eq!(nccl.resolved_transport(false, 2), GradientTransport::Nccl);
     }
 }

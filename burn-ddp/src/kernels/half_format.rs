@@ -9,9 +9,16 @@ use half::{bf16, f16};
 ///   but overflow past 65504, and magnitudes up to 2^-25 become 0; the reducer divides by the
 ///   world size *before* rounding (PyTorch's `fp16_compress_hook` rounds first, then divides)
 ///   so that a sum cannot overflow where the mean does not.
+///
+/// With feature `serde` it is written as its [`name`](HalfFormat::name); the trainer's
+/// `distributed.gradient_compression` adds `"none"` for no compression
+/// (`ddp::config_names::compression`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum HalfFormat {
+    #[cfg_attr(feature = "serde", serde(rename = "bf16"))]
     Bf16,
+    #[cfg_attr(feature = "serde", serde(rename = "fp16"))]
     F16,
 }
 

@@ -63,6 +63,7 @@ use super::gather::GatherOutput;
 use super::loader;
 use crate::data_parallel::{DataParallel, StepOutcome};
 use crate::ddp::buffers::{self, BufferSync};
+use crate::ddp::zero_stage::ZeroStage;
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
@@ -273,7 +274,8 @@ where
         dataloader_valid: ValidLoader<M>,
         components: TrainingComponents<M>,
     ) -> LearningResult<M> {
-        if self.options.zero_stage == 1 && components.checkpointer.is_some() {
+        let sharded = self.options.zero_stage == ZeroStage::OptimizerState;
+        if sharded && components.checkpointer.is_some() {
             refuse(
                 self.rank,
                 "ZeRO stage 1 under the burn-train strategy cannot write burn-train's checkpoints: its Learner does not let a strategy read the optimizer state each rank holds, so rank 0's files would resume with the other ranks' state lost. Remove the checkpointer, use ZeRO stage 0, or train through the trainer engine (its checkpoints merge the shards)",
@@ -350,7 +352,7 @@ where
         let mut early_stopping = components.early_stopping;
         let steps = StepRule {
             accumulation: components.grad_accumulation.unwrap_or(1).max(1),
-            reload: ddp.zero_stage() == 1
+            reload: ddp.zero_stage() == ZeroStage::OptimizerState
                 || (self.options.buffers.is_some()
                     && buffers::buffer_elements(&learner.model()) > 0),
         };

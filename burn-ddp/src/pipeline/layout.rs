@@ -1,4 +1,6 @@
-//! Which rank runs which pipeline stage (pure).
+//! Which rank runs which pipeline stage, and which layers each stage holds (pure). The one
+//! home of the two rules of a pipeline's shape: the stages divide the world
+//! ([`PipelineLayout::new`]) and the model has a layer for every stage ([`check_layers`]).
 //!
 //! `world = stages × replicas`, and **a pipeline's stages are consecutive ranks**:
 //! `rank = replica × stages + stage`. Stage neighbours are then adjacent ranks, on the same
@@ -8,7 +10,7 @@
 
 use thiserror::Error;
 
-/// A world size that cannot be cut into the asked number of stages.
+/// A world size, or a model, that cannot be cut into the asked number of stages.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum LayoutError {
     #[error("pipeline_stages = 0: a pipeline needs at least one stage")]
@@ -18,6 +20,11 @@ pub enum LayoutError {
          of the pipeline needs all {stages} stages (use a world size of {stages} × replicas)"
     )]
     NotAMultiple { world: usize, stages: usize },
+    #[error(
+        "{layers} layers cannot be cut into {stages} pipeline stages: each stage needs at least \
+         one layer"
+    )]
+    TooFewLayers { layers: usize, stages: usize },
 }
 
 /// The stages × replicas grid of a run.
@@ -37,11 +44,18 @@ pub struct StagePosition {
 }
 
 impl PipelineLayout {
-    /// The layout of `world` ranks cut into `stages` stages.
-    pub fn new(world: usize, stages: usize) -> Result<Self, LayoutError> {
+    /// Whether `stages` can be a stage count: at least 1 (1 is plain data parallelism).
+    pub fn check_stages(stages: usize) -> Result<(), LayoutError> {
         if stages == 0 {
             return Err(LayoutError::NoStages);
         }
+        Ok(())
+    }
+
+    /// The layout of `world` ranks cut into `stages` stages: `world` must be a multiple of
+    /// `stages` (every replica of the pipeline needs all of them).
+    pub fn new(world: usize, stages: usize) -> Result<Self, LayoutError> {
+        Self::check_stages(stages)?;
         if world == 0 || !world.is_multiple_of(stages) {
             return Err(LayoutError::NotAMultiple { world, stages });
         }
@@ -99,9 +113,20 @@ impl PipelineLayout {
     }
 }
 
+/// Whether `layers` consecutive layers can be cut into `stages` stages as [`stage_layers`]
+/// cuts them, every stage with at least one layer.
+pub fn check_layers(layers: usize, stages: usize) -> Result<(), LayoutError> {
+    PipelineLayout::check_stages(stages)?;
+    if layers < stages {
+        return Err(LayoutError::TooFewLayers { layers, stages });
+    }
+    Ok(())
+}
+
 /// The layers of stage `stage` when `layers` consecutive layers are cut into `stages` stages:
 /// as equal as possible, the first `layers % stages` stages one layer more (a transformer's
-/// blocks, a perceptron's hidden layers). Pure; a stage gets no layer when `layers < stages`.
+/// blocks, a perceptron's hidden layers). Pure; a stage gets no layer when `layers < stages`
+/// (what [`check_layers`] refuses).
 pub fn stage_layers(layers: usize, stages: usize, stage: usize) -> std::ops::Range<usize> {
     let stages = stages.max(1);
     let (base, extra) = (layers / stages, layers % stages);
@@ -158,6 +183,34 @@ mod tests {
         let one = PipelineLayout::new(3, 1).unwrap();
         assert_eq!((one.next_stage(1), one.previous_stage(1)), (None, None));
         assert_eq!(one.replica_group(1), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_model_needs_a_layer_for_every_stage() {
+        assert_eq!(check_layers(3, 3), Ok(()));
+        assert_eq!(check_layers(7, 1), Ok(()));
+        assert_eq!(
+            check_layers(3, 4),
+            Err(LayoutError::TooFewLayers {
+                layers: 3,
+                stages: 4
+            })
+        );
+        assert_eq!(check_layers(3, 0), Err(LayoutError::NoStages));
+        assert_eq!(PipelineLayout::check_stages(0), Err(LayoutError::NoStages));
+        assert_eq!(PipelineLayout::check_stages(1), Ok(()));
+        // Exactly where every stage of `stage_layers` is non-empty.
+        for layers in 0..8 {
+            for stages in 1..8 {
+                let every_stage_has_one =
+                    (0..stages).all(|s| !stage_layers(layers, stages, s).is_empty());
+                assert_eq!(
+                    check_layers(layers, stages).is_ok(),
+                    every_stage_has_one,
+                    "{layers} layers, {stages} stages"
+                );
+            }
+        }
     }
 
     #[test]

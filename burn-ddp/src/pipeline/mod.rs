@@ -9,7 +9,7 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`layout`] | which rank runs which stage of which replica; a stage's neighbours and its replica group (pure) |
+//! | [`layout`] | which rank runs which stage of which replica; a stage's neighbours and its replica group; which layers each stage holds; the rules that the stages divide the world and the model has a layer per stage (pure) |
 //! | [`handle`] | [`PipelineParallel`], the handle a program holds: its stage and replica, the links, the DDP step over its stage's replicas |
 //! | [`frame`] | the bytes of one activation or gradient between neighbouring stages (pure) |
 //! | [`link`] | [`StageLinks`]: a stage's TCP connections to its neighbours — plan check at set-up, sends that never wait for the receiver, receives with a deadline that name a lost or silent neighbour |
@@ -32,7 +32,7 @@ pub mod schedule;
 pub mod stage;
 
 pub use handle::{PipelineConfig, PipelineError, PipelineParallel, StageStep};
-pub use layout::{stage_layers, LayoutError, PipelineLayout, StagePosition};
+pub use layout::{check_layers, stage_layers, LayoutError, PipelineLayout, StagePosition};
 pub use link::{LinkError, StageLinks};
 pub use schedule::{
     simulate, stage_actions, theoretical_bubble, Action, PipelineSchedule, Simulation,

@@ -11,15 +11,20 @@
 //! Both schedules run the backward passes in micro-batch order, so each stage accumulates
 //! its gradients in the same order under either: GPipe and 1F1B give the same weights.
 
-/// How a stage orders its micro-batches' passes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How a stage orders its micro-batches' passes. With feature `serde`: `"gpipe"` or `"1f1b"`
+/// (the trainer's `distributed.pipeline_schedule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum PipelineSchedule {
     /// GPipe: every micro-batch forward, then every one backward. Simple; each stage holds
     /// the activations of all `m` micro-batches at once.
+    #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "gpipe"))]
     GPipe,
     /// One forward, one backward (PipeDream-flush, Megatron's default): after a warm-up of
     /// `stages − 1 − stage` forwards, forwards and backwards alternate. The same bubble as
     /// GPipe, but a stage holds at most `stages − stage` micro-batches' activations.
+    #[cfg_attr(feature = "serde", serde(rename = "1f1b"))]
     OneForwardOneBackward,
 }
 

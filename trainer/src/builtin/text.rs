@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use burn::tensor::Device;
+use burn_ddp::pipeline::check_layers;
 use models::{
     SyntheticText, TextBatcher, TextClassifier, TextClassifierConfig, TextClassifierStage, TextItem,
 };
@@ -134,7 +135,7 @@ pub fn stages() -> StageSplit<TextApp> {
     StageSplit::new(
         |model: &Named<TextClassifierConfig>, _data: &TextData, which: StageOf, device: &Device| {
             let layers = model.config.layers;
-            if layers < which.stages {
+            if check_layers(layers, which.stages).is_err() {
                 return Err(AppError::key(
                     "model.layers",
                     format!(

@@ -4,6 +4,8 @@
 //! The estimate is a lower bound (parameters × 4 bytes × the copies every rank surely holds),
 //! so a refusal is never wrong; activations and data come on top and are not guessed.
 
+use burn_ddp::ZeroStage;
+
 use crate::config::{OptimizerConfig, OptimizerName};
 use crate::error::UsageError;
 use crate::launcher::worker_env::MEMORY_AVAILABLE_VAR;
@@ -45,8 +47,11 @@ impl MemoryEstimate {
     /// With `distributed.zero_stage = 1` on `world` ranks each rank keeps the optimizer state
     /// of its own parameters only: counted as `1 / world` of it, the average share — the rank
     /// with the most holds at least that, so the estimate stays a lower bound.
-    pub fn with_zero_stage(mut self, stage: u8, world: usize) -> Self {
-        self.state_shards = if stage >= 1 { world.max(1) as u64 } else { 1 };
+    pub fn with_zero_stage(mut self, stage: ZeroStage, world: usize) -> Self {
+        self.state_shards = match stage {
+            ZeroStage::OptimizerState => world.max(1) as u64,
+            ZeroStage::Off => 1,
+        };
         self
     }
 
@@ -190,11 +195,23 @@ mod tests {
     #[test]
     fn zero_stage_1_divides_the_optimizer_state_among_the_ranks() {
         let adam = MemoryEstimate::new(1_000, &optimizer("adam", 0.0));
-        assert_eq!(adam.with_zero_stage(1, 4).per_rank_bytes(), 12_000 + 2_000);
-        assert_eq!(adam.with_zero_stage(0, 4).per_rank_bytes(), 20_000);
-        assert_eq!(adam.with_zero_stage(1, 1).per_rank_bytes(), 20_000);
+        assert_eq!(
+            adam.with_zero_stage(ZeroStage::OptimizerState, 4)
+                .per_rank_bytes(),
+            12_000 + 2_000
+        );
+        assert_eq!(
+            adam.with_zero_stage(ZeroStage::Off, 4).per_rank_bytes(),
+            20_000
+        );
+        assert_eq!(
+            adam.with_zero_stage(ZeroStage::OptimizerState, 1)
+                .per_rank_bytes(),
+            20_000
+        );
         // 2,002 values of state on 3 ranks: at least 668 on the rank with the most.
-        let odd = MemoryEstimate::new(1_001, &optimizer("adam", 0.0)).with_zero_stage(1, 3);
+        let odd = MemoryEstimate::new(1_001, &optimizer("adam", 0.0))
+            .with_zero_stage(ZeroStage::OptimizerState, 3);
         assert_eq!(odd.per_rank_bytes(), 12_012 + 668 * 4);
         let err = MemoryEstimate::new(1_000_000_000, &optimizer("adam", 0.0))
             .check(1, 1 << 30, "test")
@@ -206,7 +223,7 @@ mod tests {
             "names ZeRO as a way out: {err}"
         );
         let err = MemoryEstimate::new(1_000_000_000, &optimizer("adam", 0.0))
-            .with_zero_stage(1, 2)
+            .with_zero_stage(ZeroStage::OptimizerState, 2)
             .check(1, 1 << 30, "test")
             .unwrap_err()
             .0;

@@ -13,11 +13,10 @@ use anyhow::bail;
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::Device;
-use burn_ddp::ddp::BufferSync;
-use burn_ddp::{DataParallel, DdpOptions, Distributed, GradientTransport};
+use burn_ddp::{DataParallel, DdpOptions, Distributed};
 
 use crate::app::{App, AppConfig};
-use crate::config::{DeviceKind, DistributedConfig, GradientSyncMode, SyncBuffers};
+use crate::config::DistributedConfig;
 use crate::engine::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
@@ -41,22 +40,14 @@ pub struct CheckpointPolicy {
     pub seed: u64,
 }
 
-/// The DDP options `[distributed]` describes.
+/// The DDP options `[distributed]` describes: its fields are burn-ddp's types already.
 pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
     DdpOptions {
-        transport: match d.gradient_sync {
-            GradientSyncMode::Auto => GradientTransport::Auto,
-            GradientSyncMode::Host => GradientTransport::Host,
-            GradientSyncMode::Nccl => GradientTransport::Nccl,
-        },
+        transport: d.gradient_sync,
         zero_stage: d.zero_stage,
-        compression: d.gradient_compression.format(),
+        compression: d.gradient_compression,
         bucket_cap_mb: d.bucket_cap_mb,
-        buffers: match d.sync_buffers {
-            SyncBuffers::Broadcast => Some(BufferSync::Broadcast { root: 0 }),
-            SyncBuffers::Average => Some(BufferSync::Average),
-            SyncBuffers::Off => None,
-        },
+        buffers: d.sync_buffers,
         timeout: Duration::from_secs(d.timeout_secs),
         stall_warning: Duration::from_secs(d.stall_warning_secs),
     }
@@ -79,16 +70,13 @@ impl CheckpointPolicy {
 }
 
 /// The DDP handle of this rank over the formed job `dist`, as `[distributed]` says, for a
-/// model trained on `device` (of `output.device = kind`), which decides how gradients travel
-/// (through the host, or NCCL on CUDA). Collective when the options choose NCCL.
+/// model trained on `device`, which decides how gradients travel (through the host, or NCCL
+/// on CUDA: burn-ddp's choice). Collective when the options choose NCCL.
 pub fn data_parallel(
     dist: Distributed,
     options: &DistributedConfig,
-    kind: DeviceKind,
     device: &Device,
 ) -> anyhow::Result<DataParallel> {
-    // Validation keeps "nccl" to `output.device = "cuda"`; a CPU or wgpu job never asks.
-    debug_assert!(options.gradient_sync != GradientSyncMode::Nccl || kind == DeviceKind::Cuda);
     Ok(DataParallel::new(dist, ddp_options(options), device)?)
 }
 

@@ -4,6 +4,7 @@
 use std::path::Path;
 
 use anyhow::bail;
+use burn_ddp::pipeline::{LayoutError, PipelineLayout};
 
 use crate::app::{App, AppConfig};
 use crate::backend;
@@ -27,7 +28,8 @@ pub enum Splitting {
 /// whether `ranks_here` ranks (of a job of `world_size`) of this model fit in this machine's
 /// memory (on the CPU, for apps that give [`App::parameter_count`]; ZeRO stage 1 divides the
 /// optimizer state by the replicas of a stage, `pipeline_stages` the model by the stages),
-/// and that the stages divide the world size. Reads no data and allocates no model.
+/// and that the stages divide the world size (burn-ddp's [`PipelineLayout`]). Reads no data
+/// and allocates no model.
 pub fn preflight<A: App>(
     app: &A,
     config_path: &Path,
@@ -44,22 +46,16 @@ pub fn preflight<A: App>(
             app.name(&config.model)
         )));
     }
-    // One process (`trainer eval`, or a run started alone) is told by the pipeline itself.
-    if world_size > 1 && !world_size.is_multiple_of(stages) {
-        bail!(UsageError(format!(
-            "distributed.pipeline_stages = {stages} does not divide the world size {world_size}: every replica of the pipeline needs all {stages} stages (run {stages} × replicas processes)"
-        )));
-    }
+    let layout = pipeline_layout(stages, world_size)?;
     if config.output.device == DeviceKind::Cpu {
         // A rank of a pipeline holds one stage: about 1/stages of the model (stages are cut
-        // by layers); one process (`trainer eval`) the whole model.
-        let per_rank = if world_size > 1 { stages } else { 1 };
+        // by layers); ZeRO divides the optimizer state among the replicas of a stage.
         let parameters = app
             .parameter_count(&config.model, &config.data)
-            .map(|p| p.div_ceil(per_rank as u64));
+            .map(|p| p.div_ceil(layout.stages() as u64));
         if let (Some(parameters), Some((available, source))) = (parameters, available_memory()) {
             MemoryEstimate::new(parameters, &config.optimizer)
-                .with_zero_stage(config.distributed.zero_stage, world_size / per_rank)
+                .with_zero_stage(config.distributed.zero_stage, layout.replicas())
                 .check(ranks_here, available, source)?;
         }
     }
@@ -88,4 +84,39 @@ pub fn preflight<A: App>(
         .unwrap_or(0);
     backend::device_available(config.output.device, local_rank)?;
     Ok(config)
+}
+
+/// The stages × replicas grid of `world_size` ranks cut into `stages` stages, as burn-ddp's
+/// [`PipelineLayout`] (the one home of "the stages divide the world") builds it. One process
+/// (`trainer eval`, or a run started alone) holds the whole model: its grid is one stage of
+/// one replica, and a pipeline started alone is told by the pipeline itself.
+fn pipeline_layout(stages: usize, world_size: usize) -> Result<PipelineLayout, UsageError> {
+    if world_size <= 1 {
+        return Ok(PipelineLayout::new(1, 1).expect("one rank is one stage of one replica"));
+    }
+    PipelineLayout::new(world_size, stages).map_err(|e| match e {
+        LayoutError::NotAMultiple { world, stages } => UsageError(format!(
+            "distributed.pipeline_stages = {stages} does not divide the world size {world}: every replica of the pipeline needs all {stages} stages (run {stages} × replicas processes)"
+        )),
+        other => UsageError(format!("distributed.pipeline_stages: {other}")),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stages_must_divide_the_world_and_one_process_holds_the_whole_model() {
+        let grid =
+            |stages, world| pipeline_layout(stages, world).map(|l| (l.stages(), l.replicas()));
+        assert_eq!(grid(2, 6).unwrap(), (2, 3));
+        assert_eq!(grid(1, 4).unwrap(), (1, 4));
+        assert_eq!(grid(3, 1).unwrap(), (1, 1));
+        let err = grid(2, 3).unwrap_err().0;
+        assert_eq!(
+            err,
+            "distributed.pipeline_stages = 2 does not divide the world size 3: every replica of the pipeline needs all 2 stages (run 2 × replicas processes)"
+        );
+    }
 }

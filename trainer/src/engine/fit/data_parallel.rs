@@ -104,8 +104,7 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         device,
         no_resume,
     } = start;
-    let mut ddp =
-        parallel::data_parallel(dist, &config.distributed, config.output.device, &device)?;
+    let mut ddp = parallel::data_parallel(dist, &config.distributed, &device)?;
     ddp.check_same(&config.fingerprint())?;
     let (rank, world) = (ddp.rank(), ddp.world_size());
     device.seed(fault_injection::init_seed(config.training.seed, rank));

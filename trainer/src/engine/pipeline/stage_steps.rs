@@ -147,7 +147,7 @@ fn form<A: App>(
     let d = &config.distributed;
     let pipeline = PipelineConfig {
         stages: d.pipeline_stages,
-        schedule: d.pipeline_schedule.schedule(),
+        schedule: d.pipeline_schedule,
         micro_batches: config.training.accumulation_steps,
     };
     // Every rank against rank 0 first: a rank started with other settings (another stage

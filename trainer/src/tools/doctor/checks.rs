@@ -22,7 +22,7 @@ use crate::backend::{
     device_name, rebuild_advice, CudaFacts, CudaProblem, DeviceFacts, DeviceJob, WgpuAdapter,
     WgpuProblem,
 };
-use crate::config::{DeviceKind, GradientSyncMode};
+use crate::config::DeviceKind;
 use crate::engine::memory::MemoryEstimate;
 use crate::finding::{Finding, Status};
 
@@ -875,8 +875,7 @@ fn cuda_devices(
         ));
         return findings;
     };
-    let nccl_needed =
-        job.gradient_sync.resolve(DeviceKind::Cuda, job.world_size) == GradientSyncMode::Nccl;
+    let nccl_needed = job.nccl_on_cuda();
     findings.push(match nccl {
         Ok(version) => Finding::ok("nccl", format!("NCCL {version}")),
         Err(e) if nccl_needed => Finding::fail(
@@ -1235,7 +1234,7 @@ mod tests {
             device,
             local_ranks,
             world_size: local_ranks,
-            gradient_sync: GradientSyncMode::Auto,
+            gradient_sync: Default::default(),
         }
     }
 
