@@ -26,7 +26,7 @@
 //! | file | owns |
 //! |---|---|
 //! | [`finding`] | a check's result, the report, the exit code (pure) |
-//! | [`checks`] | facts → findings, with the thresholds (pure) |
+//! | [`checks`] | facts → findings, with the thresholds (pure), one file per family of checks |
 //! | [`probe`] | measuring the machine: file systems, limits, sockets, names |
 //! | [`allreduce`] | the all-reduce check's ranks, started through the launcher |
 //!
