@@ -76,8 +76,9 @@ pub struct DataParallel {
     has_buffers: Option<bool>,
     timeout: Duration,
     /// The group of [`SyncBatchNorm`](crate::ddp::SyncBatchNorm)'s statistics, installed
-    /// process-wide while this handle lives (`None` in a world of one).
-    _sync_batch_norm: Option<SyncGroupGuard>,
+    /// process-wide while this handle lives (none in a world of one); it also tells this
+    /// build's layers that a `DataParallel` of their build is alive.
+    _sync_batch_norm: SyncGroupGuard,
 }
 
 impl DataParallel {
@@ -104,7 +105,7 @@ impl DataParallel {
         let sync = GradientSync::new(&options, &dist, device)?;
         let sharded = (options.zero_stage == ZeroStage::OptimizerState)
             .then(|| ShardedSync::new(options.compression));
-        let sync_batch_norm = (dist.env.world_size > 1).then(|| {
+        let sync_batch_norm = if dist.env.world_size > 1 {
             let mut options = dist.group.options().clone();
             options.store_prefix.push_str(sync_group::STORE_SUFFIX);
             sync_group::install(sync_group::Recipe {
@@ -113,7 +114,9 @@ impl DataParallel {
                 world_size: dist.env.world_size,
                 options,
             })
-        });
+        } else {
+            sync_group::install_none()
+        };
         Ok(Self {
             dist,
             sync,

@@ -84,11 +84,53 @@ impl DistEnv {
 
     /// Parses the variables returned by `lookup`; pure, for tests.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, InitError> {
+        let ranks = Ranks::from_lookup(&lookup)?;
+        let launcher = Launcher::of(ranks.rank_var);
+        let mut derived = Vec::new();
+        let master_addr = master_addr(&lookup, launcher, &ranks, &mut derived)?;
+        let launcher_job = launcher_job(&lookup, launcher);
+        let master_port = master_port(&lookup, launcher, &mut derived)?;
+        Ok(Self {
+            rank: ranks.rank,
+            world_size: ranks.world_size,
+            local_rank: ranks.local_rank,
+            local_world_size: ranks.local_world_size,
+            master_addr,
+            master_port,
+            derived,
+            launcher_job,
+        })
+    }
+
+    /// `MASTER_ADDR:MASTER_PORT`, ready for `ToSocketAddrs`.
+    pub fn master_endpoint(&self) -> String {
+        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
+            format!("[{}]:{}", self.master_addr, self.master_port) // IPv6 literal
+        } else {
+            format!("{}:{}", self.master_addr, self.master_port)
+        }
+    }
+}
+
+/// This process's place in the job, and the variable its rank was read from (which names the
+/// launcher).
+struct Ranks {
+    rank_var: &'static str,
+    rank: usize,
+    world_size: usize,
+    local_rank: usize,
+    local_world_size: usize,
+}
+
+impl Ranks {
+    /// The global rank and world size (both required), then the local ones (a single machine
+    /// when the launcher gives none), checked against each other.
+    fn from_lookup(lookup: &impl Fn(&str) -> Option<String>) -> Result<Self, InitError> {
         let hint = "set by torchrun, `trainer --nproc-per-node`, SLURM (srun) or Open MPI (mpirun)";
         let (rank_var, rank) =
-            first_usize(&lookup, &RANK_VARS)?.ok_or(InitError::Missing { name: "RANK", hint })?;
+            first_usize(lookup, &RANK_VARS)?.ok_or(InitError::Missing { name: "RANK", hint })?;
         let (world_var, world_size) =
-            first_usize(&lookup, &WORLD_VARS)?.ok_or(InitError::Missing {
+            first_usize(lookup, &WORLD_VARS)?.ok_or(InitError::Missing {
                 name: "WORLD_SIZE",
                 hint,
             })?;
@@ -104,8 +146,8 @@ impl DistEnv {
                 "{rank_var}={rank} but {world_var}={world_size}: ranks are 0..{world_size}"
             )));
         }
-        let local_rank = first_usize(&lookup, &LOCAL_RANK_VARS)?.map(|(_, v)| v);
-        let local_world = first_usize(&lookup, &LOCAL_WORLD_VARS)?;
+        let local_rank = first_usize(lookup, &LOCAL_RANK_VARS)?.map(|(_, v)| v);
+        let local_world = first_usize(lookup, &LOCAL_WORLD_VARS)?;
         // Without local information assume a single machine, as torchrun does for one node.
         let local_rank = local_rank.unwrap_or(rank);
         let (local_world_var, local_world_size) =
@@ -115,68 +157,71 @@ impl DistEnv {
                 "local rank {local_rank} with {local_world_var}={local_world_size} and world size {world_size}"
             )));
         }
-        let launcher = Launcher::of(rank_var);
-        let mut derived = Vec::new();
-        let master_addr = match lookup("MASTER_ADDR") {
-            Some(addr) => addr,
-            None => {
-                let (addr, how) = derive_master_addr(&lookup, launcher, local_world_size, world_size)?
-                    .ok_or(InitError::Missing {
-                        name: "MASTER_ADDR",
-                        hint: "the host of rank 0, e.g. 127.0.0.1 on one machine (derived only under srun, or mpirun on one machine)",
-                    })?;
-                derived.push(format!("MASTER_ADDR={addr}, {how}"));
-                addr
-            }
-        };
-        if master_addr.trim().is_empty() {
-            return Err(InitError::Invalid {
-                name: "MASTER_ADDR",
-                value: master_addr,
-                reason: "empty host name".into(),
-            });
-        }
-        let launcher_job = launcher_job(&lookup, launcher);
-        let port = match lookup("MASTER_PORT") {
-            Some(port) => port,
-            None => {
-                let (port, how) = derive_master_port(&lookup, launcher).ok_or(InitError::Missing {
-                    name: "MASTER_PORT",
-                    hint: "a free TCP port on rank 0's host, the same on every rank, e.g. 29500 (derived only under srun or mpirun)",
-                })?;
-                derived.push(format!("MASTER_PORT={port}, {how}"));
-                port.to_string()
-            }
-        };
-        let master_port = match port.trim().parse::<u16>() {
-            Ok(p) if p != 0 => p,
-            _ => {
-                return Err(InitError::Invalid {
-                    name: "MASTER_PORT",
-                    value: port,
-                    reason: "expected a TCP port number in 1..=65535".into(),
-                })
-            }
-        };
         Ok(Self {
+            rank_var,
             rank,
             world_size,
             local_rank,
             local_world_size,
-            master_addr,
-            master_port,
-            derived,
-            launcher_job,
         })
     }
+}
 
-    /// `MASTER_ADDR:MASTER_PORT`, ready for `ToSocketAddrs`.
-    pub fn master_endpoint(&self) -> String {
-        if self.master_addr.contains(':') && !self.master_addr.starts_with('[') {
-            format!("[{}]:{}", self.master_addr, self.master_port) // IPv6 literal
-        } else {
-            format!("{}:{}", self.master_addr, self.master_port)
+/// `MASTER_ADDR`, else derived from the launcher's variables (the derivation noted in
+/// `derived`); never empty.
+fn master_addr(
+    lookup: &impl Fn(&str) -> Option<String>,
+    launcher: Launcher,
+    ranks: &Ranks,
+    derived: &mut Vec<String>,
+) -> Result<String, InitError> {
+    let master_addr = match lookup("MASTER_ADDR") {
+        Some(addr) => addr,
+        None => {
+            let (addr, how) = derive_master_addr(lookup, launcher, ranks.local_world_size, ranks.world_size)?
+                .ok_or(InitError::Missing {
+                    name: "MASTER_ADDR",
+                    hint: "the host of rank 0, e.g. 127.0.0.1 on one machine (derived only under srun, or mpirun on one machine)",
+                })?;
+            derived.push(format!("MASTER_ADDR={addr}, {how}"));
+            addr
         }
+    };
+    if master_addr.trim().is_empty() {
+        return Err(InitError::Invalid {
+            name: "MASTER_ADDR",
+            value: master_addr,
+            reason: "empty host name".into(),
+        });
+    }
+    Ok(master_addr)
+}
+
+/// `MASTER_PORT`, else derived from the launcher's job id (the derivation noted in
+/// `derived`); in 1..=65535.
+fn master_port(
+    lookup: &impl Fn(&str) -> Option<String>,
+    launcher: Launcher,
+    derived: &mut Vec<String>,
+) -> Result<u16, InitError> {
+    let port = match lookup("MASTER_PORT") {
+        Some(port) => port,
+        None => {
+            let (port, how) = derive_master_port(lookup, launcher).ok_or(InitError::Missing {
+                name: "MASTER_PORT",
+                hint: "a free TCP port on rank 0's host, the same on every rank, e.g. 29500 (derived only under srun or mpirun)",
+            })?;
+            derived.push(format!("MASTER_PORT={port}, {how}"));
+            port.to_string()
+        }
+    };
+    match port.trim().parse::<u16>() {
+        Ok(p) if p != 0 => Ok(p),
+        _ => Err(InitError::Invalid {
+            name: "MASTER_PORT",
+            value: port,
+            reason: "expected a TCP port number in 1..=65535".into(),
+        }),
     }
 }
 

@@ -24,7 +24,10 @@
 //!
 //! The statistics travel on the synchronised-BatchNorm group ([`super::sync_group`]), which a
 //! [`DataParallel`](crate::DataParallel) of more than one rank installs. Without one (world size
-//! 1, or no `DataParallel` at all) the layer is exactly Burn's `BatchNorm`.
+//! 1, or no `DataParallel` at all) the layer is exactly Burn's `BatchNorm` — except in a process
+//! that the launcher's variables make a rank of a job of several ranks while no `DataParallel` of
+//! this build of burn-ddp is alive (two builds of burn-ddp in one program): training there stops
+//! with an error naming the cause, rather than using this rank's statistics alone.
 //!
 //! ## Contract
 //! - **Collective in training mode**: every forward in training mode and every backward over it
@@ -120,7 +123,10 @@ impl SyncBatchNorm {
     ///
     /// # Panics
     /// If the input has rank < 2 or its second axis is not `num_features` (a model bug, as in
-    /// Burn's `BatchNorm`).
+    /// Burn's `BatchNorm`). In training mode, if this process is a rank of a job of more than
+    /// one rank (the launcher's variables say so) but no `DataParallel` of this build of
+    /// burn-ddp is alive, so there is no group to sum the statistics over (two builds of
+    /// burn-ddp in one program; see [`super::sync_group`]).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         let [num_features] = self.gamma.shape().dims();
         let dims = input.dims();
@@ -132,7 +138,10 @@ impl SyncBatchNorm {
         // running statistics and takes no part in the backward.
         match input.device().is_autodiff() && self.training.is_enabled() {
             true if sync_group::is_active() => self.forward_global(input),
-            true => self.forward_local(input),
+            true => {
+                sync_group::check_local_statistics();
+                self.forward_local(input)
+            }
             false => burn::tensor::module::batch_norm(
                 input.clone(),
                 self.gamma.val(),
@@ -262,6 +271,64 @@ mod tests {
             .init(&device)
             .load_record(sync.into_record());
         assert_eq!(values(back.gamma.val()), values(gamma));
+    }
+
+    /// What a child process of the test below does: train `alone`, or with a `DataParallel`.
+    const CHILD_MODE: &str = "BURN_DDP_TEST_SYNC_BATCH_NORM_CHILD";
+
+    /// A rank of a job of two (as the launcher's variables say) whose `DataParallel` lives in
+    /// another build of burn-ddp — here, nowhere — would silently train on this rank's
+    /// statistics alone: its training forward stops, naming the cause. With a `DataParallel` of
+    /// this build alive, of one rank (a pipeline stage without replicas), local statistics are
+    /// right and it trains. Each case runs in a child process of this test binary, since the
+    /// job is described by the process environment.
+    #[test]
+    fn in_a_job_of_several_training_needs_a_data_parallel_of_this_build() {
+        if let Ok(mode) = std::env::var(CHILD_MODE) {
+            return train_one_step_as_rank_1_of_2(&mode);
+        }
+        let run = |mode: &str| {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "ddp::sync_batch_norm::tests::in_a_job_of_several_training_needs_a_data_parallel_of_this_build",
+                    "--exact",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env_clear()
+                .env(CHILD_MODE, mode)
+                .env("RANK", "1")
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", "29500")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            (out.status.success(), text)
+        };
+        let (trained, text) = run("alone");
+        assert!(!trained, "trained on local statistics: {text}");
+        assert!(
+            text.contains("training on rank 1 of a job of 2 ranks, but no DataParallel of this build of burn-ddp is alive"),
+            "{text}"
+        );
+        let (trained, text) = run("with a DataParallel of one rank");
+        assert!(trained, "{text}");
+    }
+
+    /// The child's side of the test above: one training forward, with or without a
+    /// `DataParallel` of this build alive.
+    fn train_one_step_as_rank_1_of_2(mode: &str) {
+        use crate::{DataParallel, DdpOptions, Distributed};
+
+        let device = Device::flex().autodiff();
+        let _ddp = (mode != "alone").then(|| {
+            DataParallel::new(Distributed::standalone(), DdpOptions::default(), &device).unwrap()
+        });
+        let layer = SyncBatchNormConfig::new(2).init(&device);
+        let output = layer.forward(Tensor::<2>::ones([4, 2], &device));
+        assert_eq!(output.dims(), [4, 2]);
     }
 
     fn values<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {

@@ -32,12 +32,21 @@
 //!   ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)), or by
 //!   [`take_error`] in a loop of your own. A step taken after such a failure would mix local
 //!   and global statistics, so the DDP step refuses it.
+//! - **One build of burn-ddp**: the slot is a static of this build. A program with two builds
+//!   of burn-ddp (a user's crate depending on a second `burn-ddp` beside the engine's) has two
+//!   slots, and a layer of one build finds no group where the other build's `DataParallel`
+//!   installed it. So every live `DataParallel` of this build is counted (of any world size: a
+//!   world of one installs nothing, but rightly uses local statistics), and a layer about to
+//!   train on local statistics while none is alive, in a process the launcher's variables make
+//!   a rank of a job of several, stops with an error that says so ([`check_local_statistics`])
+//!   instead of training silently on this rank's samples alone.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use std::sync::Arc;
 
+use crate::env::DistEnv;
 use crate::error::SyncBatchNormError;
 use crate::group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};
 use crate::store::Store;
@@ -58,6 +67,10 @@ static SLOT: Mutex<Slot> = Mutex::new(Slot {
 
 /// Tells installations apart, so that dropping an old guard never takes out a newer group.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Live [`SyncGroupGuard`]s, one per live `DataParallel` of this build, of any world size
+/// (module docs: one build of burn-ddp).
+static LIVE_GUARDS: AtomicUsize = AtomicUsize::new(0);
 
 struct Slot {
     installed: Option<(u64, Group)>,
@@ -81,21 +94,30 @@ pub struct Recipe {
     pub options: TcpGroupOptions,
 }
 
-/// Takes the group out of the slot when dropped (if it is still the one installed). Held by
+/// Takes the group out of the slot when dropped (if it is still the one installed), and
+/// counts as a live `DataParallel` of this build until then. Held by
 /// [`DataParallel`](crate::DataParallel).
 #[derive(Debug)]
 pub struct SyncGroupGuard {
-    id: u64,
+    /// `None` for a world of one, which installs nothing.
+    id: Option<u64>,
+}
+
+impl SyncGroupGuard {
+    fn counted(id: Option<u64>) -> Self {
+        LIVE_GUARDS.fetch_add(1, Ordering::Relaxed);
+        Self { id }
+    }
 }
 
 impl Drop for SyncGroupGuard {
     fn drop(&mut self) {
+        LIVE_GUARDS.fetch_sub(1, Ordering::Relaxed);
+        let Some(own) = self.id else {
+            return;
+        };
         let mut slot = lock();
-        if slot
-            .installed
-            .as_ref()
-            .is_some_and(|(id, _)| *id == self.id)
-        {
+        if slot.installed.as_ref().is_some_and(|(id, _)| *id == own) {
             slot.installed = None;
         }
     }
@@ -116,7 +138,49 @@ pub fn install(recipe: Recipe) -> SyncGroupGuard {
     }
     slot.installed = Some((id, Group::Recipe(recipe)));
     slot.error = None;
-    SyncGroupGuard { id }
+    SyncGroupGuard::counted(Some(id))
+}
+
+/// The guard of a `DataParallel` of one rank: nothing to install (its layers use local
+/// statistics, which are the global ones), but it counts as a live `DataParallel` of this
+/// build for [`check_local_statistics`].
+pub(crate) fn install_none() -> SyncGroupGuard {
+    SyncGroupGuard::counted(None)
+}
+
+/// For a synchronised BatchNorm about to train on local statistics (no group of more than one
+/// rank installed, [`is_active`] false). That is right in a world of one, and wrong in a rank
+/// of a job of several whose `DataParallel` lives in another build of burn-ddp (module docs):
+/// this panics then, with [`missing_group`]'s message, since a `forward` cannot return an
+/// error. Reads the process environment only while no `DataParallel` of this build is alive.
+///
+/// # Panics
+/// When no `DataParallel` of this build is alive and the launcher's variables make this
+/// process a rank of a job of more than one rank.
+pub(crate) fn check_local_statistics() {
+    let live = LIVE_GUARDS.load(Ordering::Relaxed);
+    if let Some(message) = missing_group(live, |name| std::env::var(name).ok()) {
+        panic!("{message}");
+    }
+}
+
+/// Why local statistics would be wrong, if they would: `live_guards` is 0 (no `DataParallel`
+/// of this build is alive) while `lookup`'s launcher variables make this process a rank of a
+/// job of more than one rank ([`DistEnv::from_lookup`]). Pure.
+fn missing_group(live_guards: usize, lookup: impl Fn(&str) -> Option<String>) -> Option<String> {
+    if live_guards > 0 {
+        return None;
+    }
+    let job = DistEnv::from_lookup(lookup)
+        .ok()
+        .filter(|env| env.world_size > 1)?;
+    Some(format!(
+        "synchronised BatchNorm of burn-ddp {} ({}) is training on rank {} of a job of {} ranks, but no DataParallel of this build of burn-ddp is alive: it has no group to sum the batch statistics over and would normalise with this rank's samples alone. Most likely the program holds two builds of burn-ddp (a `burn-ddp` dependency of your crate beside the engine's; `cargo tree --duplicates` lists them) and the DataParallel of the other one runs the job: take SyncBatchNorm from the engine's build (`trainer::burn_ddp::SyncBatchNorm`) and drop the second dependency, or make them one version and source. A training loop of your own must create its DataParallel before the first training forward; for per-rank statistics on purpose, use `burn::nn::BatchNorm`",
+        env!("CARGO_PKG_VERSION"),
+        env!("CARGO_MANIFEST_DIR"),
+        job.rank,
+        job.world_size,
+    ))
 }
 
 /// Whether a group of more than one rank is installed: synchronised BatchNorm then uses
@@ -214,6 +278,7 @@ fn lock() -> MutexGuard<'static, Slot> {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
     use std::sync::{Arc, PoisonError};
     use std::time::Duration;
 
@@ -249,5 +314,39 @@ mod tests {
         assert!(again.contains("could not be formed"), "{again}");
         drop(guard);
         assert!(!is_active(), "the guard takes the group out");
+    }
+
+    /// Local statistics are wrong in a rank of a job of several with no `DataParallel` of this
+    /// build alive, and the message says what, where and how to fix it; with one alive (of any
+    /// world size), in a job of one, or without launcher variables they are right.
+    #[test]
+    fn local_statistics_in_a_job_of_several_need_a_data_parallel_of_this_build() {
+        let job = |rank: &'static str, world: &'static str| {
+            let vars = HashMap::from([
+                ("RANK", rank),
+                ("WORLD_SIZE", world),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ]);
+            move |name: &str| vars.get(name).map(|v| v.to_string())
+        };
+        let message = missing_group(0, job("1", "2")).expect("a rank of two without a group");
+        for part in [
+            "training on rank 1 of a job of 2 ranks",
+            "no DataParallel of this build of burn-ddp is alive",
+            env!("CARGO_MANIFEST_DIR"),
+            "cargo tree --duplicates",
+            "trainer::burn_ddp::SyncBatchNorm",
+            "burn::nn::BatchNorm",
+        ] {
+            assert!(message.contains(part), "{part:?} in {message}");
+        }
+        assert_eq!(
+            missing_group(1, job("1", "2")),
+            None,
+            "a DataParallel is alive"
+        );
+        assert_eq!(missing_group(0, job("0", "1")), None, "a job of one");
+        assert_eq!(missing_group(0, |_| None), None, "no launcher");
     }
 }

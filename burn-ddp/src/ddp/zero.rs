@@ -111,15 +111,7 @@ impl ShardedSync {
     {
         let (rank, world) = (group.rank(), group.world_size());
         let plan = self.plan(model, world).clone();
-        let mut take = TakeHost {
-            plan: &plan,
-            grads,
-            taken: Vec::new(),
-        };
-        model.visit(&mut take);
-        let mut taken = take.taken;
-        // The fills walk the flat layout (owner order), not the visit order.
-        taken.sort_by_key(|t| t.range.start);
+        let mut taken = take_gradients(&plan, model, grads);
         let ranges = taken.iter().map(|t| t.range.clone()).collect();
         let slices = taken
             .iter_mut()
@@ -132,39 +124,7 @@ impl ShardedSync {
         // or scaled before rounding to 16 bits) and the same NaN check as stage 0.
         let mut scan = FiniteScan::new(self.check_finite);
         let bucket = HostBucket::at(slices, ranges, 1.0 / world as f32, &mut scan);
-        let counts = plan.counts();
-        let element_bytes = match self.compression {
-            None => {
-                let mut flat = vec![0.0f32; plan.len()];
-                let mut staging = F32Pieces(bucket);
-                group.reduce_scatter_v_staged(&mut flat, counts, ReduceOp::Sum, &mut staging)?;
-                4
-            }
-            Some(format) => {
-                let mut staging = HalfPieces { bucket, format };
-                match format {
-                    HalfFormat::Bf16 => {
-                        let mut flat = vec![half::bf16::ZERO; plan.len()];
-                        group.reduce_scatter_v_staged(
-                            &mut flat,
-                            counts,
-                            ReduceOp::Sum,
-                            &mut staging,
-                        )?;
-                    }
-                    HalfFormat::F16 => {
-                        let mut flat = vec![half::f16::ZERO; plan.len()];
-                        group.reduce_scatter_v_staged(
-                            &mut flat,
-                            counts,
-                            ReduceOp::Sum,
-                            &mut staging,
-                        )?;
-                    }
-                }
-                2
-            }
-        };
+        let element_bytes = reduce_scatter_to_owners(group, &plan, bucket, self.compression)?;
         let nonfinite = scan.found_nonfinite();
         let owned = taken
             .into_iter()
@@ -179,11 +139,7 @@ impl ShardedSync {
         if !self.check_finite {
             return Ok(GradientCheck::default());
         }
-        let mut flags = vec![0u8; world];
-        group.all_gather(&[u8::from(nonfinite)], &mut flags)?;
-        Ok(GradientCheck {
-            nonfinite_ranks: (0..world).filter(|&r| flags[r] != 0).collect(),
-        })
+        nonfinite_ranks(group, nonfinite)
     }
 
     /// Sends this rank's (just stepped) parameters to every rank and takes every other rank's:
@@ -415,6 +371,83 @@ struct TakenGrad {
     range: std::ops::Range<usize>,
     data: TensorData,
     dtype: burn::tensor::DType,
+}
+
+/// Every planned float gradient, removed from `grads` into host memory, in the flat layout's
+/// (owner) order.
+fn take_gradients<M: Module>(
+    plan: &ShardPlan,
+    model: &M,
+    grads: &mut GradientsParams,
+) -> Vec<TakenGrad> {
+    let mut take = TakeHost {
+        plan,
+        grads,
+        taken: Vec::new(),
+    };
+    model.visit(&mut take);
+    let mut taken = take.taken;
+    // The fills walk the flat layout (owner order), not the visit order.
+    taken.sort_by_key(|t| t.range.start);
+    taken
+}
+
+/// The reduce-scatter (sum) of the owner-ordered flat buffer, filled and drained through
+/// `bucket`: in f32, or in 16 bits with `compression`. Collective. Returns the bytes of one
+/// element on the wire.
+fn reduce_scatter_to_owners<G: ProcessGroup>(
+    group: &mut G,
+    plan: &ShardPlan,
+    bucket: HostBucket<'_>,
+    compression: Option<HalfFormat>,
+) -> Result<usize, DdpError> {
+    let counts = plan.counts();
+    match compression {
+        None => {
+            let mut flat = vec![0.0f32; plan.len()];
+            let mut staging = F32Pieces(bucket);
+            group.reduce_scatter_v_staged(&mut flat, counts, ReduceOp::Sum, &mut staging)?;
+            Ok(4)
+        }
+        Some(format) => {
+            let mut staging = HalfPieces { bucket, format };
+            match format {
+                HalfFormat::Bf16 => {
+                    let mut flat = vec![half::bf16::ZERO; plan.len()];
+                    group.reduce_scatter_v_staged(
+                        &mut flat,
+                        counts,
+                        ReduceOp::Sum,
+                        &mut staging,
+                    )?;
+                }
+                HalfFormat::F16 => {
+                    let mut flat = vec![half::f16::ZERO; plan.len()];
+                    group.reduce_scatter_v_staged(
+                        &mut flat,
+                        counts,
+                        ReduceOp::Sum,
+                        &mut staging,
+                    )?;
+                }
+            }
+            Ok(2)
+        }
+    }
+}
+
+/// Which ranks found a non-finite value in the gradients they sent (`nonfinite` is this
+/// rank's finding): all-gathered, so every rank gets the same verdict. Collective.
+fn nonfinite_ranks<G: ProcessGroup>(
+    group: &mut G,
+    nonfinite: bool,
+) -> Result<GradientCheck, DdpError> {
+    let world = group.world_size();
+    let mut flags = vec![0u8; world];
+    group.all_gather(&[u8::from(nonfinite)], &mut flags)?;
+    Ok(GradientCheck {
+        nonfinite_ranks: (0..world).filter(|&r| flags[r] != 0).collect(),
+    })
 }
 
 /// Removes every planned float gradient into host memory.

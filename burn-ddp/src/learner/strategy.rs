@@ -317,7 +317,7 @@ where
 
     fn fit(
         &self,
-        components: TrainingComponents<M>,
+        mut components: TrainingComponents<M>,
         mut learner: Learner<M>,
         dataloader_train: TrainLoader<M>,
         dataloader_valid: ValidLoader<M>,
@@ -338,18 +338,9 @@ where
         let train = shard(dataloader_train, rank, self.world_size).to_device(&device);
         let valid =
             shard(dataloader_valid, rank, self.world_size).to_device(&device.clone().inner());
-        learner.fork(&device);
-
-        // Replicas equal: rank 0's weights and deterministic parameter ids everywhere.
-        let prepared = ddp
-            .prepare(learner.model())
-            .unwrap_or_else(|e| fail(rank, "making the replicas equal", e));
-        learner.load_model(prepared.into_record());
+        self.make_replica(ddp, &mut learner, &device);
 
         let interrupter = components.interrupter.clone();
-        let mut processor = components.event_processor;
-        let mut checkpointer = components.checkpointer;
-        let mut early_stopping = components.early_stopping;
         let steps = StepRule {
             accumulation: components.grad_accumulation.unwrap_or(1).max(1),
             reload: ddp.zero_stage() == ZeroStage::OptimizerState
@@ -369,35 +360,17 @@ where
                 epoch,
                 interrupter: &interrupter,
             };
-            self.train_epoch(ddp, &mut learner, &train, &mut processor, steps, &events);
-            self.validate_epoch(ddp, &learner, &valid, &mut processor, &events);
-            events.train::<M>(&mut processor, LearnerEvent::EndEpoch(epoch));
-            if rank == 0 {
-                if checkpointer.is_some() || early_stopping.is_some() {
-                    interrupter.fail_on_error(processor.flush());
-                }
-                if let Some(checkpointer) = &mut checkpointer {
-                    checkpointer.checkpoint(&learner, epoch, &components.event_store);
-                }
-            }
-            // Rank 0's verdict on stopping (early stopping reads its event store; an
-            // interrupt or an error of its event processor stops every rank), and the others
-            // wait for its checkpoint.
-            let stop = rank == 0
-                && (interrupter.should_stop()
-                    || early_stopping
-                        .as_mut()
-                        .is_some_and(|s| s.should_stop(epoch, &components.event_store)));
-            let verdict = ddp
-                .broadcast_from_rank_zero(i64::from(stop))
-                .unwrap_or_else(|e| fail(rank, "waiting for rank 0 at the end of the epoch", e));
-            if verdict == 1 {
+            let processor = &mut components.event_processor;
+            self.train_epoch(ddp, &mut learner, &train, processor, steps, &events);
+            self.validate_epoch(ddp, &learner, &valid, processor, &events);
+            events.train::<M>(processor, LearnerEvent::EndEpoch(epoch));
+            if self.end_epoch(ddp, &learner, &mut components, &interrupter, epoch) {
                 break;
             }
         }
         ddp.barrier()
             .unwrap_or_else(|e| fail(rank, "the final barrier", e));
-        (learner.model(), processor)
+        (learner.model(), components.event_processor)
     }
 }
 
@@ -474,6 +447,54 @@ struct StepRule {
 }
 
 impl DdpStrategy {
+    /// Moves the learner to this rank's training `device` and gives it rank 0's weights and
+    /// deterministic parameter ids, so the replicas start equal. Collective.
+    fn make_replica<M: LearnerModel>(
+        &self,
+        ddp: &mut DataParallel,
+        learner: &mut Learner<M>,
+        device: &Device,
+    ) {
+        learner.fork(device);
+        let prepared = ddp
+            .prepare(learner.model())
+            .unwrap_or_else(|e| fail(self.rank, "making the replicas equal", e));
+        learner.load_model(prepared.into_record());
+    }
+
+    /// The end of `epoch`: rank 0 flushes its events and writes its checkpoint; then every
+    /// rank learns rank 0's verdict on stopping (early stopping reads its event store; an
+    /// interrupt or an error of its event processor stops every rank), which also makes the
+    /// others wait for its checkpoint. Collective; true when training stops.
+    fn end_epoch<M: LearnerModel>(
+        &self,
+        ddp: &mut DataParallel,
+        learner: &Learner<M>,
+        components: &mut TrainingComponents<M>,
+        interrupter: &Interrupter,
+        epoch: usize,
+    ) -> bool {
+        let rank = self.rank;
+        if rank == 0 {
+            if components.checkpointer.is_some() || components.early_stopping.is_some() {
+                interrupter.fail_on_error(components.event_processor.flush());
+            }
+            if let Some(checkpointer) = &mut components.checkpointer {
+                checkpointer.checkpoint(learner, epoch, &components.event_store);
+            }
+        }
+        let stop = rank == 0
+            && (interrupter.should_stop()
+                || components
+                    .early_stopping
+                    .as_mut()
+                    .is_some_and(|s| s.should_stop(epoch, &components.event_store)));
+        let verdict = ddp
+            .broadcast_from_rank_zero(i64::from(stop))
+            .unwrap_or_else(|e| fail(rank, "waiting for rank 0 at the end of the epoch", e));
+        verdict == 1
+    }
+
     /// One epoch of training on this rank's shard: micro-batches accumulated, the learning
     /// rate scheduler and the DDP step once per optimizer step (an epoch's last, partial
     /// accumulation steps too, as burn-train's single-device epoch does), the outputs

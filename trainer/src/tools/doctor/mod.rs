@@ -25,7 +25,7 @@
 //!
 //! | file | owns |
 //! |---|---|
-//! | [`checks`] | facts → findings, with the thresholds (pure) |
+//! | [`checks`] | facts → findings, with the thresholds (pure), one file per family of checks |
 //! | [`probe`] | measuring the machine: file systems, limits, sockets, names |
 //! | [`allreduce`] | the all-reduce check's ranks, started through the launcher |
 //!
@@ -286,7 +286,33 @@ impl Job {
         lookup: impl Fn(&str) -> Option<String>,
     ) -> Result<Self, UsageError> {
         let rank_of = DistEnv::from_lookup(&lookup).ok();
-        let from_env = |f: fn(&DistEnv) -> usize| rank_of.as_ref().map(f);
+        let plan = Self::launch_plan(args, rank_of.as_ref(), cores, &lookup)?;
+        let (threads_per_rank, threads_from) =
+            Self::threads(&plan, rank_of.is_some(), cores, &lookup);
+        let store = Self::store_role(&plan, rank_of.as_ref(), &lookup)?;
+        Ok(Self {
+            nproc: plan.nproc,
+            nnodes: plan.nnodes,
+            node_rank: plan.node_rank,
+            world_size: plan.world_size,
+            master_addr: plan.master_addr,
+            port: plan.port,
+            store,
+            threads_per_rank,
+            threads_from,
+            under_launcher: rank_of.is_some(),
+        })
+    }
+
+    /// The plan the launcher would make here: each option, else what this process's rank
+    /// variables (`rank_of`) say, else the launcher's default.
+    fn launch_plan(
+        args: &DoctorArgs,
+        rank_of: Option<&DistEnv>,
+        cores: usize,
+        lookup: &impl Fn(&str) -> Option<String>,
+    ) -> Result<LaunchPlan, UsageError> {
+        let from_env = |f: fn(&DistEnv) -> usize| rank_of.map(f);
         let nproc = args
             .nproc_per_node
             .or(from_env(|e| e.local_world_size))
@@ -312,7 +338,7 @@ impl Job {
             })?),
             (None, None) => None,
         };
-        let plan = LaunchPlan::new(
+        LaunchPlan::new(
             &LaunchArgs {
                 nproc_per_node: Some(nproc),
                 nnodes,
@@ -326,42 +352,48 @@ impl Job {
                 threads: lookup(THREADS_VAR),
                 token: String::new(),
             },
-        )?;
+        )
+    }
+
+    /// Each rank's compute threads and where that number comes from: `RAYON_NUM_THREADS`,
+    /// else one per core under another launcher, else the launcher's share of the cores.
+    fn threads(
+        plan: &LaunchPlan,
+        under_launcher: bool,
+        cores: usize,
+        lookup: &impl Fn(&str) -> Option<String>,
+    ) -> (usize, ThreadsFrom) {
         let rayon = lookup(THREADS_VAR)
             .and_then(|t| t.trim().parse::<usize>().ok())
             .filter(|&t| t > 0);
-        let (threads_per_rank, threads_from) = match rayon {
+        match rayon {
             Some(t) => (t, ThreadsFrom::Env),
-            None if rank_of.is_some() => (cores, ThreadsFrom::OnePerCore),
+            None if under_launcher => (cores, ThreadsFrom::OnePerCore),
             None => (
                 plan.threads_per_rank.parse().unwrap_or(1),
                 ThreadsFrom::LauncherShare,
             ),
-        };
+        }
+    }
+
+    /// Who hosts the store, seen from here.
+    fn store_role(
+        plan: &LaunchPlan,
+        rank_of: Option<&DistEnv>,
+        lookup: &impl Fn(&str) -> Option<String>,
+    ) -> Result<StoreRole, UsageError> {
         let host = plan.store_host.unwrap_or("0.0.0.0").to_string();
         // The same decision the ranks make: rank 0 hosts, unless the launcher (ours, or
         // torchrun's agent) does.
-        let rank0_hosts = burn_ddp::store::StoreHost::from_lookup(&lookup)
+        let rank0_hosts = burn_ddp::store::StoreHost::from_lookup(lookup)
             .map_err(|e| UsageError(format!("launcher variables: {e}")))?
             .rank0_hosts();
-        let store = match &rank_of {
+        Ok(match rank_of {
             Some(env) if env.rank == 0 && rank0_hosts => StoreRole::Bind(host),
             Some(_) => StoreRole::Connect,
             None if plan.port == 0 => StoreRole::OsPicks,
             None if plan.store_host.is_some() => StoreRole::Bind(host),
             None => StoreRole::Connect,
-        };
-        Ok(Self {
-            nproc: plan.nproc,
-            nnodes: plan.nnodes,
-            node_rank: plan.node_rank,
-            world_size: plan.world_size,
-            master_addr: plan.master_addr,
-            port: plan.port,
-            store,
-            threads_per_rank,
-            threads_from,
-            under_launcher: rank_of.is_some(),
         })
     }
 

@@ -1,0 +1,150 @@
+//! `/dev/shm` against the shared-memory ring. Every rank of a job of several ranks reserves one
+//! ring file of [`shm::FILE_BYTES`] (4 MiB + 4 KiB) there; a rank that cannot falls back to
+//! loopback TCP, silently and slower, so too little room is a failure of what the job asked for.
+
+use burn_ddp::group::shm;
+
+use super::units::{plural, size};
+use crate::finding::Finding;
+
+/// Free and total bytes of a file system (`statvfs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FsSpace {
+    pub free: u64,
+    pub total: u64,
+}
+
+/// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need: one ring file
+/// each, none for a job of one.
+pub fn shm_need(local_ranks: usize, world_size: usize) -> u64 {
+    if world_size <= 1 {
+        0
+    } else {
+        local_ranks as u64 * shm::FILE_BYTES as u64
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmFacts {
+    /// Shared memory is on (`BURN_DDP_SHM` is not `0`).
+    pub enabled: bool,
+    pub local_ranks: usize,
+    pub world_size: usize,
+    /// `statvfs("/dev/shm")`, or why it failed.
+    pub space: Result<FsSpace, String>,
+}
+
+const SHM_ADVICE: &str = "enlarge it (`mount -o remount,size=1G /dev/shm`; Docker: `--shm-size=1g` or `--ipc=host`; Kubernetes: an emptyDir with `medium: Memory` on /dev/shm), or set BURN_DDP_SHM=0 to use loopback TCP on purpose (slower)";
+
+/// `/dev/shm` against what the shared-memory ring needs.
+pub fn dev_shm(f: &ShmFacts) -> Finding {
+    const CHECK: &str = "/dev/shm";
+    let need = shm_need(f.local_ranks, f.world_size);
+    if !f.enabled {
+        return Finding::ok(
+            CHECK,
+            "not used: BURN_DDP_SHM=0 sends same-host ring data over loopback TCP",
+        );
+    }
+    match &f.space {
+        Err(e) if need == 0 => Finding::ok(
+            CHECK,
+            format!("cannot be read ({e}), but a job of one rank does not use it"),
+        ),
+        Err(e) => Finding::fail(
+            CHECK,
+            format!(
+                "cannot be used ({e}): the ranks would fall back to loopback TCP, silently and slower"
+            ),
+            format!("mount a tmpfs on /dev/shm; {SHM_ADVICE}"),
+        ),
+        Ok(space) if need == 0 => Finding::ok(
+            CHECK,
+            format!(
+                "{} free of {}; a job of one rank does not use the shared-memory ring",
+                size(space.free),
+                size(space.total)
+            ),
+        ),
+        Ok(space) if space.free < need => Finding::fail(
+            CHECK,
+            format!(
+                "{} free of {}, but the shared-memory ring needs {} for {} ({} each): the ranks would fall back to loopback TCP, silently and slower",
+                size(space.free),
+                size(space.total),
+                size(need),
+                plural(f.local_ranks, "local rank"),
+                size(shm::FILE_BYTES as u64)
+            ),
+            SHM_ADVICE,
+        ),
+        Ok(space) => Finding::ok(
+            CHECK,
+            format!(
+                "{} free of {}; the shared-memory ring needs {} for {}",
+                size(space.free),
+                size(space.total),
+                size(need),
+                plural(f.local_ranks, "local rank")
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::finding::Status;
+
+    const MIB: u64 = 1 << 20;
+
+    fn shm_facts(free: u64, ranks: usize) -> ShmFacts {
+        ShmFacts {
+            enabled: true,
+            local_ranks: ranks,
+            world_size: ranks,
+            space: Ok(FsSpace {
+                free,
+                total: free.max(64 << 10),
+            }),
+        }
+    }
+
+    #[test]
+    fn dev_shm_must_hold_one_ring_file_per_local_rank() {
+        assert_eq!(shm_need(2, 2), 2 * (4 * MIB + 4096));
+        assert_eq!(shm_need(1, 1), 0, "a job of one has no ring");
+        assert_eq!(
+            shm_need(1, 4),
+            4 * MIB + 4096,
+            "one rank here, others elsewhere"
+        );
+
+        let tiny = dev_shm(&shm_facts(64 << 10, 2));
+        assert_eq!(tiny.status, Status::Fail);
+        assert!(tiny.detail.contains("64 KiB free"), "{}", tiny.detail);
+        assert!(
+            tiny.detail.contains("needs 8.0 MiB for 2 local ranks"),
+            "{}",
+            tiny.detail
+        );
+        assert!(tiny.advice.unwrap().contains("--shm-size"));
+
+        assert_eq!(dev_shm(&shm_facts(64 * MIB, 2)).status, Status::Ok);
+        assert_eq!(
+            dev_shm(&shm_facts(0, 1)).status,
+            Status::Ok,
+            "one rank needs none"
+        );
+        let off = ShmFacts {
+            enabled: false,
+            ..shm_facts(0, 2)
+        };
+        assert_eq!(dev_shm(&off).status, Status::Ok);
+        let missing = ShmFacts {
+            space: Err("No such file or directory".into()),
+            ..shm_facts(0, 2)
+        };
+        assert_eq!(dev_shm(&missing).status, Status::Fail);
+    }
+}
