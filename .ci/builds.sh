@@ -33,10 +33,12 @@ CPU_PACKAGES=(--workspace --features trainer/ci-shared-build)
 GPU_PACKAGES=(-p burn-ddp -p trainer --features trainer/wgpu,trainer/cuda,trainer/ci-shared-build
   "${GPU_COMPILERS[@]}")
 
-# A user's crate outside the workspace (examples/custom-model: Burn's default features, so fused)
-# with --features cuda: the build a GPU user makes. It shares the workspace's target directory;
-# extra arguments go to `cargo build`.
+# A user's crate outside the workspace (examples/custom-model: Burn's default features, so fused;
+# trainer without its default features) with --features cuda: the build a GPU user makes, plus
+# trainer's `ci-shared-build` (no code: the low-level features the workspace's builds have, so
+# the units below Burn are shared; see trainer/Cargo.toml). It shares the workspace's target
+# directory; extra arguments go to `cargo build`.
 build_user_crate() {
   (cd examples/custom-model &&
-    CARGO_TARGET_DIR=../../target cargo build --release --locked --features cuda "${GPU_COMPILERS[@]}" "$@")
+    CARGO_TARGET_DIR=../../target cargo build --release --locked --features cuda,trainer/ci-shared-build "${GPU_COMPILERS[@]}" "$@")
 }

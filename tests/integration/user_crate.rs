@@ -332,3 +332,32 @@ fn a_device_the_users_build_lacks_is_refused_with_advice_for_the_users_crate() {
     );
     assert!(!out.stderr.contains("-p trainer"), "{}", out.all());
 }
+
+/// An optional part the user's build lacks (examples/custom-model depends on trainer with
+/// `default-features = false`): asking for it is refused before any rank starts, naming
+/// trainer's cargo feature and how the user's crate turns it on.
+#[test]
+fn an_output_the_users_build_lacks_is_refused_naming_trainers_feature() {
+    let dir = scratch("user-crate-no-tensorboard");
+    let config = write_config(
+        &dir,
+        "tensorboard",
+        &(circles_config(1, "") + "tensorboard = true\n"),
+    );
+    let mut cmd = Command::new(custom_model());
+    cmd.arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "2"]);
+    let out = run(&mut cmd);
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[
+            "output.tensorboard = true needs trainer's cargo feature `tensorboard`",
+            "the Cargo.toml of custom-model's crate",
+            "features = [\"tensorboard\"]",
+        ],
+        &out,
+    );
+    assert_no_rank_started(&out);
+}

@@ -316,8 +316,12 @@ pub struct OutputConfig {
     pub log_samples: bool,
     /// Write PNG charts of the run to `<dir>/plots/` when training ends (`trainer plot DIR`
     /// writes them at any time).
+    ///
+    /// Default: on in builds with trainer's cargo feature `plots` (the `trainer` binary's
+    /// default), off without it, where `true` is refused.
     pub plots: bool,
-    /// Also write TensorBoard event files to `<dir>/tensorboard/`.
+    /// Also write TensorBoard event files to `<dir>/tensorboard/` (cargo feature
+    /// `tensorboard`).
     pub tensorboard: bool,
 }
 
@@ -327,7 +331,7 @@ impl Default for OutputConfig {
             dir: PathBuf::from("runs/default"),
             device: DeviceKind::Cpu,
             log_samples: false,
-            plots: true,
+            plots: crate::backend::features::Feature::Plots.built(),
             tensorboard: false,
         }
     }

@@ -19,11 +19,11 @@
 //! | `report/` | what a run reports: the rank's reporter (consumes the loop's events), [`metrics`] summed across ranks, the `metrics.jsonl` records, TensorBoard files, [`plot`] charts |
 //! | `tools/` | tools beside training: `trainer doctor`, the collectives self-test and all-reduce benchmark, the engine's benchmarks (`bench`, `bench_link`) |
 //! | `finding` | one check's result and the report they make (the doctor's and the launcher's refusals) |
-//! | `backend` | every device and cargo feature: the run-time training device, what the doctor needs to know of the devices |
+//! | `backend` | every device and cargo feature: the run-time training device, what the doctor needs to know of the devices; the optional parts (`sqlite`, `image-folder`, `plots`, `tensorboard`, all in the default features), each compiled only with its feature |
 //! | `error` | `UsageError` (exit code 2), error reports and exit codes |
 //! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
 //! | `data` | the digits and synthetic classification data, batching |
-//! | `sources` | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard |
+//! | `sources` | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard (SQLite and images by `backend`) |
 //! | [`alloc`] | allocation failures as a one-line error |
 //! | [`cli`] | the `trainer` binary's command line (imported by `main` only) |
 

@@ -11,10 +11,11 @@ use models::{DigitsModel, InputShape};
 use serde::{Deserialize, Serialize};
 
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
+use crate::backend;
+use crate::backend::features::Feature;
 use crate::data::{self, ClassificationBatcher, ClassificationItem};
 use crate::report::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
-use crate::sources::image_folder::{ClassFolders, ImageFolder};
 use crate::sources::schema::{self, ClassColumns, Features};
 use crate::sources::{self, csv, sqlite};
 
@@ -37,9 +38,10 @@ pub enum DataSource {
     Synthetic,
     /// A CSV file: named feature columns and a class column ([`crate::sources::csv`]).
     Csv,
-    /// A table of an SQLite database in burn-dataset's format ([`crate::sources::sqlite`]).
+    /// A table of an SQLite database in burn-dataset's format ([`crate::sources::sqlite`];
+    /// cargo feature `sqlite`).
     Sqlite,
-    /// One sub-folder of images per class ([`crate::sources::image_folder`]).
+    /// One sub-folder of images per class (cargo feature `image-folder`).
     #[serde(rename = "image-folder", alias = "image_folder")]
     ImageFolder,
 }
@@ -167,7 +169,13 @@ impl DataConfig {
                 }
                 return Ok(());
             }
-            DataSource::Csv | DataSource::Sqlite | DataSource::ImageFolder => {}
+            DataSource::Csv => {}
+            DataSource::Sqlite => Feature::Sqlite
+                .require("data.source = \"sqlite\"")
+                .map_err(|e| AppError(e.to_string()))?,
+            DataSource::ImageFolder => Feature::ImageFolder
+                .require("data.source = \"image-folder\"")
+                .map_err(|e| AppError(e.to_string()))?,
         }
         let tables = matches!(source, DataSource::Csv | DataSource::Sqlite);
         if self.path == Path::new(DIGITS_PATH) {
@@ -361,17 +369,20 @@ impl App for ClassifierApp {
             }
             DataSource::Csv => sources::split(csv::open(&d.path, d.class_columns())?, vf, seed),
             DataSource::Sqlite => {
-                let table = sqlite::open(&d.path, d.table(), d.class_columns())?;
+                let table = backend::sqlite::dataset(&d.path, d.table(), d.class_columns())?;
                 sources::split(table, vf, seed)
             }
             DataSource::ImageFolder => {
                 let [h, w] = d.image_size.unwrap_or_default();
-                let classes = match &d.labels {
-                    Some(labels) => ClassFolders::Named(labels),
-                    None => ClassFolders::All(d.class_count()),
-                };
                 let side = |s: usize| u32::try_from(s).unwrap_or(u32::MAX);
-                let folder = ImageFolder::open(&d.path, classes, side(h), side(w))?;
+                let labels = d.labels.as_deref();
+                let folder = backend::image_folder::dataset(
+                    &d.path,
+                    labels,
+                    d.class_count(),
+                    side(h),
+                    side(w),
+                )?;
                 sources::split(folder, vf, seed)
             }
         };

@@ -14,6 +14,8 @@ use serde::{Deserialize, Serialize};
 
 use super::parts::{split_by_index, Named};
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
+use crate::backend;
+use crate::backend::features::Feature;
 use crate::report::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::schema::{self, Features, Targets, ValueColumns};
@@ -31,7 +33,8 @@ pub enum RegressionSource {
     Synthetic,
     /// A CSV file: named feature and target columns ([`crate::sources::csv`]).
     Csv,
-    /// A table of an SQLite database in burn-dataset's format ([`crate::sources::sqlite`]).
+    /// A table of an SQLite database in burn-dataset's format ([`crate::sources::sqlite`];
+    /// cargo feature `sqlite`).
     Sqlite,
 }
 
@@ -101,6 +104,11 @@ impl RegressionData {
 
     /// Checks the keys of this source against each other (cheap: the config only).
     fn check_source(&self) -> Result<(), AppError> {
+        if self.source == RegressionSource::Sqlite {
+            Feature::Sqlite
+                .require("data.source = \"sqlite\"")
+                .map_err(|e| AppError(e.to_string()))?;
+        }
         let files = self.source != RegressionSource::Synthetic;
         if !files {
             for (key, set) in [
@@ -203,7 +211,7 @@ impl App for RegressionApp {
             }
             RegressionSource::Csv => sources::split(csv::open(&path, d.value_columns())?, vf, seed),
             RegressionSource::Sqlite => {
-                let table = sqlite::open(&path, d.table(), d.value_columns())?;
+                let table = backend::sqlite::dataset(&path, d.table(), d.value_columns())?;
                 sources::split(table, vf, seed)
             }
         };

@@ -83,6 +83,7 @@ pub fn preflight<A: App>(
         .and_then(|r| r.parse().ok())
         .unwrap_or(0);
     backend::device_available(config.output.device, local_rank)?;
+    backend::outputs_available(&config.output)?;
     Ok(config)
 }
 

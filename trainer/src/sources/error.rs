@@ -5,6 +5,7 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
+use crate::backend::features::FeatureMissing;
 use crate::data::io_message;
 
 /// Where in a file a problem is: what the message puts after the path.
@@ -83,6 +84,10 @@ pub enum SourceError {
     /// An image that cannot be decoded.
     #[error("cannot decode image '{}': {message}", path.display())]
     Image { path: PathBuf, message: String },
+
+    /// This build cannot read the source (it lacks the cargo feature that reads it).
+    #[error(transparent)]
+    NotBuilt(#[from] FeatureMissing),
 }
 
 /// `names` comma-separated, or "none".

@@ -4,8 +4,12 @@
 //! | source | file | opening (every rank, once) | `get(i)` |
 //! |---|---|---|---|
 //! | [`csv`] | a CSV file with a header | one pass: record offsets, every record checked | one positioned read, one record parsed |
-//! | [`sqlite`] | a table in burn-dataset's `SqliteDataset` format | one query: every row checked | `SqliteDataset::get` (`row_id = i + 1`) |
-//! | [`image_folder`] | `root/<class>/<image>` | the folders listed | one image decoded, grey, resized |
+//! | `sqlite` | a table in burn-dataset's `SqliteDataset` format | one query: every row checked | one query: row `row_id = i + 1` |
+//! | `image-folder` | `root/<class>/<image>` | the folders listed | one image decoded, grey, resized |
+//!
+//! SQLite and images are read by `crate::backend` (cargo features `sqlite` and `image-folder`,
+//! in the `trainer` binary's default features): [`sqlite`] here holds what the config names
+//! (the table), checked without them.
 //!
 //! Each is a Burn `Dataset` over the whole file; [`split`] makes the training and validation
 //! sets from it (a seeded shuffle of the indices, as the digits are split) without reading
@@ -17,7 +21,6 @@
 pub mod counting;
 pub mod csv;
 pub mod error;
-pub mod image_folder;
 pub mod schema;
 pub mod sqlite;
 pub mod table;

@@ -97,6 +97,8 @@ pub fn check_columns(features: &Features, targets: &[String]) -> Result<(), AppE
 
 /// One cell of a row, as the file holds it (a CSV cell is always text).
 #[derive(Debug, Clone, PartialEq)]
+// SQLite's types: only text is read in a build without the `sqlite` feature (`crate::backend`).
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub enum Cell {
     Null,
     Integer(i64),

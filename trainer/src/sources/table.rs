@@ -31,7 +31,7 @@ pub struct TableDataset<R, D, I> {
 
 impl<R: Rows, D: Decode<I>, I> TableDataset<R, D, I> {
     /// `rows` (already checked with `decoder`) as items.
-    pub(super) fn new(rows: R, decoder: D) -> Self {
+    pub(crate) fn new(rows: R, decoder: D) -> Self {
         Self {
             rows,
             decoder,

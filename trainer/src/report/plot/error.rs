@@ -39,17 +39,28 @@ pub enum PlotError {
     Draw { path: PathBuf, reason: String },
     #[error("cannot load the embedded DejaVu Sans font")]
     Font,
+    /// This build draws no charts (it lacks trainer's cargo feature `plots`); the message names
+    /// the feature and how to turn it on.
+    #[error("{0}")]
+    NotBuilt(String),
+}
+
+impl From<crate::backend::features::FeatureMissing> for PlotError {
+    fn from(missing: crate::backend::features::FeatureMissing) -> Self {
+        PlotError::NotBuilt(missing.to_string())
+    }
 }
 
 impl PlotError {
     /// A problem with what the user pointed at (a missing, unreadable or empty metrics
-    /// file), not with this machine.
+    /// file) or asked of a build without charts, not with this machine.
     pub fn is_input(&self) -> bool {
         matches!(
             self,
             PlotError::NoMetrics { .. }
                 | PlotError::BadLine { .. }
                 | PlotError::NoTrainLines { .. }
+                | PlotError::NotBuilt(_)
         )
     }
 }

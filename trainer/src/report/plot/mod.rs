@@ -5,8 +5,12 @@
 //! | `records.rs` | the lines of `metrics.jsonl`, read leniently (pure) |
 //! | `series.rs` | the points of every chart and the resume marks, from those lines (pure) |
 //! | `charts.rs` | which charts a run gets, their titles, axes, ranges and ticks (pure) |
-//! | `draw.rs` | a chart into a PNG (plotters, embedded DejaVu Sans font) |
+//! | `error.rs` | why no charts could be written |
 //! | `mod.rs` | the command: find the file, read it, write the charts |
+//!
+//! A chart is drawn into a PNG by `crate::backend` (plotters, embedded DejaVu Sans font), in
+//! builds with the cargo feature `plots` (the `trainer` binary's default); without it the
+//! command is refused, naming the feature, with exit code 2.
 //!
 //! The charts, one concern each: `loss.png` (training and validation loss per optimizer
 //! step), `validation-<metric>.png` (each validation metric per epoch), `learning-rate.png`,
@@ -15,9 +19,8 @@
 //! that started again (resume, launcher restart) or changed world size is marked with a
 //! dashed vertical line on every chart.
 
-mod charts;
-mod draw;
-mod error;
+pub(crate) mod charts;
+pub(crate) mod error;
 mod records;
 mod series;
 
@@ -28,11 +31,15 @@ use std::process::ExitCode;
 
 use clap::Args;
 
-pub use charts::{Chart, Curve};
+// Public in every build, so a program without the `plots` feature can draw the same charts
+// with a library of its own: their curves, the axes' ranges and the tick labels.
+pub use charts::{ranges, segments, tick_label, Chart, Curve};
 pub use error::PlotError;
 pub use records::{Line, SpreadLine, StartLine, TimeLine, TrainLine, ValidLine};
 pub use series::{read_series, Mark, Points, RunSeries, StepTimes};
 
+use crate::backend::draw;
+use crate::backend::features::Feature;
 use crate::error::UsageError;
 
 /// The metrics file inside a run's output directory.
@@ -74,6 +81,7 @@ pub fn write_plots(run_dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
 
 /// [`write_plots`] with its typed error.
 pub fn plots(run_dir: &Path) -> Result<Vec<PathBuf>, PlotError> {
+    Feature::Plots.require("drawing charts (`trainer plot`, output.plots)")?;
     let (metrics, dir) = if run_dir.is_file() {
         let dir = run_dir.parent().unwrap_or(Path::new(".")).to_path_buf();
         (run_dir.to_path_buf(), dir)

@@ -1,4 +1,4 @@
-//! TensorBoard event files (`output.tensorboard = true`), so users keep the viewer they know:
+//! TensorBoard event files (`output.tensorboard = true`; cargo feature `tensorboard`), so users keep the viewer they know:
 //! `tensorboard --logdir runs/NAME/tensorboard`.
 //!
 //! An event file is a sequence of TFRecords (length, masked CRC-32C of the length, payload,

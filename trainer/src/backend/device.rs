@@ -1,12 +1,13 @@
-//! Every backend and cargo feature of the engine, in one place: which Burn backend each
-//! `output.device` runs, whether this build and machine can run it, and what `trainer doctor`
-//! needs to know of the devices ([`device_facts`]; the doctor judges them). How gradients are
-//! averaged on a device (host staging, or NCCL on CUDA) is `burn_ddp::DataParallel`'s choice. The training loop has no `cfg`:
-//! it runs on the [`Device`] [`train_device`] picks at run time.
+//! Which Burn backend each `output.device` runs, whether this build and machine can run it, and
+//! what `trainer doctor` needs to know of the devices ([`device_facts`]; the doctor judges
+//! them). How gradients are averaged on a device (host staging, or NCCL on CUDA) is
+//! `burn_ddp::DataParallel`'s choice. The training loop has no `cfg`: it runs on the [`Device`]
+//! [`train_device`] picks at run time.
 
 use burn::tensor::Device;
 use burn_ddp::GradientTransport;
 
+use super::features::this_program;
 use crate::config::DeviceKind;
 use crate::error::UsageError;
 
@@ -75,15 +76,6 @@ pub fn rebuild_advice(device: DeviceKind, program: &str) -> String {
             "rebuild {program} with `--features {name}`, a feature of its own crate that turns on `trainer/{name}` and `burn/{name}` (in its Cargo.toml: `[features] {name} = [\"burn/{name}\", \"trainer/{name}\"]`, as examples/custom-model/Cargo.toml has)"
         )
     }
-}
-
-/// The running binary's name (its file's stem), as [`rebuild_advice`] takes it.
-fn this_program() -> String {
-    std::env::args_os()
-        .next()
-        .map(std::path::PathBuf::from)
-        .and_then(|path| path.file_stem().map(|s| s.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "this program".into())
 }
 
 /// Whether this build can train on `device`, and (for CUDA) whether this machine can: a missing

@@ -1,4 +1,5 @@
-//! A [`Chart`] drawn into a PNG with plotters, in the embedded DejaVu Sans font (no system
+//! `trainer plot` and `output.plots` (cargo feature `plots`): a [`Chart`] drawn into a PNG
+//! with plotters, in the embedded DejaVu Sans font (no system
 //! fonts are needed, or used, at run time).
 
 use std::path::Path;
@@ -9,8 +10,8 @@ use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
-use super::charts::{ranges, segments, tick_label, Chart};
-use super::error::PlotError;
+use crate::report::plot::charts::{ranges, segments, tick_label, Chart};
+use crate::report::plot::error::PlotError;
 
 /// Pixels of every chart: wide enough for a legend beside a long run.
 pub const SIZE: (u32, u32) = (900, 500);

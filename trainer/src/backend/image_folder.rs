@@ -1,7 +1,8 @@
-//! `[data] source = "image-folder"`: one sub-folder per class holding its images, the layout of
-//! burn-dataset's `ImageFolderDataset` (`root/<class>/<image>`; classes are the sub-folder
-//! names in sorted order, class `i` the `i`-th; PNG, JPEG and BMP files, by extension, in any
-//! case). `data.labels`, when given, names the class folders to use, in label order.
+//! `[data] source = "image-folder"` (cargo feature `image-folder`): one sub-folder per class
+//! holding its images, the layout of burn-dataset's `ImageFolderDataset`
+//! (`root/<class>/<image>`; classes are the sub-folder names in sorted order, class `i` the
+//! `i`-th; PNG, JPEG and BMP files, by extension, in any case). `data.labels`, when given,
+//! names the class folders to use, in label order.
 //!
 //! Opening lists the folders (names only, no image is read). `get(i)` decodes image `i`
 //! (format from its content), converts it to one grey channel (luma; alpha dropped: the CNN
@@ -21,8 +22,8 @@ use burn::data::dataset::{Dataset, DatasetError};
 use image::imageops::FilterType;
 use image::ImageReader;
 
-use super::error::SourceError;
 use crate::data::ClassificationItem;
+use crate::sources::error::SourceError;
 
 /// The image files read, by extension (ImageFolderDataset's).
 pub const IMAGE_EXTENSIONS: [&str; 4] = ["bmp", "jpg", "jpeg", "png"];
@@ -137,6 +138,22 @@ impl ImageFolder {
             label: *label,
         })
     }
+}
+
+/// [`ImageFolder::open`] as the data set the apps split: the classes are `labels` when given,
+/// else every sub-folder (there must be `classes`).
+pub fn dataset(
+    root: &Path,
+    labels: Option<&[String]>,
+    classes: usize,
+    height: u32,
+    width: u32,
+) -> Result<Box<dyn Dataset<ClassificationItem>>, SourceError> {
+    let classes = match labels {
+        Some(labels) => ClassFolders::Named(labels),
+        None => ClassFolders::All(classes),
+    };
+    Ok(Box::new(ImageFolder::open(root, classes, height, width)?))
 }
 
 /// A file with one of [`IMAGE_EXTENSIONS`] (any case).
