@@ -40,7 +40,9 @@ impl RankLog {
                     } else {
                         format!("[rank {rank}] {line}")
                     };
-                    eprintln!("{tagged}");
+                    // One write of the line with its newline: `eprintln!` may write them apart, and
+                    // a rank's stdout (the same terminal or pipe) could land in between.
+                    let _ = std::io::stderr().write_all(format!("{tagged}\n").as_bytes());
                     let mut tail = keep.lock().unwrap_or_else(|p| p.into_inner());
                     if tail.len() == TAIL_LINES {
                         tail.pop_front();
