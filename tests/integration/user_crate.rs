@@ -278,19 +278,19 @@ fn the_users_parameter_count_lets_the_preflight_refuse_a_model_too_big() {
         "big",
         &circles_config(1, "").replace("hidden = 16", "hidden = 4000000000"),
     );
-    // The user's binary as its own launcher (`run::main`): the pre-flight runs before any
-    // rank is started.
+    refused_before_any_rank(&config, &["20,000,000,002 parameters need at least"]);
+}
+
+/// The user's binary as its own launcher (`run::main`) on 2 ranks with `config`: the pre-flight
+/// refuses it with exit code 2, saying each of `says`, before any rank is started.
+fn refused_before_any_rank(config: &std::path::Path, says: &[&str]) {
     let mut cmd = Command::new(custom_model());
     cmd.arg("--config")
-        .arg(&config)
+        .arg(config)
         .args(["--nproc-per-node", "2"]);
     let out = run(&mut cmd);
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
-        &["20,000,000,002 parameters need at least"],
-        &out,
-    );
+    assert_says(&out.stderr, says, &out);
     assert_no_rank_started(&out);
 }
 
@@ -344,20 +344,12 @@ fn an_output_the_users_build_lacks_is_refused_naming_trainers_feature() {
         "tensorboard",
         &(circles_config(1, "") + "tensorboard = true\n"),
     );
-    let mut cmd = Command::new(custom_model());
-    cmd.arg("--config")
-        .arg(&config)
-        .args(["--nproc-per-node", "2"]);
-    let out = run(&mut cmd);
-    assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(
-        &out.stderr,
+    refused_before_any_rank(
+        &config,
         &[
             "output.tensorboard = true needs trainer's cargo feature `tensorboard`",
             "the Cargo.toml of custom-model's crate",
             "features = [\"tensorboard\"]",
         ],
-        &out,
     );
-    assert_no_rank_started(&out);
 }
