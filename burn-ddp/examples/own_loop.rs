@@ -21,7 +21,7 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn_ddp::rng::SplitMix64;
-use burn_ddp::{DataParallel, DdpError, DdpOptions, StepOutcome, ZeroStage};
+use burn_ddp::{mark_block, DataParallel, DdpError, DdpOptions, StepOutcome, ZeroStage};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
 /// Where this program trains: Burn's CPU backend, with autodiff.
@@ -50,7 +50,10 @@ impl Mlp {
     }
 
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        self.out.forward(self.act.forward(self.hidden.forward(x)))
+        // Each layer is a block for gradient overlap: its gradients go on the wire as soon as
+        // backward has passed it (an identity when the backward is not armed).
+        let x = self.act.forward(mark_block(&x, &self.hidden).forward(x));
+        mark_block(&x, &self.out).forward(x)
     }
 }
 
@@ -149,6 +152,9 @@ fn train(
             let x =
                 Tensor::<1>::from_floats(x.as_slice(), &device).reshape([chunk.len(), FEATURES]);
             let y = Tensor::<1, Int>::from_ints(y.as_slice(), &device);
+            // This backward may sum the marked layers' gradients while it runs (no earlier
+            // micro-batches to add, a weight of 1).
+            ddp.overlap_next_backward(&model, None, 1.0);
             let loss = loss_fn.forward(model.forward(x), y);
             let value = loss
                 .clone()

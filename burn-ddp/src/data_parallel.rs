@@ -37,8 +37,8 @@ use crate::ddp::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero;
 use crate::ddp::zero_stage::ZeroStage;
 use crate::ddp::{
-    param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, ReducerStats,
-    ShardedSync,
+    param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats,
+    ReducerStats, ShardedSync,
 };
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
@@ -163,6 +163,40 @@ impl DataParallel {
     /// architecture everywhere.
     pub fn prepare<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         prepare_module(model, &mut self.dist.group, 0)
+    }
+
+    /// Lets the next backward put gradients on the wire while it runs: call it before the
+    /// forward of the step's last micro-batch (the only one, without accumulation), with the
+    /// model, `earlier` (the sum of the step's earlier micro-batches' gradients, if any) and
+    /// `weight` (the factor you multiply this micro-batch's gradients by before adding them;
+    /// 1 to take them as they are). The blocks the model marks with
+    /// [`mark_block`](crate::mark_block) then hand their gradients over as soon as backward
+    /// has passed them, and [`step`](Self::step) waits only for what is still on the wire.
+    /// Do not call it for the earlier micro-batches (no communication there, as in PyTorch's
+    /// `no_sync`).
+    ///
+    /// Not collective and never blocking; a no-op in a job of one, with NCCL, under ZeRO
+    /// stage 1, or for a model that marks nothing. Without it, `step` sums every bucket after
+    /// backward, in the same plan: the same bits, no overlap.
+    pub fn overlap_next_backward<M: Module>(
+        &mut self,
+        model: &M,
+        earlier: Option<&GradientsParams>,
+        weight: f32,
+    ) {
+        if self.sharded.is_none() {
+            self.sync.arm_overlap(model, earlier, weight);
+        }
+    }
+
+    /// What the gradient overlap did so far (zeros where it never ran).
+    pub fn overlap_stats(&self) -> OverlapStats {
+        self.sync.overlap_stats()
+    }
+
+    /// Whether gradient overlap is on ([`DdpOptions::overlap`]).
+    pub fn overlap_enabled(&self) -> bool {
+        self.sync.overlap_enabled()
     }
 
     /// The DDP step, once per optimizer step, after the backward passes of all the step's

@@ -266,6 +266,10 @@ pub enum DdpError {
     /// The replicas' parameters are no longer bit-identical.
     #[error("{0}")]
     ReplicaDrift(String),
+    /// Gradient overlap failed: the communication thread stopped or missed its deadline, or
+    /// the parameters with gradients changed after the bucket plan was learnt.
+    #[error("gradient overlap: {0}")]
+    Overlap(String),
     /// Rank 0 failed an action the other ranks waited for (writing a checkpoint).
     #[error("rank 0 failed {what}: {message}")]
     RankZeroFailed { what: String, message: String },

@@ -4,6 +4,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu};
 use burn::prelude::*;
+use burn_ddp::mark_block;
 use serde::Deserialize;
 
 use crate::norm::Norm;
@@ -183,13 +184,19 @@ impl Classifier for Cnn {
         let [batch, _features] = inputs.dims();
         let [height, width] = self.image;
         let x = inputs.reshape([batch, 1, height, width]);
-        let x = self.conv1.forward(x);
+        // The convolutions and the dense layers are blocks for gradient overlap (identities
+        // outside it); the norms' few parameters are summed after backward.
+        let x = mark_block(&x, &self.conv1).forward(x);
         let x = self.activation.forward(Self::norm(&self.norm1, x));
-        let x = self.conv2.forward(x);
+        let x = mark_block(&x, &self.conv2).forward(x);
         let x = self.activation.forward(Self::norm(&self.norm2, x));
         let x: Tensor<2> = self.pool.forward(x).flatten(1, 3);
-        let x = self.activation.forward(self.fc1.forward(self.dropout(x)));
-        self.fc2.forward(self.dropout(x))
+        let x = self.dropout(x);
+        let x = self
+            .activation
+            .forward(mark_block(&x, &self.fc1).forward(x));
+        let x = self.dropout(x);
+        mark_block(&x, &self.fc2).forward(x)
     }
 }
 

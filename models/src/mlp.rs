@@ -2,6 +2,7 @@
 
 use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, Relu};
 use burn::prelude::*;
+use burn_ddp::mark_block;
 use serde::Deserialize;
 
 use crate::{check_dropout, CheckError, Classifier, InputShape, ModelOptions, ModelTask};
@@ -90,14 +91,16 @@ pub struct Mlp {
 
 impl Classifier for Mlp {
     fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
+        // Each layer is a block for gradient overlap: its gradients go on the wire as soon as
+        // backward has passed it (an identity otherwise).
         let mut x = inputs;
         for layer in &self.hidden {
-            x = self.activation.forward(layer.forward(x));
+            x = self.activation.forward(mark_block(&x, layer).forward(x));
             if let Some(dropout) = &self.dropout {
                 x = dropout.forward(x);
             }
         }
-        self.output.forward(x)
+        mark_block(&x, &self.output).forward(x)
     }
 }
 

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::registry::draw_params;
 use crate::{check_dropout, oversized_layer, CheckError};
+use burn_ddp::mark_block;
 use burn_ddp::rng::SplitMix64;
 
 /// Configuration of a [`RegressionModel`].
@@ -147,14 +148,15 @@ impl RegressionModel {
     /// Dropout is active only on an autodiff device, as in Burn: the
     /// `valid()` copy evaluates deterministically.
     pub fn forward(&self, inputs: Tensor<2>) -> Tensor<2> {
+        // Each layer is a block for gradient overlap (an identity outside it).
         let mut x = inputs;
         for layer in &self.hidden {
-            x = self.activation.forward(layer.forward(x));
+            x = self.activation.forward(mark_block(&x, layer).forward(x));
             if let Some(dropout) = &self.dropout {
                 x = dropout.forward(x);
             }
         }
-        self.output.forward(x)
+        mark_block(&x, &self.output).forward(x)
     }
 
     /// Predicts `batch.inputs` and returns the mean squared error against

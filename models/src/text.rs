@@ -4,9 +4,7 @@
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError as BurnDatasetError};
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::transformer::{
-    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
-};
+use burn::nn::transformer::{TransformerEncoder, TransformerEncoderConfig};
 use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
@@ -14,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::registry::draw_params;
 use crate::{check_dropout, oversized_layer, CheckError, DatasetError};
+use burn_ddp::mark_block;
 use burn_ddp::rng::SplitMix64;
 
 /// Configuration of a [`TextClassifier`].
@@ -230,10 +229,13 @@ impl TextClassifier {
             [batch, len],
             "TextClassifier::forward: mask_pad must have the shape of tokens"
         );
-        let x = embed(&self.tokens, &self.positions, self.dropout.as_ref(), tokens);
-        let x = self
-            .encoder
-            .forward(TransformerEncoderInput::new(x).mask_pad(mask_pad.clone()));
+        let mut x = embed(&self.tokens, &self.positions, self.dropout.as_ref(), tokens);
+        // The encoder's layers, one by one (what `TransformerEncoder::forward` does), each a
+        // block for gradient overlap (an identity outside it); the embeddings are summed after
+        // backward.
+        for layer in &self.encoder.layers {
+            x = mark_block(&x, layer).forward(x, Some(mask_pad.clone()), None);
+        }
         classify(&self.output, x, mask_pad)
     }
 
@@ -309,7 +311,8 @@ pub(crate) fn classify(output: &Linear, x: Tensor<3>, mask_pad: Tensor<2, Bool>)
         .expand([batch, len, d_model]);
     let sum = x.mask_fill(pad, 0.0).sum_dim(1).reshape([batch, d_model]);
     let count = mask_pad.bool_not().float().sum_dim(1).clamp_min(1.0);
-    output.forward(sum / count)
+    let pooled = sum / count;
+    mark_block(&pooled, output).forward(pooled)
 }
 
 /// The cross-entropy loss (mean over the batch) of `logits` against `labels`.

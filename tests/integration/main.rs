@@ -16,6 +16,7 @@ mod faults;
 mod launch;
 mod launchers;
 mod multinode;
+mod overlap;
 mod pipeline;
 mod plots;
 mod reference_models;

@@ -124,6 +124,46 @@ fn the_users_model_in_two_pipeline_stages_trains_to_the_weights_of_one_process()
     assert!(diff < 1e-4, "max |Δw| = {diff:e}");
 }
 
+/// The user's own model marks its two layers (`trainer::burn_ddp::mark_block`): with
+/// `distributed.gradient_overlap` on, their buckets go on the wire during backward, and the
+/// weights are bit-identical to overlap off (the same buckets, summed after backward), at
+/// world 2 and at world 3 with accumulation and bf16 buckets.
+#[test]
+fn the_users_marked_layers_overlap_backward_bit_identical_to_no_overlap() {
+    let dir = scratch("user-crate-overlap");
+    for (world, training, distributed) in [
+        (2, "", ""),
+        (
+            3,
+            "accumulation_steps = 2",
+            "gradient_compression = \"bf16\"",
+        ),
+    ] {
+        let mut weights = Vec::new();
+        for overlap in [true, false] {
+            let name = format!("w{world}-{overlap}");
+            let body = circles_config(1, training)
+                + &format!(
+                    "\n[distributed]\nbucket_cap_mb = 0.0002\ngradient_overlap = {overlap}\n{distributed}\n"
+                );
+            let out = launch_example_on(world, &write_config(&dir, &name, &body), &[], &[]);
+            assert_eq!(out.code, Some(0), "{name}: {}", out.all());
+            let line = if overlap {
+                "gradient overlap: on;"
+            } else {
+                "gradient overlap: off"
+            };
+            assert!(out.stdout.contains(line), "{name}: {}", out.all());
+            weights.push(final_weights(&dir, &name));
+        }
+        let diff = max_abs_diff(&weights[0], &weights[1]);
+        assert_eq!(
+            diff, 0.0,
+            "world {world}: overlap on vs off, max |dw| = {diff:e}"
+        );
+    }
+}
+
 /// The user's model with a `SyncBatchNorm` (taken through `trainer::burn_ddp`, the engine's own
 /// build of burn-ddp) on 2 ranks with batches of 16 ends with the weights and running statistics
 /// of one process with batches of 32: its statistics are the global batch's. Per-rank

@@ -247,6 +247,11 @@ pub struct DistributedConfig {
     /// `fp16_compress_hook` do.
     #[serde(with = "burn_ddp::ddp::config_names::compression")]
     pub gradient_compression: Option<HalfFormat>,
+    /// Whether the gradients of the blocks a model marks (`burn_ddp::mark_block`) go on the
+    /// wire while backward runs (on the host path of plain DDP): the same weights either way
+    /// (the same buckets, summed after backward when off). No effect on a model that marks
+    /// nothing. The run's summary says how much of the communication was hidden.
+    pub gradient_overlap: bool,
     /// ZeRO stage: 0 = every rank holds the whole optimizer state (plain DDP); 1 = each
     /// parameter's optimizer state lives on one rank, which steps it and sends the new values
     /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`). 2 and 3 are
@@ -289,6 +294,7 @@ impl Default for DistributedConfig {
             stall_warning_secs: ddp.stall_warning.as_secs(),
             gradient_sync: ddp.transport,
             gradient_compression: ddp.compression,
+            gradient_overlap: ddp.overlap,
             zero_stage: ddp.zero_stage,
             sync_buffers: ddp.buffers,
             pipeline_stages: 1,

@@ -3,9 +3,11 @@
 //! Gradients are packed into buckets of at most `cap` elements so that many small tensors cost
 //! one collective, and a huge model is not copied into one giant buffer. Like PyTorch, the plan
 //! walks the parameters in **reverse** visit order — roughly the order in which backward
-//! produces their gradients — so a future overlap of communication with backward keeps the same
-//! plan. A parameter larger than the cap gets a bucket of its own. The plan is a function of the
-//! parameter sizes only, hence identical on every rank.
+//! produces their gradients. Under gradient overlap the plan follows the order in which
+//! marked blocks' gradients became ready in the first step (as PyTorch DDP rebuilds its buckets
+//! after the first iteration), with a small first bucket so the wire starts early. A parameter
+//! larger than the cap gets a bucket of its own. The plan is a function of the parameter sizes
+//! and that order only, hence identical on every rank.
 
 use std::ops::Range;
 
@@ -26,25 +28,41 @@ pub fn cap_elements(bucket_cap_mb: f64) -> usize {
 
 /// Assigns parameters of the given sizes to buckets of at most `cap` elements (see module docs).
 pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
-    let mut buckets = Vec::new();
-    let mut current = Bucket {
+    plan_buckets_in_order((0..numels.len()).rev(), numels, cap, cap)
+}
+
+/// The first bucket's cap under gradient overlap, in f32 elements: 1 MiB, PyTorch DDP's
+/// `first_bucket_cap_mb`, so that the wire starts early in backward (never above `cap`).
+pub fn first_bucket_cap(cap: usize) -> usize {
+    cap_elements(1.0).min(cap)
+}
+
+/// Assigns parameters (indices into `numels`) to buckets in the given `order`: the first
+/// bucket holds at most `first_cap` elements, the others at most `cap`; a parameter larger
+/// than the cap gets a bucket of its own, and parameters of no elements are skipped. Every
+/// index of `order` must appear once. The order of gradient readiness under overlap
+/// ([`ready_order`]); reverse visit order otherwise ([`plan_buckets`]).
+pub fn plan_buckets_in_order(
+    order: impl IntoIterator<Item = usize>,
+    numels: &[usize],
+    first_cap: usize,
+    cap: usize,
+) -> Vec<Bucket> {
+    let empty = || Bucket {
         params: Vec::new(),
         ranges: Vec::new(),
         numel: 0,
     };
-    for (index, &n) in numels.iter().enumerate().rev() {
+    let mut buckets = Vec::new();
+    let mut current = empty();
+    for index in order {
+        let n = numels[index];
         if n == 0 {
             continue;
         }
-        if current.numel > 0 && current.numel + n > cap {
-            buckets.push(std::mem::replace(
-                &mut current,
-                Bucket {
-                    params: Vec::new(),
-                    ranges: Vec::new(),
-                    numel: 0,
-                },
-            ));
+        let limit = if buckets.is_empty() { first_cap } else { cap };
+        if current.numel > 0 && current.numel + n > limit {
+            buckets.push(std::mem::replace(&mut current, empty()));
         }
         current.params.push(index);
         current.ranges.push(current.numel..current.numel + n);
@@ -54,6 +72,22 @@ pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
         buckets.push(current);
     }
     buckets
+}
+
+/// The order in which gradients are bucketed under overlap (pure): the parameters that
+/// became ready in backward, in the order they did (`ready`: indices in visit order, each
+/// once), then every other one of `count` parameters in reverse visit order (they are
+/// summed after backward).
+pub fn ready_order(ready: &[usize], count: usize) -> Vec<usize> {
+    let mut seen = vec![false; count];
+    let mut order = Vec::with_capacity(count);
+    for &index in ready {
+        if index < count && !std::mem::replace(&mut seen[index], true) {
+            order.push(index);
+        }
+    }
+    order.extend((0..count).rev().filter(|&index| !seen[index]));
+    order
 }
 
 /// The parts of the parameters laid out at `ranges` (sorted and disjoint, as
@@ -128,6 +162,22 @@ mod tests {
         assert_eq!(buckets[0].params, vec![6, 5], "reverse visit order");
         assert_eq!(plan_buckets(&numels, usize::MAX).len(), 1);
         assert!(plan_buckets(&[], 10).is_empty());
+    }
+
+    #[test]
+    fn ready_order_puts_ready_gradients_first_and_the_rest_in_reverse_visit_order() {
+        assert_eq!(ready_order(&[3, 1, 3, 9], 5), vec![3, 1, 4, 2, 0]);
+        assert_eq!(ready_order(&[], 3), vec![2, 1, 0]);
+        let numels = [10, 0, 300, 5, 5, 120, 7];
+        assert_eq!(
+            plan_buckets_in_order(ready_order(&[], 7), &numels, 128, 128),
+            plan_buckets(&numels, 128),
+            "with nothing ready: today's plan"
+        );
+        // A small first bucket, then the cap.
+        let buckets = plan_buckets_in_order(ready_order(&[5, 6, 4], 7), &numels, 8, 128);
+        let params: Vec<_> = buckets.iter().map(|b| b.params.clone()).collect();
+        assert_eq!(params, vec![vec![5], vec![6, 4, 3], vec![2], vec![0]]);
     }
 
     #[test]

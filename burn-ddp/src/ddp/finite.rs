@@ -51,6 +51,14 @@ impl FiniteScan {
         self.nonfinite
     }
 
+    /// Records a non-finite value seen elsewhere (a bucket scanned on the communication
+    /// thread).
+    pub fn mark_nonfinite(&mut self) {
+        if self.enabled {
+            self.nonfinite = true;
+        }
+    }
+
     fn needed(&self) -> bool {
         // Once one value is bad, the verdict is in: the other buckets need no look.
         self.enabled && !self.nonfinite

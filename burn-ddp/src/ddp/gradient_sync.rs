@@ -9,6 +9,7 @@ use burn::tensor::Device;
 use super::comm::HostStaging;
 use super::finite::GradientCheck;
 use super::options::DdpOptions;
+use super::overlap::{GroupRecipe, Overlap, OverlapStats};
 use super::reducer::{Reducer, ReducerStats};
 use super::transport::GradientTransport;
 use crate::error::DdpError;
@@ -20,6 +21,9 @@ use crate::init::Distributed;
 /// The gradient path of one rank (module docs).
 pub struct GradientSync {
     reducer: Reducer,
+    /// The buckets of marked blocks, sent while backward runs (host path).
+    overlap: Overlap,
+    world_size: usize,
     /// `None`: through the host, over the job's TCP group. `Some`: on the GPU, over an NCCL
     /// group formed beside the TCP one, dropped before the job's final TCP barrier.
     #[cfg(feature = "cuda")]
@@ -49,8 +53,18 @@ impl GradientSync {
         let use_nccl = chosen == GradientTransport::Nccl;
         // `choose` refuses NCCL in a build without feature `cuda`.
         debug_assert!(cfg!(feature = "cuda") || !use_nccl);
+        // Overlap runs on the host path of plain DDP (ZeRO stage 1 has its own sync; NCCL
+        // sums after backward for now).
+        let recipe = (dist.env.world_size > 1 && !use_nccl).then(|| GroupRecipe {
+            store: dist.store.clone(),
+            rank: dist.env.rank,
+            world_size: dist.env.world_size,
+            options: dist.group.options().clone(),
+        });
         Ok(Self {
             reducer,
+            overlap: Overlap::new(options.overlap, recipe),
+            world_size: dist.env.world_size,
             #[cfg(feature = "cuda")]
             nccl: if use_nccl {
                 Some(nccl_group(options, dist, device)?)
@@ -69,7 +83,8 @@ impl GradientSync {
     }
 
     /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer
-    /// step ([`Reducer::sync`]).
+    /// step ([`Reducer::sync`]); on the host path it follows the overlap's plan
+    /// ([`super::overlap`]), learning it (collective too) at the first armed step.
     pub fn sync<M: Module>(
         &mut self,
         tcp: &mut TcpProcessGroup,
@@ -80,11 +95,42 @@ impl GradientSync {
         if let Some(group) = &mut self.nccl {
             return super::device::sync_with_nccl(&mut self.reducer, group, model, grads);
         }
-        self.reducer.sync(&mut HostStaging(tcp), model, grads)
+        self.overlap
+            .after_backward(tcp, model, grads, self.reducer.bucket_cap())?;
+        self.reducer
+            .sync_with(&mut HostStaging(tcp), model, grads, Some(&mut self.overlap))
+    }
+
+    /// Arms the next backward for the overlap ([`super::overlap`]): `earlier`, the step's
+    /// earlier micro-batches' summed gradients; `weight`, this micro-batch's factor. Not
+    /// collective; a no-op in a job of one, on NCCL, or under ZeRO stage 1.
+    pub fn arm_overlap<M: Module>(
+        &mut self,
+        model: &M,
+        earlier: Option<&GradientsParams>,
+        weight: f32,
+    ) {
+        self.overlap.arm(
+            model,
+            earlier,
+            weight,
+            self.reducer.compression(),
+            self.world_size,
+            self.reducer.checks_finite(),
+        );
     }
 
     pub fn stats(&self) -> ReducerStats {
         self.reducer.stats()
+    }
+
+    pub fn overlap_enabled(&self) -> bool {
+        self.overlap.is_enabled()
+    }
+
+    /// What the gradient overlap did so far.
+    pub fn overlap_stats(&self) -> OverlapStats {
+        self.overlap.stats()
     }
 }
 

@@ -17,6 +17,9 @@
 //!   process group (the TCP ring), or `NcclBuckets` on the GPU.
 //! - `host_pieces`: a bucket already in host memory (Burn's CPU backend), staged into the
 //!   ring piece by piece so its copies and conversions overlap the wire.
+//! - [`ready_op`]: [`mark_block`], the per-block gradient-ready hook a model calls at each
+//!   block's entry; [`overlap`]: [`Overlap`](overlap::Overlap), buckets planned in the order
+//!   gradients become ready and summed while backward runs, on [`comm_thread`]'s thread.
 //! - [`finite`]: each rank's gradients checked for NaN / ±Inf on the way to the wire, and
 //!   [`GradientCheck`], which ranks had them.
 //! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stage 1 (pure).
@@ -33,6 +36,7 @@ pub mod all_reduce_op;
 pub mod bucket;
 pub mod buffers;
 pub mod comm;
+pub mod comm_thread;
 #[cfg(feature = "serde")]
 pub mod config_names;
 #[cfg(feature = "cuda")]
@@ -42,6 +46,8 @@ pub mod gradient_sync;
 mod host_pieces;
 pub mod module;
 pub mod options;
+pub mod overlap;
+pub mod ready_op;
 pub mod reducer;
 pub mod shard_plan;
 pub mod sync_batch_norm;
@@ -58,6 +64,8 @@ pub use finite::GradientCheck;
 pub use gradient_sync::GradientSync;
 pub use module::{param_checksum, parameter_count, prepare_module};
 pub use options::DdpOptions;
+pub use overlap::OverlapStats;
+pub use ready_op::mark_block;
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;
 pub use sync_batch_norm::{SyncBatchNorm, SyncBatchNormConfig};

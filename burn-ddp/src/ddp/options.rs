@@ -13,7 +13,7 @@ use crate::group::TcpGroupOptions;
 use crate::kernels::HalfFormat;
 
 /// The synchronisation of a data-parallel job. `Default` is PyTorch DDP's: 25 MiB buckets,
-/// f32 on the wire, rank 0's buffers broadcast after every step, ZeRO off, NCCL where the
+/// f32 on the wire, gradient overlap on (for marked blocks), rank 0's buffers broadcast after every step, ZeRO off, NCCL where the
 /// backend allows it, 300 s deadlines.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DdpOptions {
@@ -28,6 +28,11 @@ pub struct DdpOptions {
     pub compression: Option<HalfFormat>,
     /// Largest gradient bucket in MiB.
     pub bucket_cap_mb: f64,
+    /// Whether the buckets of marked blocks ([`mark_block`](super::ready_op::mark_block)) are
+    /// summed while backward runs (on the host path of plain DDP). Off, the same buckets are
+    /// summed after backward, giving the same bits; a model that marks nothing is not
+    /// affected either way.
+    pub overlap: bool,
     /// How buffers (BatchNorm statistics, frozen parameters) are made equal after every
     /// optimizer step; `None` leaves each rank its own.
     pub buffers: Option<BufferSync>,
@@ -44,6 +49,7 @@ impl Default for DdpOptions {
             zero_stage: ZeroStage::Off,
             compression: None,
             bucket_cap_mb: 25.0,
+            overlap: true,
             buffers: Some(BufferSync::Broadcast { root: 0 }),
             timeout: Duration::from_secs(300),
             stall_warning: Duration::from_secs(60),
@@ -69,6 +75,11 @@ impl DdpOptions {
 
     pub fn with_bucket_cap_mb(mut self, mib: f64) -> Self {
         self.bucket_cap_mb = mib;
+        self
+    }
+
+    pub fn with_overlap(mut self, overlap: bool) -> Self {
+        self.overlap = overlap;
         self
     }
 

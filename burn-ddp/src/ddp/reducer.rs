@@ -29,6 +29,8 @@
 //! therefore be the same on every rank (a difference is reported as a length mismatch by the
 //! TCP ring, and by NCCL when its header check is on).
 
+use std::time::{Duration, Instant};
+
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::Dispatch;
@@ -39,7 +41,9 @@ use burn::tensor::{DType, FloatDType};
 
 use super::bucket::{plan_buckets, Bucket};
 use super::comm::BucketComm;
+use super::comm_thread::Job;
 use super::finite::{probe, FiniteScan, GradientCheck};
+use super::overlap::Overlap;
 use crate::error::DdpError;
 use crate::kernels::{HalfFormat, MAX_BUCKET_LEN};
 
@@ -88,6 +92,21 @@ impl Reducer {
         self.stats
     }
 
+    /// The bucket cap in f32 elements.
+    pub fn bucket_cap(&self) -> usize {
+        self.bucket_cap_elems
+    }
+
+    /// Whether [`sync`](Self::sync) checks for NaN and ±Inf.
+    pub fn checks_finite(&self) -> bool {
+        self.check_finite
+    }
+
+    /// The wire format of the buckets (`None`: f32).
+    pub fn compression(&self) -> Option<HalfFormat> {
+        self.compression
+    }
+
     /// Replaces every gradient in `grads` with its mean over the ranks of `comm`.
     ///
     /// Collective: every rank calls it once per optimizer step, with gradients of the same
@@ -116,6 +135,23 @@ impl Reducer {
         M: Module,
         C: BucketComm + ?Sized,
     {
+        self.sync_with(comm, model, grads, None)
+    }
+
+    /// [`sync`](Self::sync), following `overlap`'s learnt bucket plan where it has one: the
+    /// buckets queued during backward are waited for, the others queued on its thread (or,
+    /// with overlap off, summed here in the same plan). Collective as `sync`.
+    pub(crate) fn sync_with<M, C>(
+        &mut self,
+        comm: &mut C,
+        model: &M,
+        grads: &mut GradientsParams,
+        overlap: Option<&mut Overlap>,
+    ) -> Result<GradientCheck, DdpError>
+    where
+        M: Module,
+        C: BucketComm + ?Sized,
+    {
         self.stats.syncs += 1;
         let world = comm.world_size();
         let mut scan = FiniteScan::new(self.check_finite);
@@ -131,8 +167,16 @@ impl Reducer {
 
         let scale = 1.0 / world as f32;
         let numels: Vec<usize> = taken.iter().map(|g| g.shape.num_elements()).collect();
-        for bucket in plan_buckets(&numels, self.bucket_cap_elems) {
-            self.reduce_bucket(comm, &bucket, &mut taken, scale, &mut scan)?;
+        let ids: Vec<ParamId> = taken.iter().map(|g| g.id).collect();
+        match overlap {
+            Some(overlap) if overlap.planned_buckets(&ids)?.is_some() => {
+                self.reduce_planned(comm, overlap, &ids, &mut taken, scale, &mut scan)?;
+            }
+            _ => {
+                for bucket in plan_buckets(&numels, self.bucket_cap_elems) {
+                    self.reduce_bucket(comm, &bucket, &mut taken, scale, &mut scan)?;
+                }
+            }
         }
 
         let mut putter = PutGrads {
@@ -179,6 +223,68 @@ impl Reducer {
         Ok(GradientCheck { nonfinite_ranks })
     }
 
+    /// The buckets of `overlap`'s plan: on its communication thread (those queued during
+    /// backward, then the rest, in plan order), or here in the same order with overlap off.
+    fn reduce_planned<C: BucketComm + ?Sized>(
+        &mut self,
+        comm: &mut C,
+        overlap: &mut Overlap,
+        ids: &[ParamId],
+        taken: &mut [TakenGrad],
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<(), DdpError> {
+        let buckets = overlap.planned_buckets(ids)?.unwrap_or_default().to_vec();
+        let start = Instant::now();
+        let Some((queued, thread)) = overlap.in_flight() else {
+            for bucket in &buckets {
+                self.reduce_bucket(comm, bucket, taken, scale, scan)?;
+            }
+            let spent = start.elapsed();
+            overlap.record(0, buckets.len(), (spent, spent));
+            return Ok(());
+        };
+        for bucket in &buckets[queued..] {
+            let grads = bucket
+                .params
+                .iter()
+                .map(|&p| taken[p].tensor.take())
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| DdpError::Overlap("a parameter in two buckets".into()))?;
+            thread.send(Job {
+                grads,
+                shapes: bucket
+                    .params
+                    .iter()
+                    .map(|&p| taken[p].shape.clone())
+                    .collect(),
+                compression: self.compression,
+                scale,
+                check_finite: self.check_finite,
+            })?;
+        }
+        let mut busy = Duration::ZERO;
+        for bucket in &buckets {
+            let done = thread.next()?;
+            busy += done.busy;
+            if done.nonfinite {
+                scan.mark_nonfinite();
+            }
+            for (&p, out) in bucket.params.iter().zip(done.result?) {
+                taken[p].tensor = Some(cast_to(out, taken[p].dtype));
+            }
+            self.count_bucket(bucket);
+        }
+        overlap.record(queued, buckets.len(), (busy, start.elapsed()));
+        Ok(())
+    }
+
+    fn count_bucket(&mut self, bucket: &Bucket) {
+        let element_bytes = if self.compression.is_some() { 2 } else { 4 };
+        self.stats.bucket_all_reduces += 1;
+        self.stats.bytes_reduced += (bucket.numel * element_bytes) as u64;
+    }
+
     /// Replaces the gradients of `bucket`'s parameters in `taken` by their mean over the ranks
     /// (in their own dtype again). Collective.
     fn reduce_bucket<C: BucketComm + ?Sized>(
@@ -209,17 +315,19 @@ impl Reducer {
         }
         let outputs = comm.mean_of_bucket(inputs, &shapes, self.compression, scale, scan)?;
         for (&p, out) in bucket.params.iter().zip(outputs) {
-            let out = if taken[p].dtype == DType::F32 {
-                out
-            } else {
-                Dispatch::float_cast(out, FloatDType::from(taken[p].dtype))
-            };
-            taken[p].tensor = Some(out);
+            taken[p].tensor = Some(cast_to(out, taken[p].dtype));
         }
-        let element_bytes = if self.compression.is_some() { 2 } else { 4 };
-        self.stats.bucket_all_reduces += 1;
-        self.stats.bytes_reduced += (bucket.numel * element_bytes) as u64;
+        self.count_bucket(bucket);
         Ok(())
+    }
+}
+
+/// An averaged gradient (f32) in its parameter's dtype again.
+fn cast_to(out: FloatTensor<Dispatch>, dtype: DType) -> FloatTensor<Dispatch> {
+    if dtype == DType::F32 {
+        out
+    } else {
+        Dispatch::float_cast(out, FloatDType::from(dtype))
     }
 }
 

@@ -537,10 +537,21 @@ impl DdpStrategy {
             };
             iteration += 1;
             let progress = iter.progress();
+            let last = accumulated + 1 == steps.accumulation || progress.is_completed();
+            if last {
+                // This backward may put the model's marked blocks on the wire as it goes,
+                // added to the earlier micro-batches' gradients as the accumulator adds them.
+                let model = learner.model();
+                let earlier = (accumulated > 0).then(|| accumulator.grads());
+                ddp.overlap_next_backward(&model, earlier.as_ref(), 1.0);
+                if let Some(earlier) = earlier {
+                    accumulator.accumulate(&model, earlier);
+                }
+            }
             let output = learner.train_step(batch);
             accumulator.accumulate(&learner.model(), output.grads);
             accumulated += 1;
-            if accumulated == steps.accumulation || progress.is_completed() {
+            if last {
                 let grads: GradientsParams = accumulator.grads();
                 learner.lr_step();
                 optimizer_step(ddp, learner, grads, steps.reload, iteration)

@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use trainer::app::{App, AppError, Datasets, Metrics, TrainItem, ValidItem};
 // burn-ddp through the engine's re-export: one build of it in the program, the engine's, so
 // SyncBatchNorm finds the job's process group (no second path dependency to keep in step).
-use trainer::burn_ddp::{SyncBatchNorm, SyncBatchNormConfig};
+use trainer::burn_ddp::{mark_block, SyncBatchNorm, SyncBatchNormConfig};
 use trainer::pipeline::{PipelineStage, StageOf, StageSplit};
 
 /// The model: a two-layer perceptron on 2-D points (Burn 0.22: no backend type parameter; the
@@ -44,11 +44,14 @@ pub struct CirclesNet {
 
 impl CirclesNet {
     fn forward(&self, points: Tensor<2>) -> Tensor<2> {
-        let mut x = self.hidden.forward(points);
+        // Each layer is a block for gradient overlap: `mark_block` at its entry lets its
+        // gradients go on the wire as soon as backward has passed it (an identity otherwise).
+        let mut x = mark_block(&points, &self.hidden).forward(points);
         if let Some(norm) = &self.norm {
             x = norm.forward(x);
         }
-        self.output.forward(self.activation.forward(x))
+        let x = self.activation.forward(x);
+        mark_block(&x, &self.output).forward(x)
     }
 
     fn classify(&self, batch: PointsBatch) -> ClassificationOutput {

@@ -47,6 +47,7 @@ pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
         zero_stage: d.zero_stage,
         compression: d.gradient_compression,
         bucket_cap_mb: d.bucket_cap_mb,
+        overlap: d.gradient_overlap,
         buffers: d.sync_buffers,
         timeout: Duration::from_secs(d.timeout_secs),
         stall_warning: Duration::from_secs(d.stall_warning_secs),

@@ -118,6 +118,9 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         if let Some(time) = &summary.time {
             println!("{time}");
         }
+        if let Some(line) = overlap_line(&steps.ddp) {
+            println!("{line}");
+        }
     }
     // Rank 0 may host the store: leave together.
     steps.ddp.barrier()?;
@@ -180,10 +183,22 @@ impl<A: App> DataParallelSteps<A> {
         clock: &mut PhaseClock,
     ) -> anyhow::Result<GradientsParams> {
         let mut accumulator = GradientsAccumulator::<A::Model>::new();
-        for (micro, weight) in &step.micro_batches {
+        let last = step.micro_batches.len().saturating_sub(1);
+        for (i, (micro, weight)) in step.micro_batches.iter().enumerate() {
             let (batcher, device) = (&self.batcher, &self.device);
             let batch = clock.time(Phase::Data, || batches.next_batch(batcher, device))?;
             let compute = Instant::now();
+            if i == last {
+                // The last micro-batch's backward may put marked blocks' gradients on the
+                // wire as it goes, combined with the earlier ones as below.
+                let earlier = accumulator.grads();
+                let earlier = (i > 0).then_some(earlier);
+                self.ddp
+                    .overlap_next_backward(model, earlier.as_ref(), *weight);
+                if let Some(earlier) = earlier {
+                    accumulator.accumulate(model, earlier);
+                }
+            }
             let output = TrainStep::step(model, batch);
             let mut grads = output.grads;
             if *weight != 1.0 {
@@ -373,6 +388,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     /// for the tests).
     fn finish(&mut self, position: TrainPosition) -> anyhow::Result<()> {
         let stats = self.ddp.gradient_stats();
+        let overlap = self.ddp.overlap_stats();
         tracing::debug!(
             rank = self.ddp.rank(),
             syncs = stats.syncs,
@@ -383,13 +399,41 @@ impl<A: App> StepKind for DataParallelSteps<A> {
             std::fs::write(
                 self.config.output.dir.join("reducer-stats.json"),
                 format!(
-                    "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{}}}",
-                    stats.syncs, stats.bucket_all_reduces, stats.bytes_reduced, position.step
+                    "{{\"syncs\":{},\"bucket_all_reduces\":{},\"bytes_reduced\":{},\"steps\":{},\"overlap_planned_steps\":{},\"overlap_buckets_during_backward\":{}}}",
+                    stats.syncs,
+                    stats.bucket_all_reduces,
+                    stats.bytes_reduced,
+                    position.step,
+                    overlap.planned_steps,
+                    overlap.buckets_during_backward
                 ),
             )?;
         }
         Ok(())
     }
+}
+
+/// The summary's line on gradient overlap, for a run whose buckets followed marked blocks
+/// (`None` otherwise): how much of the communication backward hid, on rank 0.
+fn overlap_line(ddp: &DataParallel) -> Option<String> {
+    let stats = ddp.overlap_stats();
+    if stats.planned_steps == 0 {
+        return None;
+    }
+    Some(if ddp.overlap_enabled() {
+        format!(
+            "gradient overlap: on; {:.0}% of the gradient communication ({:.2} s) hidden under backward; {} of {} buckets sent during backward",
+            100.0 * stats.hidden_fraction(),
+            stats.communication.as_secs_f64(),
+            stats.buckets_during_backward,
+            stats.buckets
+        )
+    } else {
+        format!(
+            "gradient overlap: off (distributed.gradient_overlap = false); the marked blocks' {} buckets were summed after backward",
+            stats.buckets
+        )
+    })
 }
 
 /// Multiplies every gradient of `model`'s float parameters in `grads` by `factor`.
