@@ -681,11 +681,12 @@ seed = 1
         let default = DistributedConfig::default();
         assert_eq!(
             serde_json::to_string(&default).unwrap(),
-            r#"{"bucket_cap_mb":25.0,"timeout_secs":300,"stall_warning_secs":60,"gradient_sync":"auto","gradient_compression":"none","zero_stage":0,"sync_buffers":"broadcast","pipeline_stages":1,"pipeline_schedule":"gpipe"}"#
+            r#"{"bucket_cap_mb":25.0,"timeout_secs":300,"stall_warning_secs":60,"gradient_sync":"auto","gradient_compression":"none","gradient_overlap":true,"zero_stage":0,"sync_buffers":"broadcast","pipeline_stages":1,"pipeline_schedule":"gpipe"}"#
         );
         let other = DistributedConfig {
             gradient_sync: GradientTransport::Nccl,
             gradient_compression: Some(HalfFormat::F16),
+            gradient_overlap: false,
             zero_stage: ZeroStage::OptimizerState,
             sync_buffers: None,
             pipeline_stages: 2,
@@ -696,6 +697,7 @@ seed = 1
         for line in [
             "gradient_sync = \"nccl\"",
             "gradient_compression = \"fp16\"",
+            "gradient_overlap = false",
             "zero_stage = 1",
             "sync_buffers = \"off\"",
             "pipeline_schedule = \"1f1b\"",

@@ -32,7 +32,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, TensorMetadata};
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Shape, Tensor};
 
 use super::bucket::{first_bucket_cap, plan_buckets_in_order, ready_order, Bucket};
 use super::comm_thread::{CommThread, Job};
@@ -61,6 +61,18 @@ pub(crate) fn gradient_ready(id: ParamId, grad: FloatTensor<Dispatch>) {
             backward.ready(id, grad);
         }
     });
+}
+
+/// Whether the armed backward sends buckets as it goes: the lifts then take each gradient out
+/// of Burn's container (the bucket then owns it, so the ring drains into it in place) instead
+/// of reading a handle to it.
+pub(crate) fn takes_gradients() -> bool {
+    BACKWARD.with(|armed| {
+        armed
+            .borrow()
+            .as_ref()
+            .is_some_and(|backward| backward.launch.is_some())
+    })
 }
 
 /// Takes this thread's armed backward, disarming it.
@@ -100,6 +112,9 @@ struct Launch {
     plan: Arc<Plan>,
     combine: HashMap<ParamId, Combine>,
     filled: Vec<Vec<Option<FloatTensor<Dispatch>>>>,
+    /// Every gradient handed over, with its shape and dtype: the caller's `GradientsParams`
+    /// no longer holds it (see [`Overlap::take_handed`]).
+    handed: HashMap<ParamId, (Shape, DType)>,
     remaining: Vec<usize>,
     /// Buckets before this one have been queued.
     next: usize,
@@ -135,6 +150,7 @@ impl Launch {
             Some(combine) => combine(grad),
             None => grad,
         };
+        self.handed.insert(id, (grad.shape(), grad.dtype()));
         self.filled[bucket][position] = Some(grad);
         self.remaining[bucket] -= 1;
         while self.next < self.remaining.len() && self.remaining[self.next] == 0 {
@@ -154,6 +170,14 @@ impl Launch {
             self.next += 1;
         }
     }
+}
+
+/// A gradient the backward handed over ([`Overlap::take_handed`]).
+pub(crate) struct Handed {
+    /// `None`: its bucket is already on the communication thread.
+    pub tensor: Option<FloatTensor<Dispatch>>,
+    pub shape: Shape,
+    pub dtype: DType,
 }
 
 /// What the overlap did over the run.
@@ -249,6 +273,7 @@ impl Overlap {
                     .iter()
                     .map(|b| (0..b.params.len()).map(|_| None).collect())
                     .collect(),
+                handed: HashMap::new(),
                 remaining: plan.buckets.iter().map(|b| b.params.len()).collect(),
                 next: 0,
                 queue,
@@ -337,6 +362,26 @@ impl Overlap {
             )));
         }
         Ok(Some(&plan.buckets))
+    }
+
+    /// The gradient of `id` if this step's backward handed it over (the caller's
+    /// `GradientsParams` then lacks it, or holds only the earlier micro-batches' sum): its
+    /// shape and dtype, and the tensor unless its bucket is already queued. Call it for each
+    /// parameter before [`in_flight`](Self::in_flight).
+    pub(crate) fn take_handed(&mut self, id: ParamId) -> Option<Handed> {
+        let launch = self.taken.as_mut()?.launch.as_mut()?;
+        let (shape, dtype) = launch.handed.get(&id)?.clone();
+        let &(bucket, position) = launch.plan.slot.get(&id)?;
+        let tensor = if bucket < launch.next {
+            None
+        } else {
+            launch.filled[bucket][position].take()
+        };
+        Some(Handed {
+            tensor,
+            shape,
+            dtype,
+        })
     }
 
     /// How many of the plan's buckets were queued during backward (in plan order), and the

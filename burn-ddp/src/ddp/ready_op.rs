@@ -161,7 +161,14 @@ impl<B: Backend + HandOff> Backward<B, 2> for Lifted<B> {
         if let Some(param) = param {
             grads.register::<B>(param.id, grad);
         }
-        if let Some(total) = grads.get::<B>(&self.param) {
+        // Sending as it goes, the bucket takes the gradient out of Burn's container (it owns
+        // it, so the ring drains into it in place; the DDP step puts the mean back).
+        let total = if overlap::takes_gradients() {
+            grads.remove::<B>(&self.param)
+        } else {
+            grads.get::<B>(&self.param)
+        };
+        if let Some(total) = total {
             overlap::gradient_ready(self.id, B::to_dispatch(total));
         }
     }

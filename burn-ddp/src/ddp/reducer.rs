@@ -158,9 +158,11 @@ impl Reducer {
         if world == 1 && !comm.reduces_alone() {
             return self.check_alone(model, grads, scan);
         }
+        let mut overlap = overlap;
         let mut taker = TakeGrads {
             grads,
             taken: Vec::new(),
+            overlap: overlap.as_deref_mut(),
         };
         model.visit(&mut taker);
         let mut taken = taker.taken;
@@ -358,15 +360,32 @@ struct TakenGrad {
     dtype: DType,
 }
 
-/// Removes every float parameter's gradient, in visit order.
+/// Removes every float parameter's gradient, in visit order; a gradient the overlap's backward
+/// handed over is taken from the overlap instead (what `grads` holds for it then is only the
+/// earlier micro-batches' sum, already in the handed one).
 struct TakeGrads<'a> {
     grads: &'a mut GradientsParams,
     taken: Vec<TakenGrad>,
+    overlap: Option<&'a mut Overlap>,
 }
 
 impl ModuleVisitor for TakeGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if let Some(grad) = self.grads.remove::<D>(param.id) {
+        let ours = self.grads.remove::<D>(param.id);
+        if let Some(handed) = self
+            .overlap
+            .as_deref_mut()
+            .and_then(|o| o.take_handed(param.id))
+        {
+            self.taken.push(TakenGrad {
+                id: param.id,
+                tensor: handed.tensor,
+                shape: handed.shape,
+                dtype: handed.dtype,
+            });
+            return;
+        }
+        if let Some(grad) = ours {
             let shape = grad.shape();
             let dtype = grad.dtype();
             self.taken.push(TakenGrad {
