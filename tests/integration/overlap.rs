@@ -19,41 +19,10 @@ fn stat(dir: &Path, name: &str, field: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {field} in {stats}"))
 }
 
-/// The text transformer (3 encoder layers), 6 steps of 16 samples per rank.
+/// The reference transformer with 3 encoder layers, 6 steps of 8 samples per rank.
 fn transformer(extra_training: &str) -> String {
-    format!(
-        r#"
-[model]
-name = "text_transformer"
-layers = 3
-
-[data]
-samples = 256
-validation_samples = 32
-seed = 5
-
-[optimizer]
-name = "adam"
-learning_rate = 0.003
-
-[training]
-epochs = 1
-max_steps = 6
-batch_size = 8
-seed = 42
-log_every = 2
-{extra_training}
-
-[checkpoint]
-dir = "{{ckpt}}"
-every_epochs = 0
-
-[output]
-dir = "{{out}}"
-log_samples = true
-plots = false
-"#
-    )
+    let extra = format!("max_steps = 6\n{extra_training}");
+    crate::reference_models::text_config(ADAM, 8, &extra).replace("layers = 1", "layers = 3")
 }
 
 /// Trains `body` with overlap on and off on `world` ranks (`distributed`: more keys of
