@@ -11,6 +11,9 @@
 
 use std::ops::Range;
 
+use crate::error::DdpError;
+use crate::kernels::MAX_BUCKET_LEN;
+
 /// One bucket: parameters (indices in visit order) and their element ranges in the bucket.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bucket {
@@ -88,6 +91,19 @@ pub fn ready_order(ready: &[usize], count: usize) -> Vec<usize> {
     }
     order.extend((0..count).rev().filter(|&index| !seen[index]));
     order
+}
+
+/// Fails for a bucket longer than the kernels index (32 bits): only a single parameter can
+/// exceed the (capped) bucket size. Found before anything is sent, on every rank alike.
+pub fn check_bucket_len(bucket: &Bucket) -> Result<(), DdpError> {
+    if bucket.numel > MAX_BUCKET_LEN {
+        return Err(DdpError::Unsupported(format!(
+            "a parameter of {} elements is larger than the {MAX_BUCKET_LEN} elements a \
+             gradient bucket can hold (32-bit indexing); split it into smaller tensors",
+            bucket.numel
+        )));
+    }
+    Ok(())
 }
 
 /// The parts of the parameters laid out at `ranges` (sorted and disjoint, as

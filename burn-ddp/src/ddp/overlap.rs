@@ -34,7 +34,9 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Shape, Tensor};
 
-use super::bucket::{first_bucket_cap, plan_buckets_in_order, ready_order, Bucket};
+use super::bucket::{
+    check_bucket_len, first_bucket_cap, plan_buckets_in_order, ready_order, Bucket,
+};
 use super::comm_thread::{CommThread, Job};
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, TcpGroupOptions, TcpProcessGroup};
@@ -322,6 +324,9 @@ impl Overlap {
             first_bucket_cap(bucket_cap),
             bucket_cap,
         );
+        for bucket in &buckets {
+            check_bucket_len(bucket)?;
+        }
         same_plan_everywhere(group, &buckets)?;
         let mut slot = HashMap::new();
         for (b, bucket) in buckets.iter().enumerate() {

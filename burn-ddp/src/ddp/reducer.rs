@@ -39,13 +39,13 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 
-use super::bucket::{plan_buckets, Bucket};
+use super::bucket::{check_bucket_len, plan_buckets, Bucket};
 use super::comm::BucketComm;
 use super::comm_thread::Job;
 use super::finite::{probe, FiniteScan, GradientCheck};
 use super::overlap::Overlap;
 use crate::error::DdpError;
-use crate::kernels::{HalfFormat, MAX_BUCKET_LEN};
+use crate::kernels::HalfFormat;
 
 /// Counters a test or a metrics line can read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -297,14 +297,7 @@ impl Reducer {
         scale: f32,
         scan: &mut FiniteScan,
     ) -> Result<(), DdpError> {
-        if bucket.numel > MAX_BUCKET_LEN {
-            // Only a single parameter can exceed the (capped) bucket size.
-            return Err(DdpError::Unsupported(format!(
-                "a parameter of {} elements is larger than the {MAX_BUCKET_LEN} elements a \
-                 gradient bucket can hold (32-bit indexing); split it into smaller tensors",
-                bucket.numel
-            )));
-        }
+        check_bucket_len(bucket)?;
         let mut inputs = Vec::with_capacity(bucket.params.len());
         let mut shapes = Vec::with_capacity(bucket.params.len());
         for &p in &bucket.params {
