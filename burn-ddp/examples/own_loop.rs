@@ -91,7 +91,7 @@ struct Args {
     adam: bool,
 }
 
-/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1`, `--adam`.
+/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1|2`, `--adam`.
 fn args() -> Result<Args, String> {
     let mut a = Args {
         batch: 8,

@@ -10,7 +10,7 @@
 //!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
 //!         let grads = GradientsParams::from_grads(loss.backward(), &model);
 //!         // The whole DDP step: mean gradients over all ranks, the verdict on NaN/Inf (the
-//!         // same on every rank), your optimizer, ZeRO 1's gather, the buffers.
+//!         // same on every rank), your optimizer, ZeRO 1/2's gather, the buffers.
 //!         let (next, outcome) = ddp.step(model, grads, |m, g| optim.step(lr, m, g))?;
 //!         model = next;
 //!         if let StepOutcome::Skipped { ranks } = outcome { /* stop, or go on: all ranks alike */ }
@@ -68,8 +68,13 @@ impl StepOutcome {
 pub struct DataParallel {
     dist: Distributed,
     sync: GradientSync,
-    /// `Some` under ZeRO stage 1.
+    zero_stage: ZeroStage,
+    /// `Some` under ZeRO stages 1 and 2: the owners, and the parameters' all-gather (stage 1
+    /// also reduces its gradients through it).
     sharded: Option<ShardedSync>,
+    /// Bytes of the gradients the last step's optimizer was given (this rank's own at stages 1
+    /// and 2).
+    gradient_bytes: u64,
     /// `None`: each rank keeps its own buffers.
     buffer_rule: Option<BufferSync>,
     /// Whether the model has buffers at all (learnt at the first sync; the same on every rank).
@@ -103,7 +108,9 @@ impl DataParallel {
     /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         let sync = GradientSync::new(&options, &dist, device)?;
-        let sharded = (options.zero_stage == ZeroStage::OptimizerState)
+        let sharded = options
+            .zero_stage
+            .shards_optimizer_state()
             .then(|| ShardedSync::new(options.compression));
         let sync_batch_norm = if dist.env.world_size > 1 {
             let mut options = dist.group.options().clone();
@@ -120,7 +127,9 @@ impl DataParallel {
         Ok(Self {
             dist,
             sync,
+            zero_stage: options.zero_stage,
             sharded,
+            gradient_bytes: 0,
             buffer_rule: options.buffers,
             has_buffers: None,
             timeout: options.timeout,
@@ -175,6 +184,9 @@ impl DataParallel {
     /// Do not call it for the earlier micro-batches (no communication there, as in PyTorch's
     /// `no_sync`).
     ///
+    /// At ZeRO stage 2 each bucket is reduce-scattered to its parameters' owners as it
+    /// fills, and the gradients this rank does not own are dropped once sent.
+    ///
     /// Not collective and never blocking; a no-op in a job of one, with NCCL, under ZeRO
     /// stage 1, or for a model that marks nothing. Without it, `step` sums every bucket after
     /// backward, in the same plan: the same bits, no overlap.
@@ -184,9 +196,13 @@ impl DataParallel {
         earlier: Option<&GradientsParams>,
         weight: f32,
     ) {
-        if self.sharded.is_none() {
-            self.sync.arm_overlap(model, earlier, weight);
-        }
+        let world = self.world_size();
+        let owners = match (self.zero_stage, &mut self.sharded) {
+            (ZeroStage::OptimizerState, _) => return,
+            (ZeroStage::Gradients, Some(sharded)) => Some(sharded.plan(model, world)),
+            _ => None,
+        };
+        self.sync.arm_overlap(model, earlier, weight, owners);
     }
 
     /// What the gradient overlap did so far (zeros where it never ran).
@@ -201,10 +217,10 @@ impl DataParallel {
 
     /// The DDP step, once per optimizer step, after the backward passes of all the step's
     /// micro-batches (`grads`: this rank's, accumulated): in this order, every gradient
-    /// replaced with its mean over the ranks (under ZeRO stage 1 only this rank's parameters
-    /// keep theirs); the verdict on non-finite gradients, agreed by all ranks; when finite,
-    /// `optimize(model, grads)` (your optimizer: `|m, g| optim.step(lr, m, g)`) and, under
-    /// stage 1, every rank's stepped parameters sent to the others; then the buffers
+    /// replaced with its mean over the ranks (under ZeRO stages 1 and 2 only this rank's
+    /// parameters keep theirs); the verdict on non-finite gradients, agreed by all ranks; when
+    /// finite, `optimize(model, grads)` (your optimizer: `|m, g| optim.step(lr, m, g)`) and,
+    /// under stages 1 and 2, every rank's stepped parameters sent to the others; then the buffers
     /// (BatchNorm statistics) made equal as the options say. Returns the model, ready for the
     /// next step, and what was done ([`StepOutcome`]). You never order these parts yourself,
     /// as with PyTorch's DDP.
@@ -238,6 +254,7 @@ impl DataParallel {
         optimize: impl FnOnce(M, GradientsParams) -> M,
     ) -> Result<(M, StepOutcome), DdpError> {
         let check = self.sync_gradients(&model, &mut grads)?;
+        self.gradient_bytes = zero::gradient_bytes(&model, &grads);
         let nonfinite = verdict(check)?;
         let (model, outcome) = if nonfinite.is_empty() {
             let model = optimize(model, grads);
@@ -267,24 +284,30 @@ impl DataParallel {
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
         check_sync_batch_norm()?;
-        self.sync.sync(&mut self.dist.group, model, grads)
+        self.sync.sync(&mut self.dist.group, model, grads, None)
     }
 
-    /// The ZeRO stage this handle runs: `Off` (every rank steps every parameter) or
+    /// The ZeRO stage this handle runs: `Off` (every rank steps every parameter),
     /// `OptimizerState` (each rank steps, and keeps optimizer state for, the parameters it
-    /// owns).
+    /// owns) or `Gradients` (and keeps only their gradients).
     pub fn zero_stage(&self) -> ZeroStage {
-        if self.sharded.is_some() {
-            ZeroStage::OptimizerState
-        } else {
-            ZeroStage::Off
-        }
+        self.zero_stage
+    }
+
+    /// Bytes of the gradients the last [`step`](Self::step) gave the optimizer: every
+    /// parameter's at stage 0, this rank's own at stages 1 and 2 (what a rank keeps of the
+    /// gradient for its step; stage 1 held the whole of it until its exchange after
+    /// backward, stage 2 drops each bucket's other gradients as it is sent). Local.
+    pub fn gradient_bytes(&self) -> u64 {
+        self.gradient_bytes
     }
 
     /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:
-    /// [`average_gradients`](Self::average_gradients). Stage 1: `grads` keeps only the
-    /// gradients of the parameters this rank owns, each the mean over the ranks; step the
-    /// optimizer with them, then call [`finish_step`](Self::finish_step). Collective, once per
+    /// [`average_gradients`](Self::average_gradients). Stages 1 and 2: `grads` keeps only the
+    /// gradients of the parameters this rank owns, each the mean over the ranks (stage 1:
+    /// one reduce-scatter of the whole gradient after backward; stage 2: one per bucket, in
+    /// the gradient path's bucket plan, during backward for marked blocks); step the optimizer
+    /// with them, then call [`finish_step`](Self::finish_step). Collective, once per
     /// optimizer step; the verdict on non-finite gradients is the same as stage 0's. Errors as
     /// [`average_gradients`](Self::average_gradients).
     pub(crate) fn sync_gradients<M: Module>(
@@ -292,18 +315,25 @@ impl DataParallel {
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
-        match &mut self.sharded {
-            Some(sharded) => {
+        let world = self.dist.env.world_size;
+        match (self.zero_stage, &mut self.sharded) {
+            (ZeroStage::OptimizerState, Some(sharded)) => {
                 check_sync_batch_norm()?;
                 sharded.reduce_to_owners(&mut self.dist.group, model, grads)
             }
-            None => self.average_gradients(model, grads),
+            (ZeroStage::Gradients, Some(sharded)) => {
+                check_sync_batch_norm()?;
+                let owners = sharded.plan(model, world);
+                self.sync
+                    .sync(&mut self.dist.group, model, grads, Some(owners))
+            }
+            _ => self.average_gradients(model, grads),
         }
     }
 
-    /// After the optimizer step. Stage 1: every rank sends the parameters it stepped and
-    /// receives the others' (the replicas are bit-identical again). Stage 0: nothing.
-    /// Collective under stage 1; call it only after a step that was taken.
+    /// After the optimizer step. Stages 1 and 2: every rank sends the parameters it stepped
+    /// and receives the others' (the replicas are bit-identical again). Stage 0: nothing.
+    /// Collective under stages 1 and 2; call it only after a step that was taken.
     pub(crate) fn finish_step<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
         match &mut self.sharded {
             Some(sharded) => sharded.gather_parameters(&mut self.dist.group, model),
@@ -332,11 +362,12 @@ impl DataParallel {
         buffers::sync_buffers(model, &mut self.dist.group, rule)
     }
 
-    /// Under stage 1, drops the optimizer state of the parameters another rank owns (after
-    /// loading a checkpoint's full state); under stage 0 returns `optim` as it is. Local.
+    /// Under stages 1 and 2, drops the optimizer state of the parameters another rank owns
+    /// (after loading a checkpoint's full state); under stage 0 returns `optim` as it is.
+    /// Local.
     ///
     /// # Errors
-    /// [`DdpError::State`] when the state cannot be split (stage 1 only).
+    /// [`DdpError::State`] when the state cannot be split (stages 1 and 2 only).
     pub fn keep_owned_state<M: Module>(
         &mut self,
         model: &M,
@@ -349,11 +380,11 @@ impl DataParallel {
         }
     }
 
-    /// Under stage 1, every rank's optimizer state merged on rank 0 as burnpack bytes (`Some`
-    /// there, `None` elsewhere): the state a stage-0 run would hold, the bytes
+    /// Under stages 1 and 2, every rank's optimizer state merged on rank 0 as burnpack bytes
+    /// (`Some` there, `None` elsewhere): the state a stage-0 run would hold, the bytes
     /// [`ModuleOptimizer::into_bytes`] gives for it, what a checkpoint saves so that it loads
     /// at any world size and stage ([`ModuleOptimizer::from_bytes`]). Under stage 0, `None`
-    /// (save `optim.into_bytes()`). Collective under stage 1.
+    /// (save `optim.into_bytes()`). Collective under stages 1 and 2.
     ///
     /// # Errors
     /// What the group reports, and [`DdpError::State`] when a rank's state cannot be
@@ -368,11 +399,20 @@ impl DataParallel {
         zero::gather_state(optim, &mut self.dist.group, 0)
     }
 
-    /// What gradient synchronisation did so far (synchronisations, collectives, bytes).
+    /// What gradient synchronisation did so far (synchronisations, collectives, bytes; at
+    /// stages 1 and 2 the parameters' all-gathers included).
     pub fn gradient_stats(&self) -> ReducerStats {
+        let path = self.sync.stats();
         match &self.sharded {
-            Some(sharded) => sharded.stats(),
-            None => self.sync.stats(),
+            Some(sharded) => {
+                let zero = sharded.stats();
+                ReducerStats {
+                    syncs: path.syncs + zero.syncs,
+                    bucket_all_reduces: path.bucket_all_reduces + zero.bucket_all_reduces,
+                    bytes_reduced: path.bytes_reduced + zero.bytes_reduced,
+                }
+            }
+            None => path,
         }
     }
 

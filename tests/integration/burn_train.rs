@@ -172,40 +172,44 @@ fn a_plain_loader_falls_back_to_contiguous_slices() {
     assert!(iterations.iter().all(|&&(_, n)| n == Some(32)), "{lines:?}");
 }
 
-/// burn-ddp's options reach the strategy: ZeRO stage 1 with Adam on 2 ranks (each rank steps,
-/// and keeps the Adam state of, the parameters it owns) ends with the weights of the unchanged
-/// one-process program with the doubled batch.
+/// burn-ddp's options reach the strategy: ZeRO stages 1 and 2 with Adam on 2 ranks (each rank
+/// steps, and keeps the Adam state of, the parameters it owns; at stage 2 it keeps only their
+/// gradients too) end with the weights of the unchanged one-process program with the doubled
+/// batch.
 #[test]
-fn zero_stage_1_with_adam_matches_the_unchanged_program_with_the_doubled_batch() {
+fn zero_stages_1_and_2_with_adam_match_the_unchanged_program_with_the_doubled_batch() {
     let dir = scratch("burn-train-zero");
-    let (plain, ddp) = (dir.join("plain"), dir.join("ddp"));
+    let plain = dir.join("plain");
     let common = ["--adam", "--no-checkpointer"];
     let out = run(std::process::Command::new(user_program())
         .args(["--plain", "--batch", "32", "--dir"])
         .arg(&plain)
         .args(common));
     assert_eq!(out.code, Some(0), "{}", out.all());
-    launch(
-        2,
-        &ddp,
-        &[&common[..], &["--batch", "16", "--zero-stage", "1"]].concat(),
-    );
-    let diff = max_abs_diff(
-        &read_weights(&plain.join("model.safetensors")),
-        &read_weights(&ddp.join("model.safetensors")),
-    );
-    assert!(diff < 1e-4, "max |w2 - w1| = {diff:e}");
+    for stage in ["1", "2"] {
+        let ddp = dir.join(format!("stage{stage}"));
+        launch(
+            2,
+            &ddp,
+            &[&common[..], &["--batch", "16", "--zero-stage", stage]].concat(),
+        );
+        let diff = max_abs_diff(
+            &read_weights(&plain.join("model.safetensors")),
+            &read_weights(&ddp.join("model.safetensors")),
+        );
+        assert!(diff < 1e-4, "stage {stage}: max |w2 - w1| = {diff:e}");
+    }
 }
 
 /// Options that cannot work end every rank with exit code 2 and a message naming the fix:
-/// ZeRO stage 1 with burn-train's checkpointer (whose files would lose the other ranks'
+/// ZeRO stage 2 (as 1) with burn-train's checkpointer (whose files would lose the other ranks'
 /// optimizer state), and NCCL in a build without CUDA.
 #[test]
 fn impossible_strategy_options_exit_2_naming_the_fix() {
     let dir = scratch("burn-train-refused");
     for (args, says) in [
         (
-            &["--zero-stage", "1"][..],
+            &["--zero-stage", "2"][..],
             "Remove the checkpointer, use ZeRO stage 0",
         ),
         (&["--nccl"][..], "NCCL needs"),

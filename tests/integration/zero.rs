@@ -1,6 +1,7 @@
-//! ZeRO stage 1 (`distributed.zero_stage = 1`) end to end: the same model as stage 0 and as one
-//! rank with the global batch, each rank holding only its own parameters' optimizer state, and
-//! checkpoints that resume at another world size and stage.
+//! ZeRO stages 1 and 2 (`distributed.zero_stage = 1 | 2`) end to end: the same model as stage
+//! 0 and as one rank with the global batch, each rank holding only its own parameters'
+//! optimizer state (and at stage 2 only their gradients), and checkpoints that resume at
+//! another world size and stage.
 
 use std::path::Path;
 
@@ -23,14 +24,27 @@ fn finish_record(out_dir: &Path) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no finish record in {}", out_dir.display()))
 }
 
-/// How many parameters each rank held optimizer state for.
-fn state_params(out_dir: &Path) -> Vec<u64> {
-    finish_record(out_dir)["optimizer_state_params"]
+/// A per-rank field of the `finish` record.
+fn per_rank(out_dir: &Path, field: &str) -> Vec<u64> {
+    finish_record(out_dir)[field]
         .as_array()
-        .unwrap()
+        .unwrap_or_else(|| panic!("no {field} in the finish record"))
         .iter()
         .map(|n| n.as_u64().unwrap())
         .collect()
+}
+
+/// How many parameters each rank held optimizer state for.
+fn state_params(out_dir: &Path) -> Vec<u64> {
+    per_rank(out_dir, "optimizer_state_params")
+}
+
+/// Each rank's counted model state: the gradients its optimizer was given plus its optimizer
+/// state, in bytes.
+fn model_state_bytes(out_dir: &Path) -> Vec<u64> {
+    let grads = per_rank(out_dir, "gradient_bytes");
+    let state = per_rank(out_dir, "optimizer_state_bytes");
+    grads.iter().zip(&state).map(|(g, s)| g + s).collect()
 }
 
 /// Stage 1 at world 2 against stage 0 at world 2 and one rank with the doubled batch.
@@ -107,43 +121,113 @@ fn stage_1_matches_stage_0_and_the_global_batch_on_the_transformer() {
     );
 }
 
-/// A stage-1 checkpoint of world 2 resumes at world 1 with stage 0 and at world 3 with stage
-/// 1, and ends where the uninterrupted run ends. The global batch is 24 at every world size
-/// (12 x 2, 24 x 1, 8 x 3), so the runs see the same samples in every step.
-#[test]
-fn a_stage_1_checkpoint_resumes_at_other_world_sizes_and_stages() {
-    for (optimizer, tolerance) in [(SGD_MOMENTUM, 1e-5f32), (ADAM, 1e-4)] {
-        let dir = scratch(if optimizer == ADAM {
-            "zero-resume-adam"
-        } else {
-            "zero-resume-sgd"
-        });
-        let body = |batch: usize, steps: usize, stage: u8| {
-            let training = format!("max_steps = {steps}");
-            with_stage(&digits_config(optimizer, batch, &training), stage)
-                .replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 10")
-        };
-        train(&write_config(&dir, "whole", &body(12, 25, 1)), 2);
-        train(&write_config(&dir, "first", &body(12, 10, 1)), 2);
-        assert!(newest_checkpoint(&dir.join("first-ckpt")).ends_with("step-00000010"));
-        for (name, batch, nproc, stage) in [("w1", 24, 1, 0), ("w3", 8, 3, 1)] {
-            copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
-            let out = train(&write_config(&dir, name, &body(batch, 25, stage)), nproc);
-            assert_resumed_at(&out, 10);
-            let diff = max_abs_diff(&final_weights(&dir, "whole"), &final_weights(&dir, name));
-            assert!(
-                diff < tolerance,
-                "{optimizer}: resumed at world {nproc}, stage {stage}: max |dw| = {diff:e}"
-            );
-        }
+/// A checkpoint of stage `stage` at world 2 resumes at world 1 with stage 0 and at world 3
+/// with the same stage, and ends where the uninterrupted run ends. The global batch is 24 at
+/// every world size (12 x 2, 24 x 1, 8 x 3), so the runs see the same samples in every step.
+fn check_resume(stage: u8, optimizer: &str, tolerance: f32) {
+    let dir = scratch(&format!(
+        "zero{stage}-resume-{}",
+        if optimizer == ADAM { "adam" } else { "sgd" }
+    ));
+    let body = |batch: usize, steps: usize, stage: u8| {
+        let training = format!("max_steps = {steps}");
+        with_stage(&digits_config(optimizer, batch, &training), stage)
+            .replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 10")
+    };
+    train(&write_config(&dir, "whole", &body(12, 25, stage)), 2);
+    train(&write_config(&dir, "first", &body(12, 10, stage)), 2);
+    assert!(newest_checkpoint(&dir.join("first-ckpt")).ends_with("step-00000010"));
+    for (name, batch, nproc, stage) in [("w1", 24, 1, 0), ("w3", 8, 3, stage)] {
+        copy_newest_checkpoint(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
+        let out = train(&write_config(&dir, name, &body(batch, 25, stage)), nproc);
+        assert_resumed_at(&out, 10);
+        let diff = max_abs_diff(&final_weights(&dir, "whole"), &final_weights(&dir, name));
+        assert!(
+            diff < tolerance,
+            "{optimizer}: resumed at world {nproc}, stage {stage}: max |dw| = {diff:e}"
+        );
     }
 }
 
 #[test]
-fn zero_stage_2_is_refused_with_exit_2() {
-    let dir = scratch("zero-stage-2");
-    let config = write_config(&dir, "bad", &with_stage(&digits_config(SGD, 8, ""), 2));
+fn a_stage_1_checkpoint_resumes_at_other_world_sizes_and_stages() {
+    check_resume(1, SGD_MOMENTUM, 1e-5);
+    check_resume(1, ADAM, 1e-4);
+}
+
+#[test]
+fn a_stage_2_checkpoint_resumes_at_other_world_sizes_and_stages() {
+    check_resume(2, ADAM, 1e-4);
+}
+
+/// The reference transformer with 3 encoder layers (each a marked block), Adam, 8 steps of 8
+/// samples per rank, buckets of 0.004 MiB (about 1,000 values: many buckets, most with
+/// gradients of several owners).
+fn transformer(steps: usize, stage: u8) -> String {
+    let training = format!("max_steps = {steps}");
+    let body = text_config(ADAM, 8, &training).replace("layers = 1", "layers = 3");
+    format!(
+        "{body}\n[distributed]\nzero_stage = {stage}\nbucket_cap_mb = 0.004\ntimeout_secs = 120\n"
+    )
+}
+
+/// Stage 2 against stage 0 on the transformer with Adam at worlds 2 and 4: the same weights
+/// (to the ring's rounding), the buckets reduce-scattered while backward runs, and each rank's
+/// counted gradients + optimizer state a share of stage 0's: together exactly stage 0's (a
+/// partition), each about 1/N of it (a parameter is never split, so a share is within the
+/// largest parameter of the even one).
+#[test]
+fn stage_2_matches_stage_0_on_the_transformer_holding_a_share_of_gradients_and_state() {
+    let dir = scratch("zero2-text");
+    for world in [2, 4] {
+        let (stage0, stage2) = (format!("w{world}-stage0"), format!("w{world}-stage2"));
+        train(&write_config(&dir, &stage0, &transformer(8, 0)), world);
+        let out = train(&write_config(&dir, &stage2, &transformer(8, 2)), world);
+        assert!(
+            out.stdout.contains("gradient overlap: on;"),
+            "{}",
+            out.all()
+        );
+        let diff = max_abs_diff(&final_weights(&dir, &stage0), &final_weights(&dir, &stage2));
+        assert!(
+            diff < 1e-5,
+            "world {world}: stage 2 vs stage 0: max |dw| = {diff:e}"
+        );
+        let stats =
+            std::fs::read_to_string(dir.join(format!("{stage2}-out/reducer-stats.json"))).unwrap();
+        assert!(
+            !stats.contains("\"overlap_buckets_during_backward\":0"),
+            "world {world}: no bucket was reduce-scattered during backward: {stats}"
+        );
+
+        let whole = model_state_bytes(&dir.join(format!("{stage0}-out")));
+        let shares = model_state_bytes(&dir.join(format!("{stage2}-out")));
+        assert_eq!(whole.len(), world);
+        assert!(whole.iter().all(|&b| b == whole[0] && b > 0), "{whole:?}");
+        assert_eq!(
+            shares.iter().sum::<u64>(),
+            whole[0],
+            "world {world}: the shares {shares:?} do not partition stage 0's {}",
+            whole[0]
+        );
+        // Largest parameter: the 32 x 16 feed-forward weights, 12 bytes a value with Adam.
+        let even = whole[0] / world as u64;
+        assert!(
+            shares.iter().all(|&b| b > 0 && b <= even + 32 * 16 * 12),
+            "world {world}: shares {shares:?} against an even share of {even}"
+        );
+    }
+}
+
+#[test]
+fn zero_stage_3_is_refused_with_exit_2() {
+    let dir = scratch("zero-stage-3");
+    let config = write_config(&dir, "bad", &with_stage(&digits_config(SGD, 8, ""), 3));
     let out = run(trainer().arg("--config").arg(&config));
     assert_eq!(out.code, Some(2), "{}", out.all());
-    assert_says(&out.stderr, &["distributed.zero_stage", "0", "1"], &out);
+    assert_says(
+        &out.stderr,
+        &["distributed.zero_stage", "0", "1", "2", "stage 3"],
+        &out,
+    );
 }

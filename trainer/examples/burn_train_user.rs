@@ -146,7 +146,7 @@ struct Args {
     resume: Option<usize>,
     /// Adam (lr 1e-3) instead of SGD (lr 0.05).
     adam: bool,
-    /// No file checkpointer (ZeRO stage 1 refuses one).
+    /// No file checkpointer (ZeRO stages 1 and 2 refuse one).
     no_checkpointer: bool,
     /// burn-ddp's options: ZeRO stage, gradients over NCCL (feature `cuda`, `--cuda`).
     zero_stage: ZeroStage,

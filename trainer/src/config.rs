@@ -225,8 +225,8 @@ impl Default for CheckpointConfig {
 
 /// `[distributed]`: read straight into burn-ddp's option types (feature `serde` of burn-ddp
 /// gives them their names here), so each rule about them has one home, in burn-ddp: what
-/// `"auto"` means and that NCCL needs CUDA ([`GradientTransport`]), that only ZeRO stages 0
-/// and 1 exist ([`ZeroStage`]), that there is a stage and the stages divide the world
+/// `"auto"` means and that NCCL needs CUDA ([`GradientTransport`]), that only ZeRO stages 0,
+/// 1 and 2 exist ([`ZeroStage`]), that there is a stage and the stages divide the world
 /// ([`PipelineLayout`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -254,8 +254,10 @@ pub struct DistributedConfig {
     pub gradient_overlap: bool,
     /// ZeRO stage: 0 = every rank holds the whole optimizer state (plain DDP); 1 = each
     /// parameter's optimizer state lives on one rank, which steps it and sends the new values
-    /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`). 2 and 3 are
-    /// refused.
+    /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`); 2 = and each
+    /// rank keeps only its own parameters' gradients: every bucket is reduce-scattered to the
+    /// owners (during backward for marked blocks) and the rest dropped (DeepSpeed's stage 2).
+    /// 3 is refused.
     #[serde(deserialize_with = "zero_stage")]
     pub zero_stage: ZeroStage,
     /// How buffers (BatchNorm running statistics, any `RunningState`, frozen parameters) are
@@ -277,8 +279,8 @@ pub struct DistributedConfig {
 }
 
 /// `distributed.zero_stage` as burn-ddp's serde reads it (a number, then
-/// [`ZeroStage::try_from`]), with the key named in the refusal of 2 and 3 (serde's message
-/// knows the value only): `distributed.zero_stage must be 0 (plain DDP) or 1 ...`.
+/// [`ZeroStage::try_from`]), with the key named in the refusal of 3 (serde's message knows the
+/// value only): `distributed.zero_stage must be 0 (plain DDP), 1 ...`.
 fn zero_stage<'de, D: Deserializer<'de>>(d: D) -> Result<ZeroStage, D::Error> {
     ZeroStage::try_from(u8::deserialize(d)?)
         .map_err(|e| D::Error::custom(format_args!("distributed.zero_stage {e}")))
@@ -616,7 +618,7 @@ seed = 1
     }
 
     #[test]
-    fn zero_stage_is_0_or_1_and_2_is_refused_naming_the_key() {
+    fn zero_stage_is_0_1_or_2_and_3_is_refused_naming_the_key() {
         let with =
             |stage: &str| parse(&format!("{MINIMAL}\n[distributed]\nzero_stage = {stage}\n"));
         assert_eq!(
@@ -628,13 +630,17 @@ seed = 1
             with("1").unwrap().distributed.zero_stage,
             ZeroStage::OptimizerState
         );
-        for stage in [2, 3] {
+        assert_eq!(
+            with("2").unwrap().distributed.zero_stage,
+            ZeroStage::Gradients
+        );
+        for stage in [3, 4] {
             let err = with(&stage.to_string()).unwrap_err();
             assert!(matches!(err, ConfigError::Parse { .. }), "{err}");
             let msg = err.to_string();
             assert!(
                 msg.contains(&format!(
-                    "distributed.zero_stage must be 0 (plain DDP) or 1 (sharded optimizer state), got {stage}; stages 2 and 3 (sharded gradients, parameters) are not implemented"
+                    "distributed.zero_stage must be 0 (plain DDP), 1 (sharded optimizer state) or 2 (sharded gradients and optimizer state), got {stage}; stage 3 (sharded parameters) is not implemented"
                 )) && msg.contains("test.toml"),
                 "{msg}"
             );
@@ -687,7 +693,7 @@ seed = 1
             gradient_sync: GradientTransport::Nccl,
             gradient_compression: Some(HalfFormat::F16),
             gradient_overlap: false,
-            zero_stage: ZeroStage::OptimizerState,
+            zero_stage: ZeroStage::Gradients,
             sync_buffers: None,
             pipeline_stages: 2,
             pipeline_schedule: PipelineSchedule::OneForwardOneBackward,
@@ -698,7 +704,7 @@ seed = 1
             "gradient_sync = \"nccl\"",
             "gradient_compression = \"fp16\"",
             "gradient_overlap = false",
-            "zero_stage = 1",
+            "zero_stage = 2",
             "sync_buffers = \"off\"",
             "pipeline_schedule = \"1f1b\"",
         ] {

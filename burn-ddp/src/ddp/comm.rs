@@ -11,11 +11,12 @@
 
 use burn::backend::ops::{FloatTensorOps, IntTensorOps};
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::{Dispatch, DispatchDevice, TensorMetadata};
-use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
+use burn::backend::{Dispatch, TensorMetadata};
+use burn::tensor::{DType, Int, Shape, Tensor};
 
 use super::finite::FiniteScan;
-use super::host_pieces::{F32Pieces, HalfPieces, HostBucket};
+use super::host_pieces::{host_slice, read_error, read_float, F32Pieces, HalfPieces, HostBucket};
+use super::zero_buckets;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::kernels::{host16, host_memory, BucketOps, BucketOpsError, HalfFormat};
@@ -112,6 +113,49 @@ pub trait BucketComm {
     ) -> Result<Vec<FloatTensor<Dispatch>>, DdpError> {
         mean_by_packing(self, grads, shapes, compression, scale, scan)
     }
+
+    /// ZeRO stage 2's unit of work: averages one bucket like
+    /// [`mean_of_bucket`](Self::mean_of_bucket), but gradient `i`'s mean reaches only rank
+    /// `owners[i]` (a reduce-scatter: half an all-reduce's bytes), and this rank gets `None`
+    /// for the gradients it does not own. Collective; `owners` must be the same on every rank.
+    ///
+    /// The default refuses: only the host path runs it ([`HostStaging`]).
+    fn mean_to_owners(
+        &mut self,
+        grads: Vec<FloatTensor<Dispatch>>,
+        shapes: &[Shape],
+        owners: &[usize],
+        compression: Option<HalfFormat>,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<Vec<Option<FloatTensor<Dispatch>>>, DdpError> {
+        let _ = (grads, shapes, owners, compression, scale, scan);
+        Err(DdpError::Unsupported(
+            "ZeRO stage 2 reduces gradients through the host transport only".into(),
+        ))
+    }
+}
+
+/// One bucket's means: for every rank (`owners` `None`: [`BucketComm::mean_of_bucket`]), or
+/// each gradient's for its owner only ([`BucketComm::mean_to_owners`], ZeRO stage 2). The
+/// one place the reducer and the communication thread choose between them. Collective.
+pub(crate) fn bucket_means<C: BucketComm + ?Sized>(
+    comm: &mut C,
+    grads: Vec<FloatTensor<Dispatch>>,
+    shapes: &[Shape],
+    owners: Option<&[usize]>,
+    compression: Option<HalfFormat>,
+    scale: f32,
+    scan: &mut FiniteScan,
+) -> Result<Vec<Option<FloatTensor<Dispatch>>>, DdpError> {
+    match owners {
+        None => Ok(comm
+            .mean_of_bucket(grads, shapes, compression, scale, scan)?
+            .into_iter()
+            .map(Some)
+            .collect()),
+        Some(owners) => comm.mean_to_owners(grads, shapes, owners, compression, scale, scan),
+    }
 }
 
 /// [`BucketComm::mean_of_bucket`] as device steps: pack, sum (compressed or not), unpack.
@@ -173,6 +217,20 @@ pub struct HostStaging<'a, G>(pub &'a mut G);
 impl<G: ProcessGroup> BucketComm for HostStaging<'_, G> {
     fn world_size(&self) -> usize {
         self.0.world_size()
+    }
+
+    /// Each gradient read to the host, the bucket laid out owner by owner and
+    /// reduce-scattered (`zero_buckets.rs`).
+    fn mean_to_owners(
+        &mut self,
+        grads: Vec<FloatTensor<Dispatch>>,
+        shapes: &[Shape],
+        owners: &[usize],
+        compression: Option<HalfFormat>,
+        scale: f32,
+        scan: &mut FiniteScan,
+    ) -> Result<Vec<Option<FloatTensor<Dispatch>>>, DdpError> {
+        zero_buckets::mean_to_owners(self.0, grads, shapes, owners, compression, scale, scan)
     }
 
     fn all_reduce_f32(
@@ -333,19 +391,6 @@ impl<G: ProcessGroup> HostStaging<'_, G> {
     }
 }
 
-/// A 1-D float bucket read into host memory (one device-to-host copy), and its device.
-fn read_float(bucket: FloatTensor<Dispatch>) -> Result<(DispatchDevice, TensorData), DdpError> {
-    let device = bucket.device();
-    let data = Tensor::<1>::from_dispatch(bucket)
-        .try_into_data()
-        .map_err(read_error)?;
-    Ok((device, data))
-}
-
-fn read_error(e: impl std::fmt::Debug) -> DdpError {
-    DdpError::Device(format!("reading a gradient bucket failed: {e:?}"))
-}
-
 /// Sums 16-bit floats of `format` (their bits) over the group, in place. Collective.
 fn sum_halves<G: ProcessGroup>(
     group: &mut G,
@@ -375,25 +420,12 @@ pub(crate) fn gather_flags<G: ProcessGroup>(
     Ok(all.into_iter().map(|f| f != 0).collect())
 }
 
-/// `data`'s values as a mutable slice of `T`, or an error naming both types.
-pub(crate) fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
-    data: &mut TensorData,
-) -> Result<&mut [T], DdpError> {
-    let dtype = data.dtype();
-    data.as_mut_slice::<T>().map_err(|e| {
-        DdpError::Unsupported(format!(
-            "a gradient bucket read back as {dtype:?}, not {}: {e:?}",
-            std::any::type_name::<T>()
-        ))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     //! Real sockets on loopback, threads as ranks: the bucket round trip through the host.
     use std::sync::Arc;
 
-    use burn::tensor::Device;
+    use burn::tensor::{Device, TensorData};
 
     use super::*;
     use crate::group::{TcpGroupOptions, TcpProcessGroup};

@@ -15,7 +15,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::Dispatch;
 use burn::tensor::Shape;
 
-use super::comm::{BucketComm, HostStaging};
+use super::comm::{bucket_means, HostStaging};
 use super::finite::FiniteScan;
 use crate::error::DdpError;
 use crate::group::{TcpGroupOptions, TcpProcessGroup};
@@ -25,18 +25,21 @@ use crate::store::Store;
 /// The store suffix of the overlap group's namespace.
 pub const STORE_SUFFIX: &str = "/overlap";
 
-/// One bucket to average: [`BucketComm::mean_of_bucket`]'s arguments.
+/// One bucket to average: [`bucket_means`]' arguments.
 pub struct Job {
     pub grads: Vec<FloatTensor<Dispatch>>,
     pub shapes: Vec<Shape>,
+    /// ZeRO stage 2: the rank that keeps each gradient's mean (`None`: every rank keeps all).
+    pub owners: Option<Vec<usize>>,
     pub compression: Option<HalfFormat>,
     pub scale: f32,
     pub check_finite: bool,
 }
 
-/// A bucket averaged (or the error that aborted the group), with how long the thread was at it.
+/// A bucket averaged (or the error that aborted the group), with how long the thread was at it:
+/// each gradient's mean, `None` for those another rank owns (ZeRO stage 2).
 pub struct Done {
-    pub result: Result<Vec<FloatTensor<Dispatch>>, DdpError>,
+    pub result: Result<Vec<Option<FloatTensor<Dispatch>>>, DdpError>,
     pub nonfinite: bool,
     pub busy: Duration,
 }
@@ -71,9 +74,11 @@ impl CommThread {
                 for job in inbox {
                     let start = Instant::now();
                     let mut scan = FiniteScan::new(job.check_finite);
-                    let result = HostStaging(&mut group).mean_of_bucket(
+                    let result = bucket_means(
+                        &mut HostStaging(&mut group),
                         job.grads,
                         &job.shapes,
+                        job.owners.as_deref(),
                         job.compression,
                         job.scale,
                         &mut scan,

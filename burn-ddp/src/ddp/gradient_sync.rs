@@ -9,8 +9,9 @@ use burn::tensor::Device;
 use super::comm::HostStaging;
 use super::finite::GradientCheck;
 use super::options::DdpOptions;
-use super::overlap::{GroupRecipe, Overlap, OverlapStats};
+use super::overlap::{GroupRecipe, Overlap, OverlapStats, Settings};
 use super::reducer::{Reducer, ReducerStats};
+use super::shard_plan::ShardPlan;
 use super::transport::GradientTransport;
 use crate::error::DdpError;
 #[cfg(feature = "cuda")]
@@ -38,7 +39,7 @@ impl GradientSync {
     ///
     /// # Errors
     /// [`DdpError::Options`] for a combination that cannot work (what
-    /// [`GradientTransport::choose`] refuses: NCCL asked for with ZeRO stage 1, in a build
+    /// [`GradientTransport::choose`] refuses: NCCL asked for with ZeRO stage 1 or 2, in a build
     /// without feature `cuda`, or off CUDA); what forming the NCCL group reports.
     pub fn new(
         options: &DdpOptions,
@@ -53,8 +54,8 @@ impl GradientSync {
         let use_nccl = chosen == GradientTransport::Nccl;
         // `choose` refuses NCCL in a build without feature `cuda`.
         debug_assert!(cfg!(feature = "cuda") || !use_nccl);
-        // Overlap runs on the host path of plain DDP (ZeRO stage 1 has its own sync; NCCL
-        // sums after backward for now).
+        // Overlap runs on the host path at ZeRO stages 0 and 2 (stage 1 reduces its flat
+        // buffer after backward; NCCL sums after backward for now).
         let recipe = (dist.env.world_size > 1 && !use_nccl).then(|| GroupRecipe {
             store: dist.store.clone(),
             rank: dist.env.rank,
@@ -84,40 +85,50 @@ impl GradientSync {
 
     /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer
     /// step ([`Reducer::sync`]); on the host path it follows the overlap's plan
-    /// ([`super::overlap`]), learning it (collective too) at the first armed step.
+    /// ([`super::overlap`]), learning it (collective too) at the first armed step. With
+    /// `owners` (ZeRO stage 2, host path only) `grads` keeps only this rank's own gradients,
+    /// each the mean over the ranks.
     pub fn sync<M: Module>(
         &mut self,
         tcp: &mut TcpProcessGroup,
         model: &M,
         grads: &mut GradientsParams,
+        owners: Option<&ShardPlan>,
     ) -> Result<GradientCheck, DdpError> {
         #[cfg(feature = "cuda")]
         if let Some(group) = &mut self.nccl {
+            // `GradientTransport::choose` never picks NCCL at stage 2.
+            debug_assert!(owners.is_none());
             return super::device::sync_with_nccl(&mut self.reducer, group, model, grads);
         }
         self.overlap
             .after_backward(tcp, model, grads, self.reducer.bucket_cap())?;
-        self.reducer
-            .sync_with(&mut HostStaging(tcp), model, grads, Some(&mut self.overlap))
+        self.reducer.sync_with(
+            &mut HostStaging(tcp),
+            model,
+            grads,
+            Some(&mut self.overlap),
+            owners,
+        )
     }
 
     /// Arms the next backward for the overlap ([`super::overlap`]): `earlier`, the step's
-    /// earlier micro-batches' summed gradients; `weight`, this micro-batch's factor. Not
-    /// collective; a no-op in a job of one, on NCCL, or under ZeRO stage 1.
+    /// earlier micro-batches' summed gradients; `weight`, this micro-batch's factor; `owners`,
+    /// at ZeRO stage 2, who keeps each gradient. Not collective; a no-op in a job of one or on
+    /// NCCL.
     pub fn arm_overlap<M: Module>(
         &mut self,
         model: &M,
         earlier: Option<&GradientsParams>,
         weight: f32,
+        owners: Option<&ShardPlan>,
     ) {
-        self.overlap.arm(
-            model,
-            earlier,
-            weight,
-            self.reducer.compression(),
-            self.world_size,
-            self.reducer.checks_finite(),
-        );
+        let settings = Settings {
+            compression: self.reducer.compression(),
+            scale: 1.0 / self.world_size as f32,
+            check_finite: self.reducer.checks_finite(),
+        };
+        self.overlap.arm(model, earlier, weight, settings, owners);
     }
 
     pub fn stats(&self) -> ReducerStats {

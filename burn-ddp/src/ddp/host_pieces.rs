@@ -1,7 +1,8 @@
 //! A bucket of gradients that already lives in host memory (Burn's CPU backend), staged into
 //! the ring piece by piece ([`PieceStaging`]) instead of packed before and unpacked after it.
 //! ZeRO stage 1 stages its owner-ordered flat buffer the same way (drained for its own block
-//! only).
+//! only), and stage 2 each owner-ordered bucket. Also the host reads they share: a tensor read
+//! into host memory ([`read_float`]) and its values as a slice ([`host_slice`]).
 //!
 //! ```text
 //!   gradients (host)  ──fill: copy, or × 1/world and round to 16 bits; NaN check──▶ ring piece
@@ -14,8 +15,13 @@
 
 use std::ops::Range;
 
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Dispatch, DispatchDevice, TensorMetadata};
+use burn::tensor::{Tensor, TensorData};
+
 use super::bucket::segments;
 use super::finite::FiniteScan;
+use crate::error::DdpError;
 use crate::group::PieceStaging;
 use crate::kernels::{host16, HalfFormat};
 
@@ -138,3 +144,31 @@ macro_rules! half_pieces {
 }
 half_pieces!(half::bf16);
 half_pieces!(half::f16);
+
+/// A 1-D float bucket read into host memory (one device-to-host copy), and its device.
+pub(crate) fn read_float(
+    bucket: FloatTensor<Dispatch>,
+) -> Result<(DispatchDevice, TensorData), DdpError> {
+    let device = bucket.device();
+    let data = Tensor::<1>::from_dispatch(bucket)
+        .try_into_data()
+        .map_err(read_error)?;
+    Ok((device, data))
+}
+
+pub(crate) fn read_error(e: impl std::fmt::Debug) -> DdpError {
+    DdpError::Device(format!("reading a gradient bucket failed: {e:?}"))
+}
+
+/// `data`'s values as a mutable slice of `T`, or an error naming both types.
+pub(crate) fn host_slice<T: bytemuck::Pod + burn::tensor::Element>(
+    data: &mut TensorData,
+) -> Result<&mut [T], DdpError> {
+    let dtype = data.dtype();
+    data.as_mut_slice::<T>().map_err(|e| {
+        DdpError::Unsupported(format!(
+            "a gradient bucket read back as {dtype:?}, not {}: {e:?}",
+            std::any::type_name::<T>()
+        ))
+    })
+}

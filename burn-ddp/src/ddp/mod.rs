@@ -5,7 +5,7 @@
 //! - [`bucket`]: the pure bucket plan.
 //! - [`options`]: [`DdpOptions`], the job's synchronisation as one value; [`transport`]:
 //!   [`GradientTransport`], where gradients are summed and the rules that choose it (pure);
-//!   [`zero_stage`]: [`ZeroStage`], 0 or 1. With feature `serde` they read and write the
+//!   [`zero_stage`]: [`ZeroStage`], 0, 1 or 2. With feature `serde` they read and write the
 //!   trainer's `[distributed]` names.
 //! - `config_names` (feature `serde`): the config names of the options that are `Option`s
 //!   (compression, the buffer rule), as serde `with` modules.
@@ -22,9 +22,13 @@
 //!   gradients become ready and summed while backward runs, on [`comm_thread`]'s thread.
 //! - [`finite`]: each rank's gradients checked for NaN / ±Inf on the way to the wire, and
 //!   [`GradientCheck`], which ranks had them.
-//! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stage 1 (pure).
+//! - [`shard_plan`]: [`ShardPlan`], which rank owns each parameter under ZeRO stages 1 and 2
+//!   (pure).
 //! - [`zero`]: [`ShardedSync`], ZeRO stage 1: gradients reduced to their owner, parameters
-//!   gathered back from it; the optimizer-state helpers for checkpoints.
+//!   gathered back from it; the optimizer-state helpers for checkpoints (stages 1 and 2).
+//! - `mapped`: buffers mapped from the kernel and returned on drop (ZeRO's reduce-scatters).
+//! - `zero_buckets`: ZeRO stage 2's bucket, reduce-scattered to its parameters' owners (the
+//!   reducer's unit of work at stage 2, during backward for marked blocks).
 //! - [`sync_batch_norm`]: [`SyncBatchNorm`], BatchNorm with the statistics of the global batch;
 //!   [`all_reduce_op`]: [`all_reduce_sum`](all_reduce_op::all_reduce_sum), the differentiable
 //!   all-reduce under it (a backend extension with a backward of its own); [`sync_group`]: the
@@ -44,6 +48,7 @@ pub mod device;
 pub mod finite;
 pub mod gradient_sync;
 mod host_pieces;
+mod mapped;
 pub mod module;
 pub mod options;
 pub mod overlap;
@@ -54,6 +59,7 @@ pub mod sync_batch_norm;
 pub mod sync_group;
 pub mod transport;
 pub mod zero;
+mod zero_buckets;
 pub mod zero_stage;
 
 pub use buffers::{sync_buffers, BufferSync};

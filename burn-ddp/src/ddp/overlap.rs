@@ -38,6 +38,7 @@ use super::bucket::{
     check_bucket_len, first_bucket_cap, plan_buckets_in_order, ready_order, Bucket,
 };
 use super::comm_thread::{CommThread, Job};
+use super::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, TcpGroupOptions, TcpProcessGroup};
 use crate::kernels::HalfFormat;
@@ -120,15 +121,20 @@ struct Launch {
     remaining: Vec<usize>,
     /// Buckets before this one have been queued.
     next: usize,
+    /// ZeRO stage 2: the owner of each gradient of each bucket (the buckets are
+    /// reduce-scattered to them).
+    owners: Option<Vec<Vec<usize>>>,
     queue: Sender<Job>,
     settings: Settings,
 }
 
+/// How the buckets are summed: the reducer's settings, the same on every rank.
 #[derive(Debug, Clone, Copy)]
-struct Settings {
-    compression: Option<HalfFormat>,
-    scale: f32,
-    check_finite: bool,
+pub(crate) struct Settings {
+    pub compression: Option<HalfFormat>,
+    /// `1 / world`.
+    pub scale: f32,
+    pub check_finite: bool,
 }
 
 impl ArmedBackward {
@@ -161,6 +167,7 @@ impl Launch {
             let job = Job {
                 grads,
                 shapes,
+                owners: self.owners.as_ref().map(|owners| owners[self.next].clone()),
                 compression: self.settings.compression,
                 scale: self.settings.scale,
                 check_finite: self.settings.check_finite,
@@ -253,21 +260,22 @@ impl Overlap {
 
     /// Arms the next backward (module docs): `earlier`, the sum of the step's earlier
     /// micro-batches' gradients, if any; `weight`, what this micro-batch's gradients are
-    /// multiplied by (1 when they are taken as they are).
+    /// multiplied by (1 when they are taken as they are); `owners`, at ZeRO stage 2, who keeps
+    /// each parameter's gradient.
     pub(crate) fn arm<M: Module>(
         &mut self,
         model: &M,
         earlier: Option<&GradientsParams>,
         weight: f32,
-        compression: Option<HalfFormat>,
-        world_size: usize,
-        check_finite: bool,
+        settings: Settings,
+        owners: Option<&ShardPlan>,
     ) {
         if self.recipe.is_none() {
             return;
         }
         let launch = match (&self.plan, &self.thread, self.enabled) {
             (Some(plan), Some(thread), true) => thread.queue().map(|queue| Launch {
+                owners: owners.map(|shards| bucket_owners(plan, shards)),
                 plan: plan.clone(),
                 combine: combiners(model, earlier, weight),
                 filled: plan
@@ -279,11 +287,7 @@ impl Overlap {
                 remaining: plan.buckets.iter().map(|b| b.params.len()).collect(),
                 next: 0,
                 queue,
-                settings: Settings {
-                    compression,
-                    scale: 1.0 / world_size as f32,
-                    check_finite,
-                },
+                settings,
             }),
             _ => None,
         };
@@ -450,6 +454,21 @@ fn combiners<M: Module>(
     };
     model.visit(&mut visit);
     visit.out
+}
+
+/// The owner of every gradient of every planned bucket (a parameter unknown to `shards`, which
+/// the sync after backward reports, counts as rank 0's here).
+fn bucket_owners(plan: &Plan, shards: &ShardPlan) -> Vec<Vec<usize>> {
+    plan.buckets
+        .iter()
+        .map(|bucket| {
+            bucket
+                .params
+                .iter()
+                .map(|&p| shards.owner(plan.ids[p]).unwrap_or(0))
+                .collect()
+        })
+        .collect()
 }
 
 /// The float parameters with a gradient, in visit order, and their sizes.

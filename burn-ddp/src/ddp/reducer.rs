@@ -40,10 +40,11 @@ use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 
 use super::bucket::{check_bucket_len, plan_buckets, Bucket};
-use super::comm::BucketComm;
+use super::comm::{bucket_means, BucketComm};
 use super::comm_thread::Job;
 use super::finite::{probe, FiniteScan, GradientCheck};
 use super::overlap::Overlap;
+use super::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::kernels::HalfFormat;
 
@@ -135,18 +136,21 @@ impl Reducer {
         M: Module,
         C: BucketComm + ?Sized,
     {
-        self.sync_with(comm, model, grads, None)
+        self.sync_with(comm, model, grads, None, None)
     }
 
     /// [`sync`](Self::sync), following `overlap`'s learnt bucket plan where it has one: the
     /// buckets queued during backward are waited for, the others queued on its thread (or,
-    /// with overlap off, summed here in the same plan). Collective as `sync`.
+    /// with overlap off, summed here in the same plan). With `owners` (ZeRO stage 2) each
+    /// bucket is reduce-scattered to its parameters' owners instead of all-reduced, and
+    /// `grads` keeps only this rank's own gradients. Collective as `sync`.
     pub(crate) fn sync_with<M, C>(
         &mut self,
         comm: &mut C,
         model: &M,
         grads: &mut GradientsParams,
         overlap: Option<&mut Overlap>,
+        owners: Option<&ShardPlan>,
     ) -> Result<GradientCheck, DdpError>
     where
         M: Module,
@@ -170,13 +174,18 @@ impl Reducer {
         let scale = 1.0 / world as f32;
         let numels: Vec<usize> = taken.iter().map(|g| g.shape.num_elements()).collect();
         let ids: Vec<ParamId> = taken.iter().map(|g| g.id).collect();
+        let owners = owners.map(|plan| owner_of(plan, &ids)).transpose()?;
+        let sums = Sums {
+            owners: owners.as_deref(),
+            scale,
+        };
         match overlap {
             Some(overlap) if overlap.planned_buckets(&ids)?.is_some() => {
-                self.reduce_planned(comm, overlap, &ids, &mut taken, scale, &mut scan)?;
+                self.reduce_planned(comm, overlap, &ids, &mut taken, sums, &mut scan)?;
             }
             _ => {
                 for bucket in plan_buckets(&numels, self.bucket_cap_elems) {
-                    self.reduce_bucket(comm, &bucket, &mut taken, scale, &mut scan)?;
+                    self.reduce_bucket(comm, &bucket, &mut taken, sums, &mut scan)?;
                 }
             }
         }
@@ -233,14 +242,14 @@ impl Reducer {
         overlap: &mut Overlap,
         ids: &[ParamId],
         taken: &mut [TakenGrad],
-        scale: f32,
+        sums: Sums<'_>,
         scan: &mut FiniteScan,
     ) -> Result<(), DdpError> {
         let buckets = overlap.planned_buckets(ids)?.unwrap_or_default().to_vec();
         let start = Instant::now();
         let Some((queued, thread)) = overlap.in_flight() else {
             for bucket in &buckets {
-                self.reduce_bucket(comm, bucket, taken, scale, scan)?;
+                self.reduce_bucket(comm, bucket, taken, sums, scan)?;
             }
             let spent = start.elapsed();
             overlap.record(0, buckets.len(), (spent, spent));
@@ -260,8 +269,9 @@ impl Reducer {
                     .iter()
                     .map(|&p| taken[p].shape.clone())
                     .collect(),
+                owners: sums.of(bucket),
                 compression: self.compression,
-                scale,
+                scale: sums.scale,
                 check_finite: self.check_finite,
             })?;
         }
@@ -273,7 +283,7 @@ impl Reducer {
                 scan.mark_nonfinite();
             }
             for (&p, out) in bucket.params.iter().zip(done.result?) {
-                taken[p].tensor = Some(cast_to(out, taken[p].dtype));
+                taken[p].tensor = out.map(|out| cast_to(out, taken[p].dtype));
             }
             self.count_bucket(bucket);
         }
@@ -288,13 +298,14 @@ impl Reducer {
     }
 
     /// Replaces the gradients of `bucket`'s parameters in `taken` by their mean over the ranks
-    /// (in their own dtype again). Collective.
+    /// (in their own dtype again; at ZeRO stage 2 only this rank's own, the others dropped).
+    /// Collective.
     fn reduce_bucket<C: BucketComm + ?Sized>(
         &mut self,
         comm: &mut C,
         bucket: &Bucket,
         taken: &mut [TakenGrad],
-        scale: f32,
+        sums: Sums<'_>,
         scan: &mut FiniteScan,
     ) -> Result<(), DdpError> {
         check_bucket_len(bucket)?;
@@ -308,13 +319,52 @@ impl Reducer {
             inputs.push(tensor);
             shapes.push(taken[p].shape.clone());
         }
-        let outputs = comm.mean_of_bucket(inputs, &shapes, self.compression, scale, scan)?;
+        let owners = sums.of(bucket);
+        let outputs = bucket_means(
+            comm,
+            inputs,
+            &shapes,
+            owners.as_deref(),
+            self.compression,
+            sums.scale,
+            scan,
+        )?;
         for (&p, out) in bucket.params.iter().zip(outputs) {
-            taken[p].tensor = Some(cast_to(out, taken[p].dtype));
+            taken[p].tensor = out.map(|out| cast_to(out, taken[p].dtype));
         }
         self.count_bucket(bucket);
         Ok(())
     }
+}
+
+/// How this sync's buckets are summed: the mean's `1 / world`, and at ZeRO stage 2 the owner
+/// of each gradient (indexed like the taken gradients).
+#[derive(Clone, Copy)]
+struct Sums<'a> {
+    owners: Option<&'a [usize]>,
+    scale: f32,
+}
+
+impl Sums<'_> {
+    /// The owners of `bucket`'s gradients, in its order (`None`: all-reduced).
+    fn of(&self, bucket: &Bucket) -> Option<Vec<usize>> {
+        self.owners
+            .map(|owners| bucket.params.iter().map(|&p| owners[p]).collect())
+    }
+}
+
+/// The owner of each of `ids` in `plan`; a parameter the plan does not know (the model
+/// changed since it was made) fails on every rank alike.
+fn owner_of(plan: &ShardPlan, ids: &[ParamId]) -> Result<Vec<usize>, DdpError> {
+    ids.iter()
+        .map(|&id| {
+            plan.owner(id).ok_or_else(|| {
+                DdpError::Mismatch(format!(
+                    "parameter {id} has a gradient but no owner in the ZeRO plan: the model's parameters changed after the plan was made"
+                ))
+            })
+        })
+        .collect()
 }
 
 /// An averaged gradient (f32) in its parameter's dtype again.

@@ -1,4 +1,4 @@
-//! [`ShardPlan`]: which rank owns each parameter's optimizer state under ZeRO stage 1, and where
+//! [`ShardPlan`]: which rank owns each parameter's optimizer state under ZeRO stages 1 and 2, and where
 //! each parameter sits in the owner-ordered flat buffer the collectives run on (pure).
 //!
 //! ```text
@@ -56,6 +56,17 @@ impl ShardPlan {
             owner[i] = least;
             counts[least] += params[i].1;
         }
+        Self::assigned(params, &owner, world)
+    }
+
+    /// The flat layout of `params` (id and element count, in visit order) whose owners are
+    /// already chosen (`owners[i]` below `world`): rank by rank, each rank's parameters in
+    /// visit order.
+    fn assigned(params: &[(ParamId, usize)], owner: &[usize], world: usize) -> Self {
+        let mut counts = vec![0usize; world];
+        for (&(_, numel), &o) in params.iter().zip(owner) {
+            counts[o] += numel;
+        }
         let mut starts: Vec<usize> = counts
             .iter()
             .scan(0, |start, &n| {
@@ -66,7 +77,7 @@ impl ShardPlan {
             .collect();
         let slots: Vec<Slot> = params
             .iter()
-            .zip(owner)
+            .zip(owner.iter().copied())
             .map(|(&(id, numel), owner)| {
                 let start = starts[owner];
                 starts[owner] += numel;
@@ -118,6 +129,34 @@ impl ShardPlan {
     /// Every parameter, in visit order.
     pub fn slots(&self) -> &[Slot] {
         &self.slots
+    }
+
+    /// The plan cut into consecutive runs of parameters (visit order) of at most `cap`
+    /// elements each (a larger parameter alone), each with the same owners and a flat layout
+    /// of its own: what a collective over the whole flat buffer can run as, one run at a time,
+    /// holding one run's buffer instead of the whole model's. Every parameter is in exactly one
+    /// run.
+    pub fn segments(&self, cap: usize) -> Vec<ShardPlan> {
+        let world = self.counts.len();
+        let mut runs = Vec::new();
+        let mut params = Vec::new();
+        let mut owners = Vec::new();
+        let mut len = 0;
+        for slot in &self.slots {
+            if !params.is_empty() && len + slot.numel > cap {
+                runs.push(Self::assigned(&params, &owners, world));
+                params.clear();
+                owners.clear();
+                len = 0;
+            }
+            params.push((slot.id, slot.numel));
+            owners.push(slot.owner);
+            len += slot.numel;
+        }
+        if !params.is_empty() {
+            runs.push(Self::assigned(&params, &owners, world));
+        }
+        runs
     }
 
     /// The largest block over the even share: 1.0 is a perfect balance.
@@ -174,6 +213,29 @@ mod tests {
             let share = plan.len().div_ceil(world);
             assert!(plan.counts().iter().all(|&c| c <= share + largest));
         }
+    }
+
+    #[test]
+    fn segments_keep_the_owners_and_cover_every_parameter_once() {
+        let plan = ShardPlan::new(&params(&[400, 130, 3, 256, 90, 90]), 2);
+        let runs = plan.segments(300);
+        // 400 alone (over the cap), then 130 + 3 (256 more would pass 300), 256, 90 + 90.
+        let sizes: Vec<Vec<usize>> = runs
+            .iter()
+            .map(|r| r.slots().iter().map(|s| s.numel).collect())
+            .collect();
+        assert_eq!(sizes, [vec![400], vec![130, 3], vec![256], vec![90, 90]]);
+        for run in &runs {
+            assert_eq!(run.world_size(), 2);
+            assert_eq!(run.len(), run.counts().iter().sum::<usize>());
+            for slot in run.slots() {
+                assert_eq!(Some(slot.owner), plan.owner(slot.id));
+                let block = crate::group::ring::block_ranges(run.counts())[slot.owner].clone();
+                assert!(block.start <= slot.range.start && slot.range.end <= block.end);
+            }
+        }
+        let total: usize = runs.iter().map(ShardPlan::len).sum();
+        assert_eq!(total, plan.len());
     }
 
     #[test]

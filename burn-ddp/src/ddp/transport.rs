@@ -1,6 +1,6 @@
 //! [`GradientTransport`]: where gradients are summed, and the one home of the rules that
 //! choose it — what `Auto` means ([`GradientTransport::resolve`]), that NCCL needs a CUDA
-//! device ([`GradientTransport::check_device`]), and that ZeRO stage 1 runs over the host
+//! device ([`GradientTransport::check_device`]), and that ZeRO stages 1 and 2 run over the host
 //! ([`GradientTransport::choose`], the whole decision). Pure: [`super::GradientSync`] forms
 //! what they choose; the trainer's config check and `trainer doctor` ask the same functions.
 
@@ -41,12 +41,12 @@ pub enum TransportError {
     /// NCCL asked for in a build of burn-ddp without feature `cuda`.
     #[error("gradient transport NCCL needs a build with feature `cuda` and Burn's CUDA backend")]
     NcclNotBuilt,
-    /// NCCL asked for with ZeRO stage 1, which needs a reduce-scatter and an all-gather over
-    /// blocks of different sizes (one per owner), which NCCL lacks.
+    /// NCCL asked for with ZeRO stage 1 or 2, which need a reduce-scatter and an all-gather
+    /// over blocks of different sizes (one per owner), which NCCL lacks.
     #[error(
-        "ZeRO stage 1 runs over the host (TCP ring) in this version; use the automatic or host gradient transport (distributed.gradient_sync = \"auto\" or \"host\"), or ZeRO stage 0 for NCCL"
+        "ZeRO stage {0} runs over the host (TCP ring) in this version; use the automatic or host gradient transport (distributed.gradient_sync = \"auto\" or \"host\"), or ZeRO stage 0 for NCCL"
     )]
-    NcclWithZeroStage1,
+    NcclWithZero(u8),
 }
 
 impl GradientTransport {
@@ -72,9 +72,9 @@ impl GradientTransport {
     }
 
     /// The transport a job of `world_size` ranks at ZeRO stage `zero` uses on a device that is
-    /// (`cuda`) or is not a CUDA device: never `Auto`. Stage 1 runs over the host, so `Auto`
-    /// falls back to it there; an explicit `Nccl` is refused with stage 1, in a build without
-    /// feature `cuda`, and off CUDA.
+    /// (`cuda`) or is not a CUDA device: never `Auto`. Stages 1 and 2 run over the host, so
+    /// `Auto` falls back to it there; an explicit `Nccl` is refused with them, in a build
+    /// without feature `cuda`, and off CUDA.
     pub fn choose(
         self,
         zero: ZeroStage,
@@ -85,9 +85,9 @@ impl GradientTransport {
         if resolved != Self::Nccl {
             return Ok(resolved);
         }
-        if zero == ZeroStage::OptimizerState {
+        if zero.shards_optimizer_state() {
             return match self {
-                Self::Nccl => Err(TransportError::NcclWithZeroStage1),
+                Self::Nccl => Err(TransportError::NcclWithZero(zero.into())),
                 _ => Ok(Self::Host),
             };
         }
@@ -135,8 +135,12 @@ mod tests {
     }
 
     #[test]
-    fn the_choice_falls_back_to_the_host_for_zero_stage_1_and_refuses_what_cannot_run() {
-        let (off, stage1) = (ZeroStage::Off, ZeroStage::OptimizerState);
+    fn the_choice_falls_back_to_the_host_for_zero_stages_1_and_2_and_refuses_what_cannot_run() {
+        let (off, stage1, stage2) = (
+            ZeroStage::Off,
+            ZeroStage::OptimizerState,
+            ZeroStage::Gradients,
+        );
         // The host whenever `Auto` does not mean NCCL, whatever the build.
         assert_eq!(Auto.choose(off, false, 4), Ok(Host));
         assert_eq!(Auto.choose(off, true, 1), Ok(Host));
@@ -145,7 +149,12 @@ mod tests {
         assert_eq!(Auto.choose(stage1, true, 2), Ok(Host));
         assert_eq!(
             Nccl.choose(stage1, true, 2),
-            Err(TransportError::NcclWithZeroStage1)
+            Err(TransportError::NcclWithZero(1))
+        );
+        assert_eq!(Auto.choose(stage2, true, 4), Ok(Host));
+        assert_eq!(
+            Nccl.choose(stage2, true, 2),
+            Err(TransportError::NcclWithZero(2))
         );
         // NCCL itself: the build, then the device.
         let built = |then: Result<GradientTransport, TransportError>| {

@@ -43,14 +43,14 @@ use burn::prelude::*;
 use burn::tensor::TensorData;
 use burn_pack::Bytes;
 
-use super::comm::host_slice;
 use super::finite::{FiniteScan, GradientCheck};
-use super::host_pieces::{F32Pieces, HalfPieces, HostBucket};
+use super::host_pieces::{host_slice, HostBucket};
 use super::module::{read_floats, write_floats, FloatSlot};
 use super::reducer::ReducerStats;
 use super::shard_plan::ShardPlan;
+use super::zero_buckets::reduce_scatter_to_owners;
 use crate::error::DdpError;
-use crate::group::{ProcessGroup, ReduceOp};
+use crate::group::ProcessGroup;
 use crate::kernels::HalfFormat;
 
 /// The stage-1 gradient and parameter exchange of one rank. Every method is collective.
@@ -59,6 +59,8 @@ pub struct ShardedSync {
     compression: Option<HalfFormat>,
     check_finite: bool,
     plan: Option<ShardPlan>,
+    /// Elements of one run of the parameters' all-gather.
+    gather_segment: usize,
     stats: ReducerStats,
 }
 
@@ -69,8 +71,16 @@ impl ShardedSync {
             compression,
             check_finite: true,
             plan: None,
+            gather_segment: GATHER_SEGMENT,
             stats: ReducerStats::default(),
         }
+    }
+
+    /// The largest run of the parameters' all-gather, in elements ([`GATHER_SEGMENT`] by
+    /// default): a rank holds one run's buffer at a time. Must be the same on every rank.
+    pub fn with_gather_segment(mut self, elements: usize) -> Self {
+        self.gather_segment = elements.max(1);
+        self
     }
 
     /// Whether [`reduce_to_owners`](Self::reduce_to_owners) looks for NaN and ±Inf (on by
@@ -124,7 +134,8 @@ impl ShardedSync {
         // or scaled before rounding to 16 bits) and the same NaN check as stage 0.
         let mut scan = FiniteScan::new(self.check_finite);
         let bucket = HostBucket::at(slices, ranges, 1.0 / world as f32, &mut scan);
-        let element_bytes = reduce_scatter_to_owners(group, &plan, bucket, self.compression)?;
+        let element_bytes =
+            reduce_scatter_to_owners(group, plan.counts(), bucket, self.compression)?;
         let nonfinite = scan.found_nonfinite();
         let owned = taken
             .into_iter()
@@ -144,6 +155,11 @@ impl ShardedSync {
 
     /// Sends this rank's (just stepped) parameters to every rank and takes every other rank's:
     /// afterwards the replicas are equal again, bit for bit. Collective.
+    ///
+    /// The all-gather runs over runs of the plan of at most
+    /// [`with_gather_segment`](Self::with_gather_segment) elements, one after the other
+    /// ([`ShardPlan::segments`]), so a rank holds one run's buffer at a time, not a copy of
+    /// the whole model.
     pub fn gather_parameters<M, G>(&mut self, group: &mut G, model: M) -> Result<M, DdpError>
     where
         M: Module,
@@ -153,19 +169,22 @@ impl ShardedSync {
         if world == 1 {
             return Ok(model);
         }
-        let plan = self.plan(&model, world).clone();
-        let mut flat = vec![0.0f32; plan.len()];
-        read_floats(&model, &mut flat, owned_by(&plan, |owner| owner == rank));
-        group.all_gather_v(&mut flat, plan.counts())?;
-        self.stats.bucket_all_reduces += 1;
-        self.stats.bytes_reduced += (plan.len() * 4) as u64;
-        Ok(write_floats(
-            model,
-            &flat,
-            owned_by(&plan, |owner| owner != rank),
-        ))
+        let mut model = model;
+        let segment = self.gather_segment;
+        for run in self.plan(&model, world).segments(segment) {
+            let mut flat = vec![0.0f32; run.len()];
+            read_floats(&model, &mut flat, owned_by(&run, |owner| owner == rank));
+            group.all_gather_v(&mut flat, run.counts())?;
+            model = write_floats(model, &flat, owned_by(&run, |owner| owner != rank));
+            self.stats.bucket_all_reduces += 1;
+            self.stats.bytes_reduced += (run.len() * 4) as u64;
+        }
+        Ok(model)
     }
 }
+
+/// Elements of one run of the parameters' all-gather (4 MiB of f32).
+pub const GATHER_SEGMENT: usize = 1 << 20;
 
 /// The slots of the parameters whose owner passes `keep`.
 fn owned_by<'a>(plan: &'a ShardPlan, keep: impl Fn(usize) -> bool + 'a) -> impl FloatSlot + 'a {
@@ -290,6 +309,44 @@ pub fn state_param_ids_of(bytes: Bytes) -> Result<BTreeSet<ParamId>, DdpError> {
         .collect())
 }
 
+/// Bytes of the tensors in `optim`'s state (for Adam, its two moments of every parameter it
+/// holds state for). Local.
+///
+/// # Errors
+/// [`DdpError::State`] when the state cannot be serialised or read.
+pub fn state_bytes(optim: &ModuleOptimizer) -> Result<u64, DdpError> {
+    let bytes = optim
+        .into_bytes()
+        .map_err(|e| DdpError::State(format!("cannot serialise the optimizer state: {e}")))?;
+    let reader = burn_pack::Reader::from_bytes(bytes)
+        .map_err(|e| DdpError::State(format!("cannot read optimizer state: {e}")))?;
+    let tensors = reader
+        .into_tensors()
+        .map_err(|e| DdpError::State(format!("cannot read optimizer state: {e}")))?;
+    Ok(tensors
+        .iter()
+        .map(|t| (t.shape.num_elements() * t.dtype.size()) as u64)
+        .sum())
+}
+
+/// Bytes of the float gradients `grads` holds for `model`'s parameters. Local.
+pub fn gradient_bytes<M: Module>(model: &M, grads: &GradientsParams) -> u64 {
+    struct Count<'a> {
+        grads: &'a GradientsParams,
+        bytes: u64,
+    }
+    impl ModuleVisitor for Count<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                self.bytes += (g.shape().num_elements() * g.dtype().size()) as u64;
+            }
+        }
+    }
+    let mut count = Count { grads, bytes: 0 };
+    model.visit(&mut count);
+    count.bytes
+}
+
 /// The key suffix of the scalar Burn writes once per parameter with optimizer state.
 const RANK_SUFFIX: &str = ".__rank";
 
@@ -390,50 +447,6 @@ fn take_gradients<M: Module>(
     // The fills walk the flat layout (owner order), not the visit order.
     taken.sort_by_key(|t| t.range.start);
     taken
-}
-
-/// The reduce-scatter (sum) of the owner-ordered flat buffer, filled and drained through
-/// `bucket`: in f32, or in 16 bits with `compression`. Collective. Returns the bytes of one
-/// element on the wire.
-fn reduce_scatter_to_owners<G: ProcessGroup>(
-    group: &mut G,
-    plan: &ShardPlan,
-    bucket: HostBucket<'_>,
-    compression: Option<HalfFormat>,
-) -> Result<usize, DdpError> {
-    let counts = plan.counts();
-    match compression {
-        None => {
-            let mut flat = vec![0.0f32; plan.len()];
-            let mut staging = F32Pieces(bucket);
-            group.reduce_scatter_v_staged(&mut flat, counts, ReduceOp::Sum, &mut staging)?;
-            Ok(4)
-        }
-        Some(format) => {
-            let mut staging = HalfPieces { bucket, format };
-            match format {
-                HalfFormat::Bf16 => {
-                    let mut flat = vec![half::bf16::ZERO; plan.len()];
-                    group.reduce_scatter_v_staged(
-                        &mut flat,
-                        counts,
-                        ReduceOp::Sum,
-                        &mut staging,
-                    )?;
-                }
-                HalfFormat::F16 => {
-                    let mut flat = vec![half::f16::ZERO; plan.len()];
-                    group.reduce_scatter_v_staged(
-                        &mut flat,
-                        counts,
-                        ReduceOp::Sum,
-                        &mut staging,
-                    )?;
-                }
-            }
-            Ok(2)
-        }
-    }
 }
 
 /// Which ranks found a non-finite value in the gradients they sent (`nonfinite` is this
@@ -574,14 +587,24 @@ mod tests {
         all.0
     }
 
+    #[derive(Clone, Copy, PartialEq)]
+    enum Stage {
+        Zero,
+        One,
+        /// Stage 2: buckets of at most `bucket_cap_mb` reduce-scattered to the owners.
+        Two(f64),
+    }
+
     struct Outcome {
         params: Vec<f32>,
+        /// Stage 2: whether every step's gradients were exactly this rank's own.
+        kept_own_gradients: bool,
         state_ids: BTreeSet<ParamId>,
         consolidated: Option<usize>,
         restored_owned: usize,
     }
 
-    fn train(world: usize, zero: bool, compression: Option<HalfFormat>) -> Vec<Outcome> {
+    fn train(world: usize, stage: Stage, compression: Option<HalfFormat>) -> Vec<Outcome> {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let handles: Vec<_> = (0..world)
             .map(|rank| {
@@ -592,22 +615,52 @@ mod tests {
                             .unwrap();
                     let mut model = prepare_module(net(), &mut group, 0).unwrap();
                     let mut optim = AdamConfig::new().init();
-                    let mut sharded = ShardedSync::new(compression);
-                    let mut reducer = Reducer::new(25.0, compression);
+                    // Runs of at most 100 values: the parameters' all-gather in four runs.
+                    let mut sharded = ShardedSync::new(compression).with_gather_segment(100);
+                    let cap = match stage {
+                        Stage::Two(cap) => cap,
+                        _ => 25.0,
+                    };
+                    let mut reducer = Reducer::new(cap, compression);
+                    let mut kept_own_gradients = true;
                     for step in 0..6 {
                         let mut grads = loss_grads(&model, rank, step);
-                        if zero {
-                            let check = sharded
-                                .reduce_to_owners(&mut group, &model, &mut grads)
-                                .unwrap();
-                            assert!(check.all_finite());
-                            model = optim.step(1e-2, model, grads);
+                        match stage {
+                            Stage::One => {
+                                let check = sharded
+                                    .reduce_to_owners(&mut group, &model, &mut grads)
+                                    .unwrap();
+                                assert!(check.all_finite());
+                            }
+                            Stage::Two(_) => {
+                                let plan = sharded.plan(&model, world).clone();
+                                let check = reducer
+                                    .sync_with(
+                                        &mut HostStaging(&mut group),
+                                        &model,
+                                        &mut grads,
+                                        None,
+                                        Some(&plan),
+                                    )
+                                    .unwrap();
+                                assert!(check.all_finite());
+                                let own =
+                                    plan.slots()
+                                        .iter()
+                                        .filter(|s| s.owner == rank)
+                                        .map(|s| s.numel * 4)
+                                        .sum::<usize>() as u64;
+                                kept_own_gradients &= gradient_bytes(&model, &grads) == own;
+                            }
+                            Stage::Zero => {
+                                reducer
+                                    .sync(&mut HostStaging(&mut group), &model, &mut grads)
+                                    .unwrap();
+                            }
+                        }
+                        model = optim.step(1e-2, model, grads);
+                        if stage != Stage::Zero {
                             model = sharded.gather_parameters(&mut group, model).unwrap();
-                        } else {
-                            reducer
-                                .sync(&mut HostStaging(&mut group), &model, &mut grads)
-                                .unwrap();
-                            model = optim.step(1e-2, model, grads);
                         }
                     }
                     let state_ids = state_param_ids(&optim).unwrap();
@@ -626,6 +679,7 @@ mod tests {
                         .unwrap_or(0);
                     Outcome {
                         params: flat(&model),
+                        kept_own_gradients,
                         state_ids,
                         consolidated,
                         restored_owned,
@@ -638,8 +692,8 @@ mod tests {
 
     #[test]
     fn stage_1_matches_stage_0_and_splits_the_state() {
-        let stage0 = train(3, false, None);
-        let stage1 = train(3, true, None);
+        let stage0 = train(3, Stage::Zero, None);
+        let stage1 = train(3, Stage::One, None);
         let params = 6; // three weights, three biases
         for (r, (a, b)) in stage0.iter().zip(&stage1).enumerate() {
             let worst = a
@@ -672,8 +726,8 @@ mod tests {
 
     #[test]
     fn compressed_stage_1_keeps_replicas_equal() {
-        let stage1 = train(2, true, Some(HalfFormat::Bf16));
-        let stage0 = train(2, false, Some(HalfFormat::Bf16));
+        let stage1 = train(2, Stage::One, Some(HalfFormat::Bf16));
+        let stage0 = train(2, Stage::Zero, Some(HalfFormat::Bf16));
         assert_eq!(stage1[0].params, stage1[1].params);
         let worst = stage0[0]
             .params
@@ -683,5 +737,42 @@ mod tests {
             .fold(0.0f32, f32::max);
         // Both round the same scaled gradients to bf16 once per ring step.
         assert!(worst < 1e-3, "bf16 stage 1 vs stage 0: {worst}");
+    }
+
+    /// Stage 2: buckets small enough that most hold gradients of several owners (some none of
+    /// a rank's), at worlds 2 and 3, f32 and bf16: the weights of stage 0 (to rounding: the
+    /// ring adds in another order at three ranks), the replicas bit-identical, each rank
+    /// holding only its own gradients and optimizer state.
+    #[test]
+    fn stage_2_matches_stage_0_keeping_only_its_own_gradients() {
+        for (world, compression, tolerance) in [
+            (2, None, 0.0),
+            (3, None, 1e-6),
+            (3, Some(HalfFormat::Bf16), 1e-3),
+        ] {
+            let stage0 = train(world, Stage::Zero, compression);
+            // 0.0005 MiB: 131 values a bucket, against parameters of 160, 32, 512, 16, 32, 2.
+            let stage2 = train(world, Stage::Two(0.0005), compression);
+            let worst = stage0[0]
+                .params
+                .iter()
+                .zip(&stage2[0].params)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= tolerance,
+                "world {world} {compression:?}: stage 2 vs stage 0: {worst}"
+            );
+            let mut union = BTreeSet::new();
+            for (r, o) in stage2.iter().enumerate() {
+                assert_eq!(o.params, stage2[0].params, "rank {r}'s replica differs");
+                assert!(o.kept_own_gradients, "rank {r} kept others' gradients");
+                assert!(!o.state_ids.is_empty(), "rank {r} owns nothing");
+                for id in &o.state_ids {
+                    assert!(union.insert(*id), "{id} held by two ranks");
+                }
+            }
+            assert_eq!(union, stage0[0].state_ids);
+        }
     }
 }

@@ -7,8 +7,9 @@
 //!
 //!  per optimizer step:  forward/backward on this rank's batch (accumulated as configured)
 //!                       the DDP step of `DataParallel`: gradients averaged over the ranks
-//!                       (host ring or NCCL; ZeRO stage 1: reduced to each parameter's
-//!                       owner) ─▶ optimizer step ─▶ (stage 1) owners send the new values
+//!                       (host ring or NCCL; ZeRO stages 1 and 2: reduced to each
+//!                       parameter's owner) ─▶ optimizer step ─▶ (stages 1 and 2) owners
+//!                       send the new values
 //!                       ─▶ buffers (BatchNorm statistics) broadcast from rank 0
 //!  per iteration:       the step's outputs gathered on rank 0 ─▶ burn-train's event processor
 //!                       (metrics of the global batch, renderer, metric logs: rank 0 only)
@@ -37,11 +38,12 @@
 //! as burn-train's single-device strategy does.
 //!
 //! **Options** ([`DdpOptions`], [`DdpStrategy::with_options`]): the engine's — gradient
-//! transport (NCCL on Burn's CUDA backend), ZeRO stage 1, bf16/fp16 compression,
-//! bucket size, buffer rule, deadlines. Under ZeRO stage 1 each rank keeps the optimizer state
-//! of the parameters it owns; burn-train's `Learner` does not let a strategy read that state,
-//! so rank 0 could not write it whole: stage 1 with a checkpointer is refused at the start
-//! (exit code 2) instead of writing checkpoints that would resume with other ranks' state lost.
+//! transport (NCCL on Burn's CUDA backend), ZeRO stages 1 and 2, bf16/fp16 compression,
+//! bucket size, buffer rule, deadlines. Under ZeRO stages 1 and 2 each rank keeps the optimizer
+//! state of the parameters it owns; burn-train's `Learner` does not let a strategy read that
+//! state, so rank 0 could not write it whole: stage 1 or 2 with a checkpointer is refused at the
+//! start (exit code 2) instead of writing checkpoints that would resume with other ranks' state
+//! lost.
 //!
 //! **Failure.** The strategy trait cannot return errors: a collective that fails or times out
 //! (a rank died, a rank's loader ran out early) ends this process with exit code 1 after
@@ -63,7 +65,6 @@ use super::gather::GatherOutput;
 use super::loader;
 use crate::data_parallel::{DataParallel, StepOutcome};
 use crate::ddp::buffers::{self, BufferSync};
-use crate::ddp::zero_stage::ZeroStage;
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
@@ -274,11 +275,11 @@ where
         dataloader_valid: ValidLoader<M>,
         components: TrainingComponents<M>,
     ) -> LearningResult<M> {
-        let sharded = self.options.zero_stage == ZeroStage::OptimizerState;
+        let sharded = self.options.zero_stage.shards_optimizer_state();
         if sharded && components.checkpointer.is_some() {
             refuse(
                 self.rank,
-                "ZeRO stage 1 under the burn-train strategy cannot write burn-train's checkpoints: its Learner does not let a strategy read the optimizer state each rank holds, so rank 0's files would resume with the other ranks' state lost. Remove the checkpointer, use ZeRO stage 0, or train through the trainer engine (its checkpoints merge the shards)",
+                "ZeRO stages 1 and 2 under the burn-train strategy cannot write burn-train's checkpoints: its Learner does not let a strategy read the optimizer state each rank holds, so rank 0's files would resume with the other ranks' state lost. Remove the checkpointer, use ZeRO stage 0, or train through the trainer engine (its checkpoints merge the shards)",
             );
         }
         // burn-train's epochs count from 1; a distributed loader's from 0. Its order in a
@@ -343,7 +344,7 @@ where
         let interrupter = components.interrupter.clone();
         let steps = StepRule {
             accumulation: components.grad_accumulation.unwrap_or(1).max(1),
-            reload: ddp.zero_stage() == ZeroStage::OptimizerState
+            reload: ddp.zero_stage().shards_optimizer_state()
                 || (self.options.buffers.is_some()
                     && buffers::buffer_elements(&learner.model()) > 0),
         };

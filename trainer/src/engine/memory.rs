@@ -26,8 +26,13 @@ pub struct MemoryEstimate {
     /// Per-parameter `f32` tensors of optimizer state: 0 for plain SGD, 1 with momentum, 2
     /// for Adam / AdamW (first and second moments).
     pub optimizer_states: u64,
-    /// Ranks the optimizer state is divided among: 1, or the world size under ZeRO stage 1.
+    /// Ranks the optimizer state is divided among: 1, or the world size under ZeRO stages 1
+    /// and 2.
     pub state_shards: u64,
+    /// Under ZeRO stage 2 the gradients too are divided among `state_shards` ranks: only the
+    /// weights and a rank's own gradients are sure to be held (buckets are sent and dropped
+    /// while backward runs).
+    pub sharded_gradients: bool,
 }
 
 impl MemoryEstimate {
@@ -41,17 +46,20 @@ impl MemoryEstimate {
             parameters,
             optimizer_states,
             state_shards: 1,
+            sharded_gradients: false,
         }
     }
 
     /// With `distributed.zero_stage = 1` on `world` ranks each rank keeps the optimizer state
     /// of its own parameters only: counted as `1 / world` of it, the average share — the rank
-    /// with the most holds at least that, so the estimate stays a lower bound.
+    /// with the most holds at least that, so the estimate stays a lower bound. Stage 2 divides
+    /// the gradients the same way.
     pub fn with_zero_stage(mut self, stage: ZeroStage, world: usize) -> Self {
         self.state_shards = match stage {
-            ZeroStage::OptimizerState => world.max(1) as u64,
+            ZeroStage::OptimizerState | ZeroStage::Gradients => world.max(1) as u64,
             ZeroStage::Off => 1,
         };
+        self.sharded_gradients = stage == ZeroStage::Gradients;
         self
     }
 
@@ -64,11 +72,17 @@ impl MemoryEstimate {
     }
 
     /// Bytes one rank needs at least: weights, gradients and the gradient bucket being
-    /// averaged (three `f32` copies of the parameters), and its optimizer state.
+    /// averaged (three `f32` copies of the parameters; at ZeRO stage 2 the weights and its own
+    /// share of the gradients), and its optimizer state.
     pub fn per_rank_bytes(&self) -> u64 {
-        self.parameters
-            .saturating_mul(4 * 3)
-            .saturating_add(self.state_bytes())
+        let copies = if self.sharded_gradients {
+            self.parameters
+                .saturating_mul(4)
+                .saturating_add(self.parameters.div_ceil(self.state_shards.max(1)) * 4)
+        } else {
+            self.parameters.saturating_mul(4 * 3)
+        };
+        copies.saturating_add(self.state_bytes())
     }
 
     /// Refuses when `ranks` ranks on this machine need more than `available` bytes (what
@@ -85,20 +99,28 @@ impl MemoryEstimate {
             String::new()
         };
         Err(UsageError(format!(
-            "the model does not fit in memory: {} parameters need at least {} per rank ({} bytes: parameters x 4 bytes x 3 copies: weights, gradients, the gradient bucket{}){ranks_part}, but {} is available ({source}); make the model smaller in [model], or run fewer ranks per machine (--nproc-per-node){}",
+            "the model does not fit in memory: {} parameters need at least {} per rank ({} bytes: {}{}){ranks_part}, but {} is available ({source}); make the model smaller in [model], or run fewer ranks per machine (--nproc-per-node){}",
             group_digits(self.parameters),
             gib(per_rank),
             group_digits(per_rank),
+            if self.sharded_gradients {
+                "parameters x 4 bytes for the weights, + their gradients divided among the ranks (ZeRO stage 2)"
+            } else {
+                "parameters x 4 bytes x 3 copies: weights, gradients, the gradient bucket"
+            },
             match (self.optimizer_states, self.state_shards) {
                 (0, _) => String::new(),
                 (n, 1) => format!(", + {n} of optimizer state"),
                 (n, shards) => format!(
-                    ", + {n} of optimizer state divided among {shards} ranks (ZeRO stage 1)"
+                    ", + {n} of optimizer state divided among {shards} ranks (ZeRO stage {})",
+                    if self.sharded_gradients { 2 } else { 1 }
                 ),
             },
             gib(available),
-            if self.optimizer_states > 0 && self.state_shards == 1 {
-                ", or divide the optimizer state among the ranks ([distributed] zero_stage = 1)"
+            if self.state_shards == 1 {
+                ", or divide the optimizer state (and gradients) among the ranks ([distributed] zero_stage = 1 or 2)"
+            } else if !self.sharded_gradients {
+                ", or divide the gradients too ([distributed] zero_stage = 2)"
             } else {
                 ""
             },
@@ -231,6 +253,24 @@ mod tests {
             err.contains("divided among 2 ranks (ZeRO stage 1)"),
             "{err}"
         );
+        assert!(err.contains("zero_stage = 2"), "{err}");
+    }
+
+    #[test]
+    fn zero_stage_2_divides_the_gradients_too() {
+        let adam = MemoryEstimate::new(1_000, &optimizer("adam", 0.0));
+        // Weights 4,000 + own gradients 1,000 + own moments 2,000.
+        assert_eq!(
+            adam.with_zero_stage(ZeroStage::Gradients, 4)
+                .per_rank_bytes(),
+            4_000 + 1_000 + 2_000
+        );
+        let err = MemoryEstimate::new(1_000_000_000, &optimizer("adam", 0.0))
+            .with_zero_stage(ZeroStage::Gradients, 2)
+            .check(1, 1 << 30, "test")
+            .unwrap_err()
+            .0;
+        assert!(err.contains("(ZeRO stage 2)"), "{err}");
     }
 
     #[test]

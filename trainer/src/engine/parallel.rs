@@ -164,7 +164,7 @@ pub fn save_training_checkpoint<M: Module>(
     schedule: &Schedule,
 ) -> anyhow::Result<()> {
     let scheduler = schedule.to_bytes().map_err(anyhow::Error::msg)?;
-    // ZeRO stage 1: rank 0 saves every rank's optimizer state, merged (collective).
+    // ZeRO stages 1 and 2: rank 0 saves every rank's optimizer state, merged (collective).
     let merged = ddp.gather_optimizer_state(optim)?;
     save_checkpoint(
         ddp,

@@ -26,8 +26,9 @@ pub enum Splitting {
 /// and the app's tables), the app's own checks, whether the program can run the stages asked
 /// for (`splitting`), the output directories, the device, and
 /// whether `ranks_here` ranks (of a job of `world_size`) of this model fit in this machine's
-/// memory (on the CPU, for apps that give [`App::parameter_count`]; ZeRO stage 1 divides the
-/// optimizer state by the replicas of a stage, `pipeline_stages` the model by the stages),
+/// memory (on the CPU, for apps that give [`App::parameter_count`]; ZeRO stages 1 and 2
+/// divide the optimizer state, stage 2 the gradients too, by the replicas of a stage,
+/// `pipeline_stages` the model by the stages),
 /// and that the stages divide the world size (burn-ddp's [`PipelineLayout`]). Reads no data
 /// and allocates no model.
 pub fn preflight<A: App>(

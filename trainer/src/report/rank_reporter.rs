@@ -126,14 +126,16 @@ impl EventSink for RankReporter {
                 time,
                 report,
                 peak_rss_bytes,
-                optimizer_state_params,
+                held,
             } => self.record(&Record::Finish {
                 step,
                 world_size,
                 time,
                 report: report.to_string(),
                 peak_rss_bytes,
-                optimizer_state_params,
+                optimizer_state_params: held.iter().map(|h| h.optimizer_state_params).collect(),
+                optimizer_state_bytes: held.iter().map(|h| h.optimizer_state_bytes).collect(),
+                gradient_bytes: held.iter().map(|h| h.gradient_bytes).collect(),
             }),
             Event::Ended => {
                 if self.rank == 0 && self.output.plots {

@@ -57,7 +57,12 @@ pub enum Record {
         /// Each rank's peak resident memory in bytes (0 where the system does not say).
         peak_rss_bytes: Vec<u64>,
         /// How many parameters each rank holds optimizer state for: all of them under ZeRO
-        /// stage 0, its own under stage 1.
+        /// stage 0, its own under stages 1 and 2.
         optimizer_state_params: Vec<u64>,
+        /// Bytes of each rank's optimizer state tensors.
+        optimizer_state_bytes: Vec<u64>,
+        /// Bytes of the gradients each rank's last optimizer step was given (its own only
+        /// under stages 1 and 2).
+        gradient_bytes: Vec<u64>,
     },
 }

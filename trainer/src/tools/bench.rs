@@ -6,8 +6,8 @@
 //!   `TrainStep::step`, the optimizer; no sampler, no reducer, no metrics, no prefetching) — the
 //!   baseline a Burn user would write;
 //! - **engine, world 1**: `trainer --config` on the same model and data;
-//! - **engine, world 2**: `trainer --config --nproc-per-node 2`, with ZeRO stage 0 (plain DDP)
-//!   and stage 1 (sharded optimizer state).
+//! - **engine, world 2**: `trainer --config --nproc-per-node 2`, with ZeRO stage 0 (plain DDP),
+//!   stage 1 (sharded optimizer state) and stage 2 (sharded gradients too).
 //!
 //! With `--device cuda` (or `wgpu`) every run trains on that device instead, world 1 only (one
 //! GPU per process), and the plain loop also runs waiting for the device after each step, which
@@ -15,9 +15,9 @@
 //!
 //! Every process computes on one thread (`RAYON_NUM_THREADS=1`). It prints the overhead of the
 //! trainer at world 1 over the plain loop, the throughput and scaling efficiency at world 2
-//! (throughput at 2 / twice the throughput at 1), stage 1's throughput against stage 0's, each
-//! run's peak resident memory per rank, the parameter count and the bytes each rank sends per
-//! optimizer step.
+//! (throughput at 2 / twice the throughput at 1), stages 1 and 2's throughput against stage
+//! 0's, each run's peak resident memory and counted gradient + optimizer-state bytes per rank,
+//! the parameter count and the bytes each rank sends per optimizer step.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -73,10 +73,11 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
 
 /// (label, world size, ZeRO stage) of the engine's runs; the plain loop runs first in every
 /// round.
-const ENGINE_RUNS: [(&str, usize, u8); 3] = [
+const ENGINE_RUNS: [(&str, usize, u8); 4] = [
     ("engine, world 1", 1, 0),
     ("engine, world 2, ZeRO 0", 2, 0),
     ("engine, world 2, ZeRO 1", 2, 1),
+    ("engine, world 2, ZeRO 2", 2, 2),
 ];
 
 /// The engine's runs on `device`: all of [`ENGINE_RUNS`] on the CPU, world 1 alone on a GPU
@@ -165,8 +166,8 @@ fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Option<Measured>,
 /// The table of runs and the ratios of the same run: DDP overhead, scaling, ZeRO's cost.
 fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: DeviceKind) {
     println!(
-        "{:<28} {:>12} {:>14} {:>26}",
-        "", "samples/s", "step time (ms)", "peak RSS per rank (MiB)"
+        "{:<28} {:>12} {:>14} {:>26} {:>30}",
+        "", "samples/s", "step time (ms)", "peak RSS per rank (MiB)", "grads + optim. state (MiB)"
     );
     let mut rows = vec![("plain Burn loop", 1, plain)];
     rows.extend(
@@ -176,38 +177,44 @@ fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: Device
             .map(|(&(l, n, _), m)| (l, n, m)),
     );
     for (name, nproc, m) in rows {
-        let rss: Vec<String> = m
-            .peak_rss
-            .iter()
-            .map(|&b| format!("{:.0}", mib(b)))
-            .collect();
+        let per_rank = |bytes: &[u64], digits: usize| -> String {
+            let v: Vec<String> = bytes
+                .iter()
+                .map(|&b| format!("{:.digits$}", mib(b)))
+                .collect();
+            v.join(" / ")
+        };
         println!(
-            "{name:<28} {:>12.0} {:>14.2} {:>26}",
+            "{name:<28} {:>12.0} {:>14.2} {:>26} {:>30}",
             m.rate,
             1e3 * per_step * nproc as f64 / m.rate,
-            rss.join(" / ")
+            per_rank(&m.peak_rss, 0),
+            per_rank(&m.model_state, 1),
         );
     }
     println!(
         "DDP layer overhead at world 1 (step time vs plain loop): {:+.1}%",
         100.0 * (plain.rate / runs[0].rate - 1.0)
     );
-    let [one, two, two_sharded] = runs else {
+    let [one, two, sharded @ ..] = runs else {
         return;
     };
     println!(
         "scaling efficiency at world 2 (throughput / 2 x world 1): {:.1}%",
         100.0 * two.rate / (2.0 * one.rate)
     );
-    println!(
-        "ZeRO stage 1 at world 2: {:.1}% of stage 0's throughput; peak RSS per rank {:+.0} MiB (rank 0), {:+.0} MiB (rank 1)",
-        100.0 * two_sharded.rate / two.rate,
-        mib(two_sharded.peak_rss[0]) - mib(two.peak_rss[0]),
-        mib(two_sharded.peak_rss.get(1).copied().unwrap_or(0)) - mib(two.peak_rss.get(1).copied().unwrap_or(0)),
-    );
+    let rss = |m: &Measured, rank: usize| mib(m.peak_rss.get(rank).copied().unwrap_or(0));
+    for (stage, m) in (1..).zip(sharded) {
+        println!(
+            "ZeRO stage {stage} at world 2: {:.1}% of stage 0's throughput; peak RSS per rank {:+.0} MiB (rank 0), {:+.0} MiB (rank 1)",
+            100.0 * m.rate / two.rate,
+            rss(m, 0) - rss(two, 0),
+            rss(m, 1) - rss(two, 1),
+        );
+    }
 }
 
-/// Optimizer state per rank and bytes on the wire per step at world 2, stage 0 and 1.
+/// Optimizer state per rank and bytes on the wire per step at world 2, stages 0, 1 and 2.
 fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentum: f64) {
     let params = model.num_params();
     let stage1_own = zero::plan_for(model, 2).counts().to_vec();
@@ -217,7 +224,7 @@ fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentu
         OptimizerName::Adam | OptimizerName::AdamW => 2,
     };
     println!(
-        "parameters: {params}; optimizer state per rank: stage 0 {:.1} MiB, stage 1 {} MiB",
+        "parameters: {params}; optimizer state per rank: stage 0 {:.1} MiB, stages 1 and 2 {} MiB",
         mib(params as u64 * 4 * state_copies),
         stage1_own
             .iter()
@@ -227,7 +234,8 @@ fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentu
     );
     // What each rank puts on the wire per optimizer step at world 2 (f32): the ring all-reduce
     // sends 2 (N-1)/N of the gradients; stage 1's reduce-scatter sends every block but the
-    // rank's own, its all-gather every block but its successor's.
+    // rank's own, its all-gather every block but its successor's. Stage 2 sends the same
+    // blocks bucket by bucket (the same total at world 2).
     let all_reduce = 2 * params.div_ceil(2) * 4;
     let sharded: Vec<String> = (0..2)
         .map(|r| {
@@ -236,17 +244,19 @@ fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentu
         })
         .collect();
     println!(
-        "bytes sent per rank per step at world 2: stage 0 {:.1} MiB (all-reduce), stage 1 {} MiB (reduce-scatter + all-gather)",
+        "bytes sent per rank per step at world 2: stage 0 {:.1} MiB (all-reduce), stages 1 and 2 {} MiB (reduce-scatter + all-gather)",
         mib(all_reduce as u64),
         sharded.join(" / ")
     );
 }
 
-/// One run's throughput and each rank's peak resident memory.
+/// One run's throughput, each rank's peak resident memory and counted gradient +
+/// optimizer-state bytes (the finish record's; none for the plain loop).
 #[derive(Debug, Clone)]
 struct Measured {
     rate: f64,
     peak_rss: Vec<u64>,
+    model_state: Vec<u64>,
 }
 
 impl Measured {
@@ -296,6 +306,7 @@ fn run_plain(
     Ok(Measured {
         rate,
         peak_rss: vec![peak],
+        model_state: Vec::new(),
     })
 }
 
@@ -343,13 +354,18 @@ fn run_trainer(
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .collect();
-    let peak_rss = records
+    let finish = records.iter().rfind(|v| v["kind"] == "finish");
+    let per_rank = |field: &str| -> Vec<u64> {
+        finish
+            .and_then(|v| v[field].as_array())
+            .map(|a| a.iter().filter_map(|b| b.as_u64()).collect())
+            .unwrap_or_default()
+    };
+    let peak_rss = per_rank("peak_rss_bytes");
+    let model_state = per_rank("gradient_bytes")
         .iter()
-        .rfind(|v| v["kind"] == "finish")
-        .and_then(|v| v["peak_rss_bytes"].as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|b| b.as_u64())
+        .zip(per_rank("optimizer_state_bytes"))
+        .map(|(g, s)| g + s)
         .collect();
     let rates: Vec<f64> = records
         .iter()
@@ -363,6 +379,7 @@ fn run_trainer(
     Ok(Measured {
         rate: rates.iter().sum::<f64>() / rates.len() as f64,
         peak_rss,
+        model_state,
     })
 }
 

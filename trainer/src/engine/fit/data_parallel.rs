@@ -14,9 +14,11 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
+use burn_ddp::ddp::zero;
 use burn_ddp::{DataParallel, Distributed, StepOutcome};
 
 use super::across_ranks::{across_ranks, train_metrics_window};
+use super::events::HeldState;
 use super::optimizer::optimizer;
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
@@ -259,7 +261,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         if let Some(ckpt) = &restored {
             let optim = std::mem::replace(&mut self.optim, optimizer(&self.config.optimizer));
             let optim = checkpoint::load_optimizer(ckpt, optim)?;
-            // A checkpoint holds every parameter's state; under ZeRO stage 1 keep this rank's.
+            // A checkpoint holds every parameter's state; under ZeRO stages 1 and 2 keep this rank's.
             self.optim = self.ddp.keep_owned_state(&model, optim)?;
             let position = ckpt.manifest.position;
             tracing::info!(
@@ -327,8 +329,12 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         Ok(self.ddp.all_gather(ours)?)
     }
 
-    fn optimizer_state_params(&self) -> anyhow::Result<usize> {
-        Ok(burn_ddp::ddp::zero::state_param_ids(&self.optim)?.len())
+    fn held_state(&mut self) -> anyhow::Result<HeldState> {
+        Ok(HeldState {
+            optimizer_state_params: zero::state_param_ids(&self.optim)?.len() as u64,
+            optimizer_state_bytes: zero::state_bytes(&self.optim)?,
+            gradient_bytes: self.ddp.gradient_bytes(),
+        })
     }
 
     fn check_replicas(&mut self, model: &A::Model, step: usize) -> anyhow::Result<()> {

@@ -9,6 +9,41 @@ use crate::engine::checkpoint::TrainPosition;
 use crate::engine::timing::StepTime;
 use crate::report::metrics::MetricValue;
 
+/// What one rank holds of the training state at the end of the run, counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldState {
+    /// Parameters it holds optimizer state for (all of them at ZeRO stage 0, its own at
+    /// stages 1 and 2).
+    pub optimizer_state_params: u64,
+    /// Bytes of the tensors of that state.
+    pub optimizer_state_bytes: u64,
+    /// Bytes of the gradients its last optimizer step was given (its own only at stages 1
+    /// and 2).
+    pub gradient_bytes: u64,
+}
+
+impl HeldState {
+    /// The values one rank sends in the run's closing all-gather.
+    pub const VALUES: usize = 3;
+
+    pub fn to_values(self) -> [f64; Self::VALUES] {
+        [
+            self.optimizer_state_params as f64,
+            self.optimizer_state_bytes as f64,
+            self.gradient_bytes as f64,
+        ]
+    }
+
+    pub fn from_values(values: &[f64]) -> Self {
+        let at = |i: usize| values.get(i).copied().unwrap_or(0.0) as u64;
+        Self {
+            optimizer_state_params: at(0),
+            optimizer_state_bytes: at(1),
+            gradient_bytes: at(2),
+        }
+    }
+}
+
 /// One thing that happened in the loop, in the order it happened.
 #[derive(Debug)]
 pub(crate) enum Event<'a> {
@@ -47,7 +82,8 @@ pub(crate) enum Event<'a> {
         time: StepTime,
         report: &'a str,
         peak_rss_bytes: Vec<u64>,
-        optimizer_state_params: Vec<u64>,
+        /// What each rank holds of the training state, in rank order.
+        held: Vec<HeldState>,
     },
     /// The run ended: the final checkpoint and validation are done.
     Ended,

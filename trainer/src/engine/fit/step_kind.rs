@@ -1,5 +1,5 @@
 //! What the training loop asks of a way to step (data parallelism, pipeline stages, and the
-//! kinds to come: overlapped DDP, ZeRO stages 2 and 3).
+//! kinds to come: ZeRO stage 3).
 //!
 //! The loop owns the position, the plan, the schedule, the sampler, the clocks and the
 //! decisions (when to log, check, save, validate; what a non-finite step means); a step kind
@@ -15,6 +15,7 @@ use burn::data::dataset::Dataset;
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
+use super::events::HeldState;
 use super::summary::Validation;
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
 use crate::engine::loader::BatchStream;
@@ -83,8 +84,8 @@ pub(crate) trait StepKind {
     /// Every rank's `ours`, in rank order. Collective.
     fn all_gather(&mut self, ours: &[f64]) -> anyhow::Result<Vec<f64>>;
 
-    /// How many parameters this rank holds optimizer state for.
-    fn optimizer_state_params(&self) -> anyhow::Result<usize>;
+    /// What this rank holds of the training state (optimizer state, gradients), counted.
+    fn held_state(&mut self) -> anyhow::Result<HeldState>;
 
     /// Fails when the replicas no longer hold the same parameters. Collective.
     fn check_replicas(&mut self, module: &Self::Module, step: usize) -> anyhow::Result<()>;

@@ -13,7 +13,7 @@ use std::time::Instant;
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
-use super::events::{Event, EventSink};
+use super::events::{Event, EventSink, HeldState};
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
 use super::summary::{NonFiniteGradients, Summary, Validation};
@@ -296,18 +296,17 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         }
         let (time, ranks) = self.kind.across_ranks(self.clock.run_means())?;
         let report = time.describe(&ranks);
-        let ours = [
-            crate::engine::memory::peak_resident_bytes().unwrap_or(0) as f64,
-            self.kind.optimizer_state_params()? as f64,
-        ];
+        let mut ours = vec![crate::engine::memory::peak_resident_bytes().unwrap_or(0) as f64];
+        ours.extend(self.kind.held_state()?.to_values());
         let all = self.kind.all_gather(&ours)?;
+        let per_rank = all.chunks(ours.len());
         self.events.on(Event::Finished {
             step: self.position.step,
             world_size: self.kind.world_size(),
             time,
             report: &report,
-            peak_rss_bytes: all.iter().step_by(2).map(|&b| b as u64).collect(),
-            optimizer_state_params: all.iter().skip(1).step_by(2).map(|&n| n as u64).collect(),
+            peak_rss_bytes: per_rank.clone().map(|r| r[0] as u64).collect(),
+            held: per_rank.map(|r| HeldState::from_values(&r[1..])).collect(),
         })?;
         Ok(Some(report))
     }
@@ -468,8 +467,8 @@ mod tests {
         fn all_gather(&mut self, ours: &[f64]) -> anyhow::Result<Vec<f64>> {
             Ok(ours.to_vec())
         }
-        fn optimizer_state_params(&self) -> anyhow::Result<usize> {
-            Ok(0)
+        fn held_state(&mut self) -> anyhow::Result<HeldState> {
+            Ok(HeldState::default())
         }
         fn check_replicas(&mut self, _: &usize, _: usize) -> anyhow::Result<()> {
             Ok(())

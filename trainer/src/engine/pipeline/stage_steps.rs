@@ -29,6 +29,7 @@ use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
+use burn_ddp::ddp::zero;
 use burn_ddp::host_values::host_values;
 use burn_ddp::pipeline::{
     PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StageStep,
@@ -42,6 +43,7 @@ use crate::app::{read_item, App, AppConfig, AppError, Datasets, TrainInput, Trai
 use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::fault_injection;
 use crate::engine::fit::across_ranks::{across_ranks, train_metrics_window};
+use crate::engine::fit::events::HeldState;
 use crate::engine::fit::optimizer::optimizer;
 use crate::engine::fit::sampler::EpochSampler;
 use crate::engine::fit::step_kind::{StepInput, StepKind};
@@ -343,8 +345,12 @@ where
         Ok(all)
     }
 
-    fn optimizer_state_params(&self) -> anyhow::Result<usize> {
-        Ok(burn_ddp::ddp::zero::state_param_ids(&self.optim)?.len())
+    fn held_state(&mut self) -> anyhow::Result<HeldState> {
+        Ok(HeldState {
+            optimizer_state_params: zero::state_param_ids(&self.optim)?.len() as u64,
+            optimizer_state_bytes: zero::state_bytes(&self.optim)?,
+            gradient_bytes: self.pp.replica_group().gradient_bytes(),
+        })
     }
 
     /// That the stage's replicas hold the same parameters. Collective over the stage's

@@ -1,6 +1,7 @@
 //! `/dev/shm` against the shared-memory ring. Every rank of a job of several ranks reserves one
-//! ring file of [`shm::FILE_BYTES`] (4 MiB + 4 KiB) there; a rank that cannot falls back to
-//! loopback TCP, silently and slower, so too little room is a failure of what the job asked for.
+//! ring file of [`shm::FILE_BYTES`] (4 MiB + 4 KiB) there per process group: the job's, and
+//! with gradient overlap the communication thread's; a rank that cannot falls back to loopback
+//! TCP, silently and slower, so too little room is a failure of what the job asked for.
 
 use burn_ddp::group::shm;
 
@@ -14,13 +15,13 @@ pub struct FsSpace {
     pub total: u64,
 }
 
-/// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need: one ring file
-/// each, none for a job of one.
-pub fn shm_need(local_ranks: usize, world_size: usize) -> u64 {
+/// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need, each in `groups`
+/// process groups: one ring file per rank and group, none for a job of one.
+pub fn shm_need(local_ranks: usize, world_size: usize, groups: usize) -> u64 {
     if world_size <= 1 {
         0
     } else {
-        local_ranks as u64 * shm::FILE_BYTES as u64
+        (local_ranks * groups) as u64 * shm::FILE_BYTES as u64
     }
 }
 
@@ -30,6 +31,9 @@ pub struct ShmFacts {
     pub enabled: bool,
     pub local_ranks: usize,
     pub world_size: usize,
+    /// Process groups each rank forms: 1, or 2 with gradient overlap (its communication
+    /// thread's group).
+    pub groups: usize,
     /// `statvfs("/dev/shm")`, or why it failed.
     pub space: Result<FsSpace, String>,
 }
@@ -39,7 +43,7 @@ const SHM_ADVICE: &str = "enlarge it (`mount -o remount,size=1G /dev/shm`; Docke
 /// `/dev/shm` against what the shared-memory ring needs.
 pub fn dev_shm(f: &ShmFacts) -> Finding {
     const CHECK: &str = "/dev/shm";
-    let need = shm_need(f.local_ranks, f.world_size);
+    let need = shm_need(f.local_ranks, f.world_size, f.groups);
     if !f.enabled {
         return Finding::ok(
             CHECK,
@@ -69,12 +73,20 @@ pub fn dev_shm(f: &ShmFacts) -> Finding {
         Ok(space) if space.free < need => Finding::fail(
             CHECK,
             format!(
-                "{} free of {}, but the shared-memory ring needs {} for {} ({} each): the ranks would fall back to loopback TCP, silently and slower",
+                "{} free of {}, but the shared-memory ring needs {} for {} ({}): the ranks would fall back to loopback TCP, silently and slower",
                 size(space.free),
                 size(space.total),
                 size(need),
                 plural(f.local_ranks, "local rank"),
-                size(shm::FILE_BYTES as u64)
+                if f.groups > 1 {
+                    format!(
+                        "{} a rank and process group; {} groups: the job's and the gradient overlap's",
+                        size(shm::FILE_BYTES as u64),
+                        f.groups
+                    )
+                } else {
+                    format!("{} each", size(shm::FILE_BYTES as u64))
+                }
             ),
             SHM_ADVICE,
         ),
@@ -103,6 +115,7 @@ mod tests {
             enabled: true,
             local_ranks: ranks,
             world_size: ranks,
+            groups: 1,
             space: Ok(FsSpace {
                 free,
                 total: free.max(64 << 10),
@@ -112,12 +125,29 @@ mod tests {
 
     #[test]
     fn dev_shm_must_hold_one_ring_file_per_local_rank() {
-        assert_eq!(shm_need(2, 2), 2 * (4 * MIB + 4096));
-        assert_eq!(shm_need(1, 1), 0, "a job of one has no ring");
+        assert_eq!(shm_need(2, 2, 1), 2 * (4 * MIB + 4096));
+        assert_eq!(shm_need(1, 1, 2), 0, "a job of one has no ring");
         assert_eq!(
-            shm_need(1, 4),
+            shm_need(1, 4, 1),
             4 * MIB + 4096,
             "one rank here, others elsewhere"
+        );
+        assert_eq!(
+            shm_need(2, 2, 2),
+            4 * (4 * MIB + 4096),
+            "the overlap's group has rings of its own"
+        );
+        let two_groups = dev_shm(&ShmFacts {
+            groups: 2,
+            ..shm_facts(12 * MIB, 2)
+        });
+        assert_eq!(two_groups.status, Status::Fail, "{}", two_groups.detail);
+        assert!(
+            two_groups.detail.contains(
+                "a rank and process group; 2 groups: the job's and the gradient overlap's"
+            ),
+            "{}",
+            two_groups.detail
         );
 
         let tiny = dev_shm(&shm_facts(64 << 10, 2));
