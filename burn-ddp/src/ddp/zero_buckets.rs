@@ -25,7 +25,7 @@ use super::finite::FiniteScan;
 use super::host_pieces::{host_slice, read_float, F32Pieces, HalfPieces, HostBucket};
 use super::mapped::MappedBuffer;
 use crate::error::DdpError;
-use crate::group::{ProcessGroup, ReduceOp};
+use crate::group::{Element, PieceStaging, ProcessGroup, ReduceOp};
 use crate::kernels::HalfFormat;
 
 /// Where each gradient of a bucket lies when the bucket is laid out owner by owner.
@@ -135,39 +135,28 @@ pub(crate) fn reduce_scatter_to_owners<G: ProcessGroup>(
     bucket: HostBucket<'_>,
     compression: Option<HalfFormat>,
 ) -> Result<usize, DdpError> {
-    let len = counts.iter().sum();
     match compression {
-        None => {
-            let mut flat = MappedBuffer::<f32>::zeroed(len).map_err(no_buffer)?;
-            let mut staging = F32Pieces(bucket);
-            group.reduce_scatter_v_staged(&mut flat, counts, ReduceOp::Sum, &mut staging)?;
-            Ok(4)
-        }
+        None => reduce_scatter_in::<f32, _>(group, counts, &mut F32Pieces(bucket)).map(|()| 4),
         Some(format) => {
             let mut staging = HalfPieces { bucket, format };
             match format {
-                HalfFormat::Bf16 => {
-                    let mut flat = MappedBuffer::<half::bf16>::zeroed(len).map_err(no_buffer)?;
-                    group.reduce_scatter_v_staged(
-                        &mut flat,
-                        counts,
-                        ReduceOp::Sum,
-                        &mut staging,
-                    )?;
-                }
-                HalfFormat::F16 => {
-                    let mut flat = MappedBuffer::<half::f16>::zeroed(len).map_err(no_buffer)?;
-                    group.reduce_scatter_v_staged(
-                        &mut flat,
-                        counts,
-                        ReduceOp::Sum,
-                        &mut staging,
-                    )?;
-                }
+                HalfFormat::Bf16 => reduce_scatter_in::<half::bf16, _>(group, counts, &mut staging),
+                HalfFormat::F16 => reduce_scatter_in::<half::f16, _>(group, counts, &mut staging),
             }
-            Ok(2)
+            .map(|()| 2)
         }
     }
+}
+
+/// [`reduce_scatter_to_owners`] in the wire type `T`, through a buffer mapped for the call.
+fn reduce_scatter_in<T: Element, G: ProcessGroup>(
+    group: &mut G,
+    counts: &[usize],
+    staging: &mut dyn PieceStaging<T>,
+) -> Result<(), DdpError> {
+    let mut flat = MappedBuffer::<T>::zeroed(counts.iter().sum()).map_err(no_buffer)?;
+    group.reduce_scatter_v_staged(&mut flat, counts, ReduceOp::Sum, staging)?;
+    Ok(())
 }
 
 /// The error of a reduce-scatter buffer the kernel would not map.

@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | `claims/{rank}` | `add` by the rank | how many processes claimed the rank (must be 1) |
 //! | `world/{rank}` | the rank | its world size, decimal text |
+//! | `world-read/{rank}` | a rank other than 0, once it has read rank 0's world size | `1` |
 //! | `abort/claims` | `add` by a failing rank | how many ranks tried to publish an abort |
 //! | `abort` | the first failing rank only | `rank R: <error>`, the first cause |
 //! | `failed/{rank}` | the rank, when a collective fails | the peer it lost, and its error (see `super::postmortem`) |
@@ -21,7 +22,10 @@
 //!    mismatch fails both sides with both values named.
 //! 3. Wait, until the group's deadline, for every rank's world size; rank 0 compares each. A rank
 //!    that never arrives is named in the error. (A group may publish its own keys between
-//!    steps 2 and 3, as the TCP group does with its address.)
+//!    steps 2 and 3, as the TCP group does with its address.) On a mismatch rank 0 returns only
+//!    once the other rank has read rank 0's size (`world-read/{rank}`, at most
+//!    [`MISMATCH_GRACE`]): rank 0 may host the store, and leaving at once would leave that rank
+//!    with a lost connection instead of both sizes.
 //!
 //! Every wait is cut into one-second slices that look for a published abort in between, so when
 //! one rank fails the others stop within a second instead of at their deadline.
@@ -34,6 +38,9 @@ use crate::store::{PrefixStore, Store};
 
 /// How often a wait looks for an abort published by another rank.
 pub(crate) const ABORT_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// How long rank 0 waits, on a world-size mismatch, for the other rank to read its size.
+pub(crate) const MISMATCH_GRACE: Duration = Duration::from_secs(10);
 
 const KEY_ABORT: &str = "abort";
 const KEY_ABORT_CLAIMS: &str = "abort/claims";
@@ -137,6 +144,7 @@ impl Rendezvous {
         self.publish("world", self.world_size.to_string().as_bytes())?;
         if rank != 0 {
             let theirs = self.published("world", 0)?;
+            self.publish("world-read", b"1")?;
             self.check_world_size(0, &theirs)?;
         }
         Ok(())
@@ -149,7 +157,13 @@ impl Rendezvous {
         if self.rank == 0 {
             for r in 1..self.world_size {
                 let theirs = self.published("world", r)?;
-                self.check_world_size(r, &theirs)?;
+                if let Err(mismatch) = self.check_world_size(r, &theirs) {
+                    // Rank r fails too once it has read rank 0's size (module docs); whether it
+                    // did in time changes nothing here.
+                    let key = format!("world-read/{r}");
+                    let _ = self.store.wait(&[key.as_str()], MISMATCH_GRACE);
+                    return Err(mismatch);
+                }
             }
         }
         Ok(())

@@ -119,6 +119,17 @@ impl StepModel {
     }
 }
 
+/// The fraction of a step's communication (`comm_s`, at the measured bandwidth) hidden under
+/// its local work: `1 - (step - work) / comm`, within [0, 1] — what the step takes beyond its
+/// work is the communication that was not hidden. The same formula for any framework, from
+/// its step time and its step time without communication.
+pub fn hidden_fraction(step_s: f64, work_s: f64, comm_s: f64) -> f64 {
+    if comm_s.is_nan() || comm_s <= 0.0 {
+        return 0.0;
+    }
+    (1.0 - (step_s - work_s) / comm_s).clamp(0.0, 1.0)
+}
+
 /// Bus bandwidth (bytes/s) from one all-reduce of `bytes` taking `seconds` on `world` ranks, as
 /// nccl-tests defines it: `bytes / seconds x 2 (world - 1) / world`.
 pub fn busbw(bytes: f64, seconds: f64, world: usize) -> f64 {
@@ -196,6 +207,17 @@ mod tests {
         assert!((bf16.no_overlap - 2830.0).abs() < 15.0, "{bf16:?}");
         // Communication (31 ms) longer than work: full overlap is bound by the wire.
         assert!((bf16.full_overlap - 4090.0).abs() < 15.0, "{bf16:?}");
+    }
+
+    #[test]
+    fn hidden_is_the_communication_the_step_did_not_wait_for() {
+        // 10 ms of work, 40 ms of wire: a 50 ms step hid nothing, a 30 ms one half of it.
+        assert_eq!(hidden_fraction(0.050, 0.010, 0.040), 0.0);
+        assert!((hidden_fraction(0.030, 0.010, 0.040) - 0.5).abs() < 1e-12);
+        assert_eq!(hidden_fraction(0.010, 0.010, 0.040), 1.0);
+        // Slower than work + wire, or no wire at all: nothing hidden.
+        assert_eq!(hidden_fraction(0.080, 0.010, 0.040), 0.0);
+        assert_eq!(hidden_fraction(0.080, 0.010, 0.0), 0.0);
     }
 
     #[test]

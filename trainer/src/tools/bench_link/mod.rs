@@ -8,12 +8,16 @@
 //! samples/s; the step's local work and its communication time at the measured bandwidth; the
 //! bytes each node put on its link per step (interface counters) next to the ring's payload;
 //! and the two bounds of [`bounds`] (no overlap, full overlap) with the run's ratio to each.
+//! With `--pytorch PYTHON` each round also trains the workload with PyTorch DDP (gloo) on the
+//! same links ([`pytorch`]), and a second table sets the two side by side: samples/s and the
+//! fraction of the communication each hid under its work.
 //!
 //! | file | owns |
 //! |---|---|
 //! | `mod.rs` | the command: runs, parsing their records, the table |
 //! | [`bounds`] | the bounds and link-rate arithmetic (pure) |
 //! | [`net`] | the namespaces, links and shaping, removed on drop |
+//! | [`pytorch`] | the PyTorch DDP side of `--pytorch` (its program is embedded) |
 //!
 //! Needs root (it exits with code 2 otherwise). The namespaces are removed on every exit path:
 //! errors and SIGINT / SIGTERM / SIGHUP (the node processes are stopped first) through the drop
@@ -21,6 +25,7 @@
 
 pub mod bounds;
 pub mod net;
+pub mod pytorch;
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -36,6 +41,7 @@ use clap::Args;
 
 use self::bounds::{LinkRate, StepModel};
 use self::net::{Network, Shaping};
+use self::pytorch::{TorchJob, TorchMeasured};
 use crate::app::{App, AppConfig};
 use crate::builtin::{self, WithApp};
 use crate::engine::pipeline::StageSplit;
@@ -71,6 +77,11 @@ pub struct BenchLinkArgs {
     /// same links.
     #[arg(long)]
     pub trainer: Option<PathBuf>,
+    /// A Python with `torch`: each round also trains the workload (an MLP or the text
+    /// transformer) with PyTorch DDP over gloo on the same links, right after the trainer,
+    /// and the report sets the two side by side.
+    #[arg(long, value_name = "PYTHON")]
+    pub pytorch: Option<PathBuf>,
 }
 
 pub fn bench_link(args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
@@ -106,6 +117,8 @@ struct Row {
     sync_s: f64,
     payload_bytes: f64,
     wire_bytes_per_step: f64,
+    /// PyTorch DDP on the same link and compression (`--pytorch`), median of its rounds.
+    pytorch: Option<TorchMeasured>,
 }
 
 /// The link rates asked for, after checking them and the compressions.
@@ -157,12 +170,90 @@ fn bench_app<A: App>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
         timeout: Duration::from_secs(args.timeout_secs),
         interrupted,
     };
-    let result = measure_all(&runner, args, &rates, params, steps);
+    // Absolute but not resolved: a virtual environment's `python` is a link, and Python finds
+    // its environment from the path it was started by.
+    let python = match &args.pytorch {
+        Some(python) if python.is_file() => Some(std::path::absolute(python)?),
+        Some(python) => bail!(UsageError(format!(
+            "--pytorch {}: no such file (give a Python that can `import torch`)",
+            python.display()
+        ))),
+        None => None,
+    };
+    let script = scratch.join("pytorch_ddp.py");
+    std::fs::write(&script, pytorch::SCRIPT)?;
+    let config_path = std::fs::canonicalize(&args.config)?;
+    let torch = python.as_deref().map(|python| TorchJob {
+        python,
+        script: &script,
+        config: &config_path,
+        steps,
+        timeout_secs: args.timeout_secs,
+    });
+    let result = measure_all(&runner, args, &rates, params, steps, torch.as_ref());
     let _ = std::fs::remove_dir_all(&scratch);
     let rows = result?;
 
     print_report(args, &rows, params, batch, steps);
+    if rows.iter().any(|r| r.pytorch.is_some()) {
+        print_side_by_side(args, &rows, batch);
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The trainer against PyTorch DDP, row by row: samples/s, their ratio, and the fraction of
+/// the communication (at the link's measured bandwidth) each hid under its local work.
+fn print_side_by_side(args: &BenchLinkArgs, rows: &[Row], batch: usize) {
+    println!(
+        "side by side with PyTorch DDP (gloo, the config's bucket cap, its bf16/fp16 compression hooks): \
+         samples/s; work = the local work per step (PyTorch: its steps under no_sync(), on a \
+         random batch reused); exposed = step - work, the communication the step waited for \
+         (comm ms above: the wire's share); hidden = 1 - exposed / comm"
+    );
+    println!(
+        "{:>10} {:>6} {:>9} {:>9} {:>7} {:>9} {:>9} {:>9} {:>9} {:>8} {:>8}",
+        "link",
+        "grads",
+        "ours",
+        "PyTorch",
+        "ratio",
+        "work ms",
+        "PT work",
+        "exposed",
+        "PT exp.",
+        "hidden",
+        "PT hid."
+    );
+    let samples = (batch * args.nodes) as f64;
+    for row in rows {
+        let Some(torch) = row.pytorch else {
+            continue;
+        };
+        let comm_s = StepModel {
+            work_s: row.work_s,
+            payload_bytes: row.payload_bytes,
+            world: args.nodes,
+            busbw: row.busbw,
+            samples_per_step: samples,
+        }
+        .bounds()
+        .comm_s;
+        let ours_step = samples / row.samples_per_sec;
+        println!(
+            "{:>10} {:>6} {:>9.0} {:>9.0} {:>6.2}x {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>7.0}% {:>7.0}%",
+            row.rate.to_string(),
+            row.compression,
+            row.samples_per_sec,
+            torch.samples_per_sec,
+            row.samples_per_sec / torch.samples_per_sec,
+            row.work_s * 1e3,
+            torch.work_s * 1e3,
+            (ours_step - row.work_s) * 1e3,
+            (torch.step_s - torch.work_s) * 1e3,
+            100.0 * bounds::hidden_fraction(ours_step, row.work_s, comm_s),
+            100.0 * bounds::hidden_fraction(torch.step_s, torch.work_s, comm_s),
+        );
+    }
 }
 
 /// The table of measured rows against their bounds.
@@ -235,6 +326,7 @@ fn measure_all(
     rates: &[LinkRate],
     params: usize,
     steps: usize,
+    torch: Option<&TorchJob<'_>>,
 ) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for &rate in rates {
@@ -254,6 +346,7 @@ fn measure_all(
             100.0 * busbw / rate.bytes_per_sec()
         );
         let mut runs: Vec<Vec<Measured>> = vec![Vec::new(); args.compression.len()];
+        let mut torch_runs: Vec<Vec<TorchMeasured>> = vec![Vec::new(); args.compression.len()];
         for round in 0..args.rounds {
             for (c, compression) in args.compression.iter().enumerate() {
                 let m = runner.train(&network, &args.config, compression, steps, round)?;
@@ -265,10 +358,23 @@ fn measure_all(
                     m.wire_bytes_per_step / 1e6
                 );
                 runs[c].push(m);
+                if let Some(torch) = torch {
+                    let t = runner.train_pytorch(&network, torch, compression)?;
+                    eprintln!(
+                        "bench-link: {rate}, {compression}, round {round}: PyTorch DDP {:.0} \
+                         samples/s, work {:.2} ms",
+                        t.samples_per_sec,
+                        t.work_s * 1e3
+                    );
+                    torch_runs[c].push(t);
+                }
             }
         }
-        for (compression, mut measured) in args.compression.iter().zip(runs) {
+        for ((compression, mut measured), mut torch) in
+            args.compression.iter().zip(runs).zip(torch_runs)
+        {
             measured.sort_by(|a, b| a.samples_per_sec.total_cmp(&b.samples_per_sec));
+            torch.sort_by(|a, b| a.samples_per_sec.total_cmp(&b.samples_per_sec));
             let m = &measured[measured.len() / 2];
             let element = if compression == "none" { 4 } else { 2 };
             rows.push(Row {
@@ -280,6 +386,7 @@ fn measure_all(
                 sync_s: m.sync_s,
                 payload_bytes: (params * element) as f64,
                 wire_bytes_per_step: m.wire_bytes_per_step,
+                pytorch: torch.get(torch.len() / 2).copied(),
             });
         }
         drop(network);
@@ -313,7 +420,8 @@ impl Runner {
     /// bandwidth, bytes/s.
     fn measure_busbw(&self, network: &Network, bytes: usize) -> anyhow::Result<f64> {
         let bytes = bytes.to_string();
-        let outputs = self.run_nodes(network, "bench-allreduce", |cmd| {
+        let outputs = self.run_nodes(network, "bench-allreduce", |r| {
+            let mut cmd = self.trainer_node(network, r);
             cmd.args([
                 "bench-allreduce",
                 "--min-bytes",
@@ -321,6 +429,7 @@ impl Runner {
                 "--max-bytes",
                 &bytes,
             ]);
+            self.as_node(cmd, network, r)
         })?;
         // Rank 0's table: size, count, time (us), algbw, busbw, ...
         let table = std::fs::read_to_string(&outputs[0].stdout)?;
@@ -357,8 +466,10 @@ impl Runner {
             .map(|n| network.tx_bytes(n))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let patched = patched.display().to_string();
-        self.run_nodes(network, "train", |cmd| {
+        self.run_nodes(network, "train", |r| {
+            let mut cmd = self.trainer_node(network, r);
             cmd.args(["--config", &patched]);
+            self.as_node(cmd, network, r)
         })?;
         let mut sent = 0u64;
         for (n, b) in before.iter().enumerate() {
@@ -375,39 +486,68 @@ impl Runner {
         })
     }
 
-    /// Runs `trainer <args> --nproc-per-node 1 --nnodes N --node-rank R ...` in every node's
-    /// namespace and waits for all of them, within the deadline. The first failure, the
-    /// deadline or a signal stops every node. Returns each node's output files.
+    /// One PyTorch DDP run of `torch`'s workload with `compression`, one process per node.
+    fn train_pytorch(
+        &self,
+        network: &Network,
+        torch: &TorchJob<'_>,
+        compression: &str,
+    ) -> anyhow::Result<TorchMeasured> {
+        let outputs = self.run_nodes(network, "pytorch", |r| {
+            torch.node_command(network, r, compression)
+        })?;
+        pytorch::parse_result(&std::fs::read_to_string(&outputs[0].stdout)?)
+    }
+
+    /// The trainer in node `r`'s namespace: the caller adds its command and arguments, then
+    /// [`as_node`](Self::as_node) the job's.
+    fn trainer_node(&self, network: &Network, r: usize) -> Command {
+        network.command(r, &self.exe)
+    }
+
+    /// `cmd` (the trainer, in node `r`'s namespace) as rank `r` of the job of one rank per
+    /// node: `--nproc-per-node 1 --nnodes N --node-rank R --master-addr ...`, one compute
+    /// thread.
+    fn as_node(&self, mut cmd: Command, network: &Network, r: usize) -> Command {
+        let nodes = network.nodes();
+        cmd.args([
+            "--nproc-per-node",
+            "1",
+            "--nnodes",
+            &nodes.len().to_string(),
+        ])
+        .args([
+            "--node-rank",
+            &r.to_string(),
+            "--master-addr",
+            &nodes[0].addr,
+        ])
+        .args(["--master-port", &STORE_PORT.to_string()])
+        .env("BURN_DDP_TOKEN", "bench-link")
+        .env("RAYON_NUM_THREADS", "1");
+        cmd
+    }
+
+    /// Runs `node(r)` (a command in node `r`'s namespace) for every node and waits for all of
+    /// them, within the deadline. The first failure, the deadline or a signal stops every
+    /// node. Returns each node's output files.
     fn run_nodes(
         &self,
         network: &Network,
         what: &str,
-        args: impl Fn(&mut Command),
+        node: impl Fn(usize) -> Command,
     ) -> anyhow::Result<Vec<NodeOutput>> {
-        let nodes = network.nodes();
-        let master = nodes[0].addr.clone();
         let mut children: Vec<(Child, NodeOutput)> = Vec::new();
         let mut guard = Stopper(Vec::new());
-        for (r, _) in nodes.iter().enumerate() {
+        for r in 0..network.nodes().len() {
             let out = NodeOutput {
                 stdout: self.scratch.join(format!("{what}-node{r}.out")),
                 stderr: self.scratch.join(format!("{what}-node{r}.err")),
             };
-            let mut cmd = network.command(r, &self.exe);
-            args(&mut cmd);
-            cmd.args([
-                "--nproc-per-node",
-                "1",
-                "--nnodes",
-                &nodes.len().to_string(),
-            ])
-            .args(["--node-rank", &r.to_string(), "--master-addr", &master])
-            .args(["--master-port", &STORE_PORT.to_string()])
-            .env("BURN_DDP_TOKEN", "bench-link")
-            .env("RAYON_NUM_THREADS", "1")
-            .stdin(Stdio::null())
-            .stdout(File::create(&out.stdout)?)
-            .stderr(File::create(&out.stderr)?);
+            let mut cmd = node(r);
+            cmd.stdin(Stdio::null())
+                .stdout(File::create(&out.stdout)?)
+                .stderr(File::create(&out.stderr)?);
             // A process group of its own: a stop reaches the node's ranks too.
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
             let child = cmd
