@@ -38,7 +38,7 @@ use crate::ddp::zero;
 use crate::ddp::zero_stage::ZeroStage;
 use crate::ddp::{
     param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats,
-    ReducerStats, ShardedSync,
+    ReducerStats, ShardedSync, StepTimeline,
 };
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
@@ -208,6 +208,13 @@ impl DataParallel {
     /// What the gradient overlap did so far (zeros where it never ran).
     pub fn overlap_stats(&self) -> OverlapStats {
         self.sync.overlap_stats()
+    }
+
+    /// When each bucket of the last step summed on the communication thread was queued,
+    /// taken up and done on this rank, after that step's forward began (`None` before any,
+    /// with overlap off, or where blocks are not marked). Local: not collective.
+    pub fn overlap_timeline(&self) -> Option<&StepTimeline> {
+        self.sync.overlap_timeline()
     }
 
     /// Whether gradient overlap is on ([`DdpOptions::overlap`]).

@@ -5,9 +5,14 @@
 //! walks the parameters in **reverse** visit order — roughly the order in which backward
 //! produces their gradients. Under gradient overlap the plan follows the order in which
 //! marked blocks' gradients became ready in the first step (as PyTorch DDP rebuilds its buckets
-//! after the first iteration), with a small first bucket so the wire starts early. A parameter
-//! larger than the cap gets a bucket of its own. The plan is a function of the parameter sizes
-//! and that order only, hence identical on every rank.
+//! after the first iteration), with a small first bucket so the wire starts early. Where the
+//! blocks are known, a bucket closes at the end of a block once it holds at least that first
+//! bucket's size, and never earlier than the cap inside one: the cap bounds a bucket, it is no
+//! reason to keep a block's ready gradients off the wire until a later block fills it
+//! (PyTorch's 25 MiB bucket holds a whole MLP, which then hides nothing), and two buckets ready
+//! at the same moment cost a collective's latency more than one. A parameter larger than the
+//! cap gets a bucket of its own. The plan is a function of the parameter sizes,
+//! that order and the blocks' ends only, hence identical on every rank.
 
 use std::ops::Range;
 
@@ -31,7 +36,7 @@ pub fn cap_elements(bucket_cap_mb: f64) -> usize {
 
 /// Assigns parameters of the given sizes to buckets of at most `cap` elements (see module docs).
 pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
-    plan_buckets_in_order((0..numels.len()).rev(), numels, cap, cap)
+    plan_buckets_in_order((0..numels.len()).rev(), numels, &[], cap, cap)
 }
 
 /// The first bucket's cap under gradient overlap, in f32 elements: 1 MiB, PyTorch DDP's
@@ -40,14 +45,18 @@ pub fn first_bucket_cap(cap: usize) -> usize {
     cap_elements(1.0).min(cap)
 }
 
-/// Assigns parameters (indices into `numels`) to buckets in the given `order`: the first
-/// bucket holds at most `first_cap` elements, the others at most `cap`; a parameter larger
-/// than the cap gets a bucket of its own, and parameters of no elements are skipped. Every
-/// index of `order` must appear once. The order of gradient readiness under overlap
-/// ([`ready_order`]); reverse visit order otherwise ([`plan_buckets`]).
+/// Assigns parameters (indices into `numels`) to buckets in the given `order`: buckets hold
+/// at most `cap` elements, a parameter larger than the cap gets a bucket of its own, and
+/// parameters of no elements are skipped. Without blocks (no `block_ends[index]` is `true`)
+/// the first bucket holds at most `first_cap` elements; with them, a bucket of at least
+/// `first_cap` elements closes after a parameter that ends a block. Every index of `order`
+/// must appear once. The order
+/// of gradient readiness under overlap ([`ready_order`]); reverse visit order otherwise
+/// ([`plan_buckets`]).
 pub fn plan_buckets_in_order(
     order: impl IntoIterator<Item = usize>,
     numels: &[usize],
+    block_ends: &[bool],
     first_cap: usize,
     cap: usize,
 ) -> Vec<Bucket> {
@@ -58,18 +67,26 @@ pub fn plan_buckets_in_order(
     };
     let mut buckets = Vec::new();
     let mut current = empty();
+    let blocks = block_ends.contains(&true);
     for index in order {
         let n = numels[index];
         if n == 0 {
             continue;
         }
-        let limit = if buckets.is_empty() { first_cap } else { cap };
+        let limit = if buckets.is_empty() && !blocks {
+            first_cap
+        } else {
+            cap
+        };
         if current.numel > 0 && current.numel + n > limit {
             buckets.push(std::mem::replace(&mut current, empty()));
         }
         current.params.push(index);
         current.ranges.push(current.numel..current.numel + n);
         current.numel += n;
+        if block_ends.get(index).copied().unwrap_or(false) && current.numel >= first_cap {
+            buckets.push(std::mem::replace(&mut current, empty()));
+        }
     }
     if current.numel > 0 {
         buckets.push(current);
@@ -186,14 +203,53 @@ mod tests {
         assert_eq!(ready_order(&[], 3), vec![2, 1, 0]);
         let numels = [10, 0, 300, 5, 5, 120, 7];
         assert_eq!(
-            plan_buckets_in_order(ready_order(&[], 7), &numels, 128, 128),
+            plan_buckets_in_order(ready_order(&[], 7), &numels, &[], 128, 128),
             plan_buckets(&numels, 128),
             "with nothing ready: today's plan"
         );
         // A small first bucket, then the cap.
-        let buckets = plan_buckets_in_order(ready_order(&[5, 6, 4], 7), &numels, 8, 128);
+        let buckets = plan_buckets_in_order(ready_order(&[5, 6, 4], 7), &numels, &[], 8, 128);
         let params: Vec<_> = buckets.iter().map(|b| b.params.clone()).collect();
         assert_eq!(params, vec![vec![5], vec![6, 4, 3], vec![2], vec![0]]);
+    }
+
+    #[test]
+    fn a_bucket_closes_at_a_blocks_end_once_it_holds_the_first_buckets_size() {
+        // An MLP's shape: a small output layer, then two big hidden layers, ready in that
+        // order; one cap would hold them all.
+        let numels = [800, 8, 1000, 10, 40, 2];
+        let ends = [false, true, false, true, false, true];
+        let params = |buckets: Vec<Bucket>| -> Vec<Vec<usize>> {
+            buckets.into_iter().map(|b| b.params).collect()
+        };
+        let order = || ready_order(&[4, 5, 2, 3, 0, 1], 6);
+        assert_eq!(
+            params(plan_buckets_in_order(order(), &numels, &ends, 100, 1 << 20)),
+            vec![vec![4, 5, 2, 3], vec![0, 1]],
+            "each hidden layer goes when backward has passed it, the small output layer with \
+             the first"
+        );
+        assert_eq!(
+            params(plan_buckets_in_order(order(), &numels, &[], 100, 1 << 20)),
+            vec![vec![4, 5], vec![2, 3, 0, 1]],
+            "without blocks, only the caps cut"
+        );
+        // Blocks smaller than the first bucket's size wait for the next one.
+        assert_eq!(
+            params(plan_buckets_in_order(
+                order(),
+                &numels,
+                &ends,
+                1060,
+                1 << 20
+            )),
+            vec![vec![4, 5, 2, 3, 0, 1]]
+        );
+        assert_eq!(
+            params(plan_buckets_in_order(order(), &numels, &ends, 50, 900)),
+            vec![vec![4, 5], vec![2], vec![3, 0, 1]],
+            "the caps still cut inside a block"
+        );
     }
 
     #[test]

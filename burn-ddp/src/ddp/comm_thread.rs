@@ -34,6 +34,8 @@ pub struct Job {
     pub compression: Option<HalfFormat>,
     pub scale: f32,
     pub check_finite: bool,
+    /// When it was queued (for the step's bucket timeline).
+    pub queued: Instant,
 }
 
 /// A bucket averaged (or the error that aborted the group), with how long the thread was at it:
@@ -41,7 +43,17 @@ pub struct Job {
 pub struct Done {
     pub result: Result<Vec<Option<FloatTensor<Dispatch>>>, DdpError>,
     pub nonfinite: bool,
-    pub busy: Duration,
+    /// When it was queued, when the thread took it up and when it was done.
+    pub queued: Instant,
+    pub started: Instant,
+    pub finished: Instant,
+}
+
+impl Done {
+    /// How long the thread was at it.
+    pub fn busy(&self) -> Duration {
+        self.finished.duration_since(self.started)
+    }
 }
 
 /// The communication thread of one rank (module docs).
@@ -86,7 +98,9 @@ impl CommThread {
                     let done = Done {
                         result,
                         nonfinite: scan.found_nonfinite(),
-                        busy: start.elapsed(),
+                        queued: job.queued,
+                        started: start,
+                        finished: Instant::now(),
                     };
                     if outbox.send(done).is_err() {
                         return;

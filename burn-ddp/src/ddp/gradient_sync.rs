@@ -9,7 +9,7 @@ use burn::tensor::Device;
 use super::comm::HostStaging;
 use super::finite::GradientCheck;
 use super::options::DdpOptions;
-use super::overlap::{GroupRecipe, Overlap, OverlapStats, Settings};
+use super::overlap::{GroupRecipe, Overlap, OverlapStats, Settings, StepTimeline};
 use super::reducer::{Reducer, ReducerStats};
 use super::shard_plan::ShardPlan;
 use super::transport::GradientTransport;
@@ -142,6 +142,11 @@ impl GradientSync {
     /// What the gradient overlap did so far.
     pub fn overlap_stats(&self) -> OverlapStats {
         self.overlap.stats()
+    }
+
+    /// The last overlapped step's buckets on this rank.
+    pub fn overlap_timeline(&self) -> Option<&StepTimeline> {
+        self.overlap.last_timeline()
     }
 }
 

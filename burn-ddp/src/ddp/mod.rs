@@ -70,7 +70,7 @@ pub use finite::GradientCheck;
 pub use gradient_sync::GradientSync;
 pub use module::{param_checksum, parameter_count, prepare_module};
 pub use options::DdpOptions;
-pub use overlap::OverlapStats;
+pub use overlap::{BucketTiming, OverlapStats, StepTimeline};
 pub use ready_op::mark_block;
 pub use reducer::{Reducer, ReducerStats};
 pub use shard_plan::ShardPlan;

@@ -10,7 +10,9 @@
 //! - **The plan** is learnt at the first armed step (PyTorch DDP rebuilds its buckets after the
 //!   first iteration the same way): the parameters in the order their gradients became ready,
 //!   then every other one in reverse visit order ([`ready_order`]); a small first bucket
-//!   ([`first_bucket_cap`]) and then the cap. Every rank learns the same plan (checked once
+//!   ([`first_bucket_cap`]) and then the cap, a bucket closed at a block's end once it holds
+//!   the first bucket's size (so a block's gradients go while backward runs through the ones
+//!   before it, whatever the cap). Every rank learns the same plan (checked once
 //!   across the ranks), and it does not depend on whether overlap is on: with it off the same
 //!   buckets are summed after backward, so the weights are bit-identical either way.
 //! - **Accumulation**: only the step's last micro-batch is armed (no communication on the
@@ -26,7 +28,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, TensorMetadata};
@@ -57,11 +59,12 @@ pub(crate) fn is_armed() -> bool {
 }
 
 /// Called by the marker's backward: `grad` is the final gradient of parameter `id` for this
-/// micro-batch.
-pub(crate) fn gradient_ready(id: ParamId, grad: FloatTensor<Dispatch>) {
+/// micro-batch; `block` tells the marked block it belongs to (the same for all of a block's
+/// parameters, another for the next block).
+pub(crate) fn gradient_ready(id: ParamId, block: u64, grad: FloatTensor<Dispatch>) {
     BACKWARD.with(|armed| {
         if let Some(backward) = armed.borrow_mut().as_mut() {
-            backward.ready(id, grad);
+            backward.ready(id, block, grad);
         }
     });
 }
@@ -105,9 +108,11 @@ struct Plan {
 
 /// One armed backward.
 struct ArmedBackward {
-    /// Parameters in the order their gradients became ready (each once).
-    ready: Vec<ParamId>,
+    /// Parameters in the order their gradients became ready (each once), with their block.
+    ready: Vec<(ParamId, u64)>,
     launch: Option<Launch>,
+    /// When it was armed (before the forward): the origin of the step's bucket timeline.
+    armed_at: Instant,
 }
 
 /// Buckets sent while backward runs (overlap on, plan learnt).
@@ -138,11 +143,11 @@ pub(crate) struct Settings {
 }
 
 impl ArmedBackward {
-    fn ready(&mut self, id: ParamId, grad: FloatTensor<Dispatch>) {
-        if self.ready.contains(&id) {
+    fn ready(&mut self, id: ParamId, block: u64, grad: FloatTensor<Dispatch>) {
+        if self.ready.iter().any(|(ready, _)| *ready == id) {
             return;
         }
-        self.ready.push(id);
+        self.ready.push((id, block));
         if let Some(launch) = &mut self.launch {
             launch.ready(id, grad);
         }
@@ -171,6 +176,7 @@ impl Launch {
                 compression: self.settings.compression,
                 scale: self.settings.scale,
                 check_finite: self.settings.check_finite,
+                queued: Instant::now(),
             };
             if self.queue.send(job).is_err() {
                 // The thread has stopped: the sync after backward reports it.
@@ -204,6 +210,33 @@ pub struct OverlapStats {
     pub exposed: Duration,
 }
 
+/// When one bucket of a step went, on one rank, after the step's armed forward began.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BucketTiming {
+    /// Its payload: elements times their size on the wire (2 bytes compressed, else 4).
+    pub bytes: usize,
+    /// Queued for the communication thread: during backward when its last gradient became
+    /// ready, or at the sync after backward.
+    pub queued: Duration,
+    /// The thread began summing it (after the buckets before it).
+    pub started: Duration,
+    /// Summed: its means were there.
+    pub finished: Duration,
+}
+
+/// The buckets of the last step whose buckets went on the communication thread, on this rank
+/// ([`DataParallel::overlap_timeline`](crate::DataParallel::overlap_timeline)): where the
+/// time of an overlapped step goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepTimeline {
+    /// Backward had finished and the sync began, after the armed forward began.
+    pub sync_began: Duration,
+    /// The step had every bucket's means.
+    pub all_done: Duration,
+    /// In plan order (the order they were summed).
+    pub buckets: Vec<BucketTiming>,
+}
+
 impl OverlapStats {
     /// The fraction of the communication time hidden under backward (0 without any).
     pub fn hidden_fraction(&self) -> f64 {
@@ -233,6 +266,7 @@ pub struct Overlap {
     /// The armed backward's state, taken at the sync.
     taken: Option<ArmedBackward>,
     stats: OverlapStats,
+    last_timeline: Option<StepTimeline>,
 }
 
 impl Overlap {
@@ -246,11 +280,17 @@ impl Overlap {
             thread: None,
             taken: None,
             stats: OverlapStats::default(),
+            last_timeline: None,
         }
     }
 
     pub fn stats(&self) -> OverlapStats {
         self.stats
+    }
+
+    /// The last step's buckets, when they went on the communication thread.
+    pub fn last_timeline(&self) -> Option<&StepTimeline> {
+        self.last_timeline.as_ref()
     }
 
     /// Whether gradient overlap is on (it acts only where blocks are marked).
@@ -294,6 +334,7 @@ impl Overlap {
         arm_with(ArmedBackward {
             ready: Vec::new(),
             launch,
+            armed_at: Instant::now(),
         });
     }
 
@@ -317,14 +358,21 @@ impl Overlap {
         let (ids, numels) = with_gradients(model, grads);
         let position: HashMap<ParamId, usize> =
             ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
-        let ready: Vec<usize> = armed
+        let ready: Vec<(usize, u64)> = armed
             .ready
             .iter()
-            .filter_map(|id| position.get(id).copied())
+            .filter_map(|(id, block)| Some((*position.get(id)?, *block)))
             .collect();
+        // A parameter ends its block when the next one ready belongs to another (or none is).
+        let mut block_ends = vec![false; ids.len()];
+        for (i, (index, block)) in ready.iter().enumerate() {
+            block_ends[*index] = ready.get(i + 1).is_none_or(|(_, next)| next != block);
+        }
+        let ready: Vec<usize> = ready.iter().map(|(index, _)| *index).collect();
         let buckets = plan_buckets_in_order(
             ready_order(&ready, ids.len()),
             &numels,
+            &block_ends,
             first_bucket_cap(bucket_cap),
             bucket_cap,
         );
@@ -393,24 +441,34 @@ impl Overlap {
         })
     }
 
-    /// How many of the plan's buckets were queued during backward (in plan order), and the
-    /// thread to queue the rest on and wait for; `None` when the buckets are summed here.
-    pub(crate) fn in_flight(&mut self) -> Option<(usize, &CommThread)> {
+    /// How many of the plan's buckets were queued during backward (in plan order), when the
+    /// step was armed (if it was), and the thread to queue the rest on and wait for; `None`
+    /// when the buckets are summed here.
+    pub(crate) fn in_flight(&mut self) -> Option<(usize, Option<Instant>, &CommThread)> {
         let thread = self.thread.as_ref()?;
-        let queued = self
-            .taken
-            .take()
+        let armed = self.taken.take();
+        let armed_at = armed.as_ref().map(|armed| armed.armed_at);
+        let queued = armed
             .and_then(|armed| armed.launch)
             .map_or(0, |launch| launch.next);
-        Some((queued, thread))
+        Some((queued, armed_at, thread))
     }
 
-    pub(crate) fn record(&mut self, queued: usize, buckets: usize, done: (Duration, Duration)) {
+    pub(crate) fn record(
+        &mut self,
+        queued: usize,
+        buckets: usize,
+        done: (Duration, Duration),
+        timeline: Option<StepTimeline>,
+    ) {
         self.stats.planned_steps += 1;
         self.stats.buckets_during_backward += queued as u64;
         self.stats.buckets += buckets as u64;
         self.stats.communication += done.0;
         self.stats.exposed += done.1;
+        if timeline.is_some() {
+            self.last_timeline = timeline;
+        }
     }
 }
 
@@ -549,15 +607,20 @@ mod tests {
         arm_with(ArmedBackward {
             ready: Vec::new(),
             launch: None,
+            armed_at: Instant::now(),
         });
         let _grads = forward(&layers);
         let armed = disarm().expect("armed");
-        // Block by block (within a block, in the tape's order of its lifts).
+        // Block by block (within a block, in the tape's order of its lifts), each block's
+        // parameters under one tag, another for each block.
+        let tags: Vec<u64> = armed.ready.iter().map(|(_, tag)| *tag).collect();
+        assert!(tags.chunks(2).all(|block| block[0] == block[1]), "{tags:?}");
+        assert!(tags[0] != tags[2] && tags[2] != tags[4], "{tags:?}");
         let got: Vec<Vec<ParamId>> = armed
             .ready
             .chunks(2)
             .map(|block| {
-                let mut block = block.to_vec();
+                let mut block: Vec<ParamId> = block.iter().map(|(id, _)| *id).collect();
                 block.sort_by_key(|id| id.val());
                 block
             })

@@ -149,6 +149,8 @@ fn lift<B: Backend + HandOff>(
 #[derive(Debug)]
 struct Lifted<B: Backend> {
     id: ParamId,
+    /// The block's input node: the same for all of the block's lifts.
+    block: u64,
     param: AdTensor<B>,
 }
 
@@ -169,7 +171,7 @@ impl<B: Backend + HandOff> Backward<B, 2> for Lifted<B> {
             grads.get::<B>(&self.param)
         };
         if let Some(total) = total {
-            overlap::gradient_ready(self.id, B::to_dispatch(total));
+            overlap::gradient_ready(self.id, self.block, B::to_dispatch(total));
         }
     }
 }
@@ -181,12 +183,17 @@ fn record<B: Backend + HandOff, C: CheckpointStrategy>(
     input: &AdTensor<B>,
 ) -> AdTensor<B> {
     let leaf = param.clone();
+    let block = input.id().value;
     let (primitive, node) = param.into_parts();
     // Compute-bound: a checkpointing strategy keeps the output instead of recomputing it.
-    match (Lifted { id, param: leaf })
-        .prepare::<C>([node, input.node()])
-        .compute_bound()
-        .stateful()
+    match (Lifted {
+        id,
+        block,
+        param: leaf,
+    })
+    .prepare::<C>([node, input.node()])
+    .compute_bound()
+    .stateful()
     {
         OpsKind::Tracked(prep) => prep.finish((), primitive),
         OpsKind::UnTracked(prep) => prep.finish(primitive),

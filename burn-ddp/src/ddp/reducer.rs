@@ -43,7 +43,7 @@ use super::bucket::{check_bucket_len, plan_buckets, Bucket};
 use super::comm::{bucket_means, BucketComm};
 use super::comm_thread::Job;
 use super::finite::{probe, FiniteScan, GradientCheck};
-use super::overlap::Overlap;
+use super::overlap::{BucketTiming, Overlap, StepTimeline};
 use super::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::kernels::HalfFormat;
@@ -247,12 +247,12 @@ impl Reducer {
     ) -> Result<(), DdpError> {
         let buckets = overlap.planned_buckets(ids)?.unwrap_or_default().to_vec();
         let start = Instant::now();
-        let Some((queued, thread)) = overlap.in_flight() else {
+        let Some((queued, armed_at, thread)) = overlap.in_flight() else {
             for bucket in &buckets {
                 self.reduce_bucket(comm, bucket, taken, sums, scan)?;
             }
             let spent = start.elapsed();
-            overlap.record(0, buckets.len(), (spent, spent));
+            overlap.record(0, buckets.len(), (spent, spent), None);
             return Ok(());
         };
         for bucket in &buckets[queued..] {
@@ -273,12 +273,25 @@ impl Reducer {
                 compression: self.compression,
                 scale: sums.scale,
                 check_finite: self.check_finite,
+                queued: Instant::now(),
             })?;
         }
+        let origin = armed_at.unwrap_or(start);
+        let since = |at: Instant| at.saturating_duration_since(origin);
+        let mut timeline = StepTimeline {
+            sync_began: since(start),
+            ..StepTimeline::default()
+        };
         let mut busy = Duration::ZERO;
         for bucket in &buckets {
             let done = thread.next()?;
-            busy += done.busy;
+            busy += done.busy();
+            timeline.buckets.push(BucketTiming {
+                bytes: bucket.numel * self.element_bytes(),
+                queued: since(done.queued),
+                started: since(done.started),
+                finished: since(done.finished),
+            });
             if done.nonfinite {
                 scan.mark_nonfinite();
             }
@@ -287,14 +300,28 @@ impl Reducer {
             }
             self.count_bucket(bucket);
         }
-        overlap.record(queued, buckets.len(), (busy, start.elapsed()));
+        timeline.all_done = since(Instant::now());
+        overlap.record(
+            queued,
+            buckets.len(),
+            (busy, start.elapsed()),
+            Some(timeline),
+        );
         Ok(())
     }
 
+    /// Bytes per gradient element on the wire.
+    fn element_bytes(&self) -> usize {
+        if self.compression.is_some() {
+            2
+        } else {
+            4
+        }
+    }
+
     fn count_bucket(&mut self, bucket: &Bucket) {
-        let element_bytes = if self.compression.is_some() { 2 } else { 4 };
         self.stats.bucket_all_reduces += 1;
-        self.stats.bytes_reduced += (bucket.numel * element_bytes) as u64;
+        self.stats.bytes_reduced += (bucket.numel * self.element_bytes()) as u64;
     }
 
     /// Replaces the gradients of `bucket`'s parameters in `taken` by their mean over the ranks

@@ -123,6 +123,9 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         if let Some(line) = overlap_line(&steps.ddp) {
             println!("{line}");
         }
+        if let Some(timeline) = steps.ddp.overlap_timeline() {
+            print!("{}", timeline_lines(timeline));
+        }
     }
     // Rank 0 may host the store: leave together.
     steps.ddp.barrier()?;
@@ -440,6 +443,31 @@ fn overlap_line(ddp: &DataParallel) -> Option<String> {
             stats.buckets
         )
     })
+}
+
+/// The first words of the summary's bucket timeline (`bench-link` finds it by them).
+pub const TIMELINE_HEADING: &str = "bucket timeline";
+
+/// The last overlapped step's buckets on rank 0, a line each: where an overlapped step's time
+/// goes (the queue is first in, first out: a bucket starts when it is queued or when the one
+/// before it is done, whichever is later).
+fn timeline_lines(timeline: &burn_ddp::StepTimeline) -> String {
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let mut out = format!(
+        "{TIMELINE_HEADING} of the last step on rank 0 (ms after its forward began): backward done at {:.1}, every bucket summed at {:.1}\n",
+        ms(timeline.sync_began),
+        ms(timeline.all_done)
+    );
+    for (i, bucket) in timeline.buckets.iter().enumerate() {
+        out.push_str(&format!(
+            "  bucket {i}: {:.2} MB, queued at {:.1}, summed {:.1}-{:.1}\n",
+            bucket.bytes as f64 / 1e6,
+            ms(bucket.queued),
+            ms(bucket.started),
+            ms(bucket.finished)
+        ));
+    }
+    out
 }
 
 /// Multiplies every gradient of `model`'s float parameters in `grads` by `factor`.

@@ -36,5 +36,5 @@ pub(crate) mod step_kind;
 pub(crate) mod summary;
 pub(crate) mod training_loop;
 
-pub use data_parallel::{start, train, RankStart};
+pub use data_parallel::{start, train, RankStart, TIMELINE_HEADING};
 pub use summary::{Summary, Validation};

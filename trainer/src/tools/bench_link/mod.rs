@@ -119,6 +119,8 @@ struct Row {
     wire_bytes_per_step: f64,
     /// PyTorch DDP on the same link and compression (`--pytorch`), median of its rounds.
     pytorch: Option<TorchMeasured>,
+    /// The median run's bucket timeline (rank 0, last step), where its buckets overlapped.
+    timeline: String,
 }
 
 /// The link rates asked for, after checking them and the compressions.
@@ -197,6 +199,12 @@ fn bench_app<A: App>(app: A, args: &BenchLinkArgs) -> anyhow::Result<ExitCode> {
     print_report(args, &rows, params, batch, steps);
     if rows.iter().any(|r| r.pytorch.is_some()) {
         print_side_by_side(args, &rows, batch);
+    }
+    for row in rows.iter().filter(|r| !r.timeline.is_empty()) {
+        print!(
+            "{}, {}, the median run's {}",
+            row.rate, row.compression, row.timeline
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -387,6 +395,7 @@ fn measure_all(
                 payload_bytes: (params * element) as f64,
                 wire_bytes_per_step: m.wire_bytes_per_step,
                 pytorch: torch.get(torch.len() / 2).copied(),
+                timeline: m.timeline.clone(),
             });
         }
         drop(network);
@@ -401,6 +410,8 @@ struct Measured {
     work_s: f64,
     sync_s: f64,
     wire_bytes_per_step: f64,
+    /// Rank 0's bucket timeline of its last step, as its summary printed it (empty without).
+    timeline: String,
 }
 
 /// Starts node processes in the namespaces and supervises them.
@@ -466,7 +477,7 @@ impl Runner {
             .map(|n| network.tx_bytes(n))
             .collect::<anyhow::Result<Vec<_>>>()?;
         let patched = patched.display().to_string();
-        self.run_nodes(network, "train", |r| {
+        let outputs = self.run_nodes(network, "train", |r| {
             let mut cmd = self.trainer_node(network, r);
             cmd.args(["--config", &patched]);
             self.as_node(cmd, network, r)
@@ -478,11 +489,13 @@ impl Runner {
         let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl"))
             .context("the run wrote no metrics.jsonl")?;
         let (samples_per_sec, work_s, sync_s) = parse_metrics(&metrics)?;
+        let summary = std::fs::read_to_string(&outputs[0].stdout).unwrap_or_default();
         Ok(Measured {
             samples_per_sec,
             work_s,
             sync_s,
             wire_bytes_per_step: sent as f64 / nodes as f64 / steps as f64,
+            timeline: timeline_of(&summary),
         })
     }
 
@@ -664,6 +677,23 @@ fn patch_config(
 
 /// Samples/s, seconds of local work per step (data + compute + optimizer medians over ranks)
 /// and of gradient sync, each the mean over the train records after the first (warm-up).
+/// The bucket timeline of a run's summary (rank 0's standard output): its heading and the
+/// indented lines under it; empty without one.
+fn timeline_of(summary: &str) -> String {
+    let mut lines = summary
+        .lines()
+        .skip_while(|l| !l.starts_with(crate::engine::fit::TIMELINE_HEADING));
+    let Some(heading) = lines.next() else {
+        return String::new();
+    };
+    let mut out = format!("{heading}\n");
+    for line in lines.take_while(|l| l.starts_with("  ")) {
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
 fn parse_metrics(metrics: &str) -> anyhow::Result<(f64, f64, f64)> {
     let records: Vec<serde_json::Value> = metrics
         .lines()
@@ -701,6 +731,23 @@ fn parse_metrics(metrics: &str) -> anyhow::Result<(f64, f64, f64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bucket_timeline_is_found_in_a_runs_summary() {
+        let summary = "finished: 30 optimizer steps\n\
+                       bucket timeline of the last step on rank 0 (ms): backward done at 9.0\n\
+                       \x20 bucket 0: 0.04 MB, queued at 8.1, summed 8.1-8.3\n\
+                       \x20 bucket 1: 2.10 MB, queued at 8.9, summed 8.9-25.0\n\
+                       done\n";
+        let timeline = timeline_of(summary);
+        assert!(
+            timeline.starts_with("bucket timeline of the last step"),
+            "{timeline}"
+        );
+        assert_eq!(timeline.lines().count(), 3, "{timeline}");
+        assert!(timeline.ends_with("8.9-25.0\n"), "{timeline}");
+        assert_eq!(timeline_of("finished: 30 optimizer steps\n"), "");
+    }
 
     #[test]
     fn metrics_skip_the_warm_up_and_sum_the_local_phases() {
