@@ -39,8 +39,9 @@ pub fn plan_buckets(numels: &[usize], cap: usize) -> Vec<Bucket> {
     plan_buckets_in_order((0..numels.len()).rev(), numels, &[], cap, cap)
 }
 
-/// The first bucket's cap under gradient overlap, in f32 elements: 1 MiB, PyTorch DDP's
-/// `first_bucket_cap_mb`, so that the wire starts early in backward (never above `cap`).
+/// The first bucket's cap in f32 elements: 1 MiB, PyTorch DDP's `first_bucket_cap_mb`, so
+/// that the wire starts early in backward (never above `cap`). Where blocks are marked, the
+/// size at which a bucket closes at a block's end instead ([`plan_buckets_in_order`]).
 pub fn first_bucket_cap(cap: usize) -> usize {
     cap_elements(1.0).min(cap)
 }

@@ -9,10 +9,10 @@
 //! ```
 //! - **The plan** is learnt at the first armed step (PyTorch DDP rebuilds its buckets after the
 //!   first iteration the same way): the parameters in the order their gradients became ready,
-//!   then every other one in reverse visit order ([`ready_order`]); a small first bucket
-//!   ([`first_bucket_cap`]) and then the cap, a bucket closed at a block's end once it holds
-//!   the first bucket's size (so a block's gradients go while backward runs through the ones
-//!   before it, whatever the cap). Every rank learns the same plan (checked once
+//!   then every other one in reverse visit order ([`ready_order`]); a bucket closes at a
+//!   block's end once it holds [`first_bucket_cap`] (so a block's gradients go while backward
+//!   runs through the ones before it, whatever the cap), or before a parameter that would
+//!   take it over the cap. Every rank learns the same plan (checked once
 //!   across the ranks), and it does not depend on whether overlap is on: with it off the same
 //!   buckets are summed after backward, so the weights are bit-identical either way.
 //! - **Accumulation**: only the step's last micro-batch is armed (no communication on the
