@@ -25,6 +25,11 @@ use crate::store::Store;
 /// The store suffix of the overlap group's namespace.
 pub const STORE_SUFFIX: &str = "/overlap";
 
+/// Bytes of the overlap group's shared-memory rings: one of its 1 MiB pieces, not the job
+/// group's four. Each rank maps its own ring and its neighbour's, both counted in its resident
+/// memory; buckets stream through piece by piece, so a smaller ring only costs more wake-ups.
+pub const OVERLAP_RING_BYTES: usize = 1 << 20;
+
 /// One bucket to average: [`bucket_means`]' arguments.
 pub struct Job {
     pub grads: Vec<FloatTensor<Dispatch>>,
@@ -76,6 +81,7 @@ impl CommThread {
         mut options: TcpGroupOptions,
     ) -> Result<Self, DdpError> {
         options.store_prefix.push_str(STORE_SUFFIX);
+        options.shared_memory_ring_bytes = OVERLAP_RING_BYTES;
         let deadline = options.timeout + Duration::from_secs(30);
         let mut group = TcpProcessGroup::new(store, rank, world_size, options)?;
         let (jobs, inbox) = mpsc::channel::<Job>();

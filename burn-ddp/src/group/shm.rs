@@ -10,8 +10,10 @@
 //! ```text
 //! offset 0     head: u64   bytes ever written (only the sender stores it)
 //! offset 64    tail: u64   bytes ever read    (only the receiver stores it)
-//! offset 4096  data: CAPACITY bytes, byte k of the stream at data[k % CAPACITY]
+//! offset 4096  data: capacity bytes, byte k of the stream at data[k % capacity]
 //! ```
+//! The receiver chooses the capacity (the group's `shared_memory_ring_bytes`) and sizes the file;
+//! the sender reads it from the file's size.
 //! The sender writes bytes, then publishes them with a release store of `head`; the receiver
 //! acquires `head`, copies, then frees the space with a release store of `tail`. Each counter has
 //! one writer, so no read-modify-write is needed.
@@ -49,13 +51,18 @@ use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Bytes of ring buffer per link: four of the TCP group's default 1 MiB pieces.
-pub const CAPACITY: usize = 4 << 20;
+/// Bytes of ring buffer per link unless the group's options say otherwise: four of the TCP
+/// group's default 1 MiB pieces.
+pub const DEFAULT_CAPACITY: usize = 4 << 20;
 const DATA_OFFSET: usize = 4096;
-/// `/dev/shm` space each rank of a group of several ranks reserves while the group lives: its
-/// ring file, counters and data (made before the rank knows whether a neighbour shares its
-/// host, so every rank of a multi-rank job on this machine takes this much).
-pub const FILE_BYTES: usize = DATA_OFFSET + CAPACITY;
+
+/// `/dev/shm` space each rank of a group of several ranks reserves while the group lives for a
+/// ring of `capacity` bytes: its ring file, counters and data (made before the rank knows whether
+/// a neighbour shares its host, so every rank of a multi-rank job on this machine takes this
+/// much).
+pub const fn file_bytes(capacity: usize) -> usize {
+    DATA_OFFSET + capacity
+}
 const HEAD_OFFSET: usize = 0;
 const TAIL_OFFSET: usize = 64;
 const RING_FILE: &str = "ring";
@@ -153,6 +160,8 @@ fn remove_stale(base: &Path, prefix: &str) {
 struct Mapping {
     base: NonNull<u8>,
     len: usize,
+    /// Bytes of the data area: `len - DATA_OFFSET`.
+    capacity: usize,
 }
 
 // SAFETY: the mapping is plain shared memory; all cross-process (and cross-thread) access to it
@@ -160,8 +169,9 @@ struct Mapping {
 unsafe impl Send for Mapping {}
 
 impl Mapping {
-    fn new(file: &File) -> io::Result<Self> {
-        let len = DATA_OFFSET + CAPACITY;
+    /// Maps the first [`file_bytes`]`(capacity)` bytes of `file`.
+    fn new(file: &File, capacity: usize) -> io::Result<Self> {
+        let len = file_bytes(capacity);
         // SAFETY: a fresh shared read-write mapping of `len` bytes of `file` (which is at least
         // that long: the receiver sized it before publishing); checked for MAP_FAILED below.
         let ptr = unsafe {
@@ -178,7 +188,11 @@ impl Mapping {
             return Err(io::Error::last_os_error());
         }
         let base = NonNull::new(ptr.cast::<u8>()).ok_or_else(io::Error::last_os_error)?;
-        Ok(Self { base, len })
+        Ok(Self {
+            base,
+            len,
+            capacity,
+        })
     }
 
     fn counter(&self, offset: usize) -> &AtomicU64 {
@@ -277,8 +291,15 @@ pub struct ShmSender {
 }
 
 impl ShmReceiver {
-    /// Creates the ring file and the `data` FIFO in `dir` and opens this side's ends.
-    pub fn create(dir: &ShmDir) -> io::Result<Self> {
+    /// Creates the ring file (of `capacity` data bytes, at least one) and the `data` FIFO in
+    /// `dir` and opens this side's ends.
+    pub fn create(dir: &ShmDir, capacity: usize) -> io::Result<Self> {
+        if capacity == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "a shared-memory ring needs at least one byte",
+            ));
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -289,12 +310,12 @@ impl ShmReceiver {
         // a sparse file would fail later with SIGBUS on first touch.
         // SAFETY: a valid open descriptor; the call only allocates file space.
         let rc = unsafe {
-            libc::posix_fallocate(file.as_raw_fd(), 0, (DATA_OFFSET + CAPACITY) as libc::off_t)
+            libc::posix_fallocate(file.as_raw_fd(), 0, file_bytes(capacity) as libc::off_t)
         };
         if rc != 0 {
             return Err(io::Error::from_raw_os_error(rc));
         }
-        let map = Mapping::new(&file)?;
+        let map = Mapping::new(&file, capacity)?;
         fifo(&dir.path().join(DATA_FIFO))?;
         let data_wakeups = open_fifo(&dir.path().join(DATA_FIFO), false)?;
         let keepalive = Some(open_fifo(&dir.path().join(DATA_FIFO), true)?);
@@ -352,11 +373,12 @@ impl ShmReceiver {
             return Ok(None);
         }
         let n = available.min(buf.len());
-        let start = (self.tail % CAPACITY as u64) as usize;
-        let first = n.min(CAPACITY - start);
+        let capacity = self.map.capacity;
+        let start = (self.tail % capacity as u64) as usize;
+        let first = n.min(capacity - start);
         // SAFETY: bytes [tail, tail + n) of the stream were published by the sender's release
         // store of head (acquired above) and are not written again until our tail store below
-        // frees them; `start + first <= CAPACITY` and `n - first <= start`, so both copies stay
+        // frees them; `start + first <= capacity` and `n - first <= start`, so both copies stay
         // inside the data area; `buf` is a distinct local buffer of at least `n` bytes.
         unsafe {
             let data = self.map.data();
@@ -390,19 +412,24 @@ impl ShmSender {
     }
 
     /// Maps the receiver's ring file and opens its `data` FIFO, in the receiver's `peer_dir`.
+    /// The ring's capacity is the file's size less the counters' page (the receiver sized it).
     pub fn connect(&mut self, peer_dir: &Path) -> io::Result<()> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(peer_dir.join(RING_FILE))?;
         let size = file.metadata()?.len();
-        if size < (DATA_OFFSET + CAPACITY) as u64 {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("the peer's ring file has {size} bytes"),
-            ));
-        }
-        self.map = Some(Mapping::new(&file)?);
+        let capacity = usize::try_from(size)
+            .ok()
+            .and_then(|size| size.checked_sub(DATA_OFFSET))
+            .filter(|&capacity| capacity > 0)
+            .ok_or_else(|| {
+                io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("the peer's ring file has {size} bytes"),
+                )
+            })?;
+        self.map = Some(Mapping::new(&file, capacity)?);
         self.data_kicks = Some(open_fifo(&peer_dir.join(DATA_FIFO), true)?);
         Ok(())
     }
@@ -435,7 +462,7 @@ impl ShmSender {
         let mut free = 0;
         for check in 0..2 {
             let tail = map.counter(TAIL_OFFSET).load(Ordering::Acquire);
-            free = CAPACITY - (self.head - tail) as usize;
+            free = map.capacity - (self.head - tail) as usize;
             if free > 0 || check == 1 {
                 break;
             }
@@ -447,8 +474,8 @@ impl ShmSender {
             return Ok(None);
         }
         let n = free.min(bytes.len());
-        let start = (self.head % CAPACITY as u64) as usize;
-        let first = n.min(CAPACITY - start);
+        let start = (self.head % map.capacity as u64) as usize;
+        let first = n.min(map.capacity - start);
         // SAFETY: bytes [head, head + n) of the stream are free: the receiver released them
         // with its store of tail (acquired above) and reads them only after our head store
         // below; both copies stay inside the data area (as in `read_some`).
@@ -480,8 +507,12 @@ mod tests {
     }
 
     fn pair() -> (ShmSender, ShmReceiver, ShmDir, ShmDir) {
+        pair_of(DEFAULT_CAPACITY)
+    }
+
+    fn pair_of(capacity: usize) -> (ShmSender, ShmReceiver, ShmDir, ShmDir) {
         let (send_dir, recv_dir) = (ShmDir::create(90).unwrap(), ShmDir::create(91).unwrap());
-        let mut rx = ShmReceiver::create(&recv_dir).unwrap();
+        let mut rx = ShmReceiver::create(&recv_dir, capacity).unwrap();
         let mut tx = ShmSender::create(&send_dir).unwrap();
         tx.connect(recv_dir.path()).unwrap();
         rx.connect(send_dir.path()).unwrap();
@@ -491,14 +522,21 @@ mod tests {
     }
 
     /// Many times the capacity, in odd-sized writes and reads on two threads, arrives intact
-    /// and in order (wrap-around, full and empty ring, wake-ups both ways).
+    /// and in order (wrap-around, full and empty ring, wake-ups both ways), for the default
+    /// ring and for a small one of an odd size (the sender learns it from the file).
     #[test]
     fn a_stream_longer_than_the_ring_arrives_intact() {
-        let (mut tx, mut rx, send_dir, recv_dir) = pair();
+        for capacity in [DEFAULT_CAPACITY, 65_537] {
+            stream_through_a_ring_of(capacity);
+        }
+    }
+
+    fn stream_through_a_ring_of(capacity: usize) {
+        let (mut tx, mut rx, send_dir, recv_dir) = pair_of(capacity);
         // The files may go once both ends are open.
         send_dir.remove();
         recv_dir.remove();
-        let total = 3 * CAPACITY + 12_345;
+        let total = 3 * capacity + 12_345;
         let stream: Vec<u8> = (0..total).map(|i| (i * 7 + i / 251) as u8).collect();
         let expected = stream.clone();
         let writer = std::thread::spawn(move || {
@@ -526,7 +564,10 @@ mod tests {
             chunk = (chunk * 5 + 3) % 999_983 + 1;
         }
         let _tx = writer.join().unwrap();
-        assert!(got == expected, "the stream arrived damaged");
+        assert!(
+            got == expected,
+            "the stream through {capacity} bytes arrived damaged"
+        );
     }
 
     #[test]
@@ -550,7 +591,7 @@ mod tests {
         drop(rx);
         let chunk = vec![0u8; 1 << 20];
         let mut outcome = Ok(Some(0));
-        for _ in 0..=CAPACITY / chunk.len() {
+        for _ in 0..=DEFAULT_CAPACITY / chunk.len() {
             outcome = tx.write_some(&chunk);
             if outcome.is_err() {
                 break;

@@ -3,6 +3,8 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
+use crate::group::shm;
+
 /// The namespace of a TCP group's keys in the store unless its options name another.
 pub const DEFAULT_STORE_PREFIX: &str = "pg/default";
 
@@ -26,6 +28,11 @@ pub struct TcpGroupOptions {
     /// `None` (the default): not decided by the caller, which the group takes as sockets only,
     /// and [`crate::init::Distributed::init`] resolves from `BURN_DDP_SHM` (on unless `0`).
     pub shared_memory: Option<bool>,
+    /// Bytes of each shared-memory ring this rank receives through (its `/dev/shm` file is this
+    /// plus a page). Default [`shm::DEFAULT_CAPACITY`], four pieces; a group that carries less
+    /// at a time (the overlap's buckets) can take less, since every rank maps both its own ring
+    /// and its neighbour's and both count in its resident memory. Need not match across ranks.
+    pub shared_memory_ring_bytes: usize,
     /// The group's namespace in the store ([`PrefixStore`]): two groups formed through one store
     /// at the same time need different prefixes. Default [`DEFAULT_STORE_PREFIX`].
     pub store_prefix: String,
@@ -40,6 +47,7 @@ impl Default for TcpGroupOptions {
             token: String::new(),
             advertise_ip: None,
             shared_memory: None,
+            shared_memory_ring_bytes: shm::DEFAULT_CAPACITY,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
         }
     }

@@ -132,7 +132,7 @@ impl Setup<'_> {
             return None;
         }
         let made = ShmDir::create(self.rank).and_then(|dir| {
-            let receiver = ShmReceiver::create(&dir)?;
+            let receiver = ShmReceiver::create(&dir, self.options.shared_memory_ring_bytes)?;
             let sender = ShmSender::create(&dir)?;
             Ok(ShmEnds {
                 dir,

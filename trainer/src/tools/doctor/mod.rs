@@ -158,7 +158,7 @@ fn resource_checks(
         enabled: burn_ddp::env::shared_memory_from(env),
         local_ranks: job.nproc,
         world_size: job.world_size,
-        groups: 1 + usize::from(settings.distributed.gradient_overlap),
+        gradient_overlap: settings.distributed.gradient_overlap,
         space: probe::fs_space(Path::new("/dev/shm")),
     }));
     let shape = JobShape {

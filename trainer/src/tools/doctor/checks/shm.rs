@@ -1,8 +1,9 @@
 //! `/dev/shm` against the shared-memory ring. Every rank of a job of several ranks reserves one
-//! ring file of [`shm::FILE_BYTES`] (4 MiB + 4 KiB) there per process group: the job's, and
-//! with gradient overlap the communication thread's; a rank that cannot falls back to loopback
-//! TCP, silently and slower, so too little room is a failure of what the job asked for.
+//! ring file there per process group: the job's (4 MiB + 4 KiB), and with gradient overlap the
+//! communication thread's (1 MiB + 4 KiB); a rank that cannot falls back to loopback TCP,
+//! silently and slower, so too little room is a failure of what the job asked for.
 
+use burn_ddp::ddp::comm_thread::OVERLAP_RING_BYTES;
 use burn_ddp::group::shm;
 
 use super::units::{plural, size};
@@ -15,13 +16,24 @@ pub struct FsSpace {
     pub total: u64,
 }
 
-/// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need, each in `groups`
-/// process groups: one ring file per rank and group, none for a job of one.
-pub fn shm_need(local_ranks: usize, world_size: usize, groups: usize) -> u64 {
+/// `/dev/shm` bytes one rank reserves: the job group's ring file, and the overlap group's.
+pub fn shm_per_rank(gradient_overlap: bool) -> u64 {
+    let job = shm::file_bytes(shm::DEFAULT_CAPACITY);
+    let overlap = if gradient_overlap {
+        shm::file_bytes(OVERLAP_RING_BYTES)
+    } else {
+        0
+    };
+    (job + overlap) as u64
+}
+
+/// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need: one ring file per
+/// rank and process group, none for a job of one.
+pub fn shm_need(local_ranks: usize, world_size: usize, gradient_overlap: bool) -> u64 {
     if world_size <= 1 {
         0
     } else {
-        (local_ranks * groups) as u64 * shm::FILE_BYTES as u64
+        local_ranks as u64 * shm_per_rank(gradient_overlap)
     }
 }
 
@@ -31,9 +43,8 @@ pub struct ShmFacts {
     pub enabled: bool,
     pub local_ranks: usize,
     pub world_size: usize,
-    /// Process groups each rank forms: 1, or 2 with gradient overlap (its communication
-    /// thread's group).
-    pub groups: usize,
+    /// Each rank forms a second process group, the gradient overlap's communication thread's.
+    pub gradient_overlap: bool,
     /// `statvfs("/dev/shm")`, or why it failed.
     pub space: Result<FsSpace, String>,
 }
@@ -43,7 +54,7 @@ const SHM_ADVICE: &str = "enlarge it (`mount -o remount,size=1G /dev/shm`; Docke
 /// `/dev/shm` against what the shared-memory ring needs.
 pub fn dev_shm(f: &ShmFacts) -> Finding {
     const CHECK: &str = "/dev/shm";
-    let need = shm_need(f.local_ranks, f.world_size, f.groups);
+    let need = shm_need(f.local_ranks, f.world_size, f.gradient_overlap);
     if !f.enabled {
         return Finding::ok(
             CHECK,
@@ -78,14 +89,13 @@ pub fn dev_shm(f: &ShmFacts) -> Finding {
                 size(space.total),
                 size(need),
                 plural(f.local_ranks, "local rank"),
-                if f.groups > 1 {
+                if f.gradient_overlap {
                     format!(
-                        "{} a rank and process group; {} groups: the job's and the gradient overlap's",
-                        size(shm::FILE_BYTES as u64),
-                        f.groups
+                        "{} a rank: the job group's ring and the gradient overlap's",
+                        size(shm_per_rank(true))
                     )
                 } else {
-                    format!("{} each", size(shm::FILE_BYTES as u64))
+                    format!("{} each", size(shm_per_rank(false)))
                 }
             ),
             SHM_ADVICE,
@@ -115,7 +125,7 @@ mod tests {
             enabled: true,
             local_ranks: ranks,
             world_size: ranks,
-            groups: 1,
+            gradient_overlap: false,
             space: Ok(FsSpace {
                 free,
                 total: free.max(64 << 10),
@@ -125,26 +135,26 @@ mod tests {
 
     #[test]
     fn dev_shm_must_hold_one_ring_file_per_local_rank() {
-        assert_eq!(shm_need(2, 2, 1), 2 * (4 * MIB + 4096));
-        assert_eq!(shm_need(1, 1, 2), 0, "a job of one has no ring");
+        assert_eq!(shm_need(2, 2, false), 2 * (4 * MIB + 4096));
+        assert_eq!(shm_need(1, 1, true), 0, "a job of one has no ring");
         assert_eq!(
-            shm_need(1, 4, 1),
+            shm_need(1, 4, false),
             4 * MIB + 4096,
             "one rank here, others elsewhere"
         );
         assert_eq!(
-            shm_need(2, 2, 2),
-            4 * (4 * MIB + 4096),
-            "the overlap's group has rings of its own"
+            shm_need(2, 2, true),
+            2 * (4 * MIB + 4096 + MIB + 4096),
+            "the overlap's group has smaller rings of its own"
         );
         let two_groups = dev_shm(&ShmFacts {
-            groups: 2,
-            ..shm_facts(12 * MIB, 2)
+            gradient_overlap: true,
+            ..shm_facts(9 * MIB, 2)
         });
         assert_eq!(two_groups.status, Status::Fail, "{}", two_groups.detail);
         assert!(
             two_groups.detail.contains(
-                "a rank and process group; 2 groups: the job's and the gradient overlap's"
+                "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: the job group's ring and the gradient overlap's)"
             ),
             "{}",
             two_groups.detail
