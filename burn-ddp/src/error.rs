@@ -295,6 +295,18 @@ pub enum SyncBatchNormError {
     Unformed(String),
 }
 
+/// A failure of ZeRO stage 3's parameter gather or gradient reduce-scatter
+/// ([`crate::ddp::shard_gather`]), kept until the step checks.
+#[derive(Debug, thiserror::Error)]
+pub enum ShardGatherError {
+    /// The all-gather of a parameter or the reduce-scatter of its gradient failed.
+    #[error("ZeRO stage 3: gathering a parameter or reduce-scattering its gradient failed: {0}")]
+    Collective(#[from] CollectiveError),
+    /// A shard or a gradient could not be read back from the device, or not as `f32`.
+    #[error("ZeRO stage 3: reading a shard or a gradient back to the host failed: {0}")]
+    Readback(String),
+}
+
 impl DdpError {
     /// Whether the user must fix an input (options, settings, the environment): exit code 2
     /// in a binary, as for `InitError`.

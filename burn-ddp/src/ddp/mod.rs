@@ -26,6 +26,11 @@
 //!   (pure).
 //! - [`zero`]: [`ShardedSync`], ZeRO stage 1: gradients reduced to their owner, parameters
 //!   gathered back from it; the optimizer-state helpers for checkpoints (stages 1 and 2).
+//! - [`shard_gather`]: [`gather_shard`](shard_gather::gather_shard), the differentiable
+//!   all-gather of a parameter from its flat shards (backward: reduce-scatter), re-run in
+//!   backward under Burn's gradient checkpointing: the building block of ZeRO stage 3;
+//!   [`sharded_module`]: a module's parameters cut into those shards, and the module gathered
+//!   back for a forward.
 //! - `mapped`: buffers mapped from the kernel and returned on drop (ZeRO's reduce-scatters).
 //! - `zero_buckets`: ZeRO stage 2's bucket, reduce-scattered to its parameters' owners (the
 //!   reducer's unit of work at stage 2, during backward for marked blocks).
@@ -54,7 +59,9 @@ pub mod options;
 pub mod overlap;
 pub mod ready_op;
 pub mod reducer;
+pub mod shard_gather;
 pub mod shard_plan;
+pub mod sharded_module;
 pub mod sync_batch_norm;
 pub mod sync_group;
 pub mod transport;

@@ -1,0 +1,476 @@
+//! [`gather_shard`]: the differentiable all-gather of one parameter from its flat shards — the
+//! building block of ZeRO stage 3 (FSDP's unshard and reshard), where no rank holds the
+//! parameter whole between uses.
+//!
+//! ```text
+//! forward:   full = all_gather(shard)[..numel], shaped as the parameter   (same on every rank)
+//! backward:  d shard = block `rank` of Σ_ranks pad(d full)                (reduce-scatter, sum)
+//! ```
+//! Rank `r` holds values `[r·S, (r+1)·S)` of the flattened parameter, `S = ⌈numel / world⌉`, the
+//! last shards padded with zeros ([`shard_len`], [`shard_of`]). The backward sums the ranks'
+//! gradients (each rank's `full` feeds its own loss, and the job's loss is their sum), so a
+//! data-parallel mean divides by the world size afterwards, as the DDP step does.
+//!
+//! ## Dropped after the forward, gathered again for the backward
+//! The op is registered *memory-bound* with a retro-forward. On an autodiff device with Burn's
+//! gradient checkpointing (`Device::autodiff().gradient_checkpointing()`, Burn's `Balanced`
+//! strategy) a consumer that needs the parameter in its backward (a matmul whose other input is
+//! tracked) records how to recompute it instead of keeping it: the full parameter is freed
+//! once the forward no longer uses it, and Burn runs the gather again when that consumer's
+//! backward asks for it (the tests count both gathers). Without checkpointing the consumer
+//! keeps the full parameter until its backward, as any tensor.
+//!
+//! ## Contract
+//! Collective over the [`ShardComm`]'s group: every rank gathers the same parameters in the
+//! same order, and runs the backward (which reduce-scatters, and under checkpointing gathers
+//! again, in the tape's order, the same on every rank of the same model). Each collective has
+//! the group's deadline. A failure cannot be returned from a forward or a backward: it is kept
+//! ([`ShardComm::take_error`]) and the result is zeros of the right shape; the group is aborted
+//! by it, so the other ranks fail at once instead of at their deadline.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{unary, Backward, Ops};
+use burn::backend::autodiff::{Autodiff, NodeId};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
+use burn::tensor::{Shape, Tensor, TensorData};
+
+use crate::error::ShardGatherError;
+use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
+use crate::host_values::host_values;
+
+/// Values of a parameter of `numel` values that each of `world` ranks holds (the shards are
+/// equal; the last ones end in zeros).
+pub fn shard_len(numel: usize, world: usize) -> usize {
+    numel.div_ceil(world.max(1))
+}
+
+/// Rank `rank`'s shard of the flattened parameter `full`: [`shard_len`] values, zeros past the
+/// end of `full`.
+pub fn shard_of(full: &[f32], rank: usize, world: usize) -> Vec<f32> {
+    let len = shard_len(full.len(), world);
+    let start = (rank * len).min(full.len());
+    let end = (start + len).min(full.len());
+    let mut shard = full[start..end].to_vec();
+    shard.resize(len, 0.0);
+    shard
+}
+
+/// The process group the gathers and reduce-scatters run on, shared by every parameter's op
+/// (a clone is the same group). Its collectives run inside Burn's forward and backward, so it
+/// must be a group that nothing else uses meanwhile.
+#[derive(Clone)]
+pub struct ShardComm {
+    inner: Arc<Mutex<Inner>>,
+}
+
+struct Inner {
+    group: TcpProcessGroup,
+    /// The first failure since [`ShardComm::take_error`] last looked.
+    error: Option<ShardGatherError>,
+    gathers: u64,
+    reduce_scatters: u64,
+}
+
+impl fmt::Debug for ShardComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = self.lock();
+        f.debug_struct("ShardComm")
+            .field("rank", &inner.group.rank())
+            .field("world_size", &inner.group.world_size())
+            .field("gathers", &inner.gathers)
+            .field("reduce_scatters", &inner.reduce_scatters)
+            .finish()
+    }
+}
+
+impl ShardComm {
+    /// Wraps `group` (which the gathers then own).
+    pub fn new(group: TcpProcessGroup) -> Self {
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                group,
+                error: None,
+                gathers: 0,
+                reduce_scatters: 0,
+            })),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.lock().group.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.lock().group.world_size()
+    }
+
+    /// Gathers run so far, forward and recomputed ones alike.
+    pub fn gathers(&self) -> u64 {
+        self.lock().gathers
+    }
+
+    /// Reduce-scatters (backward steps) run so far.
+    pub fn reduce_scatters(&self) -> u64 {
+        self.lock().reduce_scatters
+    }
+
+    /// The first failure of a gather or reduce-scatter since the last call, if any. A step taken
+    /// after one would use zeros for a parameter or its gradient: callers check before stepping.
+    pub fn take_error(&self) -> Option<ShardGatherError> {
+        self.lock().error.take()
+    }
+
+    /// A panic elsewhere while holding the lock leaves the counters and the group as they were;
+    /// the group itself reports a broken collective.
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The full parameter (`numel` values) from this rank's `shard`; zeros on failure.
+    fn all_gather(&self, shard: &[f32], numel: usize) -> Vec<f32> {
+        let mut inner = self.lock();
+        inner.gathers += 1;
+        let world = inner.group.world_size();
+        let mut full = vec![0.0; shard.len() * world];
+        if let Err(e) = inner.group.all_gather(shard, &mut full) {
+            full.fill(0.0);
+            inner.error.get_or_insert(e.into());
+        }
+        full.truncate(numel);
+        full.resize(numel, 0.0);
+        full
+    }
+
+    /// This rank's block of the ranks' summed gradients `grad` (of the whole parameter); zeros
+    /// on failure.
+    fn reduce_scatter(&self, grad: &[f32]) -> Vec<f32> {
+        let mut inner = self.lock();
+        inner.reduce_scatters += 1;
+        let world = inner.group.world_size();
+        let len = shard_len(grad.len(), world);
+        let mut padded = grad.to_vec();
+        padded.resize(len * world, 0.0);
+        let mut shard = vec![0.0; len];
+        if let Err(e) = inner
+            .group
+            .reduce_scatter(&padded, &mut shard, ReduceOp::Sum)
+        {
+            shard.fill(0.0);
+            inner.error.get_or_insert(e.into());
+        }
+        shard
+    }
+
+    fn record(&self, error: ShardGatherError) {
+        self.lock().error.get_or_insert(error);
+    }
+}
+
+/// The backend operation under [`gather_shard`]: Burn's CPU backend (Flex), its CubeCL backend
+/// (features `wgpu` / `cuda`) and autodiff over any of them, through the host (as
+/// [`all_reduce_sum`](super::all_reduce_op::all_reduce_sum); on another backend the generated
+/// routing panics, "Backend not supported for custom op").
+#[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
+pub trait GatherShard: Backend {
+    /// The parameter of `shape` gathered from every rank's `shard` (module docs).
+    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self>;
+}
+
+impl GatherShard for burn::backend::Flex {
+    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self> {
+        host_gather::<Self>(shard, &shape, &comm)
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl GatherShard for burn::backend::Cube {
+    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self> {
+        host_gather::<Self>(shard, &shape, &comm)
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> GatherShard for Autodiff<B, C> {
+    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self> {
+        let input = shard.id();
+        let output = host_gather::<B>(shard.primitive().clone(), &shape, &comm);
+        let retro = RetroGather::<B> {
+            input,
+            shape,
+            comm: comm.clone(),
+            backend: std::marker::PhantomData,
+        };
+        ReduceScatterBackward { comm }
+            .prepare::<C>([shard.node()])
+            .memory_bound()
+            .retro_forward(retro)
+            .parents([&shard])
+            .stateless(output)
+    }
+}
+
+/// The backward step: the incoming gradient of the whole parameter, reduce-scattered.
+#[derive(Debug)]
+struct ReduceScatterBackward {
+    comm: ShardComm,
+}
+
+impl<B: Backend> Backward<B, 1> for ReduceScatterBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<(), 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let comm = self.comm;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            host_reduce_scatter::<B>(grad, &comm)
+        });
+    }
+}
+
+/// The gather again, run by Burn's checkpointing when a backward needs the full parameter.
+struct RetroGather<B> {
+    input: NodeId,
+    shape: Shape,
+    comm: ShardComm,
+    backend: std::marker::PhantomData<fn() -> B>,
+}
+
+impl<B> fmt::Debug for RetroGather<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetroGather")
+            .field("input", &self.input)
+            .field("shape", &self.shape)
+            .finish()
+    }
+}
+
+impl<B: Backend> RetroForward for RetroGather<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let shard = states.get_state::<FloatTensor<B>>(&self.input);
+        states.save(out_node, host_gather::<B>(shard, &self.shape, &self.comm));
+    }
+}
+
+/// The parameter of `shape` gathered from every rank's `shard` (module docs).
+///
+/// Collective over `comm`'s group (every rank, same parameters, same order; the backward
+/// reduce-scatters, and re-gathers under gradient checkpointing); deadline: the group's
+/// timeout. `shard` holds [`shard_len`]`(shape's elements, world)` values.
+pub fn gather_shard<const D: usize>(
+    shard: Tensor<1>,
+    shape: [usize; D],
+    comm: &ShardComm,
+) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::gather_shard(
+        shard.into_dispatch(),
+        Shape::from(shape),
+        comm.clone(),
+    ))
+}
+
+/// Reads `tensor` back as `f32` values, or records why not.
+fn read_values<B: Backend>(tensor: FloatTensor<B>, comm: &ShardComm) -> Option<Vec<f32>> {
+    let read = match burn::tensor::try_read_sync(B::float_into_data(tensor)) {
+        Some(Ok(data)) => host_values::<f32>(data).map_err(|e| format!("{e:?}")),
+        Some(Err(e)) => Err(e.to_string()),
+        None => Err("this platform cannot block on a read".into()),
+    };
+    read.map_err(|e| comm.record(ShardGatherError::Readback(e)))
+        .ok()
+}
+
+fn host_gather<B: Backend>(
+    shard: FloatTensor<B>,
+    shape: &Shape,
+    comm: &ShardComm,
+) -> FloatTensor<B> {
+    let (device, dtype) = (shard.device(), shard.dtype());
+    let numel = shape.num_elements();
+    let full = match read_values::<B>(shard, comm) {
+        // Every rank must still enter the collective the others are in.
+        Some(values) => comm.all_gather(&values, numel),
+        None => comm.all_gather(&vec![0.0; shard_len(numel, comm.world_size())], numel),
+    };
+    B::float_from_data(
+        TensorData::new(full, shape.clone()).convert_dtype(dtype),
+        &device,
+    )
+}
+
+fn host_reduce_scatter<B: Backend>(grad: FloatTensor<B>, comm: &ShardComm) -> FloatTensor<B> {
+    let (device, dtype) = (grad.device(), grad.dtype());
+    let numel = grad.shape().num_elements();
+    let values = read_values::<B>(grad, comm).unwrap_or_else(|| vec![0.0; numel]);
+    let shard = comm.reduce_scatter(&values);
+    let len = shard.len();
+    B::float_from_data(TensorData::new(shard, [len]).convert_dtype(dtype), &device)
+}
+
+#[cfg(test)]
+mod tests {
+    //! Ranks as threads over real loopback sockets, each with its own input, against one
+    //! process's gradients of the summed loss.
+    use std::sync::Arc;
+
+    use burn::tensor::{Device, Tensor, TensorData};
+
+    use super::*;
+    use crate::group::TcpGroupOptions;
+    use crate::store::{MemoryStore, Store};
+
+    const SHAPE: [usize; 2] = [2, 5];
+
+    /// The parameter's values (10: uneven shards at world 3 and 4).
+    fn weights() -> Vec<f32> {
+        (0..10).map(|i| 0.05 * i as f32 - 0.2).collect()
+    }
+
+    /// Rank `rank`'s input: 3 rows of 2 features.
+    fn input(rank: usize, device: &Device) -> Tensor<2> {
+        let values: Vec<f32> = (0..6).map(|i| 0.1 * (i + rank) as f32 - 0.3).collect();
+        Tensor::from_data(TensorData::new(values, [3, 2]), device).require_grad()
+    }
+
+    fn loss(x: Tensor<2>, w: Tensor<2>) -> Tensor<1> {
+        x.matmul(w).tanh().sum()
+    }
+
+    fn values(t: Tensor<1>) -> Vec<f32> {
+        t.into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// The gradient of Σ_ranks loss with respect to the whole parameter, in one process.
+    fn reference_gradient(world: usize) -> Vec<f32> {
+        let device = Device::flex().autodiff();
+        let mut sum = vec![0.0f32; 10];
+        for rank in 0..world {
+            let w =
+                Tensor::<1>::from_data(TensorData::new(weights(), [10]), &device).require_grad();
+            let grads = loss(input(rank, &device), w.clone().reshape(SHAPE)).backward();
+            for (s, g) in sum.iter_mut().zip(values(w.grad(&grads).unwrap())) {
+                *s += g;
+            }
+        }
+        sum
+    }
+
+    struct Outcome {
+        gathered: Vec<f32>,
+        shard_grad: Vec<f32>,
+        gathers: u64,
+        reduce_scatters: u64,
+    }
+
+    fn run(world: usize, device: fn() -> Device) -> Vec<Outcome> {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let store = store.clone();
+                std::thread::spawn(move || {
+                    let group =
+                        TcpProcessGroup::new(store, rank, world, TcpGroupOptions::default())
+                            .unwrap();
+                    let comm = ShardComm::new(group);
+                    let device = device();
+                    let own = shard_of(&weights(), rank, world);
+                    let len = own.len();
+                    let shard =
+                        Tensor::<1>::from_data(TensorData::new(own, [len]), &device).require_grad();
+                    let w = gather_shard(shard.clone(), SHAPE, &comm);
+                    let gathered = values(w.clone().reshape([10]).detach());
+                    let grads = loss(input(rank, &device), w).backward();
+                    let shard_grad = values(shard.grad(&grads).unwrap());
+                    assert!(comm.take_error().is_none());
+                    Outcome {
+                        gathered,
+                        shard_grad,
+                        gathers: comm.gathers(),
+                        reduce_scatters: comm.reduce_scatters(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    /// The same on Burn's wgpu device (Mesa's lavapipe without a GPU), world 2, checkpointed.
+    #[cfg(feature = "wgpu")]
+    #[test]
+    fn wgpu_gathered_parameter_trains_like_a_whole_one() {
+        fn wgpu() -> Device {
+            Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)
+                .autodiff()
+                .gradient_checkpointing()
+        }
+        let want = reference_gradient(2);
+        for (rank, out) in run(2, wgpu).into_iter().enumerate() {
+            assert_eq!(out.gathered, weights(), "rank {rank}");
+            let own = shard_of(&want, rank, 2);
+            let worst = out
+                .shard_grad
+                .iter()
+                .zip(&own)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-5, "rank {rank}: {:?} vs {own:?}", out.shard_grad);
+            assert_eq!((out.gathers, out.reduce_scatters), (2, 1), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn shards_are_even_and_padded_with_zeros() {
+        assert_eq!(shard_len(10, 3), 4);
+        assert_eq!(shard_len(10, 1), 10);
+        let w = weights();
+        assert_eq!(shard_of(&w, 2, 3), vec![w[8], w[9], 0.0, 0.0]);
+        assert_eq!(shard_of(&w, 3, 4), vec![w[9], 0.0, 0.0]);
+        assert_eq!(shard_of(&w[..2], 2, 3), vec![0.0], "a shard past the end");
+        let joined: Vec<f32> = (0..4).flat_map(|r| shard_of(&w, r, 4)).collect();
+        assert_eq!(
+            &joined[..10],
+            &w[..],
+            "the shards in rank order are the parameter"
+        );
+    }
+
+    /// The forward gives every rank the whole parameter, exactly; the backward gives each rank
+    /// its block of the summed gradient (< 1e-6 of one process's); with Burn's gradient
+    /// checkpointing the parameter is gathered a second time in the backward instead of kept.
+    #[test]
+    fn a_gathered_parameter_trains_like_a_whole_one_and_is_regathered_under_checkpointing() {
+        fn plain() -> Device {
+            Device::flex().autodiff()
+        }
+        fn checkpointed() -> Device {
+            Device::flex().autodiff().gradient_checkpointing()
+        }
+        for world in [2, 3] {
+            let want = reference_gradient(world);
+            for (device, gathers) in [(plain as fn() -> Device, 1), (checkpointed, 2)] {
+                for (rank, out) in run(world, device).into_iter().enumerate() {
+                    assert_eq!(out.gathered, weights(), "world {world} rank {rank}");
+                    let own = shard_of(&want, rank, world);
+                    for (got, want) in out.shard_grad.iter().zip(&own) {
+                        assert!(
+                            (got - want).abs() < 1e-6,
+                            "world {world} rank {rank}: {:?} vs {own:?}",
+                            out.shard_grad
+                        );
+                    }
+                    assert_eq!(out.shard_grad.len(), own.len());
+                    assert_eq!(
+                        (out.gathers, out.reduce_scatters),
+                        (gathers, 1),
+                        "world {world} rank {rank}: gathers and reduce-scatters"
+                    );
+                }
+            }
+        }
+    }
+}
