@@ -8,9 +8,34 @@
 //!   counts and prints at the end (`N passed, M skipped` with each reason);
 //! - prints the same line.
 //!
-//! And [`ClosedPort`]: a port that refuses connections without a race.
+//! And [`ClosedPort`]: a port that refuses connections without a race; [`formula_weights`]: the
+//! same weights in every run and on every thread.
 
 use std::io::Write;
+
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{Tensor, TensorData};
+
+/// `module` with every float parameter replaced by values from a formula (in visit order, each
+/// requiring a gradient): the same in every run, whatever thread builds it, unlike the
+/// backend's generator, whose seed is per device and thread.
+pub fn formula_weights<M: Module>(module: M) -> M {
+    struct Fill(usize);
+    impl ModuleMapper for Fill {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, t, mapper) = p.consume();
+            let n = t.shape().num_elements();
+            let values: Vec<f32> = (self.0..self.0 + n)
+                .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 0.6)
+                .collect();
+            self.0 += n;
+            let t =
+                Tensor::from_data(TensorData::new(values, t.shape()), &t.device()).require_grad();
+            Param::from_mapped_value(id, t, mapper)
+        }
+    }
+    module.map(&mut Fill(0))
+}
 
 /// What a skipped test lacked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -152,6 +152,7 @@ mod tests {
     use super::*;
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};
+    use crate::testing::formula_weights;
 
     #[derive(Module, Debug)]
     struct Net {
@@ -165,27 +166,12 @@ mod tests {
         }
     }
 
-    /// The same weights in every run (values from a formula).
+    /// The same weights in every run.
     fn net(device: &Device) -> Net {
-        struct Fill(usize);
-        impl ModuleMapper for Fill {
-            fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let (id, t, mapper) = p.consume();
-                let n = t.shape().num_elements();
-                let values: Vec<f32> = (self.0..self.0 + n)
-                    .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 0.6)
-                    .collect();
-                self.0 += n;
-                let t = Tensor::from_data(TensorData::new(values, t.shape()), &t.device())
-                    .require_grad();
-                Param::from_mapped_value(id, t, mapper)
-            }
-        }
-        Net {
+        formula_weights(Net {
             a: LinearConfig::new(5, 7).init(device),
             b: LinearConfig::new(7, 3).init(device),
-        }
-        .map(&mut Fill(0))
+        })
     }
 
     fn batch(rank: usize, step: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {

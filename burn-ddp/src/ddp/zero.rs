@@ -513,7 +513,6 @@ mod tests {
     use std::collections::BTreeSet;
     use std::sync::Arc;
 
-    use burn::module::ModuleMapper;
     use burn::nn::{Linear, LinearConfig};
     use burn::optim::AdamConfig;
 
@@ -522,6 +521,7 @@ mod tests {
     use crate::ddp::{prepare_module, Reducer};
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};
+    use crate::testing::formula_weights;
 
     #[derive(Module, Debug)]
     struct Net {
@@ -534,30 +534,14 @@ mod tests {
         Device::flex().autodiff()
     }
 
-    /// The same weights in every run, whatever thread asks (values from a formula, not from
-    /// the backend's generator).
+    /// The same weights in every run, whatever thread asks.
     fn net() -> Net {
-        struct Fill(usize);
-        impl ModuleMapper for Fill {
-            fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                let (id, t, mapper) = p.consume();
-                let n = t.shape().num_elements();
-                let values: Vec<f32> = (self.0..self.0 + n)
-                    .map(|i| ((i * 37 % 101) as f32 / 101.0 - 0.5) * 0.6)
-                    .collect();
-                self.0 += n;
-                let t = Tensor::from_data(TensorData::new(values, t.shape()), &t.device())
-                    .require_grad();
-                Param::from_mapped_value(id, t, mapper)
-            }
-        }
         let device = device();
-        Net {
+        formula_weights(Net {
             a: LinearConfig::new(5, 32).init(&device),
             b: LinearConfig::new(32, 16).init(&device),
             c: LinearConfig::new(16, 2).init(&device),
-        }
-        .map(&mut Fill(0))
+        })
     }
 
     fn loss_grads(net: &Net, rank: usize, step: usize) -> GradientsParams {
