@@ -44,7 +44,7 @@ use burn::backend::{
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::Tensor;
 
-use super::overlap;
+use super::{overlap, sharded_module};
 
 /// Marks `block` as a block entered with `input`: returns the block to run on `input` for
 /// this forward, whose parameters' gradients are handed to the gradient overlap as soon as
@@ -62,7 +62,14 @@ use super::overlap;
 /// with and without it; every rank must mark the same blocks (the same model everywhere, as
 /// DDP requires anyway). A block whose parameters are also used outside it (tied weights)
 /// must not be marked. Unarmed (module docs) it returns `block` itself.
+///
+/// Under ZeRO stage 3 (a [`ShardedForward`](super::sharded_module::ShardedForward) alive on
+/// this thread) it returns the block with its sharded parameters gathered whole instead:
+/// collective then, in the order the model marks its blocks.
 pub fn mark_block<'a, M: Module, const D: usize>(input: &Tensor<D>, block: &'a M) -> Cow<'a, M> {
+    if let Some(gathered) = sharded_module::gather_marked(block) {
+        return Cow::Owned(gathered);
+    }
     if !overlap::is_armed() {
         return Cow::Borrowed(block);
     }

@@ -12,8 +12,13 @@
 //! reduce-scatters into them), and once the copy is dropped, the full parameters live only as
 //! long as the forward's graph keeps them — under Burn's gradient checkpointing, not at all
 //! (see [`super::shard_gather`]).
+//!
+//! [`ShardedForward`] makes [`mark_block`](crate::mark_block) do that gathering for the blocks
+//! a model marks, so a model already marked for gradient overlap needs no other change.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::marker::PhantomData;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
@@ -137,6 +142,47 @@ impl ModuleMapper for Gather<'_> {
     }
 }
 
+thread_local! {
+    /// The layout and group of the [`ShardedForward`] alive on this thread, if any.
+    static FORWARD: RefCell<Option<(ShardLayout, ShardComm)>> = const { RefCell::new(None) };
+}
+
+/// While it lives, [`mark_block`](crate::mark_block) on this thread returns each marked block
+/// with its sharded parameters gathered whole ([`gather_module`]; collective then, in the
+/// order the model marks its blocks, the same on every rank). Enter it around a forward of a
+/// sharded model; parameters outside marked blocks must not be sharded. Not `Send`: the
+/// forward runs on the thread that entered it.
+pub struct ShardedForward {
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ShardedForward {
+    /// Installs `layout` and `comm` for this thread's forwards until the guard is dropped (a
+    /// second guard replaces the first until it is dropped).
+    pub fn enter(layout: &ShardLayout, comm: &ShardComm) -> Self {
+        FORWARD.with(|f| *f.borrow_mut() = Some((layout.clone(), comm.clone())));
+        Self {
+            _not_send: PhantomData,
+        }
+    }
+}
+
+impl Drop for ShardedForward {
+    fn drop(&mut self) {
+        FORWARD.with(|f| *f.borrow_mut() = None);
+    }
+}
+
+/// `block` gathered whole where a [`ShardedForward`] is alive on this thread (`None` where
+/// not): [`mark_block`](crate::mark_block)'s stage-3 half.
+pub(crate) fn gather_marked<M: Module>(block: &M) -> Option<M> {
+    FORWARD.with(|f| {
+        f.borrow()
+            .as_ref()
+            .map(|(layout, comm)| gather_module(block, layout, comm))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     //! Ranks as threads over real loopback sockets, trained with Adam through gathered copies
@@ -161,8 +207,10 @@ mod tests {
     }
 
     impl Net {
+        /// Both layers marked, as a model marked for gradient overlap is.
         fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-            self.b.forward(self.a.forward(x).tanh())
+            let h = crate::mark_block(&x, &self.a).forward(x).tanh();
+            crate::mark_block(&h, &self.b).forward(h)
         }
     }
 
@@ -224,9 +272,18 @@ mod tests {
         flat(&model)
     }
 
+    /// How each step's forward reaches the whole parameters.
+    #[derive(Debug, Clone, Copy)]
+    enum Gathered {
+        /// The test gathers a copy of the model ([`gather_module`]).
+        Copy,
+        /// The model's own `mark_block` calls gather each block ([`ShardedForward`]).
+        ByMarkBlock,
+    }
+
     /// Each rank: the model sharded but for `b`'s bias (kept whole, its gradient summed as
     /// DDP's would be), Adam on the shards; the final model gathered whole.
-    fn sharded(world: usize, checkpointing: bool) -> Vec<(Vec<f32>, u64, usize)> {
+    fn sharded(world: usize, checkpointing: bool, how: Gathered) -> Vec<(Vec<f32>, u64, usize)> {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let handles: Vec<_> = (0..world)
             .map(|rank| {
@@ -248,9 +305,16 @@ mod tests {
                     let mut optim = AdamConfig::new().init();
                     for step in 0..STEPS {
                         let (x, y) = batch(rank, step, &device);
-                        let gathered = gather_module(&model, &layout, &comm);
-                        let l = loss(&gathered, x, y, world);
-                        drop(gathered);
+                        let l = match how {
+                            Gathered::Copy => {
+                                let gathered = gather_module(&model, &layout, &comm);
+                                loss(&gathered, x, y, world)
+                            }
+                            Gathered::ByMarkBlock => {
+                                let _forward = ShardedForward::enter(&layout, &comm);
+                                loss(&model, x, y, world)
+                            }
+                        };
                         let mut grads = GradientsParams::from_grads(l.backward(), &model);
                         // The replicated bias: this rank's gradient summed with the others'
                         // (an all-reduce, done here through a gather of its own).
@@ -284,12 +348,17 @@ mod tests {
     }
 
     #[test]
-    fn a_sharded_model_trained_through_gathered_copies_matches_the_whole_model() {
+    fn a_sharded_model_trained_through_gathered_copies_or_mark_block_matches_the_whole_model() {
         let device = Device::flex().autodiff();
         for world in [2, 3] {
             let want = reference(world, &device);
-            for checkpointing in [false, true] {
-                let outcomes = sharded(world, checkpointing);
+            for (checkpointing, how) in [
+                (false, Gathered::Copy),
+                (true, Gathered::Copy),
+                (false, Gathered::ByMarkBlock),
+                (true, Gathered::ByMarkBlock),
+            ] {
+                let outcomes = sharded(world, checkpointing, how);
                 for (rank, (got, gathers, sharded)) in outcomes.into_iter().enumerate() {
                     assert_eq!(sharded, 3, "a.weight, a.bias, b.weight");
                     assert_eq!(got.len(), want.len());
@@ -300,7 +369,7 @@ mod tests {
                         .fold(0.0f32, f32::max);
                     assert!(
                         worst < 1e-5,
-                        "world {world} rank {rank} checkpointing {checkpointing}: max |Δw| {worst}"
+                        "world {world} rank {rank} checkpointing {checkpointing} {how:?}: max |Δw| {worst}"
                     );
                     // Per step: 3 parameters gathered in the forward and the bias's sum;
                     // under checkpointing two once more in the backward: b.weight (b's
@@ -312,7 +381,7 @@ mod tests {
                     assert_eq!(
                         gathers,
                         (STEPS * per_step + 3) as u64,
-                        "world {world} rank {rank} checkpointing {checkpointing}"
+                        "world {world} rank {rank} checkpointing {checkpointing} {how:?}"
                     );
                 }
             }
