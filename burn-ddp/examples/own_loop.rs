@@ -8,9 +8,12 @@
 //! torchrun --nproc-per-node 2 target/release/examples/own_loop --batch 8 --out runs/own-loop
 //! ```
 //! With per-rank batch `b` on `N` ranks it ends with the weights one process gets with batch
-//! `N·b` (`tests/integration/tiers.rs` checks it, with plain DDP and with ZeRO stage 1 and
-//! Adam). Rank 0 writes `model.safetensors`. It trains on Burn's CPU device
+//! `N·b` (`tests/integration/tiers.rs` checks it, with plain DDP and with ZeRO stages 1 to 3
+//! and Adam). Rank 0 writes `model.safetensors`. It trains on Burn's CPU device
 //! (`Device::flex().autodiff()`); the device is a value, so another one is a one-line change.
+//! At ZeRO stage 3 (`--zero-stage 3`) each rank keeps a shard of the marked layers: three
+//! more lines (`fully_shard`, `sharded_forward`, `gathered`) and Burn's gradient
+//! checkpointing on the device.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,9 +27,16 @@ use burn_ddp::rng::SplitMix64;
 use burn_ddp::{mark_block, DataParallel, DdpError, DdpOptions, StepOutcome, ZeroStage};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
-/// Where this program trains: Burn's CPU backend, with autodiff.
-fn train_device() -> Device {
-    Device::flex().autodiff()
+/// Where this program trains: Burn's CPU backend, with autodiff; at ZeRO stage 3 with Burn's
+/// gradient checkpointing, so that each gathered layer is dropped after its forward and
+/// gathered again for its backward.
+fn train_device(stage: ZeroStage) -> Device {
+    let device = Device::flex().autodiff();
+    if stage.shards_parameters() {
+        device.gradient_checkpointing()
+    } else {
+        device
+    }
 }
 
 const FEATURES: usize = 20;
@@ -91,7 +101,7 @@ struct Args {
     adam: bool,
 }
 
-/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1|2`, `--adam`.
+/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1|2|3`, `--adam`.
 fn args() -> Result<Args, String> {
     let mut a = Args {
         batch: 8,
@@ -136,11 +146,17 @@ fn train(
     mut optim: ModuleOptimizer,
     lr: f64,
 ) -> Result<(Mlp, f64, usize), DdpError> {
-    let device = train_device();
+    let device = train_device(a.zero_stage);
     let data = data(1024, 3);
     device.seed(5);
     // Every rank starts from rank 0's weights.
-    let mut model = ddp.prepare(Mlp::new(&device))?;
+    let model = ddp.prepare(Mlp::new(&device))?;
+    // ZeRO stage 3: one forward finds the marked layers, whose parameters are then cut into
+    // shards (at other stages the model is returned as it is).
+    let sample = Tensor::<1>::from_floats(data[0].0.as_slice(), &device).reshape([1, FEATURES]);
+    let mut model = ddp.fully_shard(model, |m| {
+        let _ = m.forward(sample);
+    })?;
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let (mut step, mut epoch) = (0, 0);
     let (mut loss_sum, mut seen) = (0.0, 0.0);
@@ -155,6 +171,8 @@ fn train(
             // This backward may sum the marked layers' gradients while it runs (no earlier
             // micro-batches to add, a weight of 1).
             ddp.overlap_next_backward(&model, None, 1.0);
+            // Stage 3: the marked layers gathered whole for this forward and its backward.
+            let gather = ddp.sharded_forward();
             let loss = loss_fn.forward(model.forward(x), y);
             let value = loss
                 .clone()
@@ -163,6 +181,7 @@ fn train(
             loss_sum += value * chunk.len() as f64;
             seen += chunk.len() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
+            drop(gather);
             // The DDP step: the mean gradient over every rank's batch, your optimizer (under
             // ZeRO stage 1 each rank steps its own parameters and sends them), the buffers.
             // Every rank gets the same outcome, so all stop together on NaN or Inf.
@@ -181,6 +200,8 @@ fn train(
         epoch += 1;
     }
     let [loss_sum, seen] = ddp.sum([loss_sum, seen])?;
+    // Stage 3: the whole model, gathered on every rank, for rank 0 to write.
+    let model = ddp.gathered(&model)?;
     Ok((model, loss_sum / seen, step))
 }
 
@@ -214,7 +235,7 @@ fn run() -> Result<(), Failure> {
     let a = args().map_err(|e| Failure(e, 2))?;
     // Join the job (launcher / torchrun / Slurm / Open MPI variables), or run alone.
     let options = DdpOptions::default().with_zero_stage(a.zero_stage);
-    let mut ddp = DataParallel::from_env(options, &train_device())?;
+    let mut ddp = DataParallel::from_env(options, &train_device(a.zero_stage))?;
     let trained = if a.adam {
         train(&mut ddp, &a, AdamConfig::new().init(), 1e-3)
     } else {

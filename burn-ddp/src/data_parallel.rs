@@ -33,6 +33,8 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device};
 
 use crate::ddp::buffers::{self, BufferSync};
+use crate::ddp::fully_sharded::FullyShardedState;
+use crate::ddp::sharded_module::ShardedForward;
 use crate::ddp::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero;
 use crate::ddp::zero_stage::ZeroStage;
@@ -72,9 +74,15 @@ pub struct DataParallel {
     /// `Some` under ZeRO stages 1 and 2: the owners, and the parameters' all-gather (stage 1
     /// also reduces its gradients through it).
     sharded: Option<ShardedSync>,
+    /// `Some` under ZeRO stage 3: the shards' group and layout.
+    fully_sharded: Option<FullyShardedState>,
+    /// Whether gradients are checked for NaN / ±Inf (always, today).
+    check_finite: bool,
     /// Bytes of the gradients the last step's optimizer was given (this rank's own at stages 1
     /// and 2).
     gradient_bytes: u64,
+    /// Bytes of the model's parameters at the last step (shards at stage 3).
+    parameter_bytes: u64,
     /// `None`: each rank keeps its own buffers.
     buffer_rule: Option<BufferSync>,
     /// Whether the model has buffers at all (learnt at the first sync; the same on every rank).
@@ -110,8 +118,13 @@ impl DataParallel {
         let sync = GradientSync::new(&options, &dist, device)?;
         let sharded = options
             .zero_stage
-            .shards_optimizer_state()
+            .has_owners()
             .then(|| ShardedSync::new(options.compression));
+        let fully_sharded = if options.zero_stage.shards_parameters() {
+            Some(FullyShardedState::form(&dist)?)
+        } else {
+            None
+        };
         let sync_batch_norm = if dist.env.world_size > 1 {
             let mut options = dist.group.options().clone();
             options.store_prefix.push_str(sync_group::STORE_SUFFIX);
@@ -129,7 +142,10 @@ impl DataParallel {
             sync,
             zero_stage: options.zero_stage,
             sharded,
+            fully_sharded,
+            check_finite: true,
             gradient_bytes: 0,
+            parameter_bytes: 0,
             buffer_rule: options.buffers,
             has_buffers: None,
             timeout: options.timeout,
@@ -174,6 +190,70 @@ impl DataParallel {
         prepare_module(model, &mut self.dist.group, 0)
     }
 
+    /// ZeRO stage 3 (FSDP's `fully_shard`): runs `forward` (one forward of the model, e.g. on
+    /// one sample; its result is dropped) to learn which blocks the model marks with
+    /// [`mark_block`](crate::mark_block), then returns the model with those blocks'
+    /// parameters cut into flat shards, this rank's kept. Call it after
+    /// [`prepare`](Self::prepare), before the first step; then run every training forward
+    /// and its backward under [`sharded_forward`](Self::sharded_forward)'s guard. At stages
+    /// 0 to 2 it returns `model` as it is, without running `forward`, so a loop written for
+    /// stage 3 runs at every stage.
+    ///
+    /// Not collective (every rank cuts its equal replica the same way), but every rank must
+    /// call it, with the same model. For gathered parameters to be dropped after the forward
+    /// and gathered again for the backward, train on a device with Burn's gradient
+    /// checkpointing (`Device::autodiff().gradient_checkpointing()`); without it the whole
+    /// parameters live until backward, as activations do.
+    ///
+    /// # Errors
+    /// [`DdpError::Options`] when `forward` marks no block; [`DdpError::Unsupported`] when a
+    /// parameter cannot be read as `f32`.
+    pub fn fully_shard<M: Module>(
+        &mut self,
+        model: M,
+        forward: impl FnOnce(&M),
+    ) -> Result<M, DdpError> {
+        match &mut self.fully_sharded {
+            Some(state) => state.shard(model, forward),
+            None => Ok(model),
+        }
+    }
+
+    /// Under ZeRO stage 3, once [`fully_shard`](Self::fully_shard) has run: the guard under
+    /// which [`mark_block`](crate::mark_block) gathers each marked block whole for the
+    /// forward. Hold it over every training forward and its backward (the backward
+    /// reduce-scatters, and under checkpointing gathers again); drop it before validation
+    /// (see [`gathered`](Self::gathered)). `None` at other stages. Entering it is local; the
+    /// forwards it covers are collective, every rank marking the same blocks in the same
+    /// order (the same model, the same number of micro-batches).
+    pub fn sharded_forward(&self) -> Option<ShardedForward> {
+        self.fully_sharded
+            .as_ref()
+            .and_then(FullyShardedState::forward)
+    }
+
+    /// Under ZeRO stage 3, a copy of `model` with every shard gathered whole (for a
+    /// validation that each rank runs on its own number of batches, or to save the whole
+    /// model); at other stages a clone. Collective at stage 3. Works on an autodiff model or
+    /// on its [`valid`](burn::module::AutodiffModule::valid) copy.
+    ///
+    /// # Errors
+    /// A failed gather.
+    pub fn gathered<M: Module>(&mut self, model: &M) -> Result<M, DdpError> {
+        match &self.fully_sharded {
+            Some(state) if state.layout().is_some() => state.gathered(model),
+            _ => Ok(model.clone()),
+        }
+    }
+
+    /// The full shapes of the parameters sharded at stage 3 (`None` before
+    /// [`fully_shard`](Self::fully_shard), and at other stages).
+    pub fn shard_layout(&self) -> Option<&crate::ddp::sharded_module::ShardLayout> {
+        self.fully_sharded
+            .as_ref()
+            .and_then(FullyShardedState::layout)
+    }
+
     /// Lets the next backward put gradients on the wire while it runs: call it before the
     /// forward of the step's last micro-batch (the only one, without accumulation), with the
     /// model, `earlier` (the sum of the step's earlier micro-batches' gradients, if any) and
@@ -188,7 +268,8 @@ impl DataParallel {
     /// fills, and the gradients this rank does not own are dropped once sent.
     ///
     /// Not collective and never blocking; a no-op in a job of one, with NCCL, under ZeRO
-    /// stage 1, or for a model that marks nothing. Without it, `step` sums every bucket after
+    /// stages 1 and 3 (stage 3's gradients are reduce-scattered by the backward itself), or
+    /// for a model that marks nothing. Without it, `step` sums every bucket after
     /// backward, in the same plan: the same bits, no overlap.
     pub fn overlap_next_backward<M: Module>(
         &mut self,
@@ -198,7 +279,7 @@ impl DataParallel {
     ) {
         let world = self.world_size();
         let owners = match (self.zero_stage, &mut self.sharded) {
-            (ZeroStage::OptimizerState, _) => return,
+            (ZeroStage::OptimizerState | ZeroStage::Parameters, _) => return,
             (ZeroStage::Gradients, Some(sharded)) => Some(sharded.plan(model, world)),
             _ => None,
         };
@@ -262,6 +343,7 @@ impl DataParallel {
     ) -> Result<(M, StepOutcome), DdpError> {
         let check = self.sync_gradients(&model, &mut grads)?;
         self.gradient_bytes = zero::gradient_bytes(&model, &grads);
+        self.parameter_bytes = zero::parameter_bytes(&model);
         let nonfinite = verdict(check)?;
         let (model, outcome) = if nonfinite.is_empty() {
             let model = optimize(model, grads);
@@ -309,6 +391,13 @@ impl DataParallel {
         self.gradient_bytes
     }
 
+    /// Bytes of the parameters this rank held at the last [`step`](Self::step): the whole
+    /// model's at stages 0 to 2, the shards and the parameters outside marked blocks at
+    /// stage 3. Local.
+    pub fn parameter_bytes(&self) -> u64 {
+        self.parameter_bytes
+    }
+
     /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:
     /// [`average_gradients`](Self::average_gradients). Stages 1 and 2: `grads` keeps only the
     /// gradients of the parameters this rank owns, each the mean over the ranks (stage 1:
@@ -334,8 +423,38 @@ impl DataParallel {
                 self.sync
                     .sync(&mut self.dist.group, model, grads, Some(owners))
             }
+            (ZeroStage::Parameters, _) => self.sync_stage_3(model, grads),
             _ => self.average_gradients(model, grads),
         }
+    }
+
+    /// Stage 3: the shards' gradients (reduce-scattered by the backward) made means, the whole
+    /// parameters' averaged as at stage 0, and one verdict on both. Collective.
+    fn sync_stage_3<M: Module>(
+        &mut self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<GradientCheck, DdpError> {
+        let Some(state) = &self.fully_sharded else {
+            return self.average_gradients(model, grads);
+        };
+        let (shards, nonfinite) = state.take_shard_gradients(model, grads, self.check_finite)?;
+        let mut check = self.average_gradients(model, grads)?;
+        let mut flags = vec![0u8; self.world_size()];
+        self.dist.group.all_gather(&[nonfinite as u8], &mut flags)?;
+        let mut ranks: Vec<usize> = check.nonfinite_ranks;
+        ranks.extend(
+            flags
+                .iter()
+                .enumerate()
+                .filter(|(_, &f)| f != 0)
+                .map(|(r, _)| r),
+        );
+        ranks.sort_unstable();
+        ranks.dedup();
+        check.nonfinite_ranks = ranks;
+        grads_extend(model, grads, shards);
+        Ok(check)
     }
 
     /// After the optimizer step. Stages 1 and 2: every rank sends the parameters it stepped
@@ -407,9 +526,20 @@ impl DataParallel {
     }
 
     /// What gradient synchronisation did so far (synchronisations, collectives, bytes; at
-    /// stages 1 and 2 the parameters' all-gathers included).
+    /// stages 1 and 2 the parameters' all-gathers included, at stage 3 the shards' gathers and
+    /// reduce-scatters).
     pub fn gradient_stats(&self) -> ReducerStats {
         let path = self.sync.stats();
+        if let Some(state) = &self.fully_sharded {
+            let comm = state.comm();
+            return ReducerStats {
+                syncs: path.syncs,
+                bucket_all_reduces: path.bucket_all_reduces
+                    + comm.gathers()
+                    + comm.reduce_scatters(),
+                bytes_reduced: path.bytes_reduced + comm.bytes(),
+            };
+        }
         match &self.sharded {
             Some(sharded) => {
                 let zero = sharded.stats();
@@ -450,8 +580,12 @@ impl DataParallel {
 
     /// Fails with [`DdpError::ReplicaDrift`] when the replicas' parameters are not
     /// bit-identical, naming the first rank that differs from rank 0. Collective.
+    /// At ZeRO stage 3 the shards differ by rank: the parameters held whole are compared.
     pub fn check_replicas<M: Module>(&mut self, model: &M, step: usize) -> Result<(), DdpError> {
-        let ours = param_checksum(model) as i64;
+        let ours = match &self.fully_sharded {
+            Some(state) => state.replicated_checksum(model),
+            None => param_checksum(model),
+        } as i64;
         let mut all = vec![0i64; self.world_size()];
         self.dist.group.all_gather(&[ours], &mut all)?;
         if let Some(r) = all.iter().position(|&c| c != all[0]) {
@@ -512,6 +646,28 @@ impl DataParallel {
     pub fn barrier(&mut self) -> Result<(), DdpError> {
         Ok(self.dist.group.barrier()?)
     }
+}
+
+/// Moves every gradient of `from` that `model` has a parameter for into `grads`.
+fn grads_extend<M: Module>(model: &M, grads: &mut GradientsParams, mut from: GradientsParams) {
+    struct Move<'a> {
+        to: &'a mut GradientsParams,
+        from: &'a mut GradientsParams,
+    }
+    impl burn::module::ModuleVisitor for Move<'_> {
+        fn visit_float<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<burn::tensor::Tensor<D>>,
+        ) {
+            if let Some(g) = self.from.remove::<D>(param.id) {
+                self.to.register(param.id, g);
+            }
+        }
+    }
+    model.visit(&mut Move {
+        to: grads,
+        from: &mut from,
+    });
 }
 
 /// The failure synchronised BatchNorm recorded in this step's forward or backward, if any

@@ -51,14 +51,14 @@ fn your_own_loop_with_data_parallel_matches_one_process_with_the_global_batch() 
     assert!(diff < 1e-5, "max |w2 - w1| = {diff:e}");
 }
 
-/// ZeRO stages 1 and 2 with Adam (each rank steps and keeps the state of the parameters it
-/// owns; at stage 2 only their gradients too) on 2 ranks, against plain Adam in one process
-/// with the doubled batch.
+/// ZeRO stages 1, 2 and 3 with Adam (each rank steps and keeps the state of the parameters it
+/// owns; at stage 2 only their gradients too; at stage 3 a shard of every layer, gathered for
+/// each forward) on 2 ranks, against plain Adam in one process with the doubled batch.
 #[test]
-fn your_own_loop_with_zero_stages_1_and_2_and_adam_matches_one_process() {
+fn your_own_loop_with_zero_stages_1_to_3_and_adam_matches_one_process() {
     let dir = scratch("own-loop-zero");
     let (one, _) = train(&dir, 1, 16, &["--adam"]);
-    for stage in ["1", "2"] {
+    for stage in ["1", "2", "3"] {
         let dir = dir.join(format!("stage{stage}"));
         let (two, stdout) = train(&dir, 2, 8, &["--adam", "--zero-stage", stage]);
         assert!(stdout.contains(&format!("ZeRO stage {stage}")), "{stdout}");

@@ -164,6 +164,32 @@ fn the_users_marked_layers_overlap_backward_bit_identical_to_no_overlap() {
     }
 }
 
+/// ZeRO stage 3 on the user's model (its two marked layers cut into shards, gathered for each
+/// forward and again for the backward): the weights of stage 0, at world 2, and at world 3
+/// with accumulation (each micro-batch's backward reduce-scatters into the shards).
+#[test]
+fn the_users_model_at_zero_stage_3_trains_to_the_weights_of_stage_0() {
+    let dir = scratch("user-crate-zero3");
+    for (world, training) in [(2, ""), (3, "accumulation_steps = 2")] {
+        for stage in [0, 3] {
+            let name = format!("w{world}-stage{stage}");
+            let body =
+                circles_config(1, training) + &format!("\n[distributed]\nzero_stage = {stage}\n");
+            let out = launch_example_on(world, &write_config(&dir, &name, &body), &[], &[]);
+            assert_eq!(out.code, Some(0), "{name}: {}", out.all());
+        }
+        crate::zero::consolidate(&dir, &format!("w{world}-stage3"));
+        let diff = max_abs_diff(
+            &final_weights(&dir, &format!("w{world}-stage0")),
+            &final_weights(&dir, &format!("w{world}-stage3")),
+        );
+        assert!(
+            diff < 1e-5,
+            "world {world}: stage 3 vs 0: max |dw| = {diff:e}"
+        );
+    }
+}
+
 /// The user's model with a `SyncBatchNorm` (taken through `trainer::burn_ddp`, the engine's own
 /// build of burn-ddp) on 2 ranks with batches of 16 ends with the weights and running statistics
 /// of one process with batches of 32: its statistics are the global batch's. Per-rank

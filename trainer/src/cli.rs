@@ -42,6 +42,9 @@ struct Cli {
 enum Command {
     /// Evaluate a checkpoint on the validation set.
     Eval(EvalArgs),
+    /// Join a ZeRO stage-3 checkpoint's shards into one whole checkpoint:
+    /// `trainer consolidate runs/ckpt`.
+    Consolidate(run::ConsolidateArgs),
     /// Run collectives on deterministic data and check every result (a network self-test).
     Collectives(tools::CollectiveArgs),
     /// Print an all-reduce bandwidth table (like nccl-tests) and this machine's ceilings.
@@ -101,6 +104,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Some(Command::BenchTrain(args)) => bench::bench_train(&args),
         Some(Command::BenchLink(args)) => crate::tools::bench_link::bench_link(&args),
         Some(Command::Plot(args)) => plot::plot_command(&args),
+        Some(Command::Consolidate(args)) => run::consolidate(&args),
         Some(Command::Doctor(args)) => doctor::doctor_command(&args),
         Some(Command::Launch(cmd)) => launch::launch(&cmd.launch, &Program::resolve(&cmd.program)?),
         None => {

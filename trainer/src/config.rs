@@ -225,8 +225,8 @@ impl Default for CheckpointConfig {
 
 /// `[distributed]`: read straight into burn-ddp's option types (feature `serde` of burn-ddp
 /// gives them their names here), so each rule about them has one home, in burn-ddp: what
-/// `"auto"` means and that NCCL needs CUDA ([`GradientTransport`]), that only ZeRO stages 0,
-/// 1 and 2 exist ([`ZeroStage`]), that there is a stage and the stages divide the world
+/// `"auto"` means and that NCCL needs CUDA ([`GradientTransport`]), that ZeRO stages 0 to 3
+/// exist ([`ZeroStage`]), that there is a stage and the stages divide the world
 /// ([`PipelineLayout`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
@@ -256,8 +256,11 @@ pub struct DistributedConfig {
     /// parameter's optimizer state lives on one rank, which steps it and sends the new values
     /// to the others (DeepSpeed's stage 1, PyTorch's `ZeroRedundancyOptimizer`); 2 = and each
     /// rank keeps only its own parameters' gradients: every bucket is reduce-scattered to the
-    /// owners (during backward for marked blocks) and the rest dropped (DeepSpeed's stage 2).
-    /// 3 is refused.
+    /// owners (during backward for marked blocks) and the rest dropped (DeepSpeed's stage 2);
+    /// 3 = and each rank keeps only a shard of the weights of the blocks the model marks
+    /// (`burn_ddp::mark_block`), gathered whole for each block's forward and backward
+    /// (DeepSpeed's stage 3, PyTorch's FSDP); its checkpoints are every rank's part
+    /// (`trainer consolidate` joins them).
     #[serde(deserialize_with = "zero_stage")]
     pub zero_stage: ZeroStage,
     /// How buffers (BatchNorm running statistics, any `RunningState`, frozen parameters) are
@@ -279,8 +282,8 @@ pub struct DistributedConfig {
 }
 
 /// `distributed.zero_stage` as burn-ddp's serde reads it (a number, then
-/// [`ZeroStage::try_from`]), with the key named in the refusal of 3 (serde's message knows the
-/// value only): `distributed.zero_stage must be 0 (plain DDP), 1 ...`.
+/// [`ZeroStage::try_from`]), with the key named in the refusal of another number (serde's
+/// message knows the value only): `distributed.zero_stage must be 0 (plain DDP), 1 ...`.
 fn zero_stage<'de, D: Deserializer<'de>>(d: D) -> Result<ZeroStage, D::Error> {
     ZeroStage::try_from(u8::deserialize(d)?)
         .map_err(|e| D::Error::custom(format_args!("distributed.zero_stage {e}")))
@@ -446,6 +449,15 @@ impl<M, D> Config<M, D> {
             return invalid(
                 "distributed.pipeline_stages",
                 "must be at least 1 (got 0; 1 is plain data parallelism)".into(),
+            );
+        }
+        if self.distributed.zero_stage.shards_parameters() && self.distributed.pipeline_stages > 1 {
+            return invalid(
+                "distributed.zero_stage",
+                format!(
+                    "= 3 cannot be combined with pipeline_stages = {} yet (stage 3 shards a whole model's marked blocks); use zero_stage = 2 with pipeline stages, or zero_stage = 3 without",
+                    self.distributed.pipeline_stages
+                ),
             );
         }
         if self.checkpoint.keep_last == 0 {
@@ -618,7 +630,7 @@ seed = 1
     }
 
     #[test]
-    fn zero_stage_is_0_1_or_2_and_3_is_refused_naming_the_key() {
+    fn zero_stage_is_0_to_3_and_another_is_refused_naming_the_key() {
         let with =
             |stage: &str| parse(&format!("{MINIMAL}\n[distributed]\nzero_stage = {stage}\n"));
         assert_eq!(
@@ -634,13 +646,23 @@ seed = 1
             with("2").unwrap().distributed.zero_stage,
             ZeroStage::Gradients
         );
-        for stage in [3, 4] {
+        assert_eq!(
+            with("3").unwrap().distributed.zero_stage,
+            ZeroStage::Parameters
+        );
+        let err = parse(&format!(
+            "{MINIMAL}\n[distributed]\nzero_stage = 3\npipeline_stages = 2\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("pipeline_stages = 2"), "{err}");
+        for stage in [4, 5] {
             let err = with(&stage.to_string()).unwrap_err();
             assert!(matches!(err, ConfigError::Parse { .. }), "{err}");
             let msg = err.to_string();
             assert!(
                 msg.contains(&format!(
-                    "distributed.zero_stage must be 0 (plain DDP), 1 (sharded optimizer state) or 2 (sharded gradients and optimizer state), got {stage}; stage 3 (sharded parameters) is not implemented"
+                    "distributed.zero_stage must be 0 (plain DDP), 1 (sharded optimizer state), 2 (sharded gradients and optimizer state) or 3 (sharded parameters, gradients and optimizer state), got {stage}"
                 )) && msg.contains("test.toml"),
                 "{msg}"
             );

@@ -55,6 +55,24 @@ struct AppCli {
 enum AppCommand {
     /// Evaluate a checkpoint on the validation set.
     Eval(EvalArgs),
+    /// Join a ZeRO stage-3 checkpoint's shards into one whole checkpoint.
+    Consolidate(ConsolidateArgs),
+}
+
+/// `consolidate` options.
+#[derive(Args, Debug, Clone)]
+pub struct ConsolidateArgs {
+    /// The run's `checkpoint.dir`: its newest ZeRO stage-3 checkpoint (every rank's part,
+    /// under `zero3-world-N/`) is written whole as `step-…/` there, for `eval`, a resume at
+    /// any stage, and Burn's own loaders.
+    pub checkpoint_dir: PathBuf,
+}
+
+/// `consolidate`: prints where the whole checkpoint is.
+pub fn consolidate(args: &ConsolidateArgs) -> anyhow::Result<ExitCode> {
+    let dir = crate::engine::sharded_checkpoint::consolidate(&args.checkpoint_dir)?;
+    println!("consolidated checkpoint: {}", dir.display());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `eval` options.
@@ -130,6 +148,7 @@ fn run_app<A: App>(app: A, stages: Option<StageSplit<A>>, command: clap::Command
         Some(AppCommand::Eval(args)) => {
             crate::engine::eval::evaluate(app, &args.config, &args.checkpoint)
         }
+        Some(AppCommand::Consolidate(args)) => consolidate(&args),
         None => match cli.train.config.clone() {
             Some(config) => train_or_launch(app, stages, &config, &cli.train),
             None => Err(UsageError("missing --config FILE (try `--help`)".into()).into()),

@@ -5,7 +5,7 @@
 //! - [`bucket`]: the pure bucket plan.
 //! - [`options`]: [`DdpOptions`], the job's synchronisation as one value; [`transport`]:
 //!   [`GradientTransport`], where gradients are summed and the rules that choose it (pure);
-//!   [`zero_stage`]: [`ZeroStage`], 0, 1 or 2. With feature `serde` they read and write the
+//!   [`zero_stage`]: [`ZeroStage`], 0 to 3. With feature `serde` they read and write the
 //!   trainer's `[distributed]` names.
 //! - `config_names` (feature `serde`): the config names of the options that are `Option`s
 //!   (compression, the buffer rule), as serde `with` modules.
@@ -30,7 +30,9 @@
 //!   all-gather of a parameter from its flat shards (backward: reduce-scatter), re-run in
 //!   backward under Burn's gradient checkpointing: the building block of ZeRO stage 3;
 //!   [`sharded_module`]: a module's parameters cut into those shards, and the module gathered
-//!   back for a forward.
+//!   back for a forward; [`fully_sharded`]: ZeRO stage 3 in the DDP step (which blocks are
+//!   sharded, the shards' group, their gradients' mean and verdict); [`reshard`]: shards
+//!   joined whole or re-cut for another world size (sharded checkpoints), pure.
 //! - `mapped`: buffers mapped from the kernel and returned on drop (ZeRO's reduce-scatters).
 //! - `zero_buckets`: ZeRO stage 2's bucket, reduce-scattered to its parameters' owners (the
 //!   reducer's unit of work at stage 2, during backward for marked blocks).
@@ -51,6 +53,7 @@ pub mod config_names;
 #[cfg(feature = "cuda")]
 pub mod device;
 pub mod finite;
+pub mod fully_sharded;
 pub mod gradient_sync;
 mod host_pieces;
 mod mapped;
@@ -59,6 +62,7 @@ pub mod options;
 pub mod overlap;
 pub mod ready_op;
 pub mod reducer;
+pub mod reshard;
 pub mod shard_gather;
 pub mod shard_plan;
 pub mod sharded_module;

@@ -55,8 +55,21 @@ pub fn parameter_count<M: Module>(model: &M) -> u64 {
 /// A checksum of every float parameter's bits, in visit order. Equal replicas have equal
 /// checksums; compare them across ranks to detect drift.
 pub fn param_checksum<M: Module>(module: &M) -> u64 {
+    param_checksum_where(module, |_| true)
+}
+
+/// [`param_checksum`] of the float parameters `keep` selects. Local.
+pub fn param_checksum_where<M: Module>(module: &M, keep: impl Fn(ParamId) -> bool) -> u64 {
     let mut values = Vec::new();
-    read_floats(module, &mut values, in_order());
+    let mut next = 0;
+    read_floats(module, &mut values, |id, _, n| {
+        if !keep(id) {
+            return None;
+        }
+        let range = next..next + n;
+        next += n;
+        Some(range)
+    });
     // A hash of the f32 bit patterns: cheap, order-sensitive, and exact (no float tolerance).
     let mut hash = crate::hash::Fnv1a64::new();
     for v in &values {

@@ -77,6 +77,8 @@ struct Inner {
     error: Option<ShardGatherError>,
     gathers: u64,
     reduce_scatters: u64,
+    /// Bytes of the collectives' buffers (padded whole parameters, f32).
+    bytes: u64,
 }
 
 impl fmt::Debug for ShardComm {
@@ -100,6 +102,7 @@ impl ShardComm {
                 error: None,
                 gathers: 0,
                 reduce_scatters: 0,
+                bytes: 0,
             })),
         }
     }
@@ -122,6 +125,12 @@ impl ShardComm {
         self.lock().reduce_scatters
     }
 
+    /// Bytes of the gathers' and reduce-scatters' buffers so far (each a padded whole
+    /// parameter in `f32`; a ring sends `(world - 1) / world` of each).
+    pub fn bytes(&self) -> u64 {
+        self.lock().bytes
+    }
+
     /// The first failure of a gather or reduce-scatter since the last call, if any. A step taken
     /// after one would use zeros for a parameter or its gradient: callers check before stepping.
     pub fn take_error(&self) -> Option<ShardGatherError> {
@@ -140,6 +149,7 @@ impl ShardComm {
         inner.gathers += 1;
         let world = inner.group.world_size();
         let mut full = vec![0.0; shard.len() * world];
+        inner.bytes += 4 * full.len() as u64;
         if let Err(e) = inner.group.all_gather(shard, &mut full) {
             full.fill(0.0);
             inner.error.get_or_insert(e.into());
@@ -158,6 +168,7 @@ impl ShardComm {
         let len = shard_len(grad.len(), world);
         let mut padded = grad.to_vec();
         padded.resize(len * world, 0.0);
+        inner.bytes += 4 * padded.len() as u64;
         let mut shard = vec![0.0; len];
         if let Err(e) = inner
             .group

@@ -17,7 +17,7 @@
 //! a model marks, so a model already marked for gradient overlap needs no other change.
 
 use std::cell::RefCell;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
@@ -48,6 +48,11 @@ impl ShardLayout {
 
     pub fn is_empty(&self) -> bool {
         self.shapes.is_empty()
+    }
+
+    /// Every sharded parameter's full shape.
+    pub fn shapes(&self) -> &HashMap<ParamId, Vec<usize>> {
+        &self.shapes
     }
 }
 
@@ -138,13 +143,24 @@ impl ModuleMapper for Gather<'_> {
             return param;
         };
         let len = shard_len(full.iter().product(), self.layout.world_size);
+        let dims = param.lazy_shape().to_vec();
+        if dims[D - 1] != len || dims[..D - 1].iter().any(|&d| d != 1) {
+            // Already whole: a block marked inside a gathered block.
+            return param;
+        }
         param.map(|shard| gather_shard(shard.reshape([len]), full, self.comm))
     }
 }
 
 thread_local! {
-    /// The layout and group of the [`ShardedForward`] alive on this thread, if any.
-    static FORWARD: RefCell<Option<(ShardLayout, ShardComm)>> = const { RefCell::new(None) };
+    /// What [`mark_block`](crate::mark_block) does on this thread beyond its overlap: gather
+    /// (a [`ShardedForward`] alive) or record (inside [`discover_blocks`]).
+    static FORWARD: RefCell<Option<Marking>> = const { RefCell::new(None) };
+}
+
+enum Marking {
+    Gather(ShardLayout, ShardComm),
+    Discover(HashSet<ParamId>),
 }
 
 /// While it lives, [`mark_block`](crate::mark_block) on this thread returns each marked block
@@ -160,7 +176,7 @@ impl ShardedForward {
     /// Installs `layout` and `comm` for this thread's forwards until the guard is dropped (a
     /// second guard replaces the first until it is dropped).
     pub fn enter(layout: &ShardLayout, comm: &ShardComm) -> Self {
-        FORWARD.with(|f| *f.borrow_mut() = Some((layout.clone(), comm.clone())));
+        FORWARD.with(|f| *f.borrow_mut() = Some(Marking::Gather(layout.clone(), comm.clone())));
         Self {
             _not_send: PhantomData,
         }
@@ -173,13 +189,45 @@ impl Drop for ShardedForward {
     }
 }
 
+/// The ids of the parameters of every block that [`mark_block`](crate::mark_block) marks
+/// while `forward` runs on this thread (a forward of the whole model): what ZeRO stage 3
+/// shards. Local; the blocks run as they are.
+pub fn discover_blocks(forward: impl FnOnce()) -> HashSet<ParamId> {
+    FORWARD.with(|f| *f.borrow_mut() = Some(Marking::Discover(HashSet::new())));
+    // Reset even if `forward` panics, so that a caught panic leaves no recording behind.
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            FORWARD.with(|f| *f.borrow_mut() = None);
+        }
+    }
+    let reset = Reset;
+    forward();
+    let found = FORWARD.with(|f| match f.borrow_mut().take() {
+        Some(Marking::Discover(ids)) => ids,
+        _ => HashSet::new(),
+    });
+    drop(reset);
+    found
+}
+
 /// `block` gathered whole where a [`ShardedForward`] is alive on this thread (`None` where
-/// not): [`mark_block`](crate::mark_block)'s stage-3 half.
+/// not): [`mark_block`](crate::mark_block)'s stage-3 half. Inside [`discover_blocks`] it
+/// records the block's parameters and returns `None`.
 pub(crate) fn gather_marked<M: Module>(block: &M) -> Option<M> {
-    FORWARD.with(|f| {
-        f.borrow()
-            .as_ref()
-            .map(|(layout, comm)| gather_module(block, layout, comm))
+    FORWARD.with(|f| match &mut *f.borrow_mut() {
+        Some(Marking::Gather(layout, comm)) => Some(gather_module(block, layout, comm)),
+        Some(Marking::Discover(ids)) => {
+            struct Ids<'a>(&'a mut HashSet<ParamId>);
+            impl burn::module::ModuleVisitor for Ids<'_> {
+                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                    self.0.insert(param.id);
+                }
+            }
+            block.visit(&mut Ids(ids));
+            None
+        }
+        None => None,
     })
 }
 

@@ -309,6 +309,21 @@ pub fn state_param_ids_of(bytes: Bytes) -> Result<BTreeSet<ParamId>, DdpError> {
         .collect())
 }
 
+/// Bytes of `model`'s float parameters as this rank holds them (shards at ZeRO stage 3).
+/// Local.
+pub fn parameter_bytes<M: Module>(model: &M) -> u64 {
+    struct Count(u64);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let shape = param.lazy_shape();
+            self.0 += (shape.num_elements() * param.val().dtype().size()) as u64;
+        }
+    }
+    let mut count = Count(0);
+    model.visit(&mut count);
+    count.0
+}
+
 /// Bytes of the tensors in `optim`'s state (for Adam, its two moments of every parameter it
 /// holds state for). Local.
 ///
@@ -352,15 +367,15 @@ const RANK_SUFFIX: &str = ".__rank";
 
 /// One optimizer state read apart into its burnpack entries, each belonging to a parameter.
 #[derive(Default)]
-struct StateParts {
-    tensors: Vec<burn_pack::Tensor>,
+pub(crate) struct StateParts {
+    pub(crate) tensors: Vec<burn_pack::Tensor>,
     scalars: BTreeMap<String, burn_pack::Scalar>,
     metadata: BTreeMap<String, String>,
 }
 
 impl StateParts {
     /// Reads `bytes` (rank `rank`'s state, for error messages).
-    fn read(bytes: Bytes, rank: usize) -> Result<Self, DdpError> {
+    pub(crate) fn read(bytes: Bytes, rank: usize) -> Result<Self, DdpError> {
         let bad = |e: burn_pack::Error| {
             DdpError::State(format!("cannot read rank {rank}'s optimizer state: {e}"))
         };
@@ -386,7 +401,7 @@ impl StateParts {
 
     /// Adds `other`'s entries; where both hold a key (only entries that name no parameter can,
     /// as each parameter's state is on one rank) the first one stays.
-    fn extend(&mut self, other: Self) {
+    pub(crate) fn extend(&mut self, other: Self) {
         let names: BTreeSet<String> = self.tensors.iter().map(|t| t.name.clone()).collect();
         self.tensors.extend(
             other
@@ -402,7 +417,7 @@ impl StateParts {
         }
     }
 
-    fn into_bytes(self) -> Result<Bytes, DdpError> {
+    pub(crate) fn into_bytes(self) -> Result<Bytes, DdpError> {
         let mut writer = burn_pack::Writer::new(self.tensors);
         for (key, value) in &self.scalars {
             writer = writer.with_scalar(key, *value);
@@ -417,7 +432,7 @@ impl StateParts {
 }
 
 /// The parameter id a burnpack key of optimizer state starts with (`"{id}"` or `"{id}.…"`).
-fn key_id(key: &str) -> Option<u64> {
+pub(crate) fn key_id(key: &str) -> Option<u64> {
     key.split('.').next().and_then(|id| id.parse().ok())
 }
 

@@ -275,6 +275,12 @@ where
         dataloader_valid: ValidLoader<M>,
         components: TrainingComponents<M>,
     ) -> LearningResult<M> {
+        if self.options.zero_stage.shards_parameters() {
+            refuse(
+                self.rank,
+                "ZeRO stage 3 is not available under the burn-train strategy: its Learner runs the forward, and stage 3 must shard the model from one forward first and gather its blocks in every forward (DataParallel::fully_shard and sharded_forward). Train through the trainer engine or your own loop, or use ZeRO stage 2",
+            );
+        }
         let sharded = self.options.zero_stage.shards_optimizer_state();
         if sharded && components.checkpointer.is_some() {
             refuse(

@@ -29,11 +29,12 @@ use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::schedule::Schedule;
+pub use crate::engine::sharded_checkpoint::ShardManifest;
 
 /// Bumped when the layout or the manifest changes incompatibly (3: Burn 0.22's burnpack
 /// optimizer and scheduler records; 2: Burn 0.21's MessagePack ones).
 pub const FORMAT_VERSION: u32 = 3;
-const MODEL_FILE: &str = "model.safetensors";
+pub(crate) const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.bpk";
 pub(crate) const SCHEDULER_FILE: &str = "scheduler.bpk";
 const MANIFEST_FILE: &str = "manifest.json";
@@ -76,6 +77,10 @@ pub struct Manifest {
     /// The Burn release of the build that wrote it (absent before it was recorded).
     #[serde(default)]
     pub burn_version: Option<String>,
+    /// A ZeRO stage-3 rank's part (absent in a whole checkpoint): which of its tensors are
+    /// shards (see [`crate::engine::sharded_checkpoint`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shards: Option<ShardManifest>,
 }
 
 /// A checkpoint found on disk with a verified manifest.
@@ -116,14 +121,53 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 }
 
 /// Writes a checkpoint of `model` and `optim` (with the scheduler record `scheduler`) at
-/// `position` into `root` and prunes old ones to `keep_last`. Called on rank 0 only; returns the checkpoint's directory.
-#[allow(clippy::too_many_arguments)]
+/// `position` into `root` and prunes old ones to `keep_last`. Called on rank 0 only (at ZeRO
+/// stage 3, by every rank into its own root); returns the checkpoint's directory.
 pub fn save<M: Module>(
     root: &Path,
     keep_last: usize,
-    mut manifest: Manifest,
+    manifest: Manifest,
     model: &M,
     optim: OptimizerState<'_>,
+    scheduler: &[u8],
+) -> anyhow::Result<PathBuf> {
+    let final_dir = root.join(step_dir_name(manifest.position.step));
+    if final_dir.exists() {
+        return Ok(final_dir); // this step is already saved (e.g. right after a resume)
+    }
+    // Serialise in memory, then write with our own I/O: disk errors (a full disk, a lost
+    // mount) then surface as the operating system's error, and the checksum needs no
+    // read-back.
+    let mut store = SafetensorsStore::from_bytes(None);
+    // A `RunningState` (BatchNorm statistics) shows visitors its committed value, one
+    // update behind; `valid()` commits the pending one, so the snapshot has the latest.
+    let _ = model.valid();
+    model
+        .save_into(&mut store)
+        .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;
+    let weights = store
+        .get_bytes()
+        .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;
+    let whole;
+    let optimizer: &[u8] = match optim {
+        OptimizerState::Whole(optim) => {
+            whole = optim
+                .into_bytes()
+                .map_err(|e| anyhow::anyhow!("cannot serialise the optimizer state: {e}"))?;
+            &whole
+        }
+        OptimizerState::Bytes(bytes) => bytes,
+    };
+    save_files(root, keep_last, manifest, &weights, optimizer, scheduler)
+}
+
+/// [`save`] of weights (safetensors) and optimizer state (burnpack) already serialised.
+pub fn save_files(
+    root: &Path,
+    keep_last: usize,
+    mut manifest: Manifest,
+    weights: &[u8],
+    optimizer: &[u8],
     scheduler: &[u8],
 ) -> anyhow::Result<PathBuf> {
     fs::create_dir_all(root)
@@ -131,40 +175,17 @@ pub fn save<M: Module>(
     let name = step_dir_name(manifest.position.step);
     let final_dir = root.join(&name);
     if final_dir.exists() {
-        return Ok(final_dir); // this step is already saved (e.g. right after a resume)
+        return Ok(final_dir);
     }
     remove_stale_temporaries(root);
     let tmp = root.join(format!(".tmp-{name}-{}", std::process::id()));
     fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let result = (|| -> anyhow::Result<()> {
-        // Serialise in memory, then write with our own I/O: disk errors (a full disk, a lost
-        // mount) then surface as the operating system's error, and the checksum needs no
-        // read-back.
-        let mut store = SafetensorsStore::from_bytes(None);
-        // A `RunningState` (BatchNorm statistics) shows visitors its committed value, one
-        // update behind; `valid()` commits the pending one, so the snapshot has the latest.
-        let _ = model.valid();
-        model
-            .save_into(&mut store)
-            .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;
-        let weights = store
-            .get_bytes()
-            .map_err(|e| anyhow::anyhow!("cannot serialise the model weights: {e}"))?;
-        write_synced(&tmp.join(MODEL_FILE), &weights)?;
+        write_synced(&tmp.join(MODEL_FILE), weights)?;
         manifest
             .checksums
-            .insert(MODEL_FILE.to_string(), checksum(&weights));
+            .insert(MODEL_FILE.to_string(), checksum(weights));
         crate::engine::fault_injection::crash_in_checkpoint_if_asked(manifest.position.step);
-        let whole;
-        let optimizer: &[u8] = match optim {
-            OptimizerState::Whole(optim) => {
-                whole = optim
-                    .into_bytes()
-                    .map_err(|e| anyhow::anyhow!("cannot serialise the optimizer state: {e}"))?;
-                &whole
-            }
-            OptimizerState::Bytes(bytes) => bytes,
-        };
         write_synced(&tmp.join(OPTIMIZER_FILE), optimizer)?;
         manifest
             .checksums
@@ -351,17 +372,34 @@ pub fn check_compatible(
 }
 
 /// Loads the weights of `ckpt` into `model`.
-pub fn load_model<M: Module>(ckpt: &Checkpoint, mut model: M) -> anyhow::Result<M> {
-    let mut store = SafetensorsStore::from_file(ckpt.dir.join(MODEL_FILE));
+pub fn load_model<M: Module>(ckpt: &Checkpoint, model: M) -> anyhow::Result<M> {
+    load_model_from(
+        &ckpt.dir,
+        SafetensorsStore::from_file(ckpt.dir.join(MODEL_FILE)),
+        model,
+    )
+}
+
+/// Loads whole weights serialised as safetensors (`weights`, e.g. a ZeRO stage-3 checkpoint's
+/// shards joined) into `model`; `dir` names the checkpoint in errors.
+pub fn load_model_bytes<M: Module>(dir: &Path, weights: Vec<u8>, model: M) -> anyhow::Result<M> {
+    load_model_from(dir, SafetensorsStore::from_bytes(Some(weights)), model)
+}
+
+fn load_model_from<M: Module>(
+    dir: &Path,
+    mut store: SafetensorsStore,
+    mut model: M,
+) -> anyhow::Result<M> {
     let result = model
         .load_from(&mut store)
         .map_err(|e| CheckpointMismatch {
-            dir: ckpt.dir.clone(),
+            dir: dir.to_path_buf(),
             reason: format!("its weights do not load: {e}"),
         })?;
     if !result.is_success() || !result.missing.is_empty() || !result.unused.is_empty() {
         return Err(CheckpointMismatch {
-            dir: ckpt.dir.clone(),
+            dir: dir.to_path_buf(),
             reason: format!(
                 "its weights do not match the model (missing: {:?}, unused: {:?}, errors: {:?})",
                 result.missing, result.unused, result.errors
@@ -452,14 +490,28 @@ pub fn load_optimizer(
     ckpt: &Checkpoint,
     optim: ModuleOptimizer,
 ) -> anyhow::Result<ModuleOptimizer> {
-    let bytes = fs::read(ckpt.dir.join(OPTIMIZER_FILE)).with_context(|| {
+    load_optimizer_bytes(&ckpt.dir, optimizer_bytes(ckpt)?, optim)
+}
+
+/// The optimizer state file of `ckpt`, as burnpack bytes.
+pub fn optimizer_bytes(ckpt: &Checkpoint) -> anyhow::Result<Vec<u8>> {
+    fs::read(ckpt.dir.join(OPTIMIZER_FILE)).with_context(|| {
         format!(
             "checkpoint {}: cannot read {OPTIMIZER_FILE}",
             ckpt.dir.display()
         )
-    })?;
+    })
+}
+
+/// [`load_optimizer`] of state already read (or re-cut: a ZeRO stage-3 checkpoint's); `dir`
+/// names the checkpoint in errors.
+pub fn load_optimizer_bytes(
+    dir: &Path,
+    bytes: Vec<u8>,
+    optim: ModuleOptimizer,
+) -> anyhow::Result<ModuleOptimizer> {
     let mismatch = |reason: String| CheckpointMismatch {
-        dir: ckpt.dir.clone(),
+        dir: dir.to_path_buf(),
         reason,
     };
     let saved = burn_ddp::ddp::zero::state_param_ids_of(Bytes::from_bytes_vec(bytes.clone()))

@@ -26,13 +26,9 @@ pub struct MemoryEstimate {
     /// Per-parameter `f32` tensors of optimizer state: 0 for plain SGD, 1 with momentum, 2
     /// for Adam / AdamW (first and second moments).
     pub optimizer_states: u64,
-    /// Ranks the optimizer state is divided among: 1, or the world size under ZeRO stages 1
-    /// and 2.
+    /// The ZeRO stage, and the ranks it divides state among (1 at stage 0).
+    pub stage: ZeroStage,
     pub state_shards: u64,
-    /// Under ZeRO stage 2 the gradients too are divided among `state_shards` ranks: only the
-    /// weights and a rank's own gradients are sure to be held (buckets are sent and dropped
-    /// while backward runs).
-    pub sharded_gradients: bool,
 }
 
 impl MemoryEstimate {
@@ -45,44 +41,76 @@ impl MemoryEstimate {
         Self {
             parameters,
             optimizer_states,
+            stage: ZeroStage::Off,
             state_shards: 1,
-            sharded_gradients: false,
         }
     }
 
-    /// With `distributed.zero_stage = 1` on `world` ranks each rank keeps the optimizer state
-    /// of its own parameters only: counted as `1 / world` of it, the average share — the rank
-    /// with the most holds at least that, so the estimate stays a lower bound. Stage 2 divides
-    /// the gradients the same way.
+    /// With `distributed.zero_stage` on `world` ranks: stage 1 divides the optimizer state
+    /// among the ranks, stage 2 the gradients too, stage 3 the weights too. A rank is counted
+    /// with `1 / world` of what is divided, the average share (the rank with the most holds at
+    /// least that, so the estimate stays a lower bound).
     pub fn with_zero_stage(mut self, stage: ZeroStage, world: usize) -> Self {
+        self.stage = stage;
         self.state_shards = match stage {
-            ZeroStage::OptimizerState | ZeroStage::Gradients => world.max(1) as u64,
             ZeroStage::Off => 1,
+            _ => world.max(1) as u64,
         };
-        self.sharded_gradients = stage == ZeroStage::Gradients;
         self
     }
 
-    /// Bytes of optimizer state one rank holds, at least.
-    fn state_bytes(&self) -> u64 {
-        self.parameters
-            .saturating_mul(self.optimizer_states)
-            .div_ceil(self.state_shards.max(1))
-            .saturating_mul(4)
+    /// `values` divided among the ranks the stage divides over.
+    fn share(&self, values: u64) -> u64 {
+        values.div_ceil(self.state_shards.max(1))
     }
 
     /// Bytes one rank needs at least: weights, gradients and the gradient bucket being
-    /// averaged (three `f32` copies of the parameters; at ZeRO stage 2 the weights and its own
-    /// share of the gradients), and its optimizer state.
+    /// averaged (three `f32` copies of the parameters), and the optimizer state; at stage 1
+    /// its share of the state, at stage 2 the weights and its share of the gradients and
+    /// state, at stage 3 its share of all three, and never less than the whole weights,
+    /// which every rank builds once before it cuts its shards.
     pub fn per_rank_bytes(&self) -> u64 {
-        let copies = if self.sharded_gradients {
-            self.parameters
-                .saturating_mul(4)
-                .saturating_add(self.parameters.div_ceil(self.state_shards.max(1)) * 4)
-        } else {
-            self.parameters.saturating_mul(4 * 3)
+        // In f32 values, then bytes.
+        let weights = self.parameters;
+        let state = weights.saturating_mul(self.optimizer_states);
+        let values = match self.stage {
+            ZeroStage::Off => weights.saturating_mul(3).saturating_add(state),
+            ZeroStage::OptimizerState => {
+                weights.saturating_mul(3).saturating_add(self.share(state))
+            }
+            ZeroStage::Gradients => weights
+                .saturating_add(self.share(weights))
+                .saturating_add(self.share(state)),
+            ZeroStage::Parameters => self
+                .share(weights.saturating_mul(2).saturating_add(state))
+                .max(weights),
         };
-        copies.saturating_add(self.state_bytes())
+        values.saturating_mul(4)
+    }
+
+    /// What [`per_rank_bytes`](Self::per_rank_bytes) counts, in words.
+    fn counted(&self) -> String {
+        let state = match (self.optimizer_states, self.stage) {
+            (0, _) => String::new(),
+            (n, ZeroStage::Off) => format!(", + {n} of optimizer state"),
+            (n, ZeroStage::Parameters) => format!(" and {n} of optimizer state"),
+            (n, stage) => format!(
+                ", + {n} of optimizer state divided among {} ranks (ZeRO stage {stage})",
+                self.state_shards
+            ),
+        };
+        match self.stage {
+            ZeroStage::Off | ZeroStage::OptimizerState => format!(
+                "parameters x 4 bytes x 3 copies: weights, gradients, the gradient bucket{state}"
+            ),
+            ZeroStage::Gradients => format!(
+                "parameters x 4 bytes for the weights, + their gradients divided among the ranks (ZeRO stage 2){state}"
+            ),
+            ZeroStage::Parameters => format!(
+                "parameters x 4 bytes for the weights and the gradients{state}, divided among {} ranks (ZeRO stage 3), and at least the whole weights once",
+                self.state_shards
+            ),
+        }
     }
 
     /// Refuses when `ranks` ranks on this machine need more than `available` bytes (what
@@ -99,30 +127,17 @@ impl MemoryEstimate {
             String::new()
         };
         Err(UsageError(format!(
-            "the model does not fit in memory: {} parameters need at least {} per rank ({} bytes: {}{}){ranks_part}, but {} is available ({source}); make the model smaller in [model], or run fewer ranks per machine (--nproc-per-node){}",
+            "the model does not fit in memory: {} parameters need at least {} per rank ({} bytes: {}){ranks_part}, but {} is available ({source}); make the model smaller in [model], or run fewer ranks per machine (--nproc-per-node){}",
             group_digits(self.parameters),
             gib(per_rank),
             group_digits(per_rank),
-            if self.sharded_gradients {
-                "parameters x 4 bytes for the weights, + their gradients divided among the ranks (ZeRO stage 2)"
-            } else {
-                "parameters x 4 bytes x 3 copies: weights, gradients, the gradient bucket"
-            },
-            match (self.optimizer_states, self.state_shards) {
-                (0, _) => String::new(),
-                (n, 1) => format!(", + {n} of optimizer state"),
-                (n, shards) => format!(
-                    ", + {n} of optimizer state divided among {shards} ranks (ZeRO stage {})",
-                    if self.sharded_gradients { 2 } else { 1 }
-                ),
-            },
+            self.counted(),
             gib(available),
-            if self.state_shards == 1 {
-                ", or divide the optimizer state (and gradients) among the ranks ([distributed] zero_stage = 1 or 2)"
-            } else if !self.sharded_gradients {
-                ", or divide the gradients too ([distributed] zero_stage = 2)"
-            } else {
-                ""
+            match self.stage {
+                ZeroStage::Off => ", or divide the training state among the ranks ([distributed] zero_stage = 1 or 2, or zero_stage = 3 to divide the weights too), or cut the model into pipeline stages ([distributed] pipeline_stages)",
+                ZeroStage::OptimizerState => ", or divide the gradients too ([distributed] zero_stage = 2) or the weights too (zero_stage = 3), or cut the model into pipeline stages ([distributed] pipeline_stages)",
+                ZeroStage::Gradients => ", or divide the weights too ([distributed] zero_stage = 3), or cut the model into pipeline stages ([distributed] pipeline_stages)",
+                ZeroStage::Parameters => ", or run more ranks, or cut the model into pipeline stages ([distributed] pipeline_stages)",
             },
         )))
     }
@@ -271,6 +286,54 @@ mod tests {
             .unwrap_err()
             .0;
         assert!(err.contains("(ZeRO stage 2)"), "{err}");
+        assert!(err.contains("zero_stage = 3"), "{err}");
+    }
+
+    #[test]
+    fn zero_stage_3_divides_the_weights_too_but_counts_them_whole_once() {
+        let adam = MemoryEstimate::new(1_000, &optimizer("adam", 0.0));
+        // Weights 4,000, gradients 4,000 and moments 8,000, divided among 8 ranks: 2,000,
+        // less than the whole weights every rank builds first.
+        assert_eq!(
+            adam.with_zero_stage(ZeroStage::Parameters, 8)
+                .per_rank_bytes(),
+            4_000
+        );
+        assert_eq!(
+            adam.with_zero_stage(ZeroStage::Parameters, 2)
+                .per_rank_bytes(),
+            8_000
+        );
+        // Refused for one rank at stage 0 and at world 4 under stages 1 and 2, accepted
+        // under stage 3.
+        let big = MemoryEstimate::new(1_000_000, &optimizer("adam", 0.0));
+        let available = 4 * 4_000_000 + 1;
+        assert!(big.check(1, available, "test").is_err());
+        for stage in [
+            ZeroStage::Off,
+            ZeroStage::OptimizerState,
+            ZeroStage::Gradients,
+        ] {
+            let err = big
+                .with_zero_stage(stage, 4)
+                .check(4, available, "test")
+                .unwrap_err()
+                .0;
+            assert!(err.contains("zero_stage = 3"), "{err}");
+        }
+        assert!(big
+            .with_zero_stage(ZeroStage::Parameters, 4)
+            .check(4, available, "test")
+            .is_ok());
+        let err = big
+            .with_zero_stage(ZeroStage::Parameters, 4)
+            .check(4, available / 2, "test")
+            .unwrap_err()
+            .0;
+        assert!(
+            err.contains("(ZeRO stage 3)") && err.contains("pipeline_stages"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! | `schedule` | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
 //! | `loader` | items read ahead of the training thread (`training.num_workers`) |
 //! | `checkpoint` | rank-0 checkpoints: atomic save, manifest, resume |
+//! | `sharded_checkpoint` | ZeRO stage 3's checkpoints: each rank's part, joined or re-cut on resume, consolidated |
 //! | `memory` | the memory pre-flight: parameters, optimizer state and activations against the machine |
 //! | `throughput` | samples per second since the last log line, validation left out |
 //! | `timing` | where each step's time goes, per rank and across ranks (pure) |
@@ -27,5 +28,6 @@ pub mod pipeline;
 pub(crate) mod plan;
 pub(crate) mod preflight;
 pub(crate) mod schedule;
+pub(crate) mod sharded_checkpoint;
 pub(crate) mod throughput;
 pub(crate) mod timing;

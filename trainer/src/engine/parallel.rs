@@ -21,6 +21,7 @@ use crate::engine::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
 use crate::engine::schedule::Schedule;
+use crate::engine::sharded_checkpoint::{self, Found};
 use crate::launcher::worker_env;
 
 /// Where rank 0 writes checkpoints and what they must match to be loaded.
@@ -55,6 +56,23 @@ pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
 }
 
 impl CheckpointPolicy {
+    /// The manifest of a checkpoint of `position` written by a job of `world_size` ranks
+    /// (its checksums are filled in as its files are written).
+    pub fn manifest(&self, world_size: usize, position: TrainPosition) -> Manifest {
+        Manifest {
+            format_version: FORMAT_VERSION,
+            model: self.model_name.clone(),
+            model_fingerprint: self.model_fingerprint.clone(),
+            config_fingerprint: self.config_fingerprint.clone(),
+            seed: self.seed,
+            world_size,
+            position,
+            checksums: Default::default(),
+            burn_version: Some(checkpoint::BURN_VERSION.to_string()),
+            shards: None,
+        }
+    }
+
     /// The run's policy from `[checkpoint]` for app `app`; `None` without `checkpoint.dir`.
     pub fn for_app<A: App>(app: &A, config: &AppConfig<A>) -> Option<Self> {
         let c = &config.checkpoint;
@@ -95,6 +113,29 @@ pub fn latest_checkpoint(
     let step = found
         .as_ref()
         .map_or(-1, |c| c.manifest.position.step as i64);
+    agree_on_step(ddp, step)?;
+    Ok(found)
+}
+
+/// [`latest_checkpoint`] of either kind: whole (ZeRO stages 0 to 2, or consolidated) or a
+/// ZeRO stage-3 one (every rank's part). Collective.
+pub fn latest_found(
+    ddp: &mut DataParallel,
+    policy: &CheckpointPolicy,
+) -> anyhow::Result<Option<Found>> {
+    let found = sharded_checkpoint::latest(&policy.dir)?;
+    if let Some(found) = &found {
+        found.check_compatible(&policy.model_name, &policy.model_fingerprint)?;
+    }
+    let step = found
+        .as_ref()
+        .map_or(-1, |c| c.manifest().position.step as i64);
+    agree_on_step(ddp, step)?;
+    Ok(found)
+}
+
+/// Fails on a rank whose newest checkpoint (`step`, -1: none) is not rank 0's. Collective.
+fn agree_on_step(ddp: &mut DataParallel, step: i64) -> anyhow::Result<()> {
     let agreed = ddp.broadcast_from_rank_zero(step)?;
     if agreed != step {
         bail!(
@@ -102,7 +143,7 @@ pub fn latest_checkpoint(
             ddp.rank(),
         );
     }
-    Ok(found)
+    Ok(())
 }
 
 /// Rank 0 writes a checkpoint of `model`, `optim` and `scheduler` (a learning-rate
@@ -127,17 +168,7 @@ pub fn save_checkpoint<M: Module>(
             policy.dir.display()
         );
     }
-    let manifest = Manifest {
-        format_version: FORMAT_VERSION,
-        model: policy.model_name.clone(),
-        model_fingerprint: policy.model_fingerprint.clone(),
-        config_fingerprint: policy.config_fingerprint.clone(),
-        seed: policy.seed,
-        world_size: ddp.world_size(),
-        position,
-        checksums: Default::default(),
-        burn_version: Some(checkpoint::BURN_VERSION.to_string()),
-    };
+    let manifest = policy.manifest(ddp.world_size(), position);
     let key = worker_env::checkpoint_key(position.step);
     let written = ddp.run_on_rank_zero("to write a checkpoint", &key, policy.timeout, || {
         checkpoint::save(

@@ -64,5 +64,8 @@ pub enum Record {
         /// Bytes of the gradients each rank's last optimizer step was given (its own only
         /// under stages 1 and 2).
         gradient_bytes: Vec<u64>,
+        /// Bytes of each rank's parameters (its shards and the parameters outside marked
+        /// blocks under stage 3).
+        parameter_bytes: Vec<u64>,
     },
 }

@@ -7,7 +7,8 @@
 //!   baseline a Burn user would write;
 //! - **engine, world 1**: `trainer --config` on the same model and data;
 //! - **engine, world 2**: `trainer --config --nproc-per-node 2`, with ZeRO stage 0 (plain DDP),
-//!   stage 1 (sharded optimizer state) and stage 2 (sharded gradients too).
+//!   stage 1 (sharded optimizer state), stage 2 (sharded gradients too) and stage 3 (sharded
+//!   weights of the marked blocks too).
 //!
 //! With `--device cuda` (or `wgpu`) every run trains on that device instead, world 1 only (one
 //! GPU per process), and the plain loop also runs waiting for the device after each step, which
@@ -15,9 +16,10 @@
 //!
 //! Every process computes on one thread (`RAYON_NUM_THREADS=1`). It prints the overhead of the
 //! trainer at world 1 over the plain loop, the throughput and scaling efficiency at world 2
-//! (throughput at 2 / twice the throughput at 1), stages 1 and 2's throughput against stage
-//! 0's, each run's peak resident memory and counted gradient + optimizer-state bytes per rank,
-//! the parameter count and the bytes each rank sends per optimizer step.
+//! (throughput at 2 / twice the throughput at 1), stages 1 to 3's throughput against stage
+//! 0's, each run's peak resident memory, counted parameter + gradient + optimizer-state bytes
+//! per rank and bytes of its collectives' buffers per step (rank 0), the parameter count and
+//! the bytes each rank sends per optimizer step.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -73,11 +75,12 @@ pub fn bench_train(args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
 
 /// (label, world size, ZeRO stage) of the engine's runs; the plain loop runs first in every
 /// round.
-const ENGINE_RUNS: [(&str, usize, u8); 4] = [
+const ENGINE_RUNS: [(&str, usize, u8); 5] = [
     ("engine, world 1", 1, 0),
     ("engine, world 2, ZeRO 0", 2, 0),
     ("engine, world 2, ZeRO 1", 2, 1),
     ("engine, world 2, ZeRO 2", 2, 2),
+    ("engine, world 2, ZeRO 3", 2, 3),
 ];
 
 /// The engine's runs on `device`: all of [`ENGINE_RUNS`] on the CPU, world 1 alone on a GPU
@@ -166,8 +169,13 @@ fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Option<Measured>,
 /// The table of runs and the ratios of the same run: DDP overhead, scaling, ZeRO's cost.
 fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: DeviceKind) {
     println!(
-        "{:<28} {:>12} {:>14} {:>26} {:>30}",
-        "", "samples/s", "step time (ms)", "peak RSS per rank (MiB)", "grads + optim. state (MiB)"
+        "{:<28} {:>12} {:>14} {:>26} {:>36} {:>24}",
+        "",
+        "samples/s",
+        "step time (ms)",
+        "peak RSS per rank (MiB)",
+        "params + grads + optim. state (MiB)",
+        "collectives / step (MiB)"
     );
     let mut rows = vec![("plain Burn loop", 1, plain)];
     rows.extend(
@@ -185,11 +193,13 @@ fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: Device
             v.join(" / ")
         };
         println!(
-            "{name:<28} {:>12.0} {:>14.2} {:>26} {:>30}",
+            "{name:<28} {:>12.0} {:>14.2} {:>26} {:>36} {:>24}",
             m.rate,
             1e3 * per_step * nproc as f64 / m.rate,
             per_rank(&m.peak_rss, 0),
             per_rank(&m.model_state, 1),
+            m.collective_bytes
+                .map_or_else(|| "-".to_string(), |b| format!("{:.1}", mib(b))),
         );
     }
     println!(
@@ -257,6 +267,8 @@ struct Measured {
     rate: f64,
     peak_rss: Vec<u64>,
     model_state: Vec<u64>,
+    /// Bytes of rank 0's collectives' buffers per optimizer step (its `reducer-stats.json`).
+    collective_bytes: Option<u64>,
 }
 
 impl Measured {
@@ -307,6 +319,7 @@ fn run_plain(
         rate,
         peak_rss: vec![peak],
         model_state: Vec::new(),
+        collective_bytes: None,
     })
 }
 
@@ -330,6 +343,8 @@ fn run_trainer(
         toml::Value::String(out_dir.display().to_string()),
     );
     output.insert("device".into(), toml::Value::String(device_name(device)));
+    // For rank 0's `reducer-stats.json`.
+    output.insert("log_samples".into(), toml::Value::Boolean(true));
     table.insert("output".into(), toml::Value::Table(output));
     let distributed = table
         .entry("distributed")
@@ -365,8 +380,13 @@ fn run_trainer(
     let model_state = per_rank("gradient_bytes")
         .iter()
         .zip(per_rank("optimizer_state_bytes"))
-        .map(|(g, s)| g + s)
+        .zip(per_rank("parameter_bytes"))
+        .map(|((g, s), p)| g + s + p)
         .collect();
+    let collective_bytes = std::fs::read_to_string(out_dir.join("reducer-stats.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| Some(v["bytes_reduced"].as_u64()? / v["steps"].as_u64()?.max(1)));
     let rates: Vec<f64> = records
         .iter()
         .filter(|v| v["kind"] == "train")
@@ -380,6 +400,7 @@ fn run_trainer(
         rate: rates.iter().sum::<f64>() / rates.len() as f64,
         peak_rss,
         model_state,
+        collective_bytes,
     })
 }
 

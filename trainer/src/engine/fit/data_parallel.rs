@@ -3,17 +3,20 @@
 //! (gradients averaged across the ranks, the job's verdict on them, the optimizer, the buffers
 //! made equal). [`start`] joins the job, [`train`] runs the loop with this step kind.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::bail;
+use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
+use burn_ddp::ddp::reshard::ShardTarget;
 use burn_ddp::ddp::zero;
 use burn_ddp::{DataParallel, Distributed, StepOutcome};
 
@@ -26,12 +29,13 @@ use super::summary::Validation;
 use super::training_loop::{fit, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
 use crate::backend;
-use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
+use crate::engine::checkpoint::{Checkpoint, TrainPosition};
 use crate::engine::fault_injection;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
 use crate::engine::preflight::{preflight, Splitting};
 use crate::engine::schedule::Schedule;
+use crate::engine::sharded_checkpoint;
 use crate::engine::timing::{Phase, PhaseClock, RankTimes, StepTime};
 use crate::report::metrics::{MetricValue, Metrics};
 use crate::report::rank_reporter::RankReporter;
@@ -83,7 +87,12 @@ pub fn start<A: App>(
     let dist = Distributed::from_env_or_standalone(
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
-    let device = backend::train_device(config.output.device, dist.env.local_rank)?;
+    let mut device = backend::train_device(config.output.device, dist.env.local_rank)?;
+    if config.distributed.zero_stage.shards_parameters() {
+        // Burn's gradient checkpointing recomputes each gathered block's parameters in
+        // backward instead of keeping them from the forward (burn-ddp's `shard_gather`).
+        device = device.gradient_checkpointing();
+    }
     Ok(RankStart {
         app,
         config,
@@ -204,7 +213,10 @@ impl<A: App> DataParallelSteps<A> {
                     accumulator.accumulate(model, earlier);
                 }
             }
+            // ZeRO stage 3: the marked blocks gathered whole for this forward and backward.
+            let gather = self.ddp.sharded_forward();
             let output = TrainStep::step(model, batch);
+            drop(gather);
             let mut grads = output.grads;
             if *weight != 1.0 {
                 // Each micro-batch's mean loss counts by its share.
@@ -229,6 +241,27 @@ impl<A: App> DataParallelSteps<A> {
     }
 }
 
+impl<A: App> DataParallelSteps<A> {
+    /// ZeRO stage 3: the model with its marked blocks cut into shards, the blocks found by
+    /// one forward and backward of the training set's first sample (burn-ddp's
+    /// `DataParallel::fully_shard`). Other stages: the model as it is.
+    fn fully_shard(&mut self, model: A::Model) -> anyhow::Result<A::Model> {
+        if !self.config.distributed.zero_stage.shards_parameters() {
+            return Ok(model);
+        }
+        let item = self
+            .data
+            .train
+            .get(0)
+            .map_err(|e| anyhow::anyhow!("data: cannot read the first training sample: {e}"))?;
+        let batch: <A::Model as TrainStep>::Input =
+            Batcher::batch(&self.batcher, vec![item], &self.device);
+        Ok(self.ddp.fully_shard(model, |model| {
+            let _ = TrainStep::step(model, batch);
+        })?)
+    }
+}
+
 impl<A: App> StepKind for DataParallelSteps<A> {
     type Item = A::Item;
     type Module = A::Model;
@@ -250,34 +283,56 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     }
 
     /// Loads the newest checkpoint, if resuming, then makes the replicas equal (rank 0's
-    /// weights, deterministic parameter ids) and keeps this rank's optimizer state.
+    /// weights, deterministic parameter ids), cuts the marked blocks into shards at ZeRO stage
+    /// 3, and keeps this rank's optimizer state (a stage-3 checkpoint's joined or re-cut for
+    /// this world size and stage).
     fn restore(&mut self, model: A::Model) -> anyhow::Result<(A::Model, Option<Checkpoint>)> {
         let restored = match (&self.checkpoints, self.resume) {
-            (Some(policy), true) => parallel::latest_checkpoint(&mut self.ddp, policy)?,
+            (Some(policy), true) => parallel::latest_found(&mut self.ddp, policy)?,
             _ => None,
         };
         let mut model = model;
-        if let Some(ckpt) = &restored {
-            model = checkpoint::load_model(ckpt, model)?;
+        if let Some(found) = &restored {
+            model = found.load_model(model)?;
         }
         let model = self.ddp.prepare(model)?;
-        if let Some(ckpt) = &restored {
+        let model = self.fully_shard(model)?;
+        let (rank, world) = (self.ddp.rank(), self.ddp.world_size());
+        if let Some(found) = &restored {
             let optim = std::mem::replace(&mut self.optim, optimizer(&self.config.optimizer));
-            let optim = checkpoint::load_optimizer(ckpt, optim)?;
+            let optim = match self.ddp.shard_layout() {
+                Some(layout) => found.load_optimizer(
+                    optim,
+                    ShardTarget::Shard { rank, world },
+                    layout.shapes(),
+                )?,
+                None => found.load_optimizer(optim, ShardTarget::Whole, &HashMap::new())?,
+            };
             // A checkpoint holds every parameter's state; under ZeRO stages 1 and 2 keep this rank's.
             self.optim = self.ddp.keep_owned_state(&model, optim)?;
-            let position = ckpt.manifest.position;
+            let manifest = found.manifest();
+            if let (Some(policy), Some(_)) = (&self.checkpoints, self.ddp.shard_layout()) {
+                // Parts this rank wrote after the step every rank has (a crash between the
+                // ranks' writes) would stand in for the steps retrained.
+                sharded_checkpoint::discard_after(
+                    &policy.dir,
+                    world,
+                    rank,
+                    manifest.position.step,
+                )?;
+            }
+            let position = manifest.position;
             tracing::info!(
                 "resumed from {} (epoch {}, {} samples into it, step {}; saved with world size {}, now {})",
-                ckpt.dir.display(),
+                found.dir().display(),
                 position.epoch,
                 position.consumed,
                 position.step,
-                ckpt.manifest.world_size,
-                self.ddp.world_size()
+                manifest.world_size,
+                world
             );
         }
-        Ok((model, restored))
+        Ok((model, restored.map(|found| found.checkpoint().clone())))
     }
 
     /// The micro-batches' gradients accumulated, then burn-ddp's DDP step with the optimizer
@@ -337,6 +392,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
             optimizer_state_params: zero::state_param_ids(&self.optim)?.len() as u64,
             optimizer_state_bytes: zero::state_bytes(&self.optim)?,
             gradient_bytes: self.ddp.gradient_bytes(),
+            parameter_bytes: self.ddp.parameter_bytes(),
         })
     }
 
@@ -354,6 +410,16 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         let Some(policy) = &self.checkpoints else {
             return Ok(());
         };
+        if self.ddp.shard_layout().is_some() {
+            return sharded_checkpoint::save(
+                &mut self.ddp,
+                policy,
+                position,
+                model,
+                &self.optim,
+                schedule,
+            );
+        }
         parallel::save_training_checkpoint(
             &mut self.ddp,
             policy,
@@ -371,8 +437,9 @@ impl<A: App> StepKind for DataParallelSteps<A> {
             return Ok(None);
         };
         // The model without autodiff, fed batches made on the device without autodiff (as
-        // burn-train's own validation does).
-        let inner = model.valid();
+        // burn-train's own validation does); at ZeRO stage 3 gathered whole (collective),
+        // since each rank validates its own number of batches.
+        let inner = self.ddp.gathered(&model.valid())?;
         let device = self.device.clone().inner();
         let samples = crate::engine::eval::evaluate_shard(
             &inner,

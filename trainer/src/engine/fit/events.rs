@@ -20,17 +20,21 @@ pub struct HeldState {
     /// Bytes of the gradients its last optimizer step was given (its own only at stages 1
     /// and 2).
     pub gradient_bytes: u64,
+    /// Bytes of the parameters it holds (its shards and the parameters outside marked
+    /// blocks at ZeRO stage 3).
+    pub parameter_bytes: u64,
 }
 
 impl HeldState {
     /// The values one rank sends in the run's closing all-gather.
-    pub const VALUES: usize = 3;
+    pub const VALUES: usize = 4;
 
     pub fn to_values(self) -> [f64; Self::VALUES] {
         [
             self.optimizer_state_params as f64,
             self.optimizer_state_bytes as f64,
             self.gradient_bytes as f64,
+            self.parameter_bytes as f64,
         ]
     }
 
@@ -40,6 +44,7 @@ impl HeldState {
             optimizer_state_params: at(0),
             optimizer_state_bytes: at(1),
             gradient_bytes: at(2),
+            parameter_bytes: at(3),
         }
     }
 }

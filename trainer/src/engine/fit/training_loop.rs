@@ -602,6 +602,7 @@ mod tests {
         Checkpoint {
             dir: dir.to_path_buf(),
             manifest: Manifest {
+                shards: None,
                 format_version: 3,
                 model: "fake".into(),
                 model_fingerprint: String::new(),

@@ -350,6 +350,7 @@ where
             optimizer_state_params: zero::state_param_ids(&self.optim)?.len() as u64,
             optimizer_state_bytes: zero::state_bytes(&self.optim)?,
             gradient_bytes: self.pp.replica_group().gradient_bytes(),
+            parameter_bytes: self.pp.replica_group().parameter_bytes(),
         })
     }
 
