@@ -172,7 +172,7 @@ fn train(
             // micro-batches to add, a weight of 1).
             ddp.overlap_next_backward(&model, None, 1.0);
             // Stage 3: the marked layers gathered whole for this forward and its backward.
-            let gather = ddp.sharded_forward();
+            let gather = ddp.sharded_forward(&model);
             let loss = loss_fn.forward(model.forward(x), y);
             let value = loss
                 .clone()

@@ -220,16 +220,16 @@ impl DataParallel {
     }
 
     /// Under ZeRO stage 3, once [`fully_shard`](Self::fully_shard) has run: the guard under
-    /// which [`mark_block`](crate::mark_block) gathers each marked block whole for the
-    /// forward. Hold it over every training forward and its backward (the backward
-    /// reduce-scatters, and under checkpointing gathers again); drop it before validation
-    /// (see [`gathered`](Self::gathered)). `None` at other stages. Entering it is local; the
-    /// forwards it covers are collective, every rank marking the same blocks in the same
-    /// order (the same model, the same number of micro-batches).
-    pub fn sharded_forward(&self) -> Option<ShardedForward> {
-        self.fully_sharded
-            .as_ref()
-            .and_then(FullyShardedState::forward)
+    /// which [`mark_block`](crate::mark_block) takes each marked block of `model` whole for
+    /// the forward (all-gathered ahead, block by block, on a thread of their own: the next
+    /// block is on the wire while the current one computes). Hold it over every training
+    /// forward and its backward (the backward reduce-scatters, and gathers again where a
+    /// block needs its weights); drop it before validation (see [`gathered`](Self::gathered)).
+    /// `None` at other stages. Entering it is collective (it queues this forward's gathers
+    /// on every rank), as the forwards it covers are: every rank marking the same blocks in
+    /// the same order (the same model, the same number of micro-batches).
+    pub fn sharded_forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
+        self.fully_sharded.as_ref()?.forward(model)
     }
 
     /// Under ZeRO stage 3, a copy of `model` with every shard gathered whole (for a
@@ -244,6 +244,12 @@ impl DataParallel {
             Some(state) if state.layout().is_some() => state.gathered(model),
             _ => Ok(model.clone()),
         }
+    }
+
+    /// The stage-3 group's counters (gathers, reduce-scatters, blocks gathered ahead, bytes);
+    /// `None` at other stages.
+    pub fn shard_comm(&self) -> Option<&crate::ddp::shard_gather::ShardComm> {
+        self.fully_sharded.as_ref().map(FullyShardedState::comm)
     }
 
     /// The full shapes of the parameters sharded at stage 3 (`None` before

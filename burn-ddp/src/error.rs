@@ -305,6 +305,10 @@ pub enum ShardGatherError {
     /// A shard or a gradient could not be read back from the device, or not as `f32`.
     #[error("ZeRO stage 3: reading a shard or a gradient back to the host failed: {0}")]
     Readback(String),
+    /// The blocks gathered ahead of the forward did not come (the prefetch thread's group
+    /// failed or missed its deadline).
+    #[error("{0}")]
+    Prefetch(String),
 }
 
 impl DdpError {

@@ -231,8 +231,8 @@ impl TextClassifier {
         );
         let mut x = embed(&self.tokens, &self.positions, self.dropout.as_ref(), tokens);
         // The encoder's layers, one by one (what `TransformerEncoder::forward` does), each a
-        // block for gradient overlap (an identity outside it); the embeddings are summed after
-        // backward.
+        // block for gradient overlap (an identity outside it); the embeddings' gradients are
+        // summed after backward.
         for layer in &self.encoder.layers {
             x = mark_block(&x, layer).forward(x, Some(mask_pad.clone()), None);
         }
@@ -291,7 +291,10 @@ pub(crate) fn embed(
     let positions = Tensor::<1, Int>::arange(0..len as i64, &device)
         .reshape([1, len])
         .repeat_dim(0, batch);
-    let x = token_embedding.forward(tokens) + position_embedding.forward(positions);
+    // Marked blocks too: ZeRO stage 3 shards the embedding tables with the layers (for
+    // gradient overlap a block entered with token ids is summed after backward).
+    let tokens = mark_block(&tokens, token_embedding).forward(tokens);
+    let x = tokens + mark_block(&positions, position_embedding).forward(positions);
     match dropout {
         Some(dropout) => dropout.forward(x),
         None => x,

@@ -251,7 +251,15 @@ fn stage_3_matches_stage_0_on_the_transformer_holding_a_shard_of_the_model() {
     for world in [2, 4] {
         let (stage0, stage3) = (format!("w{world}-stage0"), format!("w{world}-stage3"));
         train(&write_config(&dir, &stage0, &transformer(8, 0)), world);
-        train(&write_config(&dir, &stage3, &transformer(8, 3)), world);
+        let out = train(&write_config(&dir, &stage3, &transformer(8, 3)), world);
+        // 8 steps of 6 marked blocks (2 embeddings, 3 layers, the output layer): every
+        // forward's blocks taken gathered ahead.
+        assert!(
+            out.stdout
+                .contains("ZeRO stage 3 on rank 0: 48 blocks gathered ahead of their forward"),
+            "{}",
+            out.all()
+        );
         assert!(
             dir.join(format!(
                 "{stage3}-ckpt/zero3-world-{world}/rank-{}",

@@ -5,9 +5,10 @@
 //! ```text
 //! fully_shard   one forward of the whole model records the marked blocks' parameters
 //!               (discover_blocks), then each rank keeps its flat shard of them (shard_module)
-//! forward       mark_block gathers each block whole (ShardedForward); under Burn's gradient
-//!               checkpointing the whole parameters are dropped after use, gathered again
-//!               for the block's backward
+//! forward       the blocks all-gathered ahead, one collective each, on a thread of their own
+//!               (shard_prefetch); mark_block takes each block whole (ShardedForward); the
+//!               whole parameters are dropped after use, gathered again for the block's
+//!               backward
 //! backward      each gathered parameter's gradient is reduce-scattered (summed) into its shard
 //! step          the shards' gradients × 1/world (the mean), checked for NaN/Inf; the whole
 //!               parameters' gradients through the reducer as at stage 0; one verdict
@@ -16,13 +17,16 @@
 //! The shards' collectives run on a TCP group of their own (store prefix `…/shard`), formed
 //! beside the job's, because they run inside Burn's forward and backward.
 
-use burn::module::{Module, ModuleVisitor, Param};
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
 use super::finite::{probe, FiniteScan};
 use super::module::param_checksum_where;
 use super::shard_gather::ShardComm;
+use super::shard_prefetch::{BlockShards, Prefetcher};
 use super::sharded_module::{
     discover_blocks, gather_module, shard_module, ShardLayout, ShardedForward,
 };
@@ -37,23 +41,25 @@ pub const STORE_SUFFIX: &str = "/shard";
 pub struct FullyShardedState {
     comm: ShardComm,
     layout: Option<ShardLayout>,
+    /// The marked blocks' sharded parameters, in the forward's order.
+    blocks: Vec<Vec<ParamId>>,
+    prefetcher: Prefetcher,
 }
 
 impl FullyShardedState {
-    /// Forms the stage-3 group beside `dist`'s. Collective: every rank calls it at the same
-    /// point (deadline: the job group's timeout).
+    /// Forms the stage-3 groups beside `dist`'s (the shards' own, and the prefetch thread's).
+    /// Collective: every rank calls it at the same point (deadline: the job group's timeout).
     pub fn form(dist: &Distributed) -> Result<Self, DdpError> {
         let mut options = dist.group.options().clone();
         options.store_prefix.push_str(STORE_SUFFIX);
-        let group = TcpProcessGroup::new(
-            dist.store.clone(),
-            dist.env.rank,
-            dist.env.world_size,
-            options,
-        )?;
+        let (rank, world) = (dist.env.rank, dist.env.world_size);
+        let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options.clone())?;
+        let prefetcher = Prefetcher::start(dist.store.clone(), rank, world, options)?;
         Ok(Self {
             comm: ShardComm::new(group),
             layout: None,
+            blocks: Vec::new(),
+            prefetcher,
         })
     }
 
@@ -71,16 +77,18 @@ impl FullyShardedState {
     /// marks replaced by this rank's shards. Local: every rank cuts equal replicas the same
     /// way. Fails ([`DdpError::Options`]) when `forward` marks no block.
     pub fn shard<M: Module>(&mut self, model: M, forward: impl FnOnce(&M)) -> Result<M, DdpError> {
-        let ids = discover_blocks(|| forward(&model));
-        if ids.is_empty() {
+        let blocks = discover_blocks(|| forward(&model));
+        if blocks.is_empty() {
             return Err(DdpError::Options(
                 "ZeRO stage 3 shards the parameters of the blocks a model marks with burn_ddp::mark_block, and this model's forward marked none: mark each repeated block (a transformer layer, a residual block, a hidden layer) at its entry, or use ZeRO stage 2".into(),
             ));
         }
+        let ids: HashSet<ParamId> = blocks.iter().flatten().copied().collect();
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let (model, layout) = shard_module(model, rank, world, |id| ids.contains(&id))
             .map_err(|e| DdpError::Unsupported(e.to_string()))?;
         self.layout = Some(layout);
+        self.blocks = blocks;
         Ok(model)
     }
 
@@ -92,11 +100,32 @@ impl FullyShardedState {
         })
     }
 
-    /// The guard under which `mark_block` gathers (`None` before [`shard`](Self::shard)).
-    pub fn forward(&self) -> Option<ShardedForward> {
-        self.layout
-            .as_ref()
-            .map(|layout| ShardedForward::enter(layout, &self.comm))
+    /// The guard under which `mark_block` gathers (`None` before [`shard`](Self::shard)),
+    /// with every block of `model` queued for the prefetch thread (the shards' tensor
+    /// handles: the thread reads each block's when its turn comes).
+    pub fn forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
+        let layout = self.layout.as_ref()?;
+        let mut shards = shard_handles(model, layout);
+        let blocks: Option<Vec<BlockShards>> = self
+            .blocks
+            .iter()
+            .map(|ids| {
+                let mut block = BlockShards {
+                    ids: ids.clone(),
+                    shards: Vec::with_capacity(ids.len()),
+                    numels: Vec::with_capacity(ids.len()),
+                };
+                for id in ids {
+                    block.shards.push(shards.remove(id)?);
+                    block.numels.push(layout.full_shape(*id)?.iter().product());
+                }
+                Some(block)
+            })
+            .collect();
+        Some(match blocks.and_then(|b| self.prefetcher.prefetch(b)) {
+            Some(stream) => ShardedForward::enter_prefetched(layout, &self.comm, stream),
+            None => ShardedForward::enter(layout, &self.comm),
+        })
     }
 
     /// `model` with its shards gathered whole (for validation, or to save the whole model).
@@ -177,4 +206,26 @@ impl FullyShardedState {
             layout.is_none_or(|layout| layout.full_shape(id).is_none())
         })
     }
+}
+
+/// This rank's shard of each sharded parameter of `model`, flat (tensor handles).
+fn shard_handles<M: Module>(model: &M, layout: &ShardLayout) -> HashMap<ParamId, Tensor<1>> {
+    struct Handles<'a> {
+        layout: &'a ShardLayout,
+        shards: HashMap<ParamId, Tensor<1>>,
+    }
+    impl ModuleVisitor for Handles<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.layout.full_shape(param.id).is_some() {
+                self.shards
+                    .insert(param.id, param.val().detach().flatten(0, D - 1));
+            }
+        }
+    }
+    let mut handles = Handles {
+        layout,
+        shards: HashMap::new(),
+    };
+    model.visit(&mut handles);
+    handles.shards
 }

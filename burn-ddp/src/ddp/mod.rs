@@ -32,7 +32,8 @@
 //!   [`sharded_module`]: a module's parameters cut into those shards, and the module gathered
 //!   back for a forward; [`fully_sharded`]: ZeRO stage 3 in the DDP step (which blocks are
 //!   sharded, the shards' group, their gradients' mean and verdict); [`reshard`]: shards
-//!   joined whole or re-cut for another world size (sharded checkpoints), pure.
+//!   joined whole or re-cut for another world size (sharded checkpoints), pure;
+//!   [`shard_prefetch`]: the blocks' forward gathers run ahead on a thread of their own.
 //! - `mapped`: buffers mapped from the kernel and returned on drop (ZeRO's reduce-scatters).
 //! - `zero_buckets`: ZeRO stage 2's bucket, reduce-scattered to its parameters' owners (the
 //!   reducer's unit of work at stage 2, during backward for marked blocks).
@@ -65,6 +66,7 @@ pub mod reducer;
 pub mod reshard;
 pub mod shard_gather;
 pub mod shard_plan;
+pub mod shard_prefetch;
 pub mod sharded_module;
 pub mod sync_batch_norm;
 pub mod sync_group;

@@ -42,6 +42,7 @@ use burn::backend::{
     GradientCheckpointingStrategy,
 };
 use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::kind::{Basic, Kind};
 use burn::tensor::Tensor;
 
 use super::{overlap, sharded_module};
@@ -66,11 +67,21 @@ use super::{overlap, sharded_module};
 /// Under ZeRO stage 3 (a [`ShardedForward`](super::sharded_module::ShardedForward) alive on
 /// this thread) it returns the block with its sharded parameters gathered whole instead:
 /// collective then, in the order the model marks its blocks.
-pub fn mark_block<'a, M: Module, const D: usize>(input: &Tensor<D>, block: &'a M) -> Cow<'a, M> {
+///
+/// `input` may be of any kind: a block entered with token ids (an embedding table) is marked
+/// with them, for ZeRO stage 3 to shard it; for gradient overlap such a block is summed after
+/// backward (there is no float input to order its hook after, and its gradients are the last
+/// to be ready anyway).
+pub fn mark_block<'a, M: Module, const D: usize, K: Basic>(
+    input: &Tensor<D, K>,
+    block: &'a M,
+) -> Cow<'a, M> {
     if let Some(gathered) = sharded_module::gather_marked(block) {
         return Cow::Owned(gathered);
     }
-    if !overlap::is_armed() {
+    // A block entered with token ids (an embedding) has no float input to order its lift
+    // after: its gradients are summed after backward, as an unmarked block's.
+    if !overlap::is_armed() || K::KIND != Kind::Float {
         return Cow::Borrowed(block);
     }
     let anchor = input.clone().into_dispatch();

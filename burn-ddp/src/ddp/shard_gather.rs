@@ -12,13 +12,20 @@
 //! data-parallel mean divides by the world size afterwards, as the DDP step does.
 //!
 //! ## Dropped after the forward, gathered again for the backward
-//! The op is registered *memory-bound* with a retro-forward. On an autodiff device with Burn's
-//! gradient checkpointing (`Device::autodiff().gradient_checkpointing()`, Burn's `Balanced`
-//! strategy) a consumer that needs the parameter in its backward (a matmul whose other input is
-//! tracked) records how to recompute it instead of keeping it: the full parameter is freed
-//! once the forward no longer uses it, and Burn runs the gather again when that consumer's
-//! backward asks for it (the tests count both gathers). Without checkpointing the consumer
-//! keeps the full parameter until its backward, as any tensor.
+//! The op is registered *memory-bound* with a retro-forward, whatever the device's
+//! checkpointing strategy: a consumer that needs the parameter in its backward (a matmul
+//! whose other input is tracked) records how to recompute it instead of keeping it, so the
+//! full parameter is freed once the forward no longer uses it, and Burn runs the gather again
+//! when that consumer's backward asks for it (the tests count both gathers). A consumer behind
+//! another op keeps that op's output instead (Burn's linear on a batched input reshapes the
+//! weight before its matmul), unless the device checkpoints too
+//! (`Device::autodiff().gradient_checkpointing()`, Burn's `Balanced` strategy: every
+//! memory-bound op is recomputed): ZeRO stage 3 trains on such a device.
+//!
+//! ## Gathered ahead
+//! [`gather_shard_prefetched`] is the same op with the forward's values already gathered
+//! (by [`super::shard_prefetch`], block by block, ahead of the forward); its backward and its
+//! recompute run the collectives here.
 //!
 //! ## Contract
 //! Collective over the [`ShardComm`]'s group: every rank gathers the same parameters in the
@@ -34,7 +41,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
 use burn::backend::autodiff::checkpoint::state::BackwardStates;
-use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{unary, Backward, Ops};
 use burn::backend::autodiff::{Autodiff, NodeId};
@@ -79,6 +86,8 @@ struct Inner {
     reduce_scatters: u64,
     /// Bytes of the collectives' buffers (padded whole parameters, f32).
     bytes: u64,
+    /// Blocks taken gathered ahead (prefetched) in forwards.
+    prefetched: u64,
 }
 
 impl fmt::Debug for ShardComm {
@@ -103,6 +112,7 @@ impl ShardComm {
                 gathers: 0,
                 reduce_scatters: 0,
                 bytes: 0,
+                prefetched: 0,
             })),
         }
     }
@@ -123,6 +133,15 @@ impl ShardComm {
     /// Reduce-scatters (backward steps) run so far.
     pub fn reduce_scatters(&self) -> u64 {
         self.lock().reduce_scatters
+    }
+
+    /// Blocks the forwards took gathered ahead ([`super::shard_prefetch`]) so far.
+    pub fn prefetched_blocks(&self) -> u64 {
+        self.lock().prefetched
+    }
+
+    pub(crate) fn count_prefetched_block(&self) {
+        self.lock().prefetched += 1;
     }
 
     /// Bytes of the gathers' and reduce-scatters' buffers so far (each a padded whole
@@ -180,7 +199,7 @@ impl ShardComm {
         shard
     }
 
-    fn record(&self, error: ShardGatherError) {
+    pub(crate) fn record(&self, error: ShardGatherError) {
         self.lock().error.get_or_insert(error);
     }
 }
@@ -191,35 +210,63 @@ impl ShardComm {
 /// routing panics, "Backend not supported for custom op").
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait GatherShard: Backend {
-    /// The parameter of `shape` gathered from every rank's `shard` (module docs).
-    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self>;
+    /// The parameter of `shape` gathered from every rank's `shard` (module docs); `given`: its
+    /// values, when they were gathered ahead.
+    fn gather_shard(
+        shard: FloatTensor<Self>,
+        shape: Shape,
+        comm: ShardComm,
+        given: Given,
+    ) -> FloatTensor<Self>;
 }
 
+/// A parameter's whole values gathered ahead of the forward ([`gather_shard_prefetched`]), or
+/// none.
+#[derive(Clone, Debug, Default)]
+pub struct Given(Option<Arc<Vec<f32>>>);
+
 impl GatherShard for burn::backend::Flex {
-    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self> {
-        host_gather::<Self>(shard, &shape, &comm)
+    fn gather_shard(
+        shard: FloatTensor<Self>,
+        shape: Shape,
+        comm: ShardComm,
+        given: Given,
+    ) -> FloatTensor<Self> {
+        host_gather::<Self>(shard, &shape, &comm, given)
     }
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl GatherShard for burn::backend::Cube {
-    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self> {
-        host_gather::<Self>(shard, &shape, &comm)
+    fn gather_shard(
+        shard: FloatTensor<Self>,
+        shape: Shape,
+        comm: ShardComm,
+        given: Given,
+    ) -> FloatTensor<Self> {
+        host_gather::<Self>(shard, &shape, &comm, given)
     }
 }
 
 impl<B: Backend, C: CheckpointStrategy> GatherShard for Autodiff<B, C> {
-    fn gather_shard(shard: FloatTensor<Self>, shape: Shape, comm: ShardComm) -> FloatTensor<Self> {
+    fn gather_shard(
+        shard: FloatTensor<Self>,
+        shape: Shape,
+        comm: ShardComm,
+        given: Given,
+    ) -> FloatTensor<Self> {
         let input = shard.id();
-        let output = host_gather::<B>(shard.primitive().clone(), &shape, &comm);
+        let output = host_gather::<B>(shard.primitive().clone(), &shape, &comm, given);
         let retro = RetroGather::<B> {
             input,
             shape,
             comm: comm.clone(),
             backend: std::marker::PhantomData,
         };
+        // Memory-bound with a recompute rule whatever the device's strategy: a consumer that
+        // takes the gathered parameter as it is keeps the rule, not the tensor.
         ReduceScatterBackward { comm }
-            .prepare::<C>([shard.node()])
+            .prepare::<BalancedCheckpointing>([shard.node()])
             .memory_bound()
             .retro_forward(retro)
             .parents([&shard])
@@ -264,7 +311,8 @@ impl<B> fmt::Debug for RetroGather<B> {
 impl<B: Backend> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard = states.get_state::<FloatTensor<B>>(&self.input);
-        states.save(out_node, host_gather::<B>(shard, &self.shape, &self.comm));
+        let gathered = host_gather::<B>(shard, &self.shape, &self.comm, Given::default());
+        states.save(out_node, gathered);
     }
 }
 
@@ -282,6 +330,24 @@ pub fn gather_shard<const D: usize>(
         shard.into_dispatch(),
         Shape::from(shape),
         comm.clone(),
+        Given::default(),
+    ))
+}
+
+/// [`gather_shard`] with the forward's values already gathered (`full`, the parameter's
+/// values in order): no collective in the forward; the backward reduce-scatters, and a
+/// recompute gathers, over `comm` as [`gather_shard`]'s do.
+pub fn gather_shard_prefetched<const D: usize>(
+    shard: Tensor<1>,
+    shape: [usize; D],
+    comm: &ShardComm,
+    full: Vec<f32>,
+) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::gather_shard(
+        shard.into_dispatch(),
+        Shape::from(shape),
+        comm.clone(),
+        Given(Some(Arc::new(full))),
     ))
 }
 
@@ -300,13 +366,17 @@ fn host_gather<B: Backend>(
     shard: FloatTensor<B>,
     shape: &Shape,
     comm: &ShardComm,
+    given: Given,
 ) -> FloatTensor<B> {
     let (device, dtype) = (shard.device(), shard.dtype());
     let numel = shape.num_elements();
-    let full = match read_values::<B>(shard, comm) {
-        // Every rank must still enter the collective the others are in.
-        Some(values) => comm.all_gather(&values, numel),
-        None => comm.all_gather(&vec![0.0; shard_len(numel, comm.world_size())], numel),
+    let full = match given.0 {
+        Some(full) => Arc::try_unwrap(full).unwrap_or_else(|shared| (*shared).clone()),
+        None => match read_values::<B>(shard, comm) {
+            Some(values) => comm.all_gather(&values, numel),
+            // Every rank must still enter the collective the others are in.
+            None => comm.all_gather(&vec![0.0; shard_len(numel, comm.world_size())], numel),
+        },
     };
     B::float_from_data(
         TensorData::new(full, shape.clone()).convert_dtype(dtype),
@@ -451,10 +521,11 @@ mod tests {
     }
 
     /// The forward gives every rank the whole parameter, exactly; the backward gives each rank
-    /// its block of the summed gradient (< 1e-6 of one process's); with Burn's gradient
-    /// checkpointing the parameter is gathered a second time in the backward instead of kept.
+    /// its block of the summed gradient (< 1e-6 of one process's); the matmul that needs the
+    /// parameter for its input's gradient gathers it a second time in the backward instead of
+    /// keeping it, with and without Burn's gradient checkpointing on the device.
     #[test]
-    fn a_gathered_parameter_trains_like_a_whole_one_and_is_regathered_under_checkpointing() {
+    fn a_gathered_parameter_trains_like_a_whole_one_and_is_gathered_again_for_its_backward() {
         fn plain() -> Device {
             Device::flex().autodiff()
         }
@@ -463,7 +534,7 @@ mod tests {
         }
         for world in [2, 3] {
             let want = reference_gradient(world);
-            for (device, gathers) in [(plain as fn() -> Device, 1), (checkpointed, 2)] {
+            for (device, gathers) in [(plain as fn() -> Device, 2), (checkpointed, 2)] {
                 for (rank, out) in run(world, device).into_iter().enumerate() {
                     assert_eq!(out.gathered, weights(), "world {world} rank {rank}");
                     let own = shard_of(&want, rank, world);

@@ -23,7 +23,8 @@ use std::marker::PhantomData;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
-use super::shard_gather::{gather_shard, shard_len, shard_of, ShardComm};
+use super::shard_gather::{gather_shard, gather_shard_prefetched, shard_len, shard_of, ShardComm};
+use super::shard_prefetch::PrefetchStream;
 use crate::error::ShardGatherError;
 use crate::host_values::host_values;
 
@@ -126,29 +127,44 @@ impl<F: Fn(ParamId) -> bool> ModuleMapper for Cut<F> {
 /// forward (module docs). Collective over `comm`'s group: every rank gathers the same
 /// parameters in the same order (the module's), and its backward reduce-scatters them.
 pub fn gather_module<M: Module>(module: &M, layout: &ShardLayout, comm: &ShardComm) -> M {
-    module.clone().map(&mut Gather { layout, comm })
+    module.clone().map(&mut Gather {
+        layout,
+        comm,
+        given: None,
+    })
 }
 
 struct Gather<'a> {
     layout: &'a ShardLayout,
     comm: &'a ShardComm,
+    /// The parameters' values gathered ahead, by id (taken as they are used).
+    given: Option<HashMap<ParamId, Vec<f32>>>,
+}
+
+/// The full shape of `param` when it is a shard under `layout` (its shape `[1, …, 1, len]`);
+/// `None` for a parameter that is not sharded, or already whole (a block marked inside a
+/// gathered block).
+fn is_shard<const D: usize>(param: &Param<Tensor<D>>, layout: &ShardLayout) -> Option<[usize; D]> {
+    let full = <[usize; D]>::try_from(layout.full_shape(param.id)?).ok()?;
+    let len = shard_len(full.iter().product(), layout.world_size);
+    let dims = param.lazy_shape().to_vec();
+    (dims[D - 1] == len && dims[..D - 1].iter().all(|&d| d == 1)).then_some(full)
 }
 
 impl ModuleMapper for Gather<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(full) = self.layout.full_shape(param.id) else {
-            return param;
-        };
-        let Ok(full) = <[usize; D]>::try_from(full) else {
+        let Some(full) = is_shard(&param, self.layout) else {
             return param;
         };
         let len = shard_len(full.iter().product(), self.layout.world_size);
-        let dims = param.lazy_shape().to_vec();
-        if dims[D - 1] != len || dims[..D - 1].iter().any(|&d| d != 1) {
-            // Already whole: a block marked inside a gathered block.
-            return param;
-        }
-        param.map(|shard| gather_shard(shard.reshape([len]), full, self.comm))
+        let given = self
+            .given
+            .as_mut()
+            .and_then(|given| given.remove(&param.id));
+        param.map(|shard| match given {
+            Some(values) => gather_shard_prefetched(shard.reshape([len]), full, self.comm, values),
+            None => gather_shard(shard.reshape([len]), full, self.comm),
+        })
     }
 }
 
@@ -159,24 +175,53 @@ thread_local! {
 }
 
 enum Marking {
-    Gather(ShardLayout, ShardComm),
-    Discover(HashSet<ParamId>),
+    Gather {
+        layout: ShardLayout,
+        comm: ShardComm,
+        /// The blocks gathered ahead, in the forward's order; `None` once a block did not
+        /// match (the rest of this forward gathers on the spot).
+        prefetched: Option<PrefetchStream>,
+    },
+    /// The blocks marked so far, in order, each with the parameters no earlier block has.
+    Discover(Vec<Vec<ParamId>>),
 }
 
 /// While it lives, [`mark_block`](crate::mark_block) on this thread returns each marked block
-/// with its sharded parameters gathered whole ([`gather_module`]; collective then, in the
-/// order the model marks its blocks, the same on every rank). Enter it around a forward of a
-/// sharded model; parameters outside marked blocks must not be sharded. Not `Send`: the
-/// forward runs on the thread that entered it.
+/// with its sharded parameters gathered whole (collective then, in the order the model marks
+/// its blocks, the same on every rank). Enter it around a forward of a sharded model (and its
+/// backward); parameters outside marked blocks must not be sharded. Not `Send`: the forward
+/// runs on the thread that entered it.
 pub struct ShardedForward {
     _not_send: PhantomData<*const ()>,
 }
 
 impl ShardedForward {
     /// Installs `layout` and `comm` for this thread's forwards until the guard is dropped (a
-    /// second guard replaces the first until it is dropped).
+    /// second guard replaces the first until it is dropped): each block gathered when it is
+    /// marked ([`gather_module`]).
     pub fn enter(layout: &ShardLayout, comm: &ShardComm) -> Self {
-        FORWARD.with(|f| *f.borrow_mut() = Some(Marking::Gather(layout.clone(), comm.clone())));
+        Self::install(layout, comm, None)
+    }
+
+    /// [`enter`](Self::enter), the blocks taken from `prefetched` in order (gathered ahead
+    /// by [`super::shard_prefetch`]); a block that does not match the next one there is
+    /// gathered on the spot, as is every later block of this forward.
+    pub fn enter_prefetched(
+        layout: &ShardLayout,
+        comm: &ShardComm,
+        prefetched: PrefetchStream,
+    ) -> Self {
+        Self::install(layout, comm, Some(prefetched))
+    }
+
+    fn install(layout: &ShardLayout, comm: &ShardComm, prefetched: Option<PrefetchStream>) -> Self {
+        FORWARD.with(|f| {
+            *f.borrow_mut() = Some(Marking::Gather {
+                layout: layout.clone(),
+                comm: comm.clone(),
+                prefetched,
+            })
+        });
         Self {
             _not_send: PhantomData,
         }
@@ -189,11 +234,12 @@ impl Drop for ShardedForward {
     }
 }
 
-/// The ids of the parameters of every block that [`mark_block`](crate::mark_block) marks
-/// while `forward` runs on this thread (a forward of the whole model): what ZeRO stage 3
-/// shards. Local; the blocks run as they are.
-pub fn discover_blocks(forward: impl FnOnce()) -> HashSet<ParamId> {
-    FORWARD.with(|f| *f.borrow_mut() = Some(Marking::Discover(HashSet::new())));
+/// The blocks that [`mark_block`](crate::mark_block) marks while `forward` runs on this
+/// thread (a forward of the whole model), in order, each with the ids of its float parameters
+/// that no earlier block has (blocks with none left out): what ZeRO stage 3 shards, and the
+/// order its prefetch follows. Local; the blocks run as they are.
+pub fn discover_blocks(forward: impl FnOnce()) -> Vec<Vec<ParamId>> {
+    FORWARD.with(|f| *f.borrow_mut() = Some(Marking::Discover(Vec::new())));
     // Reset even if `forward` panics, so that a caught panic leaves no recording behind.
     struct Reset;
     impl Drop for Reset {
@@ -204,11 +250,45 @@ pub fn discover_blocks(forward: impl FnOnce()) -> HashSet<ParamId> {
     let reset = Reset;
     forward();
     let found = FORWARD.with(|f| match f.borrow_mut().take() {
-        Some(Marking::Discover(ids)) => ids,
-        _ => HashSet::new(),
+        Some(Marking::Discover(blocks)) => blocks,
+        _ => Vec::new(),
     });
     drop(reset);
     found
+}
+
+/// The ids of `module`'s float parameters, in visit order.
+pub(crate) fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl burn::module::ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}
+
+/// The ids of `block`'s parameters that are still shards under `layout`, in visit order.
+fn shard_ids<M: Module>(block: &M, layout: &ShardLayout) -> Vec<ParamId> {
+    struct Shards<'a> {
+        layout: &'a ShardLayout,
+        ids: Vec<ParamId>,
+    }
+    impl burn::module::ModuleVisitor for Shards<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if is_shard(param, self.layout).is_some() {
+                self.ids.push(param.id);
+            }
+        }
+    }
+    let mut shards = Shards {
+        layout,
+        ids: Vec::new(),
+    };
+    block.visit(&mut shards);
+    shards.ids
 }
 
 /// `block` gathered whole where a [`ShardedForward`] is alive on this thread (`None` where
@@ -216,19 +296,56 @@ pub fn discover_blocks(forward: impl FnOnce()) -> HashSet<ParamId> {
 /// records the block's parameters and returns `None`.
 pub(crate) fn gather_marked<M: Module>(block: &M) -> Option<M> {
     FORWARD.with(|f| match &mut *f.borrow_mut() {
-        Some(Marking::Gather(layout, comm)) => Some(gather_module(block, layout, comm)),
-        Some(Marking::Discover(ids)) => {
-            struct Ids<'a>(&'a mut HashSet<ParamId>);
-            impl burn::module::ModuleVisitor for Ids<'_> {
-                fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                    self.0.insert(param.id);
-                }
+        Some(Marking::Gather {
+            layout,
+            comm,
+            prefetched,
+        }) => Some(gather_next(block, layout, comm, prefetched)),
+        Some(Marking::Discover(blocks)) => {
+            let seen: HashSet<ParamId> = blocks.iter().flatten().copied().collect();
+            let ids: Vec<ParamId> = param_ids(block)
+                .into_iter()
+                .filter(|id| !seen.contains(id))
+                .collect();
+            if !ids.is_empty() {
+                blocks.push(ids);
             }
-            block.visit(&mut Ids(ids));
             None
         }
         None => None,
     })
+}
+
+/// `block` gathered: from the prefetched stream where its next block is this one, else on the
+/// spot (and the stream given up for this forward).
+fn gather_next<M: Module>(
+    block: &M,
+    layout: &ShardLayout,
+    comm: &ShardComm,
+    prefetched: &mut Option<PrefetchStream>,
+) -> M {
+    let ids = shard_ids(block, layout);
+    if ids.is_empty() {
+        return block.clone();
+    }
+    if let Some(stream) = prefetched {
+        match stream.next() {
+            Ok(gathered) if gathered.ids == ids => {
+                comm.count_prefetched_block();
+                let full: HashMap<ParamId, Vec<f32>> =
+                    gathered.ids.into_iter().zip(gathered.full).collect();
+                return block.clone().map(&mut Gather {
+                    layout,
+                    comm,
+                    given: Some(full),
+                });
+            }
+            Ok(_) => {}
+            Err(e) => comm.record(ShardGatherError::Prefetch(e)),
+        }
+        *prefetched = None;
+    }
+    gather_module(block, layout, comm)
 }
 
 #[cfg(test)]
@@ -420,12 +537,13 @@ mod tests {
                         "world {world} rank {rank} checkpointing {checkpointing} {how:?}: max |Δw| {worst}"
                     );
                     // Per step: 3 parameters gathered in the forward and the bias's sum;
-                    // under checkpointing two once more in the backward: b.weight (b's
-                    // matmul needs it for the gradient of its tracked input) and a.bias
+                    // b.weight once more in the backward (b's matmul needs it for the
+                    // gradient of its tracked input, and takes it as gathered: it keeps the
+                    // recompute rule, not the tensor); under checkpointing a.bias too
                     // (tanh's backward recomputes its input, a's output, whose add gathers
                     // the bias again; a's matmul output is kept, and its input is the batch,
                     // which needs no gradient); then the final gather.
-                    let per_step = if checkpointing { 3 + 1 + 2 } else { 3 + 1 };
+                    let per_step = if checkpointing { 3 + 1 + 2 } else { 3 + 1 + 1 };
                     assert_eq!(
                         gathers,
                         (STEPS * per_step + 3) as u64,

@@ -135,6 +135,14 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         if let Some(timeline) = steps.ddp.overlap_timeline() {
             print!("{}", timeline_lines(timeline));
         }
+        if let Some(comm) = steps.ddp.shard_comm() {
+            println!(
+                "ZeRO stage 3 on rank 0: {} blocks gathered ahead of their forward, {} parameters gathered on the spot (their backward's recompute, validation), {} gradients reduce-scattered",
+                comm.prefetched_blocks(),
+                comm.gathers(),
+                comm.reduce_scatters()
+            );
+        }
     }
     // Rank 0 may host the store: leave together.
     steps.ddp.barrier()?;
@@ -214,7 +222,7 @@ impl<A: App> DataParallelSteps<A> {
                 }
             }
             // ZeRO stage 3: the marked blocks gathered whole for this forward and backward.
-            let gather = self.ddp.sharded_forward();
+            let gather = self.ddp.sharded_forward(model);
             let output = TrainStep::step(model, batch);
             drop(gather);
             let mut grads = output.grads;
