@@ -140,12 +140,17 @@ impl ShardComm {
         self.lock().prefetched
     }
 
-    pub(crate) fn count_prefetched_block(&self) {
-        self.lock().prefetched += 1;
+    /// Counts a block taken gathered ahead, of `values` whole values across its parameters
+    /// (its collective's buffer: those values padded to whole shards).
+    pub(crate) fn count_prefetched_block(&self, values: u64) {
+        let mut inner = self.lock();
+        inner.prefetched += 1;
+        inner.bytes += 4 * values;
     }
 
     /// Bytes of the gathers' and reduce-scatters' buffers so far (each a padded whole
-    /// parameter in `f32`; a ring sends `(world - 1) / world` of each).
+    /// parameter in `f32`, the blocks gathered ahead included; a ring sends
+    /// `(world - 1) / world` of each).
     pub fn bytes(&self) -> u64 {
         self.lock().bytes
     }

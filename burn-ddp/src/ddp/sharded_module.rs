@@ -331,7 +331,13 @@ fn gather_next<M: Module>(
     if let Some(stream) = prefetched {
         match stream.next() {
             Ok(gathered) if gathered.ids == ids => {
-                comm.count_prefetched_block();
+                let world = layout.world_size;
+                let values = gathered
+                    .full
+                    .iter()
+                    .map(|full| (shard_len(full.len(), world) * world) as u64)
+                    .sum();
+                comm.count_prefetched_block(values);
                 let full: HashMap<ParamId, Vec<f32>> =
                     gathered.ids.into_iter().zip(gathered.full).collect();
                 return block.clone().map(&mut Gather {

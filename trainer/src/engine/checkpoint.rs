@@ -15,6 +15,10 @@
 //!
 //! The training position is global (epoch, samples consumed in the epoch, optimizer steps), not
 //! per rank, so a job can resume with another world size: the rest of the epoch is re-sharded.
+//!
+//! Under ZeRO stage 3 every rank writes a checkpoint of this layout of its own part (its
+//! shards), and the manifest's `shards` says which tensors are shards
+//! ([`crate::engine::sharded_checkpoint`]).
 
 use std::collections::BTreeMap;
 use std::fs::{self, File};
@@ -29,7 +33,6 @@ use burn_store::{ModuleSnapshot, SafetensorsStore};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::schedule::Schedule;
-pub use crate::engine::sharded_checkpoint::ShardManifest;
 
 /// Bumped when the layout or the manifest changes incompatibly (3: Burn 0.22's burnpack
 /// optimizer and scheduler records; 2: Burn 0.21's MessagePack ones).
@@ -81,6 +84,25 @@ pub struct Manifest {
     /// shards (see [`crate::engine::sharded_checkpoint`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shards: Option<ShardManifest>,
+}
+
+/// What a ZeRO stage-3 rank's manifest says of its part
+/// ([`crate::engine::sharded_checkpoint`]).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ShardManifest {
+    pub rank: usize,
+    pub world_size: usize,
+    /// The sharded tensors of its `model.safetensors`, by name.
+    pub tensors: BTreeMap<String, ShardedTensor>,
+}
+
+/// One sharded parameter.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ShardedTensor {
+    /// Its id (the key of its optimizer state).
+    pub param_id: u64,
+    /// Its whole shape.
+    pub shape: Vec<usize>,
 }
 
 /// A checkpoint found on disk with a verified manifest.

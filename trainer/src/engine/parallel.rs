@@ -21,7 +21,6 @@ use crate::engine::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
 use crate::engine::schedule::Schedule;
-use crate::engine::sharded_checkpoint::{self, Found};
 use crate::launcher::worker_env;
 
 /// Where rank 0 writes checkpoints and what they must match to be loaded.
@@ -56,6 +55,16 @@ pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
 }
 
 impl CheckpointPolicy {
+    /// Why no checkpoint of `position` is written: its weights hold a NaN or an infinity (the
+    /// checkpoints already written are kept, never rotated out by a diverged run's).
+    pub fn non_finite(&self, position: TrainPosition) -> anyhow::Error {
+        anyhow::anyhow!(
+            "refusing to write a checkpoint of non-finite weights (NaN or Inf) at optimizer step {}: the checkpoints already in {} are kept",
+            position.step,
+            self.dir.display()
+        )
+    }
+
     /// The manifest of a checkpoint of `position` written by a job of `world_size` ranks
     /// (its checksums are filled in as its files are written).
     pub fn manifest(&self, world_size: usize, position: TrainPosition) -> Manifest {
@@ -117,25 +126,8 @@ pub fn latest_checkpoint(
     Ok(found)
 }
 
-/// [`latest_checkpoint`] of either kind: whole (ZeRO stages 0 to 2, or consolidated) or a
-/// ZeRO stage-3 one (every rank's part). Collective.
-pub fn latest_found(
-    ddp: &mut DataParallel,
-    policy: &CheckpointPolicy,
-) -> anyhow::Result<Option<Found>> {
-    let found = sharded_checkpoint::latest(&policy.dir)?;
-    if let Some(found) = &found {
-        found.check_compatible(&policy.model_name, &policy.model_fingerprint)?;
-    }
-    let step = found
-        .as_ref()
-        .map_or(-1, |c| c.manifest().position.step as i64);
-    agree_on_step(ddp, step)?;
-    Ok(found)
-}
-
 /// Fails on a rank whose newest checkpoint (`step`, -1: none) is not rank 0's. Collective.
-fn agree_on_step(ddp: &mut DataParallel, step: i64) -> anyhow::Result<()> {
+pub(crate) fn agree_on_step(ddp: &mut DataParallel, step: i64) -> anyhow::Result<()> {
     let agreed = ddp.broadcast_from_rank_zero(step)?;
     if agreed != step {
         bail!(
@@ -162,11 +154,7 @@ pub fn save_checkpoint<M: Module>(
     scheduler: &[u8],
 ) -> anyhow::Result<()> {
     if !burn_ddp::ddp::finite::module_is_finite(model)? {
-        bail!(
-            "refusing to write a checkpoint of non-finite weights (NaN or Inf) at optimizer step {}: the checkpoints already in {} are kept",
-            position.step,
-            policy.dir.display()
-        );
+        return Err(policy.non_finite(position));
     }
     let manifest = policy.manifest(ddp.world_size(), position);
     let key = worker_env::checkpoint_key(position.step);

@@ -28,33 +28,16 @@ use burn::tensor::{Bytes, DType};
 use burn_ddp::ddp::reshard::{reshard_state, reshard_tensors, ShardTarget};
 use burn_ddp::DataParallel;
 use burn_store::ModuleSnapshot;
-use serde::{Deserialize, Serialize};
 
-use crate::engine::checkpoint::{self, Checkpoint, Manifest, OptimizerState, TrainPosition};
-use crate::engine::parallel::CheckpointPolicy;
+use crate::engine::checkpoint::{
+    self, Checkpoint, Manifest, OptimizerState, ShardManifest, ShardedTensor, TrainPosition,
+};
+use crate::engine::parallel::{self, CheckpointPolicy};
 use crate::engine::schedule::Schedule;
 use crate::error::UsageError;
 
 /// The name of a set's directory, before its world size.
 const SET_PREFIX: &str = "zero3-world-";
-
-/// What a stage-3 rank's manifest says of its part.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct ShardManifest {
-    pub rank: usize,
-    pub world_size: usize,
-    /// The sharded tensors of its `model.safetensors`, by name.
-    pub tensors: BTreeMap<String, ShardedTensor>,
-}
-
-/// One sharded parameter.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct ShardedTensor {
-    /// Its id (the key of its optimizer state).
-    pub param_id: u64,
-    /// Its whole shape.
-    pub shape: Vec<usize>,
-}
 
 /// `<root>/zero3-world-N`.
 fn set_dir(root: &Path, world: usize) -> PathBuf {
@@ -282,6 +265,24 @@ impl Found {
     }
 }
 
+/// The newest usable checkpoint under `policy.dir` of either kind, whole (ZeRO stages 0 to 2,
+/// or consolidated) or a stage-3 one (every rank's part), checked against the policy's model;
+/// the same on every rank or an error. Collective.
+pub fn latest_agreed(
+    ddp: &mut DataParallel,
+    policy: &CheckpointPolicy,
+) -> anyhow::Result<Option<Found>> {
+    let found = latest(&policy.dir)?;
+    if let Some(found) = &found {
+        found.check_compatible(&policy.model_name, &policy.model_fingerprint)?;
+    }
+    let step = found
+        .as_ref()
+        .map_or(-1, |c| c.manifest().position.step as i64);
+    parallel::agree_on_step(ddp, step)?;
+    Ok(found)
+}
+
 /// The newest checkpoint under `root` of either kind (a whole one where both have the step).
 /// Local: it reads the shared directory.
 pub fn latest(root: &Path) -> anyhow::Result<Option<Found>> {
@@ -365,11 +366,7 @@ pub fn save<M: Module>(
     let finite = burn_ddp::ddp::finite::module_is_finite(model)?;
     let flags = ddp.all_gather(&[f64::from(u8::from(finite))])?;
     if flags.contains(&0.0) {
-        bail!(
-            "refusing to write a checkpoint of non-finite weights (NaN or Inf) at optimizer step {}: the checkpoints already in {} are kept",
-            position.step,
-            policy.dir.display()
-        );
+        return Err(policy.non_finite(position));
     }
     let layout = ddp
         .shard_layout()

@@ -296,7 +296,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     /// this world size and stage).
     fn restore(&mut self, model: A::Model) -> anyhow::Result<(A::Model, Option<Checkpoint>)> {
         let restored = match (&self.checkpoints, self.resume) {
-            (Some(policy), true) => parallel::latest_found(&mut self.ddp, policy)?,
+            (Some(policy), true) => sharded_checkpoint::latest_agreed(&mut self.ddp, policy)?,
             _ => None,
         };
         let mut model = model;
@@ -408,7 +408,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         Ok(self.ddp.check_replicas(model, step)?)
     }
 
-    /// Rank 0 writes; the others wait for it.
+    /// Rank 0 writes, the others wait for it; at ZeRO stage 3 every rank writes its part.
     fn save(
         &mut self,
         position: TrainPosition,
@@ -418,17 +418,13 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         let Some(policy) = &self.checkpoints else {
             return Ok(());
         };
-        if self.ddp.shard_layout().is_some() {
-            return sharded_checkpoint::save(
-                &mut self.ddp,
-                policy,
-                position,
-                model,
-                &self.optim,
-                schedule,
-            );
-        }
-        parallel::save_training_checkpoint(
+        // ZeRO stage 3: every rank writes its part; otherwise rank 0 writes the whole.
+        let save = if self.ddp.shard_layout().is_some() {
+            sharded_checkpoint::save::<A::Model>
+        } else {
+            parallel::save_training_checkpoint::<A::Model>
+        };
+        save(
             &mut self.ddp,
             policy,
             position,
