@@ -437,8 +437,10 @@ fn a_model_too_big_for_stages_0_to_2_trains_under_stage_3() {
     assert_same_weights(&dir, "roomy", "stage3", 1e-5);
 }
 
+/// Stage 3 with pipeline stages is bad input (exit 2, naming both), and so is consolidating
+/// a directory that holds no stage-3 checkpoint.
 #[test]
-fn stage_3_needs_marked_blocks_and_no_pipeline_stages() {
+fn stage_3_refuses_pipeline_stages_and_consolidate_needs_a_stage_3_checkpoint() {
     let dir = scratch("zero3-refusals");
     let body = with_stage(&digits_config(SGD, 8, ""), 3) + "pipeline_stages = 2\n";
     let out = run(trainer()

@@ -229,3 +229,51 @@ fn shard_handles<M: Module>(model: &M, layout: &ShardLayout) -> HashMap<ParamId,
     model.visit(&mut handles);
     handles.shards
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::{Linear, LinearConfig};
+    use burn::tensor::{Device, Tensor};
+
+    use super::*;
+
+    #[derive(Module, Debug)]
+    struct Net {
+        a: Linear,
+        b: Linear,
+    }
+
+    /// A forward that marks no block is refused as bad input naming `mark_block`; one that
+    /// marks `b` gets `b`'s weight and bias sharded and `a` left whole.
+    #[test]
+    fn only_the_blocks_the_forward_marks_are_sharded_and_none_is_refused() {
+        let dist = Distributed::standalone();
+        let mut state = FullyShardedState::form(&dist).unwrap();
+        let device = Device::flex().autodiff();
+        let net = || Net {
+            a: LinearConfig::new(3, 4).init(&device),
+            b: LinearConfig::new(4, 2).init(&device),
+        };
+        let x = || Tensor::<2>::zeros([1, 3], &device);
+        let refused = state
+            .shard(net(), |m| {
+                let _ = m.b.forward(m.a.forward(x()));
+            })
+            .unwrap_err();
+        assert!(
+            refused.is_usage() && refused.to_string().contains("mark_block"),
+            "{refused}"
+        );
+        assert!(state.layout().is_none());
+        let sharded = state
+            .shard(net(), |m| {
+                let h = m.a.forward(x());
+                let _ = crate::mark_block(&h, &m.b).forward(h);
+            })
+            .unwrap();
+        let layout = state.layout().unwrap();
+        assert_eq!(layout.len(), 2);
+        assert_eq!(layout.full_shape(sharded.b.weight.id), Some(&[4, 2][..]));
+        assert_eq!(layout.full_shape(sharded.a.weight.id), None);
+    }
+}
