@@ -200,10 +200,12 @@ impl DataParallel {
     /// stage 3 runs at every stage.
     ///
     /// Not collective (every rank cuts its equal replica the same way), but every rank must
-    /// call it, with the same model. For gathered parameters to be dropped after the forward
-    /// and gathered again for the backward, train on a device with Burn's gradient
-    /// checkpointing (`Device::autodiff().gradient_checkpointing()`); without it the whole
-    /// parameters live until backward, as activations do.
+    /// call it, with the same model. A gathered parameter that an op takes as it is (a
+    /// matmul) is dropped after the forward and gathered again for the backward on any
+    /// device; one that Burn reshapes first (its linear on a batched input) is dropped only
+    /// on a device with Burn's gradient checkpointing
+    /// (`Device::autodiff().gradient_checkpointing()`), as the trainer engine uses at stage 3:
+    /// without it such weights live until backward, as activations do.
     ///
     /// # Errors
     /// [`DdpError::Options`] when `forward` marks no block; [`DdpError::Unsupported`] when a
