@@ -643,10 +643,21 @@ fn a_diverging_run_stops_naming_the_step_and_keeps_every_good_checkpoint() {
     assert_same_weights(&dir, "straight", "run", 1e-6);
 }
 
+/// With plain DDP and at ZeRO stage 3 (where each rank checks its shards of the
+/// reduce-scattered gradients and the ranks agree one verdict).
 #[test]
 fn on_nonfinite_skip_finishes_and_counts_the_skipped_steps() {
-    let dir = scratch("nonfinite-skip");
+    for stage in [0, 3] {
+        check_nonfinite_skip(stage);
+    }
+}
+
+fn check_nonfinite_skip(stage: u8) {
+    let dir = scratch(&format!("nonfinite-skip-{stage}"));
     let config = digits_with("run", &dir, "1e30", 12, "on_nonfinite = \"skip\"");
+    let body = std::fs::read_to_string(&config).unwrap()
+        + &format!("\n[distributed]\nzero_stage = {stage}\n");
+    let config = write_config(&dir, "run", &body);
     let out = train2(&config, &[], &[]);
     assert_eq!(out.code, Some(0), "{}", out.all());
     let skipped = skipped_steps(&out);

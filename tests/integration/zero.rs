@@ -311,7 +311,8 @@ fn copy_tree(from: &Path, to: &Path) {
 }
 
 /// A stage-3 checkpoint written at world 4 resumes at worlds 2 and 3 (stage 3, the shards
-/// re-cut) and at world 1 (stage 0, joined), and ends where the uninterrupted run ends. The
+/// re-cut) and at world 1 (stage 0, joined), and a stage-0 one at world 2 and stage 3, and
+/// each ends where the uninterrupted run ends. The
 /// global batch is 24 at every world size (6 x 4, 12 x 2, 8 x 3, 24 x 1). The consolidated
 /// model loads with Burn's own loader into a model defined here, without this project.
 #[test]
@@ -326,8 +327,19 @@ fn a_stage_3_checkpoint_resumes_at_other_world_sizes_and_consolidates_for_burn()
     train(&write_config(&dir, "first", &body(6, 10, 3)), 4);
     consolidate(&dir, "whole");
     let whole = final_weights(&dir, "whole");
-    for (name, batch, nproc, stage) in [("w2", 12, 2, 3), ("w3", 8, 3, 3), ("w1", 24, 1, 0)] {
-        copy_tree(&dir.join("first-ckpt"), &dir.join(format!("{name}-ckpt")));
+    // A whole checkpoint (stage 0, world 4) resumed at stage 3 too: the state cut per rank.
+    train(&write_config(&dir, "whole0", &body(6, 10, 0)), 4);
+    for (name, batch, nproc, stage) in [
+        ("w2", 12, 2, 3),
+        ("w3", 8, 3, 3),
+        ("w1", 24, 1, 0),
+        ("from0", 12, 2, 3),
+    ] {
+        let first = if name == "from0" { "whole0" } else { "first" };
+        copy_tree(
+            &dir.join(format!("{first}-ckpt")),
+            &dir.join(format!("{name}-ckpt")),
+        );
         let out = train(&write_config(&dir, name, &body(batch, 25, stage)), nproc);
         assert_resumed_at(&out, 10);
         if stage == 3 {
@@ -336,7 +348,7 @@ fn a_stage_3_checkpoint_resumes_at_other_world_sizes_and_consolidates_for_burn()
         let diff = max_abs_diff(&whole, &final_weights(&dir, name));
         assert!(
             diff < 1e-4,
-            "resumed at world {nproc}, stage {stage}: max |dw| = {diff:e}"
+            "{name}: resumed at world {nproc}, stage {stage}: max |dw| = {diff:e}"
         );
     }
 
