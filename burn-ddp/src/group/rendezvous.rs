@@ -144,8 +144,11 @@ impl Rendezvous {
         self.publish("world", self.world_size.to_string().as_bytes())?;
         if rank != 0 {
             let theirs = self.published("world", 0)?;
-            self.publish("world-read", b"1")?;
+            // On a mismatch rank 0 leaves once this key is in its store (module docs), maybe
+            // before the store's reply reaches us: the lost reply must not hide the mismatch.
+            let read = self.publish("world-read", b"1");
             self.check_world_size(0, &theirs)?;
+            read?;
         }
         Ok(())
     }
