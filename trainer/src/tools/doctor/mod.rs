@@ -43,7 +43,9 @@ use std::process::ExitCode;
 use burn_ddp::DistEnv;
 use clap::Args;
 
-use self::checks::{AllReduceRun, CoreFacts, PortProbe, RouteFacts, ShmFacts, ThreadsFrom};
+use self::checks::{
+    AllReduceRun, CoreFacts, PortProbe, RingGroups, RouteFacts, ShmFacts, ThreadsFrom,
+};
 use crate::app::{App, AppConfig};
 use crate::backend::{self, DeviceJob};
 use crate::builtin::{self, WithApp};
@@ -158,7 +160,10 @@ fn resource_checks(
         enabled: burn_ddp::env::shared_memory_from(env),
         local_ranks: job.nproc,
         world_size: job.world_size,
-        gradient_overlap: settings.distributed.gradient_overlap,
+        groups: RingGroups {
+            gradient_overlap: settings.distributed.gradient_overlap,
+            zero_stage_3: settings.distributed.zero_stage.shards_parameters(),
+        },
         space: probe::fs_space(Path::new("/dev/shm")),
     }));
     let shape = JobShape {

@@ -32,4 +32,4 @@ pub use connectivity::{loopback, network, port, PortProbe, RouteFacts};
 pub use launchers::launcher;
 pub use output::{output_dirs, DirState};
 pub use resources::{cores, memory, CoreFacts, ThreadsFrom};
-pub use shm::{dev_shm, FsSpace, ShmFacts};
+pub use shm::{dev_shm, FsSpace, RingGroups, ShmFacts};

@@ -1,6 +1,7 @@
 //! `/dev/shm` against the shared-memory ring. Every rank of a job of several ranks reserves one
-//! ring file there per process group: the job's (4 MiB + 4 KiB), and with gradient overlap the
-//! communication thread's (1 MiB + 4 KiB); a rank that cannot falls back to loopback TCP,
+//! ring file there per process group: the job's (4 MiB + 4 KiB), with gradient overlap the
+//! communication thread's (1 MiB + 4 KiB), and at ZeRO stage 3 the shards' gathers' and their
+//! prefetch thread's (4 MiB + 4 KiB each); a rank that cannot falls back to loopback TCP,
 //! silently and slower, so too little room is a failure of what the job asked for.
 
 use burn_ddp::ddp::comm_thread::OVERLAP_RING_BYTES;
@@ -16,24 +17,46 @@ pub struct FsSpace {
     pub total: u64,
 }
 
-/// `/dev/shm` bytes one rank reserves: the job group's ring file, and the overlap group's.
-pub fn shm_per_rank(gradient_overlap: bool) -> u64 {
-    let job = shm::file_bytes(shm::DEFAULT_CAPACITY);
-    let overlap = if gradient_overlap {
-        shm::file_bytes(OVERLAP_RING_BYTES)
-    } else {
-        0
-    };
-    (job + overlap) as u64
+/// The process groups a rank forms, each with a ring file of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingGroups {
+    /// The gradient overlap's communication thread's group.
+    pub gradient_overlap: bool,
+    /// ZeRO stage 3's two: the shards' gathers and reduce-scatters, and the prefetch thread's.
+    pub zero_stage_3: bool,
+}
+
+impl RingGroups {
+    /// Each group's ring file: what it is, and its bytes.
+    fn files(self) -> Vec<(&'static str, usize)> {
+        let job = shm::file_bytes(shm::DEFAULT_CAPACITY);
+        let mut files = vec![("the job group's", job)];
+        if self.gradient_overlap {
+            files.push((
+                "the gradient overlap's",
+                shm::file_bytes(OVERLAP_RING_BYTES),
+            ));
+        }
+        if self.zero_stage_3 {
+            files.push(("ZeRO stage 3's gathers'", job));
+            files.push(("their prefetch's", job));
+        }
+        files
+    }
+}
+
+/// `/dev/shm` bytes one rank reserves: a ring file per process group.
+pub fn shm_per_rank(groups: RingGroups) -> u64 {
+    groups.files().iter().map(|&(_, bytes)| bytes as u64).sum()
 }
 
 /// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need: one ring file per
 /// rank and process group, none for a job of one.
-pub fn shm_need(local_ranks: usize, world_size: usize, gradient_overlap: bool) -> u64 {
+pub fn shm_need(local_ranks: usize, world_size: usize, groups: RingGroups) -> u64 {
     if world_size <= 1 {
         0
     } else {
-        local_ranks as u64 * shm_per_rank(gradient_overlap)
+        local_ranks as u64 * shm_per_rank(groups)
     }
 }
 
@@ -43,8 +66,8 @@ pub struct ShmFacts {
     pub enabled: bool,
     pub local_ranks: usize,
     pub world_size: usize,
-    /// Each rank forms a second process group, the gradient overlap's communication thread's.
-    pub gradient_overlap: bool,
+    /// The process groups each rank forms besides the job's.
+    pub groups: RingGroups,
     /// `statvfs("/dev/shm")`, or why it failed.
     pub space: Result<FsSpace, String>,
 }
@@ -54,7 +77,7 @@ const SHM_ADVICE: &str = "enlarge it (`mount -o remount,size=1G /dev/shm`; Docke
 /// `/dev/shm` against what the shared-memory ring needs.
 pub fn dev_shm(f: &ShmFacts) -> Finding {
     const CHECK: &str = "/dev/shm";
-    let need = shm_need(f.local_ranks, f.world_size, f.gradient_overlap);
+    let need = shm_need(f.local_ranks, f.world_size, f.groups);
     if !f.enabled {
         return Finding::ok(
             CHECK,
@@ -89,13 +112,20 @@ pub fn dev_shm(f: &ShmFacts) -> Finding {
                 size(space.total),
                 size(need),
                 plural(f.local_ranks, "local rank"),
-                if f.gradient_overlap {
-                    format!(
-                        "{} a rank: the job group's ring and the gradient overlap's",
-                        size(shm_per_rank(true))
-                    )
-                } else {
-                    format!("{} each", size(shm_per_rank(false)))
+                match &f.groups.files()[..] {
+                    [_] => format!("{} each", size(shm_per_rank(f.groups))),
+                    [(first, _), rest @ ..] => format!(
+                        "{} a rank: {first} ring{}",
+                        size(shm_per_rank(f.groups)),
+                        rest.iter()
+                            .enumerate()
+                            .map(|(i, (name, _))| {
+                                let and = if i + 1 == rest.len() { " and " } else { ", " };
+                                format!("{and}{name}")
+                            })
+                            .collect::<String>()
+                    ),
+                    [] => String::new(),
                 }
             ),
             SHM_ADVICE,
@@ -125,7 +155,10 @@ mod tests {
             enabled: true,
             local_ranks: ranks,
             world_size: ranks,
-            gradient_overlap: false,
+            groups: RingGroups {
+                gradient_overlap: false,
+                zero_stage_3: false,
+            },
             space: Ok(FsSpace {
                 free,
                 total: free.max(64 << 10),
@@ -135,20 +168,45 @@ mod tests {
 
     #[test]
     fn dev_shm_must_hold_one_ring_file_per_local_rank() {
-        assert_eq!(shm_need(2, 2, false), 2 * (4 * MIB + 4096));
-        assert_eq!(shm_need(1, 1, true), 0, "a job of one has no ring");
+        let groups = |gradient_overlap, zero_stage_3| RingGroups {
+            gradient_overlap,
+            zero_stage_3,
+        };
+        assert_eq!(shm_need(2, 2, groups(false, false)), 2 * (4 * MIB + 4096));
         assert_eq!(
-            shm_need(1, 4, false),
+            shm_need(1, 1, groups(true, true)),
+            0,
+            "a job of one has no ring"
+        );
+        assert_eq!(
+            shm_need(1, 4, groups(false, false)),
             4 * MIB + 4096,
             "one rank here, others elsewhere"
         );
         assert_eq!(
-            shm_need(2, 2, true),
+            shm_need(2, 2, groups(true, false)),
             2 * (4 * MIB + 4096 + MIB + 4096),
             "the overlap's group has smaller rings of its own"
         );
+        assert_eq!(
+            shm_need(2, 2, groups(false, true)),
+            2 * 3 * (4 * MIB + 4096),
+            "ZeRO stage 3 forms two groups more"
+        );
+        let stage_3 = dev_shm(&ShmFacts {
+            groups: groups(true, true),
+            ..shm_facts(20 * MIB, 2)
+        });
+        assert_eq!(stage_3.status, Status::Fail, "{}", stage_3.detail);
+        assert!(
+            stage_3.detail.contains(
+                "needs 26.0 MiB for 2 local ranks (13.0 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)"
+            ),
+            "{}",
+            stage_3.detail
+        );
         let two_groups = dev_shm(&ShmFacts {
-            gradient_overlap: true,
+            groups: groups(true, false),
             ..shm_facts(9 * MIB, 2)
         });
         assert_eq!(two_groups.status, Status::Fail, "{}", two_groups.detail);
