@@ -203,7 +203,8 @@ fn zero_stages_1_and_2_with_adam_match_the_unchanged_program_with_the_doubled_ba
 
 /// Options that cannot work end every rank with exit code 2 and a message naming the fix:
 /// ZeRO stage 2 (as 1) with burn-train's checkpointer (whose files would lose the other ranks'
-/// optimizer state), and NCCL in a build without CUDA.
+/// optimizer state), ZeRO stage 3 (burn-train's `Learner` cannot hold the shards), and NCCL in a
+/// build without CUDA.
 #[test]
 fn impossible_strategy_options_exit_2_naming_the_fix() {
     let dir = scratch("burn-train-refused");
@@ -212,13 +213,17 @@ fn impossible_strategy_options_exit_2_naming_the_fix() {
             &["--zero-stage", "2"][..],
             "Remove the checkpointer, use ZeRO stage 0",
         ),
+        (
+            &["--zero-stage", "3", "--no-checkpointer"][..],
+            "Learner cannot hold a sharded model",
+        ),
         (&["--nccl"][..], "NCCL needs"),
     ] {
         let out = run(trainer()
             .args(["launch", "--nproc-per-node", "2", "--"])
             .arg(user_program())
             .arg("--dir")
-            .arg(dir.join(args[0].trim_start_matches('-')))
+            .arg(dir.join(args.concat().trim_start_matches('-')))
             .args(args));
         assert_eq!(out.code, Some(2), "{args:?}: {}", out.all());
         assert!(out.all().contains(says), "{args:?}: {}", out.all());

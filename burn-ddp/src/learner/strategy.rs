@@ -278,7 +278,7 @@ where
         if self.options.zero_stage.shards_parameters() {
             refuse(
                 self.rank,
-                "ZeRO stage 3 is not available under the burn-train strategy: its Learner runs the forward, and stage 3 must shard the model from one forward first and gather its blocks in every forward (DataParallel::fully_shard and sharded_forward). Train through the trainer engine or your own loop, or use ZeRO stage 2",
+                "ZeRO stage 3 is not available under the burn-train strategy: burn-train 0.22's Learner cannot hold a sharded model (Learner::load_model keeps every parameter's shape, dropping a record of another shape, and its optimizer is private, so a strategy cannot put the shards in its place). Train through the trainer engine or your own loop (DataParallel::fully_shard and sharded_forward), or use ZeRO stage 2",
             );
         }
         let sharded = self.options.zero_stage.shards_optimizer_state();
