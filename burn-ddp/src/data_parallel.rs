@@ -406,6 +406,16 @@ impl DataParallel {
         self.parameter_bytes
     }
 
+    /// At ZeRO stage 3, the most bytes of whole (gathered) parameters this rank held at once
+    /// during a training forward and backward so far: the blocks in use, gathered ahead and
+    /// gathered again for a backward, which [`parameter_bytes`](Self::parameter_bytes) (the
+    /// shards) leaves out. Measured on Burn's CPU backend (a device backend copies the values
+    /// and they go at once); 0 at other stages. Local.
+    pub fn gathered_peak_bytes(&self) -> u64 {
+        self.shard_comm()
+            .map_or(0, |comm| comm.gathered_bytes().training_peak())
+    }
+
     /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:
     /// [`average_gradients`](Self::average_gradients). Stages 1 and 2: `grads` keeps only the
     /// gradients of the parameters this rank owns, each the mean over the ranks (stage 1:

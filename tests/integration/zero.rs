@@ -274,6 +274,25 @@ fn stage_3_matches_stage_0_on_the_transformer_holding_a_shard_of_the_model() {
             diff < 1e-5,
             "world {world}: stage 3 vs stage 0: max |dw| = {diff:e}"
         );
+        // The whole parameters held at once in a step (measured while tensors use them): at
+        // least a layer (each is gathered whole for its forward), and less than the whole
+        // model (each is dropped after its forward; gathered at most one block ahead).
+        let weights = final_weights(&dir, &stage0);
+        let bytes_of = |prefix: &str| -> u64 {
+            let values: usize = weights
+                .iter()
+                .filter(|(name, _)| name.starts_with(prefix))
+                .map(|(_, v)| v.len())
+                .sum();
+            4 * values as u64
+        };
+        let (layer, model) = (bytes_of("encoder.layers.0."), bytes_of(""));
+        let gathered = per_rank(&dir.join(format!("{stage3}-out")), "gathered_peak_bytes");
+        assert!(
+            layer > 0 && gathered.iter().all(|&g| g >= layer && g < model),
+            "world {world}: whole parameters held at once {gathered:?}, a layer {layer}, the \
+             model {model} bytes"
+        );
         let whole = held_bytes(&dir.join(format!("{stage0}-out")));
         let shard = held_bytes(&dir.join(format!("{stage3}-out")));
         assert!(whole.iter().all(|&b| b == whole[0]), "{whole:?}");

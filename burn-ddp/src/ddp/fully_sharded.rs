@@ -54,9 +54,11 @@ impl FullyShardedState {
         options.store_prefix.push_str(STORE_SUFFIX);
         let (rank, world) = (dist.env.rank, dist.env.world_size);
         let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options.clone())?;
-        let prefetcher = Prefetcher::start(dist.store.clone(), rank, world, options)?;
+        let comm = ShardComm::new(group);
+        let gathered = comm.gathered_bytes().clone();
+        let prefetcher = Prefetcher::start(dist.store.clone(), rank, world, options, gathered)?;
         Ok(Self {
-            comm: ShardComm::new(group),
+            comm,
             layout: None,
             blocks: Vec::new(),
             prefetcher,
@@ -105,6 +107,9 @@ impl FullyShardedState {
     /// handles: the thread reads each block's when its turn comes).
     pub fn forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
         let layout = self.layout.as_ref()?;
+        // The peak of whole parameters held at once is taken over this forward and backward
+        // (the guard ends the window).
+        self.comm.gathered_bytes().begin_window();
         let mut shards = shard_handles(model, layout);
         let blocks: Option<Vec<BlockShards>> = self
             .blocks

@@ -33,7 +33,8 @@
 //!   back for a forward; [`fully_sharded`]: ZeRO stage 3 in the DDP step (which blocks are
 //!   sharded, the shards' group, their gradients' mean and verdict); [`reshard`]: shards
 //!   joined whole or re-cut for another world size (sharded checkpoints), pure;
-//!   [`shard_prefetch`]: the blocks' forward gathers run ahead on a thread of their own.
+//!   [`shard_prefetch`]: the blocks' forward gathers run ahead on a thread of their own;
+//!   [`gathered_bytes`]: how many bytes of whole parameters a rank holds at once.
 //! - `mapped`: buffers mapped from the kernel and returned on drop (ZeRO's reduce-scatters).
 //! - `zero_buckets`: ZeRO stage 2's bucket, reduce-scattered to its parameters' owners (the
 //!   reducer's unit of work at stage 2, during backward for marked blocks).
@@ -55,6 +56,7 @@ pub mod config_names;
 pub mod device;
 pub mod finite;
 pub mod fully_sharded;
+pub mod gathered_bytes;
 pub mod gradient_sync;
 mod host_pieces;
 mod mapped;

@@ -49,6 +49,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
 use burn::tensor::{Shape, Tensor, TensorData};
 
+use super::gathered_bytes::{GatheredBytes, GatheredValues};
 use crate::error::ShardGatherError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
 use crate::host_values::host_values;
@@ -76,6 +77,8 @@ pub fn shard_of(full: &[f32], rank: usize, world: usize) -> Vec<f32> {
 #[derive(Clone)]
 pub struct ShardComm {
     inner: Arc<Mutex<Inner>>,
+    /// Bytes of whole parameters alive on this rank (read without the group's lock).
+    gathered: Arc<GatheredBytes>,
 }
 
 struct Inner {
@@ -114,7 +117,14 @@ impl ShardComm {
                 bytes: 0,
                 prefetched: 0,
             })),
+            gathered: Arc::default(),
         }
+    }
+
+    /// Live and peak bytes of the whole parameters this rank's gathers made (a block gathered
+    /// ahead, one gathered on the spot or again for a backward), while tensors use them.
+    pub fn gathered_bytes(&self) -> &Arc<GatheredBytes> {
+        &self.gathered
     }
 
     pub fn rank(&self) -> usize {
@@ -227,8 +237,16 @@ pub trait GatherShard: Backend {
 
 /// A parameter's whole values gathered ahead of the forward ([`gather_shard_prefetched`]), or
 /// none.
-#[derive(Clone, Debug, Default)]
-pub struct Given(Option<Arc<Vec<f32>>>);
+#[derive(Clone, Default)]
+pub struct Given(Option<Arc<GatheredValues>>);
+
+impl fmt::Debug for Given {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Given")
+            .field(&self.0.as_ref().map(|values| values.values().len()))
+            .finish()
+    }
+}
 
 impl GatherShard for burn::backend::Flex {
     fn gather_shard(
@@ -348,6 +366,17 @@ pub fn gather_shard_prefetched<const D: usize>(
     comm: &ShardComm,
     full: Vec<f32>,
 ) -> Tensor<D> {
+    let full = GatheredValues::new(full, comm.gathered_bytes());
+    gather_shard_given(shard, shape, comm, full)
+}
+
+/// [`gather_shard_prefetched`] with values already counted (the prefetch thread's).
+pub(crate) fn gather_shard_given<const D: usize>(
+    shard: Tensor<1>,
+    shape: [usize; D],
+    comm: &ShardComm,
+    full: GatheredValues,
+) -> Tensor<D> {
     Tensor::from_dispatch(Dispatch::gather_shard(
         shard.into_dispatch(),
         Shape::from(shape),
@@ -376,15 +405,22 @@ fn host_gather<B: Backend>(
     let (device, dtype) = (shard.device(), shard.dtype());
     let numel = shape.num_elements();
     let full = match given.0 {
-        Some(full) => Arc::try_unwrap(full).unwrap_or_else(|shared| (*shared).clone()),
-        None => match read_values::<B>(shard, comm) {
-            Some(values) => comm.all_gather(&values, numel),
-            // Every rank must still enter the collective the others are in.
-            None => comm.all_gather(&vec![0.0; shard_len(numel, comm.world_size())], numel),
-        },
+        Some(full) => Arc::try_unwrap(full).unwrap_or_else(|shared| {
+            GatheredValues::new(shared.values().to_vec(), comm.gathered_bytes())
+        }),
+        None => {
+            let full = match read_values::<B>(shard, comm) {
+                Some(values) => comm.all_gather(&values, numel),
+                // Every rank must still enter the collective the others are in.
+                None => comm.all_gather(&vec![0.0; shard_len(numel, comm.world_size())], numel),
+            };
+            GatheredValues::new(full, comm.gathered_bytes())
+        }
     };
+    // The values become the tensor's storage (counted while it lives, on Burn's CPU backend;
+    // a device backend copies them and they go at once).
     B::float_from_data(
-        TensorData::new(full, shape.clone()).convert_dtype(dtype),
+        full.into_tensor_data(shape.clone()).convert_dtype(dtype),
         &device,
     )
 }

@@ -1,13 +1,14 @@
 //! ZeRO stage 3's forward gathers run ahead of the forward: a thread of its own all-gathers
 //! the marked blocks, one collective per block, in the order the forward will use them, and
-//! hands each block over through a queue one block deep. While block `k` computes, block
-//! `k + 1` is on the wire (FSDP's forward prefetch); a rank holds about two blocks whole
-//! besides the one computing.
+//! hands each block over when the forward reaches it (a rendezvous, no queue). While block `k`
+//! computes, block `k + 1` is on the wire (FSDP's forward prefetch, one block ahead); a rank
+//! holds the block computing and the next one whole, the next one twice while it is unpacked
+//! from the collective's buffer (measured: [`super::gathered_bytes`]).
 //!
 //! ```text
 //! sharded_forward(model)  every block's shards (tensor handles), one job for the thread
 //! thread                  block by block: read and pack the shards, all_gather, unpack each
-//!                         parameter whole ─▶ queue (bounded: one block ahead)
+//!                         parameter whole ─▶ hand-over (waits for the forward: one ahead)
 //! mark_block(block k)     takes block k from the queue (gather_shard_prefetched: no
 //!                         collective in the forward; backward and recompute as before)
 //! ```
@@ -17,12 +18,14 @@
 //! forward that marks fewer blocks, a guard dropped early), so the ranks stay in step.
 
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 
+use super::gathered_bytes::{GatheredBytes, GatheredValues};
 use super::mapped::MappedBuffer;
 use super::shard_gather::shard_len;
 use crate::error::DdpError;
@@ -44,11 +47,11 @@ pub struct BlockShards {
     pub numels: Vec<usize>,
 }
 
-/// One block gathered whole: each parameter's values, in `ids`' order.
-#[derive(Debug)]
+/// One block gathered whole: each parameter's values, in `ids`' order (counted in the
+/// rank's [`GatheredBytes`] while they live).
 pub struct GatheredBlock {
     pub ids: Vec<ParamId>,
-    pub full: Vec<Vec<f32>>,
+    pub(crate) full: Vec<GatheredValues>,
 }
 
 struct Job {
@@ -65,13 +68,15 @@ pub struct Prefetcher {
 }
 
 impl Prefetcher {
-    /// Forms the prefetch group and starts the thread. Collective: every rank calls it at the
-    /// same point, with the same options (deadline: `options.timeout`).
+    /// Forms the prefetch group and starts the thread, which counts the blocks it gathers in
+    /// `gathered`. Collective: every rank calls it at the same point, with the same options
+    /// (deadline: `options.timeout`).
     pub fn start(
         store: std::sync::Arc<dyn Store>,
         rank: usize,
         world_size: usize,
         mut options: TcpGroupOptions,
+        gathered: Arc<GatheredBytes>,
     ) -> Result<Self, DdpError> {
         options.store_prefix.push_str(STORE_SUFFIX);
         let deadline = options.timeout + Duration::from_secs(30);
@@ -82,7 +87,7 @@ impl Prefetcher {
             .spawn(move || {
                 for job in inbox {
                     for block in job.blocks {
-                        let gathered = gather_block(&mut group, block);
+                        let gathered = gather_block(&mut group, block, &gathered);
                         // Nobody waiting (the forward moved on): the gathers still run, so
                         // that every rank's group stays in step.
                         let _ = job.out.send(gathered);
@@ -100,7 +105,9 @@ impl Prefetcher {
     /// Queues one forward's blocks; returns the stream the forward takes them from, in order.
     /// Not collective itself; every rank must queue the same blocks (the same model).
     pub fn prefetch(&self, blocks: Vec<BlockShards>) -> Option<PrefetchStream> {
-        let (out, stream) = mpsc::sync_channel(1);
+        // A rendezvous: the thread gathers block k + 1 while block k computes, not further
+        // ahead (each block further would be held whole too).
+        let (out, stream) = mpsc::sync_channel(0);
         self.jobs.as_ref()?.send(Job { blocks, out }).ok()?;
         Some(PrefetchStream {
             blocks: stream,
@@ -138,7 +145,11 @@ impl PrefetchStream {
 }
 
 /// One block: its shards packed, all-gathered in one collective, unpacked.
-fn gather_block(group: &mut TcpProcessGroup, block: BlockShards) -> Result<GatheredBlock, String> {
+fn gather_block(
+    group: &mut TcpProcessGroup,
+    block: BlockShards,
+    gathered: &Arc<GatheredBytes>,
+) -> Result<GatheredBlock, String> {
     let world = group.world_size();
     let lens: Vec<usize> = block.numels.iter().map(|&n| shard_len(n, world)).collect();
     let per_rank: usize = lens.iter().sum();
@@ -164,6 +175,7 @@ fn gather_block(group: &mut TcpProcessGroup, block: BlockShards) -> Result<Gathe
         offset += len;
     }
     let mut all = buffer(per_rank * world)?;
+    let mut counted = gathered.hold(std::mem::size_of_val(&*all) as u64);
     group
         .all_gather(&packed, &mut all)
         .map_err(|e| format!("ZeRO stage 3: prefetching a block failed: {e}"))?;
@@ -172,8 +184,35 @@ fn gather_block(group: &mut TcpProcessGroup, block: BlockShards) -> Result<Gathe
             "ZeRO stage 3: a shard could not be read for the prefetch: {why}"
         ));
     }
+    let full = match block.numels[..] {
+        // One parameter: the buffer is the parameter, then padding; no copy.
+        [numel] => {
+            drop(counted);
+            vec![GatheredValues::in_buffer(all, numel, gathered)]
+        }
+        _ => {
+            // Parameter by parameter, the buffer's consumed part given back as it goes, so
+            // that the block is not held twice (buffer and parameters) while it is unpacked.
+            let mut full = Vec::with_capacity(block.numels.len());
+            // Bytes given back so far of each rank's part (its consumed prefix).
+            let mut released = vec![0; world];
+            let mut offset = 0;
+            for (&numel, &len) in block.numels.iter().zip(&lens) {
+                let values = unpack_parameter(&all, per_rank, offset, len, numel);
+                full.push(GatheredValues::new(values, gathered));
+                offset += len;
+                for (rank, released) in released.iter_mut().enumerate() {
+                    let part = rank * per_rank;
+                    let now = all.release(part..part + offset);
+                    counted.shrink((now - *released) as u64);
+                    *released = now;
+                }
+            }
+            full
+        }
+    };
     Ok(GatheredBlock {
-        full: unpack_block(&all, &block.numels, world),
+        full,
         ids: block.ids,
     })
 }
@@ -189,16 +228,30 @@ pub fn unpack_block(gathered: &[f32], numels: &[usize], world: usize) -> Vec<Vec
         .iter()
         .zip(&lens)
         .map(|(&numel, &len)| {
-            let mut full = Vec::with_capacity(len * world);
-            for rank in 0..world {
-                let start = rank * per_rank + offset;
-                full.extend_from_slice(&gathered[start..start + len]);
-            }
+            let full = unpack_parameter(gathered, per_rank, offset, len, numel);
             offset += len;
-            full.truncate(numel);
             full
         })
         .collect()
+}
+
+/// One parameter of [`unpack_block`]: `numel` values whose shards (`len` values each) start at
+/// `offset` in every rank's part of `per_rank` values. Pure.
+fn unpack_parameter(
+    gathered: &[f32],
+    per_rank: usize,
+    offset: usize,
+    len: usize,
+    numel: usize,
+) -> Vec<f32> {
+    let world = gathered.len() / per_rank.max(1);
+    let mut full = Vec::with_capacity(len * world);
+    for rank in 0..world {
+        let start = rank * per_rank + offset;
+        full.extend_from_slice(&gathered[start..start + len]);
+    }
+    full.truncate(numel);
+    full
 }
 
 #[cfg(test)]

@@ -19,11 +19,13 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
-use super::shard_gather::{gather_shard, gather_shard_prefetched, shard_len, shard_of, ShardComm};
+use super::gathered_bytes::{GatheredBytes, GatheredValues};
+use super::shard_gather::{gather_shard, gather_shard_given, shard_len, shard_of, ShardComm};
 use super::shard_prefetch::PrefetchStream;
 use crate::error::ShardGatherError;
 use crate::host_values::host_values;
@@ -138,7 +140,7 @@ struct Gather<'a> {
     layout: &'a ShardLayout,
     comm: &'a ShardComm,
     /// The parameters' values gathered ahead, by id (taken as they are used).
-    given: Option<HashMap<ParamId, Vec<f32>>>,
+    given: Option<HashMap<ParamId, GatheredValues>>,
 }
 
 /// The full shape of `param` when it is a shard under `layout` (its shape `[1, …, 1, len]`);
@@ -162,7 +164,7 @@ impl ModuleMapper for Gather<'_> {
             .as_mut()
             .and_then(|given| given.remove(&param.id));
         param.map(|shard| match given {
-            Some(values) => gather_shard_prefetched(shard.reshape([len]), full, self.comm, values),
+            Some(values) => gather_shard_given(shard.reshape([len]), full, self.comm, values),
             None => gather_shard(shard.reshape([len]), full, self.comm),
         })
     }
@@ -192,6 +194,8 @@ enum Marking {
 /// backward); parameters outside marked blocks must not be sharded. Not `Send`: the forward
 /// runs on the thread that entered it.
 pub struct ShardedForward {
+    /// Where the peak of whole parameters held is taken; its window ends with the guard.
+    gathered: Arc<GatheredBytes>,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -223,6 +227,7 @@ impl ShardedForward {
             })
         });
         Self {
+            gathered: comm.gathered_bytes().clone(),
             _not_send: PhantomData,
         }
     }
@@ -231,6 +236,7 @@ impl ShardedForward {
 impl Drop for ShardedForward {
     fn drop(&mut self) {
         FORWARD.with(|f| *f.borrow_mut() = None);
+        self.gathered.end_window();
     }
 }
 
@@ -335,10 +341,10 @@ fn gather_next<M: Module>(
                 let values = gathered
                     .full
                     .iter()
-                    .map(|full| (shard_len(full.len(), world) * world) as u64)
+                    .map(|full| (shard_len(full.values().len(), world) * world) as u64)
                     .sum();
                 comm.count_prefetched_block(values);
-                let full: HashMap<ParamId, Vec<f32>> =
+                let full: HashMap<ParamId, GatheredValues> =
                     gathered.ids.into_iter().zip(gathered.full).collect();
                 return block.clone().map(&mut Gather {
                     layout,

@@ -137,6 +137,7 @@ impl EventSink for RankReporter {
                 optimizer_state_bytes: held.iter().map(|h| h.optimizer_state_bytes).collect(),
                 gradient_bytes: held.iter().map(|h| h.gradient_bytes).collect(),
                 parameter_bytes: held.iter().map(|h| h.parameter_bytes).collect(),
+                gathered_peak_bytes: held.iter().map(|h| h.gathered_peak_bytes).collect(),
             }),
             Event::Ended => {
                 if self.rank == 0 && self.output.plots {

@@ -67,5 +67,8 @@ pub enum Record {
         /// Bytes of each rank's parameters (its shards and the parameters outside marked
         /// blocks under stage 3).
         parameter_bytes: Vec<u64>,
+        /// Under stage 3, the most bytes of whole (gathered) parameters each rank held at
+        /// once in a training forward and backward; 0 under other stages.
+        gathered_peak_bytes: Vec<u64>,
     },
 }

@@ -169,12 +169,12 @@ fn measure(args: &BenchTrainArgs) -> anyhow::Result<(Measured, Option<Measured>,
 /// The table of runs and the ratios of the same run: DDP overhead, scaling, ZeRO's cost.
 fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: DeviceKind) {
     println!(
-        "{:<28} {:>12} {:>14} {:>26} {:>36} {:>24}",
+        "{:<28} {:>12} {:>14} {:>26} {:>46} {:>24}",
         "",
         "samples/s",
         "step time (ms)",
         "peak RSS per rank (MiB)",
-        "params + grads + optim. state (MiB)",
+        "params + grads + optim. state + gathered (MiB)",
         "collectives / step (MiB)"
     );
     let mut rows = vec![("plain Burn loop", 1, plain)];
@@ -193,7 +193,7 @@ fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: Device
             v.join(" / ")
         };
         println!(
-            "{name:<28} {:>12.0} {:>14.2} {:>26} {:>36} {:>24}",
+            "{name:<28} {:>12.0} {:>14.2} {:>26} {:>46} {:>24}",
             m.rate,
             1e3 * per_step * nproc as f64 / m.rate,
             per_rank(&m.peak_rss, 0),
@@ -260,8 +260,9 @@ fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentu
     );
 }
 
-/// One run's throughput, each rank's peak resident memory and counted gradient +
-/// optimizer-state bytes (the finish record's; none for the plain loop).
+/// One run's throughput, each rank's peak resident memory and counted parameter + gradient +
+/// optimizer-state bytes, with stage 3's peak of gathered whole parameters (the finish
+/// record's; none for the plain loop).
 #[derive(Debug, Clone)]
 struct Measured {
     rate: f64,
@@ -377,11 +378,14 @@ fn run_trainer(
             .unwrap_or_default()
     };
     let peak_rss = per_rank("peak_rss_bytes");
+    // At ZeRO stage 3 the whole parameters held at once (their peak) count too.
+    let gathered = per_rank("gathered_peak_bytes");
     let model_state = per_rank("gradient_bytes")
         .iter()
         .zip(per_rank("optimizer_state_bytes"))
         .zip(per_rank("parameter_bytes"))
-        .map(|((g, s), p)| g + s + p)
+        .enumerate()
+        .map(|(r, ((g, s), p))| g + s + p + gathered.get(r).copied().unwrap_or(0))
         .collect();
     let collective_bytes = std::fs::read_to_string(out_dir.join("reducer-stats.json"))
         .ok()

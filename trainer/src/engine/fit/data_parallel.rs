@@ -137,10 +137,11 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         }
         if let Some(comm) = steps.ddp.shard_comm() {
             println!(
-                "ZeRO stage 3 on rank 0: {} blocks gathered ahead of their forward, {} parameters gathered on the spot (their backward's recompute, validation), {} gradients reduce-scattered",
+                "ZeRO stage 3 on rank 0: {} blocks gathered ahead of their forward, {} parameters gathered on the spot (their backward's recompute, validation), {} gradients reduce-scattered; at most {:.1} MiB of whole parameters held at once in a step",
                 comm.prefetched_blocks(),
                 comm.gathers(),
-                comm.reduce_scatters()
+                comm.reduce_scatters(),
+                comm.gathered_bytes().training_peak() as f64 / (1 << 20) as f64
             );
         }
     }
@@ -401,6 +402,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
             optimizer_state_bytes: zero::state_bytes(&self.optim)?,
             gradient_bytes: self.ddp.gradient_bytes(),
             parameter_bytes: self.ddp.parameter_bytes(),
+            gathered_peak_bytes: self.ddp.gathered_peak_bytes(),
         })
     }
 

@@ -23,11 +23,15 @@ pub struct HeldState {
     /// Bytes of the parameters it holds (its shards and the parameters outside marked
     /// blocks at ZeRO stage 3).
     pub parameter_bytes: u64,
+    /// At ZeRO stage 3, the most bytes of whole parameters it held at once in a training
+    /// forward and backward (blocks gathered for use, ahead, and again for a backward);
+    /// 0 at other stages.
+    pub gathered_peak_bytes: u64,
 }
 
 impl HeldState {
     /// The values one rank sends in the run's closing all-gather.
-    pub const VALUES: usize = 4;
+    pub const VALUES: usize = 5;
 
     pub fn to_values(self) -> [f64; Self::VALUES] {
         [
@@ -35,6 +39,7 @@ impl HeldState {
             self.optimizer_state_bytes as f64,
             self.gradient_bytes as f64,
             self.parameter_bytes as f64,
+            self.gathered_peak_bytes as f64,
         ]
     }
 
@@ -45,6 +50,7 @@ impl HeldState {
             optimizer_state_bytes: at(1),
             gradient_bytes: at(2),
             parameter_bytes: at(3),
+            gathered_peak_bytes: at(4),
         }
     }
 }

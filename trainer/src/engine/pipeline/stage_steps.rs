@@ -351,6 +351,8 @@ where
             optimizer_state_bytes: zero::state_bytes(&self.optim)?,
             gradient_bytes: self.pp.replica_group().gradient_bytes(),
             parameter_bytes: self.pp.replica_group().parameter_bytes(),
+            // Pipeline stages do not combine with ZeRO stage 3.
+            gathered_peak_bytes: 0,
         })
     }
 

@@ -1,0 +1,236 @@
+//! [`GatheredBytes`]: how many bytes of whole parameters ZeRO stage 3 holds at once — the
+//! part of a rank's model memory that its counted shards leave out.
+//!
+//! Every whole parameter stage 3 makes (a block gathered ahead, one gathered on the spot, one
+//! gathered again for a backward) lives in a [`GatheredValues`], counted from its creation
+//! until the last tensor that uses its memory is dropped: the values become the tensor's
+//! storage as they are (a [`Bytes`] over them, no copy, on Burn's CPU backend), so whatever
+//! keeps the tensor — the forward's ops, a backward's recompute, a view — keeps it counted.
+//! A backend that copies the values to a device releases them at once (its own memory is not
+//! seen here). The prefetch thread's receive buffer counts while it lives too.
+//!
+//! The peak is taken over training forwards and backwards only
+//! ([`begin_window`](GatheredBytes::begin_window) … [`end_window`](GatheredBytes::end_window)):
+//! the whole model gathered for validation or a save is not part of a step.
+
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use burn::tensor::{Bytes, DType, Shape, TensorData};
+use burn_std::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
+
+use super::mapped::MappedBuffer;
+
+/// Live and peak bytes of gathered whole parameters on one rank (module docs). Shared by the
+/// training thread, the prefetch thread and every [`GatheredValues`].
+#[derive(Debug, Default)]
+pub struct GatheredBytes {
+    live: AtomicU64,
+    /// The highest `live` since the current window began.
+    window_peak: AtomicU64,
+    /// The highest `window_peak` of the windows ended so far.
+    training_peak: AtomicU64,
+}
+
+impl GatheredBytes {
+    /// Bytes of whole parameters alive now.
+    pub fn live(&self) -> u64 {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// The most bytes of whole parameters alive at once during a training forward and
+    /// backward, over the windows ended so far.
+    pub fn training_peak(&self) -> u64 {
+        self.training_peak.load(Ordering::Relaxed)
+    }
+
+    /// A training forward and backward begins: its peak starts from what is alive now.
+    pub(crate) fn begin_window(&self) {
+        self.window_peak.store(self.live(), Ordering::Relaxed);
+    }
+
+    /// The forward and backward begun last have ended.
+    pub(crate) fn end_window(&self) {
+        let peak = self.window_peak.load(Ordering::Relaxed);
+        self.training_peak.fetch_max(peak, Ordering::Relaxed);
+    }
+
+    /// `bytes` held until the returned guard is dropped.
+    pub(crate) fn hold(self: &Arc<Self>, bytes: u64) -> Held {
+        self.add(bytes);
+        Held {
+            gauge: self.clone(),
+            bytes,
+        }
+    }
+
+    fn add(&self, bytes: u64) {
+        let now = self.live.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.window_peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn release(&self, bytes: u64) {
+        self.live.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Bytes counted in a [`GatheredBytes`] until dropped.
+pub(crate) struct Held {
+    gauge: Arc<GatheredBytes>,
+    bytes: u64,
+}
+
+impl Held {
+    /// `bytes` of them given back early.
+    pub fn shrink(&mut self, bytes: u64) {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        self.gauge.release(bytes);
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.gauge.release(self.bytes);
+    }
+}
+
+/// A whole parameter's `f32` values, counted while they live (module docs).
+pub(crate) struct GatheredValues {
+    storage: Storage,
+    /// The parameter's values: the first `len` of the storage.
+    len: usize,
+    _held: Held,
+}
+
+/// Where the values are: their own vector, or the collective's buffer itself (a block of one
+/// parameter needs no unpacking: its buffer holds the parameter, then padding).
+enum Storage {
+    Owned(Vec<f32>),
+    Mapped(MappedBuffer<f32>),
+}
+
+impl GatheredValues {
+    pub fn new(values: Vec<f32>, gauge: &Arc<GatheredBytes>) -> Self {
+        let held = gauge.hold(std::mem::size_of_val(values.as_slice()) as u64);
+        Self {
+            len: values.len(),
+            storage: Storage::Owned(values),
+            _held: held,
+        }
+    }
+
+    /// The first `len` values of `buffer` (counted whole, padding included).
+    pub fn in_buffer(buffer: MappedBuffer<f32>, len: usize, gauge: &Arc<GatheredBytes>) -> Self {
+        let held = gauge.hold(std::mem::size_of_val(&*buffer) as u64);
+        Self {
+            len: len.min(buffer.len()),
+            storage: Storage::Mapped(buffer),
+            _held: held,
+        }
+    }
+
+    pub fn values(&self) -> &[f32] {
+        match &self.storage {
+            Storage::Owned(values) => &values[..self.len],
+            Storage::Mapped(buffer) => &buffer[..self.len],
+        }
+    }
+
+    fn values_mut(&mut self) -> &mut [f32] {
+        match &mut self.storage {
+            Storage::Owned(values) => &mut values[..self.len],
+            Storage::Mapped(buffer) => &mut buffer[..self.len],
+        }
+    }
+
+    /// The values as tensor data of `shape` (`f32`), still counted: they are its storage.
+    pub fn into_tensor_data(self, shape: Shape) -> TensorData {
+        let len = std::mem::size_of_val(self.values());
+        // SAFETY: the controller's memory is `self.values`, `len` bytes, all initialised.
+        let bytes = unsafe { Bytes::from_controller(Box::new(self), len) };
+        TensorData::from_bytes(bytes, shape, DType::F32)
+    }
+}
+
+impl AllocationController for GatheredValues {
+    fn alloc_align(&self) -> usize {
+        std::mem::align_of::<f32>()
+    }
+
+    fn property(&self) -> AllocationProperty {
+        AllocationProperty::Native
+    }
+
+    unsafe fn memory_mut(
+        &mut self,
+        _policy: AccessPolicy,
+    ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
+        let values = self.values_mut();
+        let len = std::mem::size_of_val(values);
+        // SAFETY: the initialised `f32`s viewed as their bytes; the caller writes only
+        // initialised bytes (the trait's contract), and any bytes are a valid `f32`.
+        Ok(unsafe {
+            std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<MaybeUninit<u8>>(), len)
+        })
+    }
+
+    fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
+        let values = self.values();
+        let len = std::mem::size_of_val(values);
+        // SAFETY: the initialised `f32`s viewed as their bytes, borrowed from `self`.
+        Ok(unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<MaybeUninit<u8>>(), len) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Tensor};
+
+    use super::*;
+
+    #[test]
+    fn gathered_values_count_until_the_last_tensor_using_them_is_dropped() {
+        let gauge = Arc::new(GatheredBytes::default());
+        gauge.begin_window();
+        let values = GatheredValues::new(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &gauge);
+        assert_eq!(gauge.live(), 24);
+        let device = Device::flex();
+        let tensor = Tensor::<2>::from_data(values.into_tensor_data(Shape::new([2, 3])), &device);
+        assert_eq!(gauge.live(), 24, "the tensor's storage is the values");
+        let view = tensor.clone().reshape([3, 2]);
+        drop(tensor);
+        assert_eq!(gauge.live(), 24, "a view keeps them");
+        let doubled = (view.clone() * 2.0)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        assert_eq!(doubled, vec![2.0, 4.0, 6.0, 8.0, 10.0, 12.0]);
+        drop(view);
+        assert_eq!(gauge.live(), 0);
+        let buffer = gauge.hold(100);
+        assert_eq!(gauge.live(), 100);
+        drop(buffer);
+        // A collective's buffer of 5 values (padding included) holding a parameter of 3.
+        let mut buffer = MappedBuffer::<f32>::zeroed(5).unwrap();
+        buffer[..3].copy_from_slice(&[7.0, 8.0, 9.0]);
+        let values = GatheredValues::in_buffer(buffer, 3, &gauge);
+        assert_eq!(gauge.live(), 20);
+        let tensor = Tensor::<1>::from_data(values.into_tensor_data(Shape::new([3])), &device);
+        assert_eq!(
+            tensor.to_data().try_to_vec::<f32>().unwrap(),
+            vec![7.0, 8.0, 9.0]
+        );
+        drop(tensor);
+        assert_eq!(gauge.live(), 0);
+        gauge.end_window();
+        assert_eq!(gauge.training_peak(), 100);
+        // Outside a window (validation) nothing reaches the training peak.
+        gauge.begin_window();
+        drop(gauge.hold(10));
+        gauge.begin_window();
+        gauge.end_window();
+        assert_eq!(gauge.training_peak(), 100);
+    }
+}
