@@ -193,30 +193,25 @@ mod tests {
             2 * 3 * (4 * MIB + 4096),
             "ZeRO stage 3 forms two groups more"
         );
-        let stage_3 = dev_shm(&ShmFacts {
-            groups: groups(true, true),
-            ..shm_facts(20 * MIB, 2)
-        });
-        assert_eq!(stage_3.status, Status::Fail, "{}", stage_3.detail);
-        assert!(
-            stage_3.detail.contains(
-                "needs 26.0 MiB for 2 local ranks (13.0 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)"
+        for (groups, free, says) in [
+            (
+                groups(true, true),
+                20 * MIB,
+                "needs 26.0 MiB for 2 local ranks (13.0 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)",
             ),
-            "{}",
-            stage_3.detail
-        );
-        let two_groups = dev_shm(&ShmFacts {
-            groups: groups(true, false),
-            ..shm_facts(9 * MIB, 2)
-        });
-        assert_eq!(two_groups.status, Status::Fail, "{}", two_groups.detail);
-        assert!(
-            two_groups.detail.contains(
-                "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: the job group's ring and the gradient overlap's)"
+            (
+                groups(true, false),
+                9 * MIB,
+                "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: the job group's ring and the gradient overlap's)",
             ),
-            "{}",
-            two_groups.detail
-        );
+        ] {
+            let short = dev_shm(&ShmFacts {
+                groups,
+                ..shm_facts(free, 2)
+            });
+            assert_eq!(short.status, Status::Fail, "{}", short.detail);
+            assert!(short.detail.contains(says), "{}", short.detail);
+        }
 
         let tiny = dev_shm(&shm_facts(64 << 10, 2));
         assert_eq!(tiny.status, Status::Fail);
