@@ -3,6 +3,7 @@
 //! summed by the TCP ring — the path of every GPU without NCCL.
 
 use crate::common::*;
+use crate::zero::consolidate;
 
 /// `digits_config` on the wgpu device.
 fn on_wgpu(config: String) -> String {
@@ -11,8 +12,8 @@ fn on_wgpu(config: String) -> String {
     with_device
 }
 
-/// The DDP property on wgpu (2 ranks × 8 end where 1 rank × 16 ends), and bf16 buckets (the
-/// compress kernel) within rounding. (Not compared with the CPU run: each backend draws its own
+/// The DDP property on wgpu (2 ranks × 8 end where 1 rank × 16 ends), bf16 buckets (the
+/// compress kernel) within rounding, and ZeRO stage 3 (weights sharded) where 2 ranks end. (Not compared with the CPU run: each backend draws its own
 /// initial weights from the seed.)
 #[test]
 fn wgpu_ranks_match_one_rank_with_the_global_batch() {
@@ -29,9 +30,13 @@ fn wgpu_ranks_match_one_rank_with_the_global_batch() {
     let bf16 = on_wgpu(digits_config(SGD, 8, steps))
         + "\n[distributed]\ngradient_compression = \"bf16\"\n";
     train(&write_config(&dir, "bf16", &bf16), 2);
+    // ZeRO stage 3 on the device: the shards gathered through the host into device tensors.
+    let zero3 = on_wgpu(digits_config(SGD, 8, steps)) + "\n[distributed]\nzero_stage = 3\n";
+    train(&write_config(&dir, "zero3", &zero3), 2);
+    consolidate(&dir, "zero3");
 
     let two = final_weights(&dir, "two");
-    for (other, tolerance) in [("one", 1e-5f32), ("bf16", 1e-3)] {
+    for (other, tolerance) in [("one", 1e-5f32), ("bf16", 1e-3), ("zero3", 1e-5)] {
         let diff = max_abs_diff(&two, &final_weights(&dir, other));
         eprintln!("wgpu, 2 ranks vs {other}: max |Δw| = {diff:e}");
         assert!(
