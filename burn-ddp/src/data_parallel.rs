@@ -200,12 +200,16 @@ impl DataParallel {
     /// stage 3 runs at every stage.
     ///
     /// Not collective (every rank cuts its equal replica the same way), but every rank must
-    /// call it, with the same model. A gathered parameter that an op takes as it is (a
-    /// matmul) is dropped after the forward and gathered again for the backward on any
-    /// device; one that Burn reshapes first (its linear on a batched input) is dropped only
-    /// on a device with Burn's gradient checkpointing
-    /// (`Device::autodiff().gradient_checkpointing()`), as the trainer engine uses at stage 3:
-    /// without it such weights live until backward, as activations do.
+    /// call it, with the same model. On Burn's CPU backend the blocks gathered ahead are the
+    /// tensors' storage: each block's memory is given back once the forward enters the next
+    /// block and gathered again when its backward reads it, whatever keeps the tensors
+    /// (`ddp::block_storage`), so no recompute is needed. On a device backend the gathered
+    /// values are copied to the device: a parameter that an op takes as it is (a matmul) is
+    /// still dropped after the forward and gathered again for the backward, but one that Burn
+    /// reshapes first (its linear on a batched input) is dropped only on a device with Burn's
+    /// gradient checkpointing (`Device::autodiff().gradient_checkpointing()`), as the trainer
+    /// engine uses on a GPU at stage 3: without it such weights live until backward, as
+    /// activations do.
     ///
     /// # Errors
     /// [`DdpError::Options`] when `forward` marks no block; [`DdpError::Unsupported`] when a

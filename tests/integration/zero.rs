@@ -260,6 +260,16 @@ fn stage_3_matches_stage_0_on_the_transformer_holding_a_shard_of_the_model() {
             "{}",
             out.all()
         );
+        // Each layer's weights are given back after its forward and gathered again when its
+        // backward reads them (on the CPU, no recompute): at least the 3 layers of 8 steps.
+        let again: u64 = out
+            .stdout
+            .split("of their forward, ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(again >= 24, "{again} blocks gathered again: {}", out.all());
         assert!(
             dir.join(format!(
                 "{stage3}-ckpt/zero3-world-{world}/rank-{}",

@@ -6,9 +6,10 @@
 //! fully_shard   one forward of the whole model records the marked blocks' parameters
 //!               (discover_blocks), then each rank keeps its flat shard of them (shard_module)
 //! forward       the blocks all-gathered ahead, one collective each, on a thread of their own
-//!               (shard_prefetch); mark_block takes each block whole (ShardedForward); the
-//!               whole parameters are dropped after use, gathered again for the block's
-//!               backward
+//!               (shard_prefetch); mark_block takes each block whole (ShardedForward); a
+//!               block's memory is given back when the forward enters the next one, and
+//!               gathered again when its backward reads it (block_storage; on a device
+//!               backend, Burn's recompute)
 //! backward      each gathered parameter's gradient is reduce-scattered (summed) into its shard
 //! step          the shards' gradients × 1/world (the mean), checked for NaN/Inf; the whole
 //!               parameters' gradients through the reducer as at stage 0; one verdict
@@ -18,11 +19,13 @@
 //! beside the job's, because they run inside Burn's forward and backward.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
+use super::block_storage::RestoreReport;
 use super::finite::{probe, FiniteScan};
 use super::module::param_checksum_where;
 use super::shard_gather::ShardComm;
@@ -30,12 +33,19 @@ use super::shard_prefetch::{BlockShards, Prefetcher};
 use super::sharded_module::{
     discover_blocks, gather_module, shard_module, ShardLayout, ShardedForward,
 };
-use crate::error::DdpError;
+use crate::error::{DdpError, ShardGatherError};
 use crate::group::TcpProcessGroup;
 use crate::init::Distributed;
 
 /// The suffix of the stage-3 group's store prefix.
 pub const STORE_SUFFIX: &str = "/shard";
+
+/// Bytes of the shared-memory rings of stage 3's two groups (the gathers' and the prefetch
+/// thread's), as the overlap's: one 1 MiB piece, not the job group's four. Each rank maps its
+/// own ring and its neighbour's, both in its resident memory (two groups of 4 MiB rings were
+/// 16 MiB of a rank's peak RSS at stage 3); a collective streams through piece by piece, so a
+/// smaller ring costs only more wake-ups.
+pub const RING_BYTES: usize = 1 << 20;
 
 /// One rank's stage-3 state (module docs).
 pub struct FullyShardedState {
@@ -51,12 +61,21 @@ impl FullyShardedState {
     /// Collective: every rank calls it at the same point (deadline: the job group's timeout).
     pub fn form(dist: &Distributed) -> Result<Self, DdpError> {
         let mut options = dist.group.options().clone();
+        options.shared_memory_ring_bytes = RING_BYTES;
         options.store_prefix.push_str(STORE_SUFFIX);
         let (rank, world) = (dist.env.rank, dist.env.world_size);
         let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options.clone())?;
         let comm = ShardComm::new(group);
         let gathered = comm.gathered_bytes().clone();
-        let prefetcher = Prefetcher::start(dist.store.clone(), rank, world, options, gathered)?;
+        let report: RestoreReport = {
+            let comm = comm.clone();
+            Arc::new(move |restore| match restore {
+                Ok(bytes) => comm.count_restored_block(bytes),
+                Err(e) => comm.record(ShardGatherError::Prefetch(e)),
+            })
+        };
+        let prefetcher =
+            Prefetcher::start(dist.store.clone(), rank, world, options, gathered, report)?;
         Ok(Self {
             comm,
             layout: None,

@@ -1,13 +1,16 @@
 //! [`GatheredBytes`]: how many bytes of whole parameters ZeRO stage 3 holds at once — the
 //! part of a rank's model memory that its counted shards leave out.
 //!
-//! Every whole parameter stage 3 makes (a block gathered ahead, one gathered on the spot, one
-//! gathered again for a backward) lives in a [`GatheredValues`], counted from its creation
-//! until the last tensor that uses its memory is dropped: the values become the tensor's
-//! storage as they are (a [`Bytes`] over them, no copy, on Burn's CPU backend), so whatever
-//! keeps the tensor — the forward's ops, a backward's recompute, a view — keeps it counted.
-//! A backend that copies the values to a device releases them at once (its own memory is not
-//! seen here). The prefetch thread's receive buffer counts while it lives too.
+//! Every whole parameter stage 3 makes is counted while its values are in memory: one
+//! gathered on the spot or again for a backward's recompute lives in a [`GatheredValues`],
+//! from its creation until the last tensor that uses its memory is dropped; a block gathered
+//! ahead lives in a block's storage ([`super::block_storage`]), counted until the block is
+//! evicted after its forward, and again while it is gathered back for its backward. The values
+//! become the tensor's storage as they are (a [`Bytes`] over them, no copy, on Burn's CPU
+//! backend), so whatever keeps the tensor — the forward's ops, the backward's saved inputs, a
+//! view — keeps them counted. A backend that copies the values to a device releases them at
+//! once (its own memory is not seen here). A collective's receive buffer counts while it
+//! lives too.
 //!
 //! The peak is taken over training forwards and backwards only
 //! ([`begin_window`](GatheredBytes::begin_window) … [`end_window`](GatheredBytes::end_window)):
@@ -19,8 +22,6 @@ use std::sync::Arc;
 
 use burn::tensor::{Bytes, DType, Shape, TensorData};
 use burn_std::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
-
-use super::mapped::MappedBuffer;
 
 /// Live and peak bytes of gathered whole parameters on one rank (module docs). Shared by the
 /// training thread, the prefetch thread and every [`GatheredValues`].
@@ -96,53 +97,24 @@ impl Drop for Held {
     }
 }
 
-/// A whole parameter's `f32` values, counted while they live (module docs).
+/// A whole parameter's `f32` values, counted while they live (module docs). (A block gathered
+/// ahead keeps its values in a block's storage instead, [`super::block_storage`].)
 pub(crate) struct GatheredValues {
-    storage: Storage,
-    /// The parameter's values: the first `len` of the storage.
-    len: usize,
+    values: Vec<f32>,
     _held: Held,
-}
-
-/// Where the values are: their own vector, or the collective's buffer itself (a block of one
-/// parameter needs no unpacking: its buffer holds the parameter, then padding).
-enum Storage {
-    Owned(Vec<f32>),
-    Mapped(MappedBuffer<f32>),
 }
 
 impl GatheredValues {
     pub fn new(values: Vec<f32>, gauge: &Arc<GatheredBytes>) -> Self {
         let held = gauge.hold(std::mem::size_of_val(values.as_slice()) as u64);
         Self {
-            len: values.len(),
-            storage: Storage::Owned(values),
-            _held: held,
-        }
-    }
-
-    /// The first `len` values of `buffer` (counted whole, padding included).
-    pub fn in_buffer(buffer: MappedBuffer<f32>, len: usize, gauge: &Arc<GatheredBytes>) -> Self {
-        let held = gauge.hold(std::mem::size_of_val(&*buffer) as u64);
-        Self {
-            len: len.min(buffer.len()),
-            storage: Storage::Mapped(buffer),
+            values,
             _held: held,
         }
     }
 
     pub fn values(&self) -> &[f32] {
-        match &self.storage {
-            Storage::Owned(values) => &values[..self.len],
-            Storage::Mapped(buffer) => &buffer[..self.len],
-        }
-    }
-
-    fn values_mut(&mut self) -> &mut [f32] {
-        match &mut self.storage {
-            Storage::Owned(values) => &mut values[..self.len],
-            Storage::Mapped(buffer) => &mut buffer[..self.len],
-        }
+        &self.values
     }
 
     /// The values as tensor data of `shape` (`f32`), still counted: they are its storage.
@@ -167,7 +139,7 @@ impl AllocationController for GatheredValues {
         &mut self,
         _policy: AccessPolicy,
     ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
-        let values = self.values_mut();
+        let values = self.values.as_mut_slice();
         let len = std::mem::size_of_val(values);
         // SAFETY: the initialised `f32`s viewed as their bytes; the caller writes only
         // initialised bytes (the trait's contract), and any bytes are a valid `f32`.
@@ -212,18 +184,6 @@ mod tests {
         let buffer = gauge.hold(100);
         assert_eq!(gauge.live(), 100);
         drop(buffer);
-        // A collective's buffer of 5 values (padding included) holding a parameter of 3.
-        let mut buffer = MappedBuffer::<f32>::zeroed(5).unwrap();
-        buffer[..3].copy_from_slice(&[7.0, 8.0, 9.0]);
-        let values = GatheredValues::in_buffer(buffer, 3, &gauge);
-        assert_eq!(gauge.live(), 20);
-        let tensor = Tensor::<1>::from_data(values.into_tensor_data(Shape::new([3])), &device);
-        assert_eq!(
-            tensor.to_data().try_to_vec::<f32>().unwrap(),
-            vec![7.0, 8.0, 9.0]
-        );
-        drop(tensor);
-        assert_eq!(gauge.live(), 0);
         gauge.end_window();
         assert_eq!(gauge.training_peak(), 100);
         // Outside a window (validation) nothing reaches the training peak.

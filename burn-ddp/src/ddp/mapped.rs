@@ -73,6 +73,23 @@ impl<T: bytemuck::Pod> MappedBuffer<T> {
     }
 }
 
+impl<T: bytemuck::Pod> MappedBuffer<T> {
+    /// Gives every page of the buffer back to the kernel (it reads as zeros afterwards) and
+    /// returns how many bytes that was: the whole buffer, its last page included.
+    pub fn release_all(&mut self) -> usize {
+        let Some(map) = &self.map else {
+            return 0;
+        };
+        // SAFETY: `&mut self`: no reference into the mapping is alive; the mapping is private
+        // and anonymous (released pages read back as zeros, valid for any `Pod`), starts on a
+        // page, and the kernel rounds the length up to the mapping's last page.
+        match unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, 0, map.len()) } {
+            Ok(()) => map.len(),
+            Err(_) => 0,
+        }
+    }
+}
+
 impl<T: bytemuck::Pod> Deref for MappedBuffer<T> {
     type Target = [T];
 

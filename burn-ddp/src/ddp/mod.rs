@@ -46,6 +46,7 @@
 //!   [`cuda_ordinal`](device::cuda_ordinal): whether a training device is a CUDA device.
 
 pub mod all_reduce_op;
+mod block_storage;
 pub mod bucket;
 pub mod buffers;
 pub mod comm;

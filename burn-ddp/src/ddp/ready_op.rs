@@ -76,7 +76,17 @@ pub fn mark_block<'a, M: Module, const D: usize, K: Basic>(
     input: &Tensor<D, K>,
     block: &'a M,
 ) -> Cow<'a, M> {
-    if let Some(gathered) = sharded_module::gather_marked(block) {
+    // Under ZeRO stage 3 each shard is lifted onto the input before its gather, so that the
+    // gather's backward (the reduce-scatter) runs right after the block's backward and its
+    // whole gradient goes then, not when backward ends.
+    let anchor = (K::KIND == Kind::Float)
+        .then(|| input.clone().into_dispatch())
+        .filter(|anchor| matches!(anchor.kind, DispatchTensorKind::Autodiff(_)));
+    let order = |id: ParamId, shard: Tensor<1>| match &anchor {
+        Some(anchor) => Tensor::from_dispatch(route(id, shard.into_dispatch(), anchor)),
+        None => shard,
+    };
+    if let Some(gathered) = sharded_module::gather_marked(block, &order) {
         return Cow::Owned(gathered);
     }
     // A block entered with token ids (an embedding) has no float input to order its lift

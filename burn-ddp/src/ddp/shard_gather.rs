@@ -12,20 +12,24 @@
 //! data-parallel mean divides by the world size afterwards, as the DDP step does.
 //!
 //! ## Dropped after the forward, gathered again for the backward
-//! The op is registered *memory-bound* with a retro-forward, whatever the device's
-//! checkpointing strategy: a consumer that needs the parameter in its backward (a matmul
-//! whose other input is tracked) records how to recompute it instead of keeping it, so the
-//! full parameter is freed once the forward no longer uses it, and Burn runs the gather again
-//! when that consumer's backward asks for it (the tests count both gathers). A consumer behind
-//! another op keeps that op's output instead (Burn's linear on a batched input reshapes the
-//! weight before its matmul), unless the device checkpoints too
+//! A parameter gathered on the spot is registered *memory-bound* with a retro-forward,
+//! whatever the device's checkpointing strategy: a consumer that needs the parameter in its
+//! backward (a matmul whose other input is tracked) records how to recompute it instead of
+//! keeping it, so the full parameter is freed once the forward no longer uses it, and Burn
+//! runs the gather again when that consumer's backward asks for it (the tests count both
+//! gathers). A consumer behind another op keeps that op's output instead (Burn's linear on a
+//! batched input reshapes the weight before its matmul), unless the device checkpoints too
 //! (`Device::autodiff().gradient_checkpointing()`, Burn's `Balanced` strategy: every
-//! memory-bound op is recomputed): ZeRO stage 3 trains on such a device.
+//! memory-bound op is recomputed): ZeRO stage 3 trains on such a device on a GPU.
 //!
 //! ## Gathered ahead
 //! [`gather_shard_prefetched`] is the same op with the forward's values already gathered
 //! (by [`super::shard_prefetch`], block by block, ahead of the forward); its backward and its
-//! recompute run the collectives here.
+//! recompute run the collectives here. On Burn's CPU backend a block gathered ahead is in a
+//! block's storage ([`super::block_storage`]): the op is then registered *compute-bound*,
+//! so whatever needs the parameter in backward keeps its tensor, whose memory the block
+//! gives back after the forward and gathers again when it is read: no recompute, on any
+//! device strategy.
 //!
 //! ## Contract
 //! Collective over the [`ShardComm`]'s group: every rank gathers the same parameters in the
@@ -49,6 +53,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
 use burn::tensor::{Shape, Tensor, TensorData};
 
+use super::block_storage::ParamSlot;
 use super::gathered_bytes::{GatheredBytes, GatheredValues};
 use crate::error::ShardGatherError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
@@ -91,6 +96,8 @@ struct Inner {
     bytes: u64,
     /// Blocks taken gathered ahead (prefetched) in forwards.
     prefetched: u64,
+    /// Blocks gathered again after their forward.
+    restored: u64,
 }
 
 impl fmt::Debug for ShardComm {
@@ -116,6 +123,7 @@ impl ShardComm {
                 reduce_scatters: 0,
                 bytes: 0,
                 prefetched: 0,
+                restored: 0,
             })),
             gathered: Arc::default(),
         }
@@ -158,8 +166,21 @@ impl ShardComm {
         inner.bytes += 4 * values;
     }
 
+    /// Blocks gathered again for a read after their forward had moved on (their backward,
+    /// on Burn's CPU backend: [`super::block_storage`]) so far.
+    pub fn restored_blocks(&self) -> u64 {
+        self.lock().restored
+    }
+
+    /// Counts a block gathered again, its collective's buffer of `bytes`.
+    pub(crate) fn count_restored_block(&self, bytes: u64) {
+        let mut inner = self.lock();
+        inner.restored += 1;
+        inner.bytes += bytes;
+    }
+
     /// Bytes of the gathers' and reduce-scatters' buffers so far (each a padded whole
-    /// parameter in `f32`, the blocks gathered ahead included; a ring sends
+    /// parameter in `f32`, the blocks gathered ahead and again included; a ring sends
     /// `(world - 1) / world` of each).
     pub fn bytes(&self) -> u64 {
         self.lock().bytes
@@ -193,14 +214,13 @@ impl ShardComm {
         full
     }
 
-    /// This rank's block of the ranks' summed gradients `grad` (of the whole parameter); zeros
-    /// on failure.
-    fn reduce_scatter(&self, grad: &[f32]) -> Vec<f32> {
+    /// This rank's block of the ranks' summed gradients `grad` (of the whole parameter, padded
+    /// in place); zeros on failure.
+    fn reduce_scatter(&self, mut padded: Vec<f32>) -> Vec<f32> {
         let mut inner = self.lock();
         inner.reduce_scatters += 1;
         let world = inner.group.world_size();
-        let len = shard_len(grad.len(), world);
-        let mut padded = grad.to_vec();
+        let len = shard_len(padded.len(), world);
         padded.resize(len * world, 0.0);
         inner.bytes += 4 * padded.len() as u64;
         let mut shard = vec![0.0; len];
@@ -238,13 +258,38 @@ pub trait GatherShard: Backend {
 /// A parameter's whole values gathered ahead of the forward ([`gather_shard_prefetched`]), or
 /// none.
 #[derive(Clone, Default)]
-pub struct Given(Option<Arc<GatheredValues>>);
+pub struct Given(GivenValues);
+
+#[derive(Clone, Default)]
+enum GivenValues {
+    #[default]
+    None,
+    Values(Arc<GatheredValues>),
+    /// In a block's storage, evicted after the forward and gathered again when read
+    /// ([`super::block_storage`]).
+    Slot(Arc<ParamSlot>),
+}
+
+impl Given {
+    pub(crate) fn slot(slot: Arc<ParamSlot>) -> Self {
+        Self(GivenValues::Slot(slot))
+    }
+
+    /// Whether the values are a block's storage (kept by the tensors that use them, given
+    /// back and gathered again by the block rather than recomputed by Burn).
+    fn is_slot(&self) -> bool {
+        matches!(self.0, GivenValues::Slot(_))
+    }
+}
 
 impl fmt::Debug for Given {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Given")
-            .field(&self.0.as_ref().map(|values| values.values().len()))
-            .finish()
+        let kind = match &self.0 {
+            GivenValues::None => "none",
+            GivenValues::Values(_) => "values",
+            GivenValues::Slot(_) => "slot",
+        };
+        f.debug_tuple("Given").field(&kind).finish()
     }
 }
 
@@ -279,16 +324,29 @@ impl<B: Backend, C: CheckpointStrategy> GatherShard for Autodiff<B, C> {
         given: Given,
     ) -> FloatTensor<Self> {
         let input = shard.id();
+        // Only Burn's CPU backend uses the values as the tensor's storage; a device backend
+        // copies them, and its copy would be kept whole.
+        let slot = given.is_slot()
+            && std::any::TypeId::of::<B>() == std::any::TypeId::of::<burn::backend::Flex>();
         let output = host_gather::<B>(shard.primitive().clone(), &shape, &comm, given);
+        let backward = ReduceScatterBackward { comm: comm.clone() };
+        if slot {
+            // Values in a block's storage: whoever keeps them keeps the storage, which the
+            // block gives back after the forward and gathers again when read.
+            return backward
+                .prepare::<C>([shard.node()])
+                .compute_bound()
+                .stateless(output);
+        }
         let retro = RetroGather::<B> {
             input,
             shape,
-            comm: comm.clone(),
+            comm,
             backend: std::marker::PhantomData,
         };
         // Memory-bound with a recompute rule whatever the device's strategy: a consumer that
         // takes the gathered parameter as it is keeps the rule, not the tensor.
-        ReduceScatterBackward { comm }
+        backward
             .prepare::<BalancedCheckpointing>([shard.node()])
             .memory_bound()
             .retro_forward(retro)
@@ -381,7 +439,22 @@ pub(crate) fn gather_shard_given<const D: usize>(
         shard.into_dispatch(),
         Shape::from(shape),
         comm.clone(),
-        Given(Some(Arc::new(full))),
+        Given(GivenValues::Values(Arc::new(full))),
+    ))
+}
+
+/// [`gather_shard_prefetched`] with the values in a block's storage (the prefetch thread's).
+pub(crate) fn gather_shard_slot<const D: usize>(
+    shard: Tensor<1>,
+    shape: [usize; D],
+    comm: &ShardComm,
+    slot: Arc<ParamSlot>,
+) -> Tensor<D> {
+    Tensor::from_dispatch(Dispatch::gather_shard(
+        shard.into_dispatch(),
+        Shape::from(shape),
+        comm.clone(),
+        Given::slot(slot),
     ))
 }
 
@@ -405,10 +478,17 @@ fn host_gather<B: Backend>(
     let (device, dtype) = (shard.device(), shard.dtype());
     let numel = shape.num_elements();
     let full = match given.0 {
-        Some(full) => Arc::try_unwrap(full).unwrap_or_else(|shared| {
+        // The values become the tensor's storage as they are (on Burn's CPU backend).
+        GivenValues::Slot(slot) => {
+            return B::float_from_data(
+                slot.into_tensor_data(shape.clone()).convert_dtype(dtype),
+                &device,
+            )
+        }
+        GivenValues::Values(full) => Arc::try_unwrap(full).unwrap_or_else(|shared| {
             GatheredValues::new(shared.values().to_vec(), comm.gathered_bytes())
         }),
-        None => {
+        GivenValues::None => {
             let full = match read_values::<B>(shard, comm) {
                 Some(values) => comm.all_gather(&values, numel),
                 // Every rank must still enter the collective the others are in.
@@ -429,7 +509,7 @@ fn host_reduce_scatter<B: Backend>(grad: FloatTensor<B>, comm: &ShardComm) -> Fl
     let (device, dtype) = (grad.device(), grad.dtype());
     let numel = grad.shape().num_elements();
     let values = read_values::<B>(grad, comm).unwrap_or_else(|| vec![0.0; numel]);
-    let shard = comm.reduce_scatter(&values);
+    let shard = comm.reduce_scatter(values);
     let len = shard.len();
     B::float_from_data(TensorData::new(shard, [len]).convert_dtype(dtype), &device)
 }

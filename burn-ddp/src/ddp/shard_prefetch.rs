@@ -1,31 +1,36 @@
-//! ZeRO stage 3's forward gathers run ahead of the forward: a thread of its own all-gathers
-//! the marked blocks, one collective per block, in the order the forward will use them, and
-//! hands each block over when the forward reaches it (a rendezvous, no queue). While block `k`
-//! computes, block `k + 1` is on the wire (FSDP's forward prefetch, one block ahead); a rank
-//! holds the block computing and the next one whole, the next one twice while it is unpacked
-//! from the collective's buffer (measured: [`super::gathered_bytes`]).
+//! ZeRO stage 3's gathers off the training thread: a thread of its own all-gathers the marked
+//! blocks, one collective per block, in the order the forward uses them, one block ahead of
+//! it; and gathers again the blocks given back after their forward when the backward reads
+//! them ([`super::block_storage`]). While block `k` computes, block `k + 1` is on the wire
+//! (FSDP's forward prefetch, one block ahead, never further: each block further ahead would
+//! be held whole too); a rank holds the block computing and the next one whole, the next
+//! one's unpacked part and the rest of its collective's buffer meanwhile (measured:
+//! [`super::gathered_bytes`]).
 //!
 //! ```text
-//! sharded_forward(model)  every block's shards (tensor handles), one job for the thread
-//! thread                  block by block: read and pack the shards, all_gather, unpack each
-//!                         parameter whole ─▶ hand-over (waits for the forward: one ahead)
-//! mark_block(block k)     takes block k from the queue (gather_shard_prefetched: no
-//!                         collective in the forward; backward and recompute as before)
+//! sharded_forward(model)  every block's shards (tensor handles); block 0 asked for
+//! thread                  per request, in order: read and pack the shards, all_gather,
+//!                         unpack each parameter into a slot of its own
+//! mark_block(block k)     takes block k (no collective in the forward), asks for block k + 1
+//! a read of an evicted    asks for that block again (and the one the forward ran before
+//!   block (backward)      it), waits for it
 //! ```
 //! The thread owns a TCP group of its own (store prefix `…/shard-prefetch`): its collectives
-//! run beside the training thread's reduce-scatters and recomputes, each group in the same
-//! order on every rank. It always finishes a job's gathers, even when nobody takes them (a
-//! forward that marks fewer blocks, a guard dropped early), so the ranks stay in step.
+//! run beside the training thread's reduce-scatters, each group in the same order on every
+//! rank, since the training thread asks for every gather in the model's order. A block
+//! asked for and not taken (a forward that marks fewer blocks) is still gathered, on every
+//! rank alike.
 
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 
-use super::gathered_bytes::{GatheredBytes, GatheredValues};
+use super::block_storage::{BlockStorage, ParamSlot, RestoreReport, Restorer};
+use super::gathered_bytes::{GatheredBytes, Held};
 use super::mapped::MappedBuffer;
 use super::shard_gather::shard_len;
 use crate::error::DdpError;
@@ -47,21 +52,49 @@ pub struct BlockShards {
     pub numels: Vec<usize>,
 }
 
-/// One block gathered whole: each parameter's values, in `ids`' order (counted in the
-/// rank's [`GatheredBytes`] while they live).
+/// One block gathered whole: each parameter's values in its slot, in `ids`' order (counted
+/// in the rank's [`GatheredBytes`] while they are in memory), and the block's storage
+/// (evicted once the forward has moved on, [`super::block_storage`]).
 pub struct GatheredBlock {
     pub ids: Vec<ParamId>,
-    pub(crate) full: Vec<GatheredValues>,
+    pub(crate) slots: Vec<Arc<ParamSlot>>,
+    pub(crate) storage: Arc<BlockStorage>,
 }
 
-struct Job {
-    blocks: Vec<BlockShards>,
-    out: SyncSender<Result<GatheredBlock, String>>,
+/// What the thread does, in the order asked (the same on every rank).
+enum Command {
+    /// Gather a block for the forward; the result to `out`.
+    Gather {
+        block: BlockShards,
+        out: SyncSender<Result<GatheredBlock, String>>,
+    },
+    /// Gather an evicted block again, into its slots.
+    Restore(Arc<BlockStorage>),
+}
+
+/// The way to the thread, closed when the [`Prefetcher`] is dropped (slots that outlive it
+/// then fail their restore instead of keeping the thread alive).
+type Commands = Arc<Mutex<Option<Sender<Command>>>>;
+
+fn send(commands: &Commands, command: Command) -> Result<(), String> {
+    let commands = commands.lock().unwrap_or_else(PoisonError::into_inner);
+    match commands.as_ref().map(|c| c.send(command)) {
+        Some(Ok(())) => Ok(()),
+        _ => Err("ZeRO stage 3: the prefetch thread has stopped".into()),
+    }
+}
+
+/// What the thread needs to make a block's storage.
+struct Context {
+    gathered: Arc<GatheredBytes>,
+    restorer: Restorer,
+    report: RestoreReport,
+    deadline: Duration,
 }
 
 /// The prefetch thread of one rank (module docs).
 pub struct Prefetcher {
-    jobs: Option<Sender<Job>>,
+    commands: Commands,
     handle: Option<JoinHandle<()>>,
     /// How long the forward waits for a block: the group's deadline and a margin.
     deadline: Duration,
@@ -69,101 +102,137 @@ pub struct Prefetcher {
 
 impl Prefetcher {
     /// Forms the prefetch group and starts the thread, which counts the blocks it gathers in
-    /// `gathered`. Collective: every rank calls it at the same point, with the same options
-    /// (deadline: `options.timeout`).
-    pub fn start(
+    /// `gathered` and reports each restore (its bytes, or its failure) to `report`. Collective: every rank calls it at
+    /// the same point, with the same options (deadline: `options.timeout`).
+    pub(crate) fn start(
         store: std::sync::Arc<dyn Store>,
         rank: usize,
         world_size: usize,
         mut options: TcpGroupOptions,
         gathered: Arc<GatheredBytes>,
+        report: RestoreReport,
     ) -> Result<Self, DdpError> {
         options.store_prefix.push_str(STORE_SUFFIX);
         let deadline = options.timeout + Duration::from_secs(30);
         let mut group = TcpProcessGroup::new(store, rank, world_size, options)?;
-        let (jobs, inbox) = mpsc::channel::<Job>();
+        let (sender, inbox) = mpsc::channel::<Command>();
+        let commands: Commands = Arc::new(Mutex::new(Some(sender)));
+        let restorer: Restorer = {
+            let commands = commands.clone();
+            Arc::new(move |block| send(&commands, Command::Restore(block)))
+        };
+        let context = Context {
+            gathered,
+            restorer,
+            report,
+            deadline,
+        };
         let handle = std::thread::Builder::new()
             .name(format!("ddp-shard-prefetch-{rank}"))
             .spawn(move || {
-                for job in inbox {
-                    for block in job.blocks {
-                        let gathered = gather_block(&mut group, block, &gathered);
-                        // Nobody waiting (the forward moved on): the gathers still run, so
-                        // that every rank's group stays in step.
-                        let _ = job.out.send(gathered);
+                for command in inbox {
+                    match command {
+                        Command::Gather { block, out } => {
+                            // Nobody waiting (a forward that marked fewer blocks): the gather
+                            // still ran, on every rank alike.
+                            let _ = out.send(gather_block(&mut group, block, &context));
+                        }
+                        Command::Restore(storage) => restore_block(&mut group, &storage, &context),
                     }
                 }
             })
             .map_err(|e| DdpError::Unsupported(format!("cannot start the prefetch thread: {e}")))?;
         Ok(Self {
-            jobs: Some(jobs),
+            commands,
             handle: Some(handle),
             deadline,
         })
     }
 
-    /// Queues one forward's blocks; returns the stream the forward takes them from, in order.
+    /// Queues one forward's blocks; returns the stream the forward takes them from, in order
+    /// (the first one asked for now, each next one when the forward takes the one before).
     /// Not collective itself; every rank must queue the same blocks (the same model).
     pub fn prefetch(&self, blocks: Vec<BlockShards>) -> Option<PrefetchStream> {
-        // A rendezvous: the thread gathers block k + 1 while block k computes, not further
-        // ahead (each block further would be held whole too).
-        let (out, stream) = mpsc::sync_channel(0);
-        self.jobs.as_ref()?.send(Job { blocks, out }).ok()?;
-        Some(PrefetchStream {
-            blocks: stream,
+        let mut stream = PrefetchStream {
+            queued: blocks.into_iter(),
+            pending: None,
+            commands: self.commands.clone(),
             deadline: self.deadline,
-        })
+        };
+        stream.ask_next().ok()?;
+        Some(stream)
     }
 }
 
 impl Drop for Prefetcher {
     fn drop(&mut self) {
-        drop(self.jobs.take());
+        drop(
+            self.commands
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
         if let Some(handle) = self.handle.take() {
             let _ = handle.join();
         }
     }
 }
 
-/// The blocks of one forward, as the thread gathers them.
+/// The blocks of one forward, as the thread gathers them: one block ahead of the forward
+/// (asked for when the forward takes the one before), not further (each block further would
+/// be held whole too).
 pub struct PrefetchStream {
-    blocks: Receiver<Result<GatheredBlock, String>>,
+    queued: std::vec::IntoIter<BlockShards>,
+    pending: Option<Receiver<Result<GatheredBlock, String>>>,
+    commands: Commands,
     deadline: Duration,
 }
 
 impl PrefetchStream {
-    /// The next block, waiting up to the group's deadline.
-    pub fn next(&self) -> Result<GatheredBlock, String> {
-        match self.blocks.recv_timeout(self.deadline) {
+    fn ask_next(&mut self) -> Result<(), String> {
+        self.pending = None;
+        if let Some(block) = self.queued.next() {
+            let (out, pending) = mpsc::sync_channel(1);
+            send(&self.commands, Command::Gather { block, out })?;
+            self.pending = Some(pending);
+        }
+        Ok(())
+    }
+
+    /// The next block, waiting up to the group's deadline; the one after it is asked for.
+    pub fn take_next(&mut self) -> Result<GatheredBlock, String> {
+        let pending = self
+            .pending
+            .take()
+            .ok_or("the forward marked more blocks than were prefetched")?;
+        let block = match pending.recv_timeout(self.deadline) {
             Ok(block) => block,
             Err(e) => Err(format!(
                 "the prefetched block did not come within {:?}: {e}",
                 self.deadline
             )),
-        }
+        };
+        self.ask_next()?;
+        block
     }
 }
 
-/// One block: its shards packed, all-gathered in one collective, unpacked.
-fn gather_block(
+/// The block's shards read and packed (this rank's part), all-gathered in one collective
+/// into a buffer counted while it lives: the ranks' parts in rank order.
+fn gather_packed(
     group: &mut TcpProcessGroup,
-    block: BlockShards,
+    shards: &[Tensor<1>],
+    numels: &[usize],
     gathered: &Arc<GatheredBytes>,
-) -> Result<GatheredBlock, String> {
+) -> Result<(MappedBuffer<f32>, Held), String> {
     let world = group.world_size();
-    let lens: Vec<usize> = block.numels.iter().map(|&n| shard_len(n, world)).collect();
+    let lens: Vec<usize> = numels.iter().map(|&n| shard_len(n, world)).collect();
     let per_rank: usize = lens.iter().sum();
-    // Mapped from the kernel and given back after the block (module docs of `mapped`): a
-    // thread's own malloc heap would keep the largest blocks' buffers for good.
-    let buffer = |len| {
-        MappedBuffer::<f32>::zeroed(len)
-            .map_err(|e| format!("ZeRO stage 3: no memory for a prefetched block: {e}"))
-    };
     let mut packed = buffer(per_rank)?;
     let mut unread = None;
     let mut offset = 0;
-    for (shard, len) in block.shards.into_iter().zip(&lens) {
-        match host_values::<f32>(shard.into_data()) {
+    for (shard, len) in shards.iter().zip(&lens) {
+        match host_values::<f32>(shard.clone().into_data()) {
             Ok(values) if values.len() == *len => {
                 packed[offset..offset + len].copy_from_slice(&values)
             }
@@ -175,46 +244,129 @@ fn gather_block(
         offset += len;
     }
     let mut all = buffer(per_rank * world)?;
-    let mut counted = gathered.hold(std::mem::size_of_val(&*all) as u64);
+    let counted = gathered.hold(std::mem::size_of_val(&*all) as u64);
     group
         .all_gather(&packed, &mut all)
-        .map_err(|e| format!("ZeRO stage 3: prefetching a block failed: {e}"))?;
-    if let Some(why) = unread {
-        return Err(format!(
-            "ZeRO stage 3: a shard could not be read for the prefetch: {why}"
-        ));
+        .map_err(|e| format!("ZeRO stage 3: gathering a block failed: {e}"))?;
+    match unread {
+        Some(why) => Err(format!(
+            "ZeRO stage 3: a shard could not be read for its gather: {why}"
+        )),
+        None => Ok((all, counted)),
     }
-    let full = match block.numels[..] {
-        // One parameter: the buffer is the parameter, then padding; no copy.
-        [numel] => {
+}
+
+/// Mapped from the kernel and given back after use (module docs of `mapped`): a thread's own
+/// malloc heap would keep the largest blocks' buffers for good.
+fn buffer(len: usize) -> Result<MappedBuffer<f32>, String> {
+    MappedBuffer::<f32>::zeroed(len)
+        .map_err(|e| format!("ZeRO stage 3: no memory for a gathered block: {e}"))
+}
+
+/// One block for the forward: gathered, then each parameter in a slot of its own.
+fn gather_block(
+    group: &mut TcpProcessGroup,
+    block: BlockShards,
+    context: &Context,
+) -> Result<GatheredBlock, String> {
+    let world = group.world_size();
+    let (all, counted) = gather_packed(group, &block.shards, &block.numels, &context.gathered)?;
+    let buffers = match block.numels[..] {
+        // One parameter: the buffer is the parameter, then padding; no copy (its slot counts
+        // it from here).
+        [_] => {
             drop(counted);
-            vec![GatheredValues::in_buffer(all, numel, gathered)]
+            vec![all]
         }
         _ => {
-            // Parameter by parameter, the buffer's consumed part given back as it goes, so
-            // that the block is not held twice (buffer and parameters) while it is unpacked.
-            let mut full = Vec::with_capacity(block.numels.len());
-            // Bytes given back so far of each rank's part (its consumed prefix).
-            let mut released = vec![0; world];
-            let mut offset = 0;
-            for (&numel, &len) in block.numels.iter().zip(&lens) {
-                let values = unpack_parameter(&all, per_rank, offset, len, numel);
-                full.push(GatheredValues::new(values, gathered));
-                offset += len;
-                for (rank, released) in released.iter_mut().enumerate() {
-                    let part = rank * per_rank;
-                    let now = all.release(part..part + offset);
-                    counted.shrink((now - *released) as u64);
-                    *released = now;
-                }
+            let mut unpacked = Unpacking::new(all, counted, &block.numels, world);
+            let mut buffers = Vec::with_capacity(block.numels.len());
+            for (i, &numel) in block.numels.iter().enumerate() {
+                let mut values = buffer(numel)?;
+                unpacked.parameter(i, &mut values);
+                buffers.push(values);
             }
-            full
+            buffers
         }
     };
+    // The slots count their buffers from here (the collective's buffer went, or is theirs).
+    let (storage, slots) = BlockStorage::new(
+        block.shards,
+        block.numels,
+        buffers,
+        context.restorer.clone(),
+        context.report.clone(),
+        context.gathered.clone(),
+        context.deadline,
+    );
     Ok(GatheredBlock {
-        full,
         ids: block.ids,
+        slots,
+        storage,
     })
+}
+
+/// An evicted block gathered again, into the slots its tensors still use.
+fn restore_block(group: &mut TcpProcessGroup, storage: &BlockStorage, context: &Context) {
+    let world = group.world_size();
+    match gather_packed(group, &storage.shards, &storage.numels, &context.gathered) {
+        Ok((all, counted)) => {
+            let bytes = std::mem::size_of_val(&*all) as u64;
+            let mut unpacked = Unpacking::new(all, counted, &storage.numels, world);
+            storage.finish(Ok((bytes, &mut |i, values: &mut [f32]| {
+                unpacked.parameter(i, values)
+            })));
+        }
+        Err(e) => storage.finish(Err(e)),
+    }
+}
+
+/// A gathered block's buffer unpacked parameter by parameter, in order, its consumed part
+/// given back to the kernel as it goes, so that the block is not held twice (buffer and
+/// parameters) while it is unpacked.
+struct Unpacking {
+    all: MappedBuffer<f32>,
+    counted: Held,
+    lens: Vec<usize>,
+    offsets: Vec<usize>,
+    per_rank: usize,
+    /// Bytes given back so far of each rank's part (its consumed prefix).
+    released: Vec<usize>,
+}
+
+impl Unpacking {
+    fn new(all: MappedBuffer<f32>, counted: Held, numels: &[usize], world: usize) -> Self {
+        let lens: Vec<usize> = numels.iter().map(|&n| shard_len(n, world)).collect();
+        let offsets: Vec<usize> = lens
+            .iter()
+            .scan(0, |at, len| {
+                let start = *at;
+                *at += len;
+                Some(start)
+            })
+            .collect();
+        Self {
+            all,
+            counted,
+            per_rank: lens.iter().sum(),
+            lens,
+            offsets,
+            released: vec![0; world],
+        }
+    }
+
+    /// Parameter `i`'s whole values into `full`; the parts of the buffer up to its end given
+    /// back (parameters skipped before it included).
+    fn parameter(&mut self, i: usize, full: &mut [f32]) {
+        let (offset, len) = (self.offsets[i], self.lens[i]);
+        unpack_parameter_into(&self.all, self.per_rank, offset, len, full);
+        for (rank, released) in self.released.iter_mut().enumerate() {
+            let part = rank * self.per_rank;
+            let now = self.all.release(part..part + offset + len);
+            self.counted.shrink((now - *released) as u64);
+            *released = now;
+        }
+    }
 }
 
 /// The whole parameters from `gathered`, the ranks' packed shards in rank order (each rank's
@@ -244,14 +396,29 @@ fn unpack_parameter(
     len: usize,
     numel: usize,
 ) -> Vec<f32> {
-    let world = gathered.len() / per_rank.max(1);
-    let mut full = Vec::with_capacity(len * world);
-    for rank in 0..world {
-        let start = rank * per_rank + offset;
-        full.extend_from_slice(&gathered[start..start + len]);
-    }
-    full.truncate(numel);
+    let mut full = vec![0.0; numel];
+    unpack_parameter_into(gathered, per_rank, offset, len, &mut full);
     full
+}
+
+/// [`unpack_parameter`] into `full` (the parameter's `numel` values). Pure.
+fn unpack_parameter_into(
+    gathered: &[f32],
+    per_rank: usize,
+    offset: usize,
+    len: usize,
+    full: &mut [f32],
+) {
+    let world = gathered.len() / per_rank.max(1);
+    for rank in 0..world {
+        let at = rank * len;
+        if at >= full.len() {
+            break;
+        }
+        let start = rank * per_rank + offset;
+        let take = len.min(full.len() - at);
+        full[at..at + take].copy_from_slice(&gathered[start..start + take]);
+    }
 }
 
 #[cfg(test)]

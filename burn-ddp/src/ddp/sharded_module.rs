@@ -11,7 +11,9 @@
 //! [`gather_shard`] of the shards: a forward through the copy trains the shards (the backward
 //! reduce-scatters into them), and once the copy is dropped, the full parameters live only as
 //! long as the forward's graph keeps them — under Burn's gradient checkpointing, not at all
-//! (see [`super::shard_gather`]).
+//! (see [`super::shard_gather`]). The blocks gathered ahead on Burn's CPU backend are given
+//! back when the forward enters the next block, and gathered again when read
+//! ([`super::block_storage`]).
 //!
 //! [`ShardedForward`] makes [`mark_block`](crate::mark_block) do that gathering for the blocks
 //! a model marks, so a model already marked for gradient overlap needs no other change.
@@ -24,8 +26,9 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
-use super::gathered_bytes::{GatheredBytes, GatheredValues};
-use super::shard_gather::{gather_shard, gather_shard_given, shard_len, shard_of, ShardComm};
+use super::block_storage::{BlockStorage, ParamSlot};
+use super::gathered_bytes::GatheredBytes;
+use super::shard_gather::{gather_shard, gather_shard_slot, shard_len, shard_of, ShardComm};
 use super::shard_prefetch::PrefetchStream;
 use crate::error::ShardGatherError;
 use crate::host_values::host_values;
@@ -133,14 +136,21 @@ pub fn gather_module<M: Module>(module: &M, layout: &ShardLayout, comm: &ShardCo
         layout,
         comm,
         given: None,
+        order: &|_, shard| shard,
     })
 }
+
+/// What a gather does to each shard before gathering it: ties it to the block's input, so
+/// that its backward (the reduce-scatter) runs right after the block's (see
+/// [`mark_block`](crate::mark_block)), or nothing.
+pub(crate) type OrderShard<'a> = &'a dyn Fn(ParamId, Tensor<1>) -> Tensor<1>;
 
 struct Gather<'a> {
     layout: &'a ShardLayout,
     comm: &'a ShardComm,
+    order: OrderShard<'a>,
     /// The parameters' values gathered ahead, by id (taken as they are used).
-    given: Option<HashMap<ParamId, GatheredValues>>,
+    given: Option<HashMap<ParamId, Arc<ParamSlot>>>,
 }
 
 /// The full shape of `param` when it is a shard under `layout` (its shape `[1, …, 1, len]`);
@@ -163,9 +173,15 @@ impl ModuleMapper for Gather<'_> {
             .given
             .as_mut()
             .and_then(|given| given.remove(&param.id));
+        let id = param.id;
         param.map(|shard| match given {
-            Some(values) => gather_shard_given(shard.reshape([len]), full, self.comm, values),
-            None => gather_shard(shard.reshape([len]), full, self.comm),
+            Some(slot) => gather_shard_slot(
+                (self.order)(id, shard.reshape([len])),
+                full,
+                self.comm,
+                slot,
+            ),
+            None => gather_shard((self.order)(id, shard.reshape([len])), full, self.comm),
         })
     }
 }
@@ -183,6 +199,9 @@ enum Marking {
         /// The blocks gathered ahead, in the forward's order; `None` once a block did not
         /// match (the rest of this forward gathers on the spot).
         prefetched: Option<PrefetchStream>,
+        /// The storage of the block gathered ahead that the forward entered last: evicted
+        /// when the forward enters the next block ([`super::block_storage`]).
+        entered: Option<Arc<BlockStorage>>,
     },
     /// The blocks marked so far, in order, each with the parameters no earlier block has.
     Discover(Vec<Vec<ParamId>>),
@@ -224,6 +243,7 @@ impl ShardedForward {
                 layout: layout.clone(),
                 comm: comm.clone(),
                 prefetched,
+                entered: None,
             })
         });
         Self {
@@ -300,13 +320,14 @@ fn shard_ids<M: Module>(block: &M, layout: &ShardLayout) -> Vec<ParamId> {
 /// `block` gathered whole where a [`ShardedForward`] is alive on this thread (`None` where
 /// not): [`mark_block`](crate::mark_block)'s stage-3 half. Inside [`discover_blocks`] it
 /// records the block's parameters and returns `None`.
-pub(crate) fn gather_marked<M: Module>(block: &M) -> Option<M> {
+pub(crate) fn gather_marked<M: Module>(block: &M, order: OrderShard<'_>) -> Option<M> {
     FORWARD.with(|f| match &mut *f.borrow_mut() {
         Some(Marking::Gather {
             layout,
             comm,
             prefetched,
-        }) => Some(gather_next(block, layout, comm, prefetched)),
+            entered,
+        }) => Some(gather_next(block, layout, comm, prefetched, entered, order)),
         Some(Marking::Discover(blocks)) => {
             let seen: HashSet<ParamId> = blocks.iter().flatten().copied().collect();
             let ids: Vec<ParamId> = param_ids(block)
@@ -323,33 +344,46 @@ pub(crate) fn gather_marked<M: Module>(block: &M) -> Option<M> {
 }
 
 /// `block` gathered: from the prefetched stream where its next block is this one, else on the
-/// spot (and the stream given up for this forward).
+/// spot (and the stream given up for this forward). The block gathered ahead before it is
+/// evicted: the forward has moved past it.
 fn gather_next<M: Module>(
     block: &M,
     layout: &ShardLayout,
     comm: &ShardComm,
     prefetched: &mut Option<PrefetchStream>,
+    entered: &mut Option<Arc<BlockStorage>>,
+    order: OrderShard<'_>,
 ) -> M {
     let ids = shard_ids(block, layout);
     if ids.is_empty() {
         return block.clone();
     }
+    let before = entered.take();
+    if let Some(before) = &before {
+        before.evict();
+    }
     if let Some(stream) = prefetched {
-        match stream.next() {
+        match stream.take_next() {
             Ok(gathered) if gathered.ids == ids => {
                 let world = layout.world_size;
                 let values = gathered
-                    .full
+                    .storage
+                    .numels
                     .iter()
-                    .map(|full| (shard_len(full.values().len(), world) * world) as u64)
+                    .map(|&numel| (shard_len(numel, world) * world) as u64)
                     .sum();
                 comm.count_prefetched_block(values);
-                let full: HashMap<ParamId, GatheredValues> =
-                    gathered.ids.into_iter().zip(gathered.full).collect();
+                if let Some(before) = before {
+                    gathered.storage.set_before(before);
+                }
+                *entered = Some(gathered.storage);
+                let slots: HashMap<ParamId, Arc<ParamSlot>> =
+                    gathered.ids.into_iter().zip(gathered.slots).collect();
                 return block.clone().map(&mut Gather {
                     layout,
                     comm,
-                    given: Some(full),
+                    given: Some(slots),
+                    order,
                 });
             }
             Ok(_) => {}
@@ -357,7 +391,12 @@ fn gather_next<M: Module>(
         }
         *prefetched = None;
     }
-    gather_module(block, layout, comm)
+    block.clone().map(&mut Gather {
+        layout,
+        comm,
+        given: None,
+        order,
+    })
 }
 
 #[cfg(test)]

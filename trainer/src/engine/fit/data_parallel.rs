@@ -88,9 +88,15 @@ pub fn start<A: App>(
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
     let mut device = backend::train_device(config.output.device, dist.env.local_rank)?;
-    if config.distributed.zero_stage.shards_parameters() {
-        // Burn's gradient checkpointing recomputes each gathered block's parameters in
-        // backward instead of keeping them from the forward (burn-ddp's `shard_gather`).
+    if config.distributed.zero_stage.shards_parameters()
+        && config.output.device != crate::config::DeviceKind::Cpu
+    {
+        // On a device backend the gathered values are copied into the device's memory, which
+        // burn-ddp cannot give back after the forward: Burn's gradient checkpointing
+        // recomputes each block's parameters in backward instead of keeping them
+        // (burn-ddp's `shard_gather`). On the CPU the values are the tensors' storage, given
+        // back and gathered again by the block itself (`block_storage`), so activations are
+        // not recomputed.
         device = device.gradient_checkpointing();
     }
     Ok(RankStart {
@@ -137,8 +143,9 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         }
         if let Some(comm) = steps.ddp.shard_comm() {
             println!(
-                "ZeRO stage 3 on rank 0: {} blocks gathered ahead of their forward, {} parameters gathered on the spot (their backward's recompute, validation), {} gradients reduce-scattered; at most {:.1} MiB of whole parameters held at once in a step",
+                "ZeRO stage 3 on rank 0: {} blocks gathered ahead of their forward, {} gathered again for their backward, {} parameters gathered on the spot (their backward's recompute, validation), {} gradients reduce-scattered; at most {:.1} MiB of whole parameters held at once in a step",
                 comm.prefetched_blocks(),
+                comm.restored_blocks(),
                 comm.gathers(),
                 comm.reduce_scatters(),
                 comm.gathered_bytes().training_peak() as f64 / (1 << 20) as f64

@@ -38,8 +38,9 @@ impl RingGroups {
             ));
         }
         if self.zero_stage_3 {
-            files.push(("ZeRO stage 3's gathers'", job));
-            files.push(("their prefetch's", job));
+            let side = shm::file_bytes(burn_ddp::ddp::fully_sharded::RING_BYTES);
+            files.push(("ZeRO stage 3's gathers'", side));
+            files.push(("their prefetch's", side));
         }
         files
     }
@@ -190,14 +191,14 @@ mod tests {
         );
         assert_eq!(
             shm_need(2, 2, groups(false, true)),
-            2 * 3 * (4 * MIB + 4096),
-            "ZeRO stage 3 forms two groups more"
+            2 * (4 * MIB + 4096 + 2 * (MIB + 4096)),
+            "ZeRO stage 3 forms two groups more, with smaller rings of their own"
         );
         for (groups, free, says) in [
             (
                 groups(true, true),
-                20 * MIB,
-                "needs 26.0 MiB for 2 local ranks (13.0 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)",
+                12 * MIB,
+                "needs 14.0 MiB for 2 local ranks (7.0 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)",
             ),
             (
                 groups(true, false),

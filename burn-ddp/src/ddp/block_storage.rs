@@ -1,0 +1,403 @@
+//! [`BlockStorage`]: the memory of one block gathered ahead of the forward (ZeRO stage 3),
+//! given back once the forward has moved past the block and gathered again when something
+//! reads it — FSDP's reshard after forward and unshard before backward.
+//!
+//! On Burn's CPU backend a gathered parameter's values are its tensor's storage (each in a
+//! [`ParamSlot`], a mapping of its own), so the tensors that Burn's autodiff keeps for the
+//! backward (a matmul keeps its weight, or the weight reshaped) point at that memory. Instead
+//! of recomputing activations to avoid keeping whole weights (gradient checkpointing), the
+//! storage itself comes and goes:
+//!
+//! ```text
+//! mark_block(block k+1)   block k's pages go back to the kernel (evict); the tensors stay
+//! a read of block k       (the backward's matmul, or any other) finds it evicted: asks the
+//!                         prefetch thread to gather it again, and the block before it too
+//!                         (one ahead, as the backward goes), then waits for it
+//! ```
+//! A read always finds the values: whatever reads an evicted block restores it, so which
+//! blocks are evicted decides only memory and time, never a value. The restores run on the
+//! prefetch thread's group in the order the reads ask for them, which is the model's (the
+//! same on every rank); reads come from the training thread (Burn's forward and backward).
+//! A restore that fails leaves zeros and reports the failure (`ShardComm::take_error`), as a
+//! failed gather does.
+
+use std::cell::UnsafeCell;
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use burn::tensor::{Bytes, DType, Shape, Tensor, TensorData};
+use burn_std::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
+
+use super::gathered_bytes::{GatheredBytes, Held};
+use super::mapped::MappedBuffer;
+
+/// Asks the prefetch thread to gather a block again (queued behind what it is doing).
+pub(crate) type Restorer = Arc<dyn Fn(Arc<BlockStorage>) -> Result<(), String> + Send + Sync>;
+
+/// Writes parameter `i`'s whole values into the slice given (a restore's unpacking).
+pub(crate) type Unpack<'a> = &'a mut dyn FnMut(usize, &mut [f32]);
+
+/// Where each restore is reported: the bytes of its collective's buffer, or why it failed.
+pub(crate) type RestoreReport = Arc<dyn Fn(Result<u64, String>) + Send + Sync>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Resident,
+    Evicted,
+    Restoring,
+}
+
+/// One block's gathered parameters: their shards (to gather them again), their slots, and
+/// whether their values are in memory now (module docs).
+pub(crate) struct BlockStorage {
+    /// This rank's shard of each parameter (tensor handles; unchanged until the optimizer
+    /// steps, after the backward).
+    pub shards: Vec<Tensor<1>>,
+    /// Each whole parameter's size.
+    pub numels: Vec<usize>,
+    /// The parameters' slots, while their tensors live.
+    slots: Mutex<Vec<Weak<ParamSlot>>>,
+    state: Mutex<State>,
+    /// `state == Resident`, read without the lock by every access.
+    resident: AtomicBool,
+    changed: Condvar,
+    /// The block the forward ran before this one: the backward reads it next.
+    before: Mutex<Option<Arc<BlockStorage>>>,
+    restorer: Restorer,
+    report: RestoreReport,
+    gauge: Arc<GatheredBytes>,
+    /// How long a read waits for a restore.
+    deadline: Duration,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl BlockStorage {
+    /// The storage of a block just gathered (resident), and a slot for each parameter's
+    /// `buffers` (the parameter's values first), counted in `gauge` while resident.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        shards: Vec<Tensor<1>>,
+        numels: Vec<usize>,
+        buffers: Vec<MappedBuffer<f32>>,
+        restorer: Restorer,
+        report: RestoreReport,
+        gauge: Arc<GatheredBytes>,
+        deadline: Duration,
+    ) -> (Arc<Self>, Vec<Arc<ParamSlot>>) {
+        let block = Arc::new(Self {
+            shards,
+            numels: numels.clone(),
+            slots: Mutex::new(Vec::new()),
+            state: Mutex::new(State::Resident),
+            resident: AtomicBool::new(true),
+            changed: Condvar::new(),
+            before: Mutex::new(None),
+            restorer,
+            report,
+            gauge,
+            deadline,
+        });
+        let slots: Vec<Arc<ParamSlot>> = buffers
+            .into_iter()
+            .zip(numels)
+            .map(|(mut buffer, numel)| {
+                let held = block.gauge.hold(std::mem::size_of_val(&*buffer) as u64);
+                Arc::new(ParamSlot {
+                    len: numel.min(buffer.len()),
+                    values: buffer.as_mut_ptr(),
+                    buffer: UnsafeCell::new(buffer),
+                    block: block.clone(),
+                    held: Mutex::new(Some(held)),
+                })
+            })
+            .collect();
+        *lock(&block.slots) = slots.iter().map(Arc::downgrade).collect();
+        (block, slots)
+    }
+
+    /// Records that the forward ran `before` just before this block (restored next, ahead of
+    /// its read, when this one is restored).
+    pub fn set_before(&self, before: Arc<BlockStorage>) {
+        *lock(&self.before) = Some(before);
+    }
+
+    /// Gives the memory of the parameters back to the kernel; the next read gathers them
+    /// again. For the training thread, outside any op (no read of the block in progress).
+    pub fn evict(&self) {
+        let mut state = lock(&self.state);
+        if *state != State::Resident {
+            return;
+        }
+        self.resident.store(false, Ordering::Release);
+        *state = State::Evicted;
+        for slot in lock(&self.slots).iter().filter_map(Weak::upgrade) {
+            // SAFETY: no read is in progress (the caller's contract) and none starts while
+            // the block is not resident (reads wait for `Resident`); the thread that restores
+            // only writes once a read has asked for it.
+            let buffer = unsafe { &mut *slot.buffer.get() };
+            let released = buffer.release_all();
+            if let Some(held) = lock(&slot.held).as_mut() {
+                held.shrink(released as u64);
+            }
+        }
+    }
+
+    /// Waits until the values are in memory, asking for them (and for the block before this
+    /// one) when they are not. Up to the deadline; then, or when the restore failed, the
+    /// values read as zeros and the failure is reported.
+    fn ensure_resident(self: &Arc<Self>) {
+        if self.resident.load(Ordering::Acquire) {
+            return;
+        }
+        self.request();
+        let before = lock(&self.before).clone();
+        if let Some(before) = before {
+            before.request();
+        }
+        let until = Instant::now() + self.deadline;
+        let mut state = lock(&self.state);
+        while *state != State::Resident {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                (self.report)(Err(format!(
+                    "ZeRO stage 3: a block's parameters were not gathered again within {:?}",
+                    self.deadline
+                )));
+                *state = State::Resident;
+                self.resident.store(true, Ordering::Release);
+                break;
+            }
+            state = self
+                .changed
+                .wait_timeout(state, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+    }
+
+    /// Queues this block's restore if it is evicted and not queued yet.
+    fn request(self: &Arc<Self>) {
+        let mut state = lock(&self.state);
+        if *state != State::Evicted {
+            return;
+        }
+        *state = State::Restoring;
+        drop(state);
+        if let Err(e) = (self.restorer)(self.clone()) {
+            self.finish(Err(e));
+        }
+    }
+
+    /// The restore's end (the prefetch thread): `unpack(i, values)` writes parameter `i`'s
+    /// whole values into `values` (each slot still alive, in order) after a collective of
+    /// `bytes`, or the failure, leaving zeros. Reported either way; wakes the reads waiting
+    /// for the block.
+    pub fn finish(&self, gathered: Result<(u64, Unpack<'_>), String>) {
+        let mut state = lock(&self.state);
+        if *state != State::Restoring {
+            return;
+        }
+        match gathered {
+            Ok((bytes, unpack)) => {
+                for (i, slot) in lock(&self.slots).iter().enumerate() {
+                    let Some(slot) = slot.upgrade() else { continue };
+                    // SAFETY: the block is restoring: no read runs until it is resident
+                    // again (reads wait under `state`, held here).
+                    let buffer = unsafe { &mut *slot.buffer.get() };
+                    unpack(i, &mut buffer[..slot.len]);
+                    *lock(&slot.held) =
+                        Some(self.gauge.hold(std::mem::size_of_val(&**buffer) as u64));
+                }
+                (self.report)(Ok(bytes));
+            }
+            Err(e) => (self.report)(Err(e)),
+        }
+        *state = State::Resident;
+        self.resident.store(true, Ordering::Release);
+        self.changed.notify_all();
+    }
+}
+
+/// One whole parameter's values in a mapping of their own, which its tensor uses as storage
+/// (module docs).
+pub(crate) struct ParamSlot {
+    buffer: UnsafeCell<MappedBuffer<f32>>,
+    /// The buffer's first value (a mapping does not move).
+    values: *mut f32,
+    /// The parameter's values: the first `len` of the buffer.
+    len: usize,
+    block: Arc<BlockStorage>,
+    /// Its bytes in the rank's gauge, while resident.
+    held: Mutex<Option<Held>>,
+}
+
+// SAFETY: the buffer is written only while its block is evicted or restoring, when no read of
+// it runs (`BlockStorage` serialises both under its state); otherwise it is only read.
+unsafe impl Sync for ParamSlot {}
+// SAFETY: the pointer is into the mapping the slot owns, which does not move and is unmapped
+// only when the slot is dropped, on whatever thread.
+unsafe impl Send for ParamSlot {}
+
+impl ParamSlot {
+    /// The values as tensor data of `shape` (`f32`): the tensor's storage, evicted and
+    /// restored with the block.
+    pub fn into_tensor_data(self: Arc<Self>, shape: Shape) -> TensorData {
+        let len = self.len * std::mem::size_of::<f32>();
+        // SAFETY: the controller's memory is the slot's `len` values, all initialised.
+        let bytes = unsafe { Bytes::from_controller(Box::new(SlotStorage(self)), len) };
+        TensorData::from_bytes(bytes, shape, DType::F32)
+    }
+}
+
+/// A tensor's storage that is a [`ParamSlot`].
+struct SlotStorage(Arc<ParamSlot>);
+
+impl AllocationController for SlotStorage {
+    fn alloc_align(&self) -> usize {
+        std::mem::align_of::<f32>()
+    }
+
+    fn property(&self) -> AllocationProperty {
+        AllocationProperty::Native
+    }
+
+    unsafe fn memory_mut(
+        &mut self,
+        _policy: AccessPolicy,
+    ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
+        let slot = &self.0;
+        slot.block.ensure_resident();
+        let bytes = slot.len * std::mem::size_of::<f32>();
+        // SAFETY: resident: the values are initialised and nothing writes them until the
+        // training thread evicts the block, outside any op.
+        Ok(unsafe { std::slice::from_raw_parts_mut(slot.values.cast(), bytes) })
+    }
+
+    fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
+        let slot = &self.0;
+        slot.block.ensure_resident();
+        let bytes = slot.len * std::mem::size_of::<f32>();
+        // SAFETY: as in `memory_mut`.
+        Ok(unsafe { std::slice::from_raw_parts(slot.values.cast(), bytes) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicU64;
+
+    use burn::tensor::Device;
+
+    use super::*;
+
+    /// Parameter `i`'s value `j` in a block whose first parameter has `first` values.
+    fn value(first: usize, i: usize, j: usize) -> f32 {
+        ((first * 7 + i * 3 + j) % 1000) as f32 * 0.25
+    }
+
+    fn filled(first: usize, i: usize, numel: usize) -> MappedBuffer<f32> {
+        let mut buffer = MappedBuffer::zeroed(numel).unwrap();
+        for (j, v) in buffer.iter_mut().enumerate() {
+            *v = value(first, i, j);
+        }
+        buffer
+    }
+
+    fn read(tensor: &Tensor<1>) -> Vec<f32> {
+        tensor.to_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// Two blocks in slots, used as tensors' storage (no copy): evicted, their memory leaves
+    /// the gauge and no value is lost; read, a block is gathered again (asked once, with the
+    /// block the forward ran before it asked for ahead) and reads as before; dropped, nothing
+    /// stays counted. The restorer plays the prefetch thread, from a thread of its own.
+    #[test]
+    fn an_evicted_block_is_gathered_again_when_read_and_reads_as_before() {
+        let gauge = Arc::new(GatheredBytes::default());
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        let restored = Arc::new(AtomicU64::new(0));
+        let restorer: Restorer = {
+            let asked = asked.clone();
+            Arc::new(move |block: Arc<BlockStorage>| {
+                asked.lock().unwrap().push(block.numels[0]);
+                std::thread::spawn(move || {
+                    let first = block.numels[0];
+                    block.finish(Ok((8, &mut |i, out: &mut [f32]| {
+                        for (j, v) in out.iter_mut().enumerate() {
+                            *v = value(first, i, j);
+                        }
+                    })));
+                });
+                Ok(())
+            })
+        };
+        let report: RestoreReport = {
+            let restored = restored.clone();
+            Arc::new(move |r| {
+                restored.fetch_add(r.unwrap(), Ordering::Relaxed);
+            })
+        };
+        let block = |numels: Vec<usize>| {
+            let first = numels[0];
+            let buffers = numels
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| filled(first, i, n))
+                .collect();
+            let (shards, deadline) = (Vec::new(), Duration::from_secs(60));
+            let (storage, slots) = BlockStorage::new(
+                shards,
+                numels.clone(),
+                buffers,
+                restorer.clone(),
+                report.clone(),
+                gauge.clone(),
+                deadline,
+            );
+            let device = Device::flex();
+            let tensors: Vec<Tensor<1>> = slots
+                .into_iter()
+                .zip(&numels)
+                .map(|(slot, &n)| {
+                    Tensor::from_data(slot.into_tensor_data(Shape::new([n])), &device)
+                })
+                .collect();
+            (storage, tensors)
+        };
+        let (a, a_tensors) = block(vec![40_000, 3]);
+        let (b, b_tensors) = block(vec![20_000]);
+        b.set_before(a.clone());
+        let all = 4 * (40_000 + 3 + 20_000);
+        assert_eq!(gauge.live(), all, "the slots are the tensors' storage");
+
+        a.evict();
+        b.evict();
+        assert_eq!(gauge.live(), 0, "every page given back");
+        assert_eq!(
+            read(&b_tensors[0]),
+            (0..20_000).map(|j| value(20_000, 0, j)).collect::<Vec<_>>()
+        );
+        for (i, tensor) in a_tensors.iter().enumerate() {
+            let want: Vec<f32> = (0..[40_000, 3][i]).map(|j| value(40_000, i, j)).collect();
+            assert_eq!(read(tensor), want, "parameter {i} of the block before");
+        }
+        assert_eq!(
+            *asked.lock().unwrap(),
+            vec![20_000, 40_000],
+            "read once each: the block read, then the one before it, asked ahead"
+        );
+        assert_eq!(restored.load(Ordering::Relaxed), 16);
+        assert_eq!(gauge.live(), all);
+        // A read of a resident block asks for nothing.
+        read(&b_tensors[0]);
+        assert_eq!(asked.lock().unwrap().len(), 2);
+
+        drop((a_tensors, b_tensors));
+        assert_eq!(gauge.live(), 0, "the slots go with their tensors");
+    }
+}
