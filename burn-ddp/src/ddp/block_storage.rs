@@ -22,15 +22,13 @@
 //! failed gather does.
 
 use std::cell::UnsafeCell;
-use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use burn::tensor::{Bytes, DType, Shape, Tensor, TensorData};
-use burn_std::{AccessError, AccessPolicy, AllocationController, AllocationProperty};
+use burn::tensor::{Shape, Tensor, TensorData};
 
-use super::gathered_bytes::{GatheredBytes, Held};
+use super::gathered_bytes::{as_tensor_data, GatheredBytes, Held, StorageValues};
 use super::mapped::MappedBuffer;
 
 /// Asks the prefetch thread to gather a block again (queued behind what it is doing).
@@ -247,43 +245,20 @@ impl ParamSlot {
     /// The values as tensor data of `shape` (`f32`): the tensor's storage, evicted and
     /// restored with the block.
     pub fn into_tensor_data(self: Arc<Self>, shape: Shape) -> TensorData {
-        let len = self.len * std::mem::size_of::<f32>();
-        // SAFETY: the controller's memory is the slot's `len` values, all initialised.
-        let bytes = unsafe { Bytes::from_controller(Box::new(SlotStorage(self)), len) };
-        TensorData::from_bytes(bytes, shape, DType::F32)
+        as_tensor_data(SlotValues(self), shape)
     }
 }
 
 /// A tensor's storage that is a [`ParamSlot`].
-struct SlotStorage(Arc<ParamSlot>);
+struct SlotValues(Arc<ParamSlot>);
 
-impl AllocationController for SlotStorage {
-    fn alloc_align(&self) -> usize {
-        std::mem::align_of::<f32>()
-    }
-
-    fn property(&self) -> AllocationProperty {
-        AllocationProperty::Native
-    }
-
-    unsafe fn memory_mut(
-        &mut self,
-        _policy: AccessPolicy,
-    ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
+impl StorageValues for SlotValues {
+    fn values_for_access(&self) -> (*mut f32, usize) {
         let slot = &self.0;
+        // Resident: the values are initialised and nothing writes them until the training
+        // thread evicts the block, outside any op.
         slot.block.ensure_resident();
-        let bytes = slot.len * std::mem::size_of::<f32>();
-        // SAFETY: resident: the values are initialised and nothing writes them until the
-        // training thread evicts the block, outside any op.
-        Ok(unsafe { std::slice::from_raw_parts_mut(slot.values.cast(), bytes) })
-    }
-
-    fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
-        let slot = &self.0;
-        slot.block.ensure_resident();
-        let bytes = slot.len * std::mem::size_of::<f32>();
-        // SAFETY: as in `memory_mut`.
-        Ok(unsafe { std::slice::from_raw_parts(slot.values.cast(), bytes) })
+        (slot.values, slot.len)
     }
 }
 

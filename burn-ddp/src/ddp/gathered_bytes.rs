@@ -119,14 +119,39 @@ impl GatheredValues {
 
     /// The values as tensor data of `shape` (`f32`), still counted: they are its storage.
     pub fn into_tensor_data(self, shape: Shape) -> TensorData {
-        let len = std::mem::size_of_val(self.values());
-        // SAFETY: the controller's memory is `self.values`, `len` bytes, all initialised.
-        let bytes = unsafe { Bytes::from_controller(Box::new(self), len) };
-        TensorData::from_bytes(bytes, shape, DType::F32)
+        as_tensor_data(self, shape)
     }
 }
 
-impl AllocationController for GatheredValues {
+impl StorageValues for GatheredValues {
+    fn values_for_access(&self) -> (*mut f32, usize) {
+        // A `Vec` that is never resized: its values stay where they are.
+        (self.values.as_ptr().cast_mut(), self.values.len())
+    }
+}
+
+/// `f32` values on the host that a tensor may use as its storage as they are (no copy).
+pub(crate) trait StorageValues: Send + 'static {
+    /// Where the values are, and how many, for an access by the tensor (a block's storage
+    /// first makes sure they are in memory).
+    ///
+    /// The values must stay initialised and in place, and unwritten by others, while the
+    /// access may last (until the next call or the drop).
+    fn values_for_access(&self) -> (*mut f32, usize);
+}
+
+/// `values` as tensor data of `shape` (`f32`): the tensor's storage.
+pub(crate) fn as_tensor_data<V: StorageValues>(values: V, shape: Shape) -> TensorData {
+    let len = std::mem::size_of::<f32>() * values.values_for_access().1;
+    // SAFETY: the controller's memory is the values, `len` bytes, all initialised.
+    let bytes = unsafe { Bytes::from_controller(Box::new(AsStorage(values)), len) };
+    TensorData::from_bytes(bytes, shape, DType::F32)
+}
+
+/// A tensor's storage that is [`StorageValues`].
+struct AsStorage<V>(V);
+
+impl<V: StorageValues> AllocationController for AsStorage<V> {
     fn alloc_align(&self) -> usize {
         std::mem::align_of::<f32>()
     }
@@ -139,20 +164,19 @@ impl AllocationController for GatheredValues {
         &mut self,
         _policy: AccessPolicy,
     ) -> Result<&mut [MaybeUninit<u8>], AccessError> {
-        let values = self.values.as_mut_slice();
-        let len = std::mem::size_of_val(values);
-        // SAFETY: the initialised `f32`s viewed as their bytes; the caller writes only
-        // initialised bytes (the trait's contract), and any bytes are a valid `f32`.
+        let (values, len) = self.0.values_for_access();
+        // SAFETY: initialised `f32`s viewed as their bytes, in place while borrowed
+        // (`StorageValues`' contract); the caller writes only initialised bytes (the trait's
+        // contract), and any bytes are a valid `f32`.
         Ok(unsafe {
-            std::slice::from_raw_parts_mut(values.as_mut_ptr().cast::<MaybeUninit<u8>>(), len)
+            std::slice::from_raw_parts_mut(values.cast(), len * std::mem::size_of::<f32>())
         })
     }
 
     fn memory(&self, _policy: AccessPolicy) -> Result<&[MaybeUninit<u8>], AccessError> {
-        let values = self.values();
-        let len = std::mem::size_of_val(values);
-        // SAFETY: the initialised `f32`s viewed as their bytes, borrowed from `self`.
-        Ok(unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<MaybeUninit<u8>>(), len) })
+        let (values, len) = self.0.values_for_access();
+        // SAFETY: as in `memory_mut`, read only.
+        Ok(unsafe { std::slice::from_raw_parts(values.cast(), len * std::mem::size_of::<f32>()) })
     }
 }
 
