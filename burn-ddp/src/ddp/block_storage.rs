@@ -60,6 +60,11 @@ pub(crate) struct BlockStorage {
     state: Mutex<State>,
     /// `state == Resident`, read without the lock by every access.
     resident: AtomicBool,
+    /// Set when the block is evicted; the first read after it asks for the block and the one
+    /// before it. Taken at that read whatever the block's state then, so that what is asked
+    /// for, and in which order, depends only on the order of the reads (the model's, the
+    /// same on every rank), never on how far the prefetch thread has got.
+    ask_on_read: AtomicBool,
     changed: Condvar,
     /// The block the forward ran before this one: the backward reads it next.
     before: Mutex<Option<Arc<BlockStorage>>>,
@@ -93,6 +98,7 @@ impl BlockStorage {
             slots: Mutex::new(Vec::new()),
             state: Mutex::new(State::Resident),
             resident: AtomicBool::new(true),
+            ask_on_read: AtomicBool::new(false),
             changed: Condvar::new(),
             before: Mutex::new(None),
             restorer,
@@ -132,6 +138,7 @@ impl BlockStorage {
             return;
         }
         self.resident.store(false, Ordering::Release);
+        self.ask_on_read.store(true, Ordering::Release);
         *state = State::Evicted;
         for slot in lock(&self.slots).iter().filter_map(Weak::upgrade) {
             // SAFETY: no read is in progress (the caller's contract) and none starts while
@@ -149,13 +156,15 @@ impl BlockStorage {
     /// one) when they are not. Up to the deadline; then, or when the restore failed, the
     /// values read as zeros and the failure is reported.
     fn ensure_resident(self: &Arc<Self>) {
+        if self.ask_on_read.swap(false, Ordering::AcqRel) {
+            self.request();
+            let before = lock(&self.before).clone();
+            if let Some(before) = before {
+                before.request();
+            }
+        }
         if self.resident.load(Ordering::Acquire) {
             return;
-        }
-        self.request();
-        let before = lock(&self.before).clone();
-        if let Some(before) = before {
-            before.request();
         }
         let until = Instant::now() + self.deadline;
         let mut state = lock(&self.state);
@@ -242,6 +251,14 @@ unsafe impl Sync for ParamSlot {}
 unsafe impl Send for ParamSlot {}
 
 impl ParamSlot {
+    /// A copy of the values (gathered again first if the block was given back).
+    pub fn to_vec(&self) -> Vec<f32> {
+        let (values, len) = SlotValues::access(self);
+        // SAFETY: resident, initialised and unwritten while the training thread copies them
+        // (`SlotValues::access`).
+        unsafe { std::slice::from_raw_parts(values, len) }.to_vec()
+    }
+
     /// The values as tensor data of `shape` (`f32`): the tensor's storage, evicted and
     /// restored with the block.
     pub fn into_tensor_data(self: Arc<Self>, shape: Shape) -> TensorData {
@@ -252,13 +269,18 @@ impl ParamSlot {
 /// A tensor's storage that is a [`ParamSlot`].
 struct SlotValues(Arc<ParamSlot>);
 
-impl StorageValues for SlotValues {
-    fn values_for_access(&self) -> (*mut f32, usize) {
-        let slot = &self.0;
-        // Resident: the values are initialised and nothing writes them until the training
-        // thread evicts the block, outside any op.
+impl SlotValues {
+    /// The slot's values, in memory: initialised, and nothing writes them until the training
+    /// thread evicts the block, outside any op.
+    fn access(slot: &ParamSlot) -> (*mut f32, usize) {
         slot.block.ensure_resident();
         (slot.values, slot.len)
+    }
+}
+
+impl StorageValues for SlotValues {
+    fn values_for_access(&self) -> (*mut f32, usize) {
+        Self::access(&self.0)
     }
 }
 

@@ -326,8 +326,7 @@ impl<B: Backend, C: CheckpointStrategy> GatherShard for Autodiff<B, C> {
         let input = shard.id();
         // Only Burn's CPU backend uses the values as the tensor's storage; a device backend
         // copies them, and its copy would be kept whole.
-        let slot = given.is_slot()
-            && std::any::TypeId::of::<B>() == std::any::TypeId::of::<burn::backend::Flex>();
+        let slot = given.is_slot() && is_cpu::<B>();
         let output = host_gather::<B>(shard.primitive().clone(), &shape, &comm, given);
         let backward = ReduceScatterBackward { comm: comm.clone() };
         if slot {
@@ -479,12 +478,15 @@ fn host_gather<B: Backend>(
     let numel = shape.num_elements();
     let full = match given.0 {
         // The values become the tensor's storage as they are (on Burn's CPU backend).
-        GivenValues::Slot(slot) => {
+        GivenValues::Slot(slot) if is_cpu::<B>() => {
             return B::float_from_data(
                 slot.into_tensor_data(shape.clone()).convert_dtype(dtype),
                 &device,
             )
         }
+        // A device backend may read its upload's source later, from a thread of its own,
+        // after the block was given back: it gets values of their own, and the slot goes.
+        GivenValues::Slot(slot) => GatheredValues::new(slot.to_vec(), comm.gathered_bytes()),
         GivenValues::Values(full) => Arc::try_unwrap(full).unwrap_or_else(|shared| {
             GatheredValues::new(shared.values().to_vec(), comm.gathered_bytes())
         }),
@@ -503,6 +505,11 @@ fn host_gather<B: Backend>(
         full.into_tensor_data(shape.clone()).convert_dtype(dtype),
         &device,
     )
+}
+
+/// Whether `B` is Burn's CPU backend, whose tensors use host values as their storage.
+fn is_cpu<B: Backend>() -> bool {
+    std::any::TypeId::of::<B>() == std::any::TypeId::of::<burn::backend::Flex>()
 }
 
 fn host_reduce_scatter<B: Backend>(grad: FloatTensor<B>, comm: &ShardComm) -> FloatTensor<B> {
