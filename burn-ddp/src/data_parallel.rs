@@ -121,7 +121,7 @@ impl DataParallel {
             .has_owners()
             .then(|| ShardedSync::new(options.compression));
         let fully_sharded = if options.zero_stage.shards_parameters() {
-            Some(FullyShardedState::form(&dist)?)
+            Some(FullyShardedState::form(&dist, options.compression)?)
         } else {
             None
         };

@@ -10,8 +10,9 @@
 //!               block's memory is given back when the forward enters the next one, and
 //!               gathered again when its backward reads it (block_storage; on a device
 //!               backend, Burn's recompute)
-//! backward      each gathered parameter's gradient is reduce-scattered (summed) into its shard
-//! step          the shards' gradients × 1/world (the mean), checked for NaN/Inf; the whole
+//! backward      each gathered parameter's gradient is reduce-scattered into its shard: the
+//!               mean (× 1/world, summed; in 16 bits with gradient compression)
+//! step          the shards' gradients checked for NaN/Inf; the whole
 //!               parameters' gradients through the reducer as at stage 0; one verdict
 //! optimizer     steps the shards (its state is shard-shaped) and the whole parameters
 //! ```
@@ -36,6 +37,7 @@ use super::sharded_module::{
 use crate::error::{DdpError, ShardGatherError};
 use crate::group::TcpProcessGroup;
 use crate::init::Distributed;
+use crate::kernels::HalfFormat;
 
 /// The suffix of the stage-3 group's store prefix.
 pub const STORE_SUFFIX: &str = "/shard";
@@ -57,15 +59,17 @@ pub struct FullyShardedState {
 }
 
 impl FullyShardedState {
-    /// Forms the stage-3 groups beside `dist`'s (the shards' own, and the prefetch thread's).
-    /// Collective: every rank calls it at the same point (deadline: the job group's timeout).
-    pub fn form(dist: &Distributed) -> Result<Self, DdpError> {
+    /// Forms the stage-3 groups beside `dist`'s (the shards' own, and the prefetch thread's);
+    /// the gradients travel in `compression`'s format ([`ShardComm::new`]). Collective: every
+    /// rank calls it at the same point, with the same `compression` (deadline: the job group's
+    /// timeout).
+    pub fn form(dist: &Distributed, compression: Option<HalfFormat>) -> Result<Self, DdpError> {
         let mut options = dist.group.options().clone();
         options.shared_memory_ring_bytes = RING_BYTES;
         options.store_prefix.push_str(STORE_SUFFIX);
         let (rank, world) = (dist.env.rank, dist.env.world_size);
         let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options.clone())?;
-        let comm = ShardComm::new(group);
+        let comm = ShardComm::new(group, compression);
         let gathered = comm.gathered_bytes().clone();
         let report: RestoreReport = {
             let comm = comm.clone();
@@ -168,8 +172,8 @@ impl FullyShardedState {
         }
     }
 
-    /// Takes the shards' gradients out of `grads`, each the sum over the ranks (the
-    /// reduce-scatter's) times `1 / world`: the mean, as the reducer gives the others. Returns
+    /// Takes the shards' gradients out of `grads`, each the mean over the ranks (the
+    /// reduce-scatter's), as the reducer gives the others. Returns
     /// them and whether this rank's shard of the mean holds a NaN or an infinity (when
     /// `check_finite`). Local; fails when a gather or reduce-scatter of this step failed.
     pub fn take_shard_gradients<M: Module>(
@@ -184,7 +188,6 @@ impl FullyShardedState {
             layout: &'a ShardLayout,
             grads: &'a mut GradientsParams,
             taken: GradientsParams,
-            scale: f32,
             probe: Option<Tensor<1>>,
             check: bool,
         }
@@ -196,7 +199,6 @@ impl FullyShardedState {
                 let Some(g) = self.grads.remove::<D>(param.id) else {
                     return;
                 };
-                let g = g.mul_scalar(self.scale);
                 if self.check {
                     let p = probe(g.clone());
                     self.probe = Some(match self.probe.take() {
@@ -211,7 +213,6 @@ impl FullyShardedState {
             layout,
             grads,
             taken: GradientsParams::new(),
-            scale: 1.0 / layout.world_size as f32,
             probe: None,
             check: check_finite,
         };
@@ -272,7 +273,7 @@ mod tests {
     #[test]
     fn only_the_blocks_the_forward_marks_are_sharded_and_none_is_refused() {
         let dist = Distributed::standalone();
-        let mut state = FullyShardedState::form(&dist).unwrap();
+        let mut state = FullyShardedState::form(&dist, None).unwrap();
         let device = Device::flex().autodiff();
         let net = || Net {
             a: LinearConfig::new(3, 4).init(&device),

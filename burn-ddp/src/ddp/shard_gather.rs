@@ -55,9 +55,10 @@ use burn::tensor::{Shape, Tensor, TensorData};
 
 use super::block_storage::ParamSlot;
 use super::gathered_bytes::{GatheredBytes, GatheredValues};
-use crate::error::ShardGatherError;
-use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
+use crate::error::{CollectiveError, ShardGatherError};
+use crate::group::{Element, ProcessGroup, ReduceOp, TcpProcessGroup};
 use crate::host_values::host_values;
+use crate::kernels::{host16, HalfFormat};
 
 /// Values of a parameter of `numel` values that each of `world` ranks holds (the shards are
 /// equal; the last ones end in zeros).
@@ -76,6 +77,16 @@ pub fn shard_of(full: &[f32], rank: usize, world: usize) -> Vec<f32> {
     shard
 }
 
+/// The reduce-scatter (sum) of 16-bit values kept as their bits, in the ring's type `T`.
+fn reduce_scatter_16<T: Element>(
+    group: &mut TcpProcessGroup,
+    input: &[u16],
+    output: &mut [u16],
+) -> Result<(), CollectiveError> {
+    let input: &[T] = bytemuck::cast_slice(input);
+    group.reduce_scatter(input, bytemuck::cast_slice_mut(output), ReduceOp::Sum)
+}
+
 /// The process group the gathers and reduce-scatters run on, shared by every parameter's op
 /// (a clone is the same group). Its collectives run inside Burn's forward and backward, so it
 /// must be a group that nothing else uses meanwhile.
@@ -90,9 +101,12 @@ struct Inner {
     group: TcpProcessGroup,
     /// The first failure since [`ShardComm::take_error`] last looked.
     error: Option<ShardGatherError>,
+    /// The gradients' wire format: `f32`, or 16 bits (`gradient_compression`).
+    compression: Option<HalfFormat>,
     gathers: u64,
     reduce_scatters: u64,
-    /// Bytes of the collectives' buffers (padded whole parameters, f32).
+    /// Bytes of the collectives' buffers (padded whole parameters: f32, the gradients' in
+    /// their wire format).
     bytes: u64,
     /// Blocks taken gathered ahead (prefetched) in forwards.
     prefetched: u64,
@@ -113,11 +127,15 @@ impl fmt::Debug for ShardComm {
 }
 
 impl ShardComm {
-    /// Wraps `group` (which the gathers then own).
-    pub fn new(group: TcpProcessGroup) -> Self {
+    /// Wraps `group` (which the gathers then own). The gradients are reduce-scattered in
+    /// `compression`'s 16 bits when given (scaled by `1 / world` before rounding, as stages 0
+    /// to 2's buckets), else in `f32`; the parameters are always gathered in `f32`. Every rank
+    /// must pass the same `compression`.
+    pub fn new(group: TcpProcessGroup, compression: Option<HalfFormat>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(Inner {
                 group,
+                compression,
                 error: None,
                 gathers: 0,
                 reduce_scatters: 0,
@@ -214,20 +232,48 @@ impl ShardComm {
         full
     }
 
-    /// This rank's block of the ranks' summed gradients `grad` (of the whole parameter, padded
-    /// in place); zeros on failure.
-    fn reduce_scatter(&self, mut padded: Vec<f32>) -> Vec<f32> {
+    /// This rank's block of the ranks' mean of `grad` (each rank's gradient of the whole
+    /// parameter), [`shard_len`] values: summed over the ranks in `f32` and × `1 / world`, or
+    /// with compression × `1 / world`, rounded to 16 bits and summed in them, then widened
+    /// (the same operations, in the same order, as stages 0 to 2's buckets). Zeros on
+    /// failure.
+    fn reduce_scatter(&self, mut grad: Vec<f32>) -> Vec<f32> {
         let mut inner = self.lock();
         inner.reduce_scatters += 1;
         let world = inner.group.world_size();
-        let len = shard_len(padded.len(), world);
-        padded.resize(len * world, 0.0);
-        inner.bytes += 4 * padded.len() as u64;
+        let (numel, scale) = (grad.len(), 1.0 / world as f32);
+        let len = shard_len(numel, world);
         let mut shard = vec![0.0; len];
-        if let Err(e) = inner
-            .group
-            .reduce_scatter(&padded, &mut shard, ReduceOp::Sum)
-        {
+        // Heap buffers, not mapped ones: a reduce-scatter per parameter per step on this
+        // thread, whose freed buffers the next ones reuse, where a fresh mapping would fault
+        // its pages in every time (slower in alternating runs, measured).
+        let summed = match inner.compression {
+            None => {
+                grad.resize(len * world, 0.0);
+                inner.bytes += 4 * grad.len() as u64;
+                let summed = inner.group.reduce_scatter(&grad, &mut shard, ReduceOp::Sum);
+                shard.iter_mut().for_each(|v| *v *= scale);
+                summed
+            }
+            Some(format) => {
+                let mut rounded = vec![0u16; len * world];
+                host16::round_scaled(format, &grad, scale, &mut rounded[..numel]);
+                drop(grad);
+                inner.bytes += 2 * rounded.len() as u64;
+                let mut sums = vec![0u16; len];
+                let summed = match format {
+                    HalfFormat::Bf16 => {
+                        reduce_scatter_16::<half::bf16>(&mut inner.group, &rounded, &mut sums)
+                    }
+                    HalfFormat::F16 => {
+                        reduce_scatter_16::<half::f16>(&mut inner.group, &rounded, &mut sums)
+                    }
+                };
+                host16::widen(format, &sums, &mut shard);
+                summed
+            }
+        };
+        if let Err(e) = summed {
             shard.fill(0.0);
             inner.error.get_or_insert(e.into());
         }
@@ -554,10 +600,11 @@ mod tests {
         t.into_data().try_to_vec::<f32>().unwrap()
     }
 
-    /// The gradient of Σ_ranks loss with respect to the whole parameter, in one process.
+    /// The mean over the ranks of each rank's loss's gradient with respect to the whole
+    /// parameter, in one process.
     fn reference_gradient(world: usize) -> Vec<f32> {
         let device = Device::flex().autodiff();
-        let mut sum = vec![0.0f32; 10];
+        let mut sum = [0.0f32; 10];
         for rank in 0..world {
             let w =
                 Tensor::<1>::from_data(TensorData::new(weights(), [10]), &device).require_grad();
@@ -566,7 +613,7 @@ mod tests {
                 *s += g;
             }
         }
-        sum
+        sum.iter().map(|s| s / world as f32).collect()
     }
 
     struct Outcome {
@@ -574,9 +621,10 @@ mod tests {
         shard_grad: Vec<f32>,
         gathers: u64,
         reduce_scatters: u64,
+        bytes: u64,
     }
 
-    fn run(world: usize, device: fn() -> Device) -> Vec<Outcome> {
+    fn run(world: usize, device: fn() -> Device, compression: Option<HalfFormat>) -> Vec<Outcome> {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
         let handles: Vec<_> = (0..world)
             .map(|rank| {
@@ -585,7 +633,7 @@ mod tests {
                     let group =
                         TcpProcessGroup::new(store, rank, world, TcpGroupOptions::default())
                             .unwrap();
-                    let comm = ShardComm::new(group);
+                    let comm = ShardComm::new(group, compression);
                     let device = device();
                     let own = shard_of(&weights(), rank, world);
                     let len = own.len();
@@ -601,6 +649,7 @@ mod tests {
                         shard_grad,
                         gathers: comm.gathers(),
                         reduce_scatters: comm.reduce_scatters(),
+                        bytes: comm.bytes(),
                     }
                 })
             })
@@ -618,7 +667,7 @@ mod tests {
                 .gradient_checkpointing()
         }
         let want = reference_gradient(2);
-        for (rank, out) in run(2, wgpu).into_iter().enumerate() {
+        for (rank, out) in run(2, wgpu, None).into_iter().enumerate() {
             assert_eq!(out.gathered, weights(), "rank {rank}");
             let own = shard_of(&want, rank, 2);
             let worst = out
@@ -629,6 +678,62 @@ mod tests {
                 .fold(0.0f32, f32::max);
             assert!(worst < 1e-5, "rank {rank}: {:?} vs {own:?}", out.shard_grad);
             assert_eq!((out.gathers, out.reduce_scatters), (2, 1), "rank {rank}");
+        }
+    }
+
+    /// With gradient compression a gradient travels in 16 bits (half the reduce-scatter's
+    /// bytes), and each rank gets its block of the ranks' mean to the format's precision
+    /// (gradients that do not cancel, so that the precision is the values').
+    #[test]
+    fn a_compressed_gradient_is_reduce_scattered_in_16_bits_to_the_formats_precision() {
+        let gradient = |rank: usize| -> Vec<f32> {
+            (0..10)
+                .map(|i| 0.37 * (i + 1) as f32 * (rank + 1) as f32)
+                .collect()
+        };
+        for world in [2, 3] {
+            let mean: Vec<f32> = (0..10)
+                .map(|i| (0..world).map(|rank| gradient(rank)[i]).sum::<f32>() / world as f32)
+                .collect();
+            let padded = (shard_len(10, world) * world) as u64;
+            for (format, precision) in [
+                (None, 1e-6),
+                (Some(HalfFormat::Bf16), 1e-2),
+                (Some(HalfFormat::F16), 2e-3),
+            ] {
+                let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+                let ranks: Vec<_> = (0..world)
+                    .map(|rank| {
+                        let store = store.clone();
+                        std::thread::spawn(move || {
+                            let group = TcpProcessGroup::new(
+                                store,
+                                rank,
+                                world,
+                                TcpGroupOptions::default(),
+                            )
+                            .unwrap();
+                            let comm = ShardComm::new(group, format);
+                            let shard = comm.reduce_scatter(gradient(rank));
+                            assert!(comm.take_error().is_none());
+                            (shard, comm.bytes())
+                        })
+                    })
+                    .collect();
+                for (rank, handle) in ranks.into_iter().enumerate() {
+                    let (shard, bytes) = handle.join().unwrap();
+                    let want = shard_of(&mean, rank, world);
+                    assert_eq!(shard.len(), want.len());
+                    for (got, want) in shard.iter().zip(&want) {
+                        assert!(
+                            (got - want).abs() <= precision * want.abs(),
+                            "world {world} rank {rank} {format:?}: {shard:?} vs {want:?}"
+                        );
+                    }
+                    let element = if format.is_some() { 2 } else { 4 };
+                    assert_eq!(bytes, element * padded, "world {world} {format:?}");
+                }
+            }
         }
     }
 
@@ -649,7 +754,7 @@ mod tests {
     }
 
     /// The forward gives every rank the whole parameter, exactly; the backward gives each rank
-    /// its block of the summed gradient (< 1e-6 of one process's); the matmul that needs the
+    /// its block of the mean gradient (< 1e-6 of one process's); the matmul that needs the
     /// parameter for its input's gradient gathers it a second time in the backward instead of
     /// keeping it, with and without Burn's gradient checkpointing on the device.
     #[test]
@@ -663,7 +768,7 @@ mod tests {
         for world in [2, 3] {
             let want = reference_gradient(world);
             for (device, gathers) in [(plain as fn() -> Device, 2), (checkpointed, 2)] {
-                for (rank, out) in run(world, device).into_iter().enumerate() {
+                for (rank, out) in run(world, device, None).into_iter().enumerate() {
                     assert_eq!(out.gathered, weights(), "world {world} rank {rank}");
                     let own = shard_of(&want, rank, world);
                     for (got, want) in out.shard_grad.iter().zip(&own) {
@@ -679,6 +784,8 @@ mod tests {
                         (gathers, 1),
                         "world {world} rank {rank}: gathers and reduce-scatters"
                     );
+                    let padded = (shard_len(10, world) * world) as u64;
+                    assert_eq!(out.bytes, (gathers + 1) * 4 * padded, "all in f32");
                 }
             }
         }

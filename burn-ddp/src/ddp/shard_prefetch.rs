@@ -35,7 +35,7 @@ use super::mapped::MappedBuffer;
 use super::shard_gather::shard_len;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, TcpGroupOptions, TcpProcessGroup};
-use crate::host_values::host_values;
+use crate::host_values::copy_host_values;
 use crate::store::Store;
 
 /// The suffix of the prefetch group's store prefix.
@@ -232,14 +232,9 @@ fn gather_packed(
     let mut unread = None;
     let mut offset = 0;
     for (shard, len) in shards.iter().zip(&lens) {
-        match host_values::<f32>(shard.clone().into_data()) {
-            Ok(values) if values.len() == *len => {
-                packed[offset..offset + len].copy_from_slice(&values)
-            }
-            // Zeros: every rank must still enter the collective the others are in.
-            other => {
-                unread.get_or_insert(format!("{:?}", other.map(|v| v.len())));
-            }
+        // On failure zeros: every rank must still enter the collective the others are in.
+        if let Err(e) = copy_host_values(shard, &mut packed[offset..offset + len]) {
+            unread.get_or_insert(e);
         }
         offset += len;
     }

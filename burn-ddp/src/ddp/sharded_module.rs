@@ -513,7 +513,7 @@ mod tests {
                     let group =
                         TcpProcessGroup::new(store, rank, world, TcpGroupOptions::default())
                             .unwrap();
-                    let comm = ShardComm::new(group);
+                    let comm = ShardComm::new(group, None);
                     let whole = net(&device);
                     let kept = whole.b.bias.as_ref().map(|b| b.id);
                     let (mut model, layout) =
@@ -524,20 +524,21 @@ mod tests {
                         let l = match how {
                             Gathered::Copy => {
                                 let gathered = gather_module(&model, &layout, &comm);
-                                loss(&gathered, x, y, world)
+                                loss(&gathered, x, y, 1)
                             }
                             Gathered::ByMarkBlock => {
                                 let _forward = ShardedForward::enter(&layout, &comm);
-                                loss(&model, x, y, world)
+                                loss(&model, x, y, 1)
                             }
                         };
                         let mut grads = GradientsParams::from_grads(l.backward(), &model);
-                        // The replicated bias: this rank's gradient summed with the others'
-                        // (an all-reduce, done here through a gather of its own).
+                        // The replicated bias: the mean of the ranks' gradients, as the
+                        // reduce-scatters give the shards' (an all-reduce, done here through a
+                        // gather of its own).
                         let bias = model.b.bias.as_ref().unwrap();
                         let g: Tensor<1> = grads.remove(bias.id).unwrap();
-                        let summed = all_ranks_sum(&comm, g);
-                        grads.register(bias.id, summed);
+                        let mean = all_ranks_sum(&comm, g) / world as f32;
+                        grads.register(bias.id, mean);
                         model = optim.step(1e-2, model, grads);
                     }
                     assert!(comm.take_error().is_none());
