@@ -68,11 +68,18 @@ pub(crate) struct BlockStorage {
     changed: Condvar,
     /// The block the forward ran before this one: the backward reads it next.
     before: Mutex<Option<Arc<BlockStorage>>>,
-    restorer: Restorer,
-    report: RestoreReport,
-    gauge: Arc<GatheredBytes>,
+    links: StorageLinks,
+}
+
+/// What every block's storage of a rank shares: who gathers a block again and where that is
+/// reported, the gauge of whole parameters in memory, and how long a read waits.
+#[derive(Clone)]
+pub(crate) struct StorageLinks {
+    pub restorer: Restorer,
+    pub report: RestoreReport,
+    pub gauge: Arc<GatheredBytes>,
     /// How long a read waits for a restore.
-    deadline: Duration,
+    pub deadline: Duration,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -81,16 +88,12 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl BlockStorage {
     /// The storage of a block just gathered (resident), and a slot for each parameter's
-    /// `buffers` (the parameter's values first), counted in `gauge` while resident.
-    #[allow(clippy::too_many_arguments)]
+    /// `buffers` (the parameter's values first), counted in the links' gauge while resident.
     pub fn new(
         shards: Vec<Tensor<1>>,
         numels: Vec<usize>,
         buffers: Vec<MappedBuffer<f32>>,
-        restorer: Restorer,
-        report: RestoreReport,
-        gauge: Arc<GatheredBytes>,
-        deadline: Duration,
+        links: StorageLinks,
     ) -> (Arc<Self>, Vec<Arc<ParamSlot>>) {
         let block = Arc::new(Self {
             shards,
@@ -101,16 +104,16 @@ impl BlockStorage {
             ask_on_read: AtomicBool::new(false),
             changed: Condvar::new(),
             before: Mutex::new(None),
-            restorer,
-            report,
-            gauge,
-            deadline,
+            links,
         });
         let slots: Vec<Arc<ParamSlot>> = buffers
             .into_iter()
             .zip(numels)
             .map(|(mut buffer, numel)| {
-                let held = block.gauge.hold(std::mem::size_of_val(&*buffer) as u64);
+                let held = block
+                    .links
+                    .gauge
+                    .hold(std::mem::size_of_val(&*buffer) as u64);
                 Arc::new(ParamSlot {
                     len: numel.min(buffer.len()),
                     values: buffer.as_mut_ptr(),
@@ -166,14 +169,14 @@ impl BlockStorage {
         if self.resident.load(Ordering::Acquire) {
             return;
         }
-        let until = Instant::now() + self.deadline;
+        let until = Instant::now() + self.links.deadline;
         let mut state = lock(&self.state);
         while *state != State::Resident {
             let left = until.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                (self.report)(Err(format!(
+                (self.links.report)(Err(format!(
                     "ZeRO stage 3: a block's parameters were not gathered again within {:?}",
-                    self.deadline
+                    self.links.deadline
                 )));
                 *state = State::Resident;
                 self.resident.store(true, Ordering::Release);
@@ -195,7 +198,7 @@ impl BlockStorage {
         }
         *state = State::Restoring;
         drop(state);
-        if let Err(e) = (self.restorer)(self.clone()) {
+        if let Err(e) = (self.links.restorer)(self.clone()) {
             self.finish(Err(e));
         }
     }
@@ -217,12 +220,15 @@ impl BlockStorage {
                     // again (reads wait under `state`, held here).
                     let buffer = unsafe { &mut *slot.buffer.get() };
                     unpack(i, &mut buffer[..slot.len]);
-                    *lock(&slot.held) =
-                        Some(self.gauge.hold(std::mem::size_of_val(&**buffer) as u64));
+                    *lock(&slot.held) = Some(
+                        self.links
+                            .gauge
+                            .hold(std::mem::size_of_val(&**buffer) as u64),
+                    );
                 }
-                (self.report)(Ok(bytes));
+                (self.links.report)(Ok(bytes));
             }
-            Err(e) => (self.report)(Err(e)),
+            Err(e) => (self.links.report)(Err(e)),
         }
         *state = State::Resident;
         self.resident.store(true, Ordering::Release);
@@ -347,15 +353,13 @@ mod tests {
                 .map(|(i, &n)| filled(first, i, n))
                 .collect();
             let (shards, deadline) = (Vec::new(), Duration::from_secs(60));
-            let (storage, slots) = BlockStorage::new(
-                shards,
-                numels.clone(),
-                buffers,
-                restorer.clone(),
-                report.clone(),
-                gauge.clone(),
+            let links = StorageLinks {
+                restorer: restorer.clone(),
+                report: report.clone(),
+                gauge: gauge.clone(),
                 deadline,
-            );
+            };
+            let (storage, slots) = BlockStorage::new(shards, numels.clone(), buffers, links);
             let device = Device::flex();
             let tensors: Vec<Tensor<1>> = slots
                 .into_iter()

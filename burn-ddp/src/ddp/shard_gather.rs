@@ -452,12 +452,7 @@ pub fn gather_shard<const D: usize>(
     shape: [usize; D],
     comm: &ShardComm,
 ) -> Tensor<D> {
-    Tensor::from_dispatch(Dispatch::gather_shard(
-        shard.into_dispatch(),
-        Shape::from(shape),
-        comm.clone(),
-        Given::default(),
-    ))
+    gather_given(shard, shape, comm, Given::default())
 }
 
 /// [`gather_shard`] with the forward's values already gathered (`full`, the parameter's
@@ -470,22 +465,8 @@ pub fn gather_shard_prefetched<const D: usize>(
     full: Vec<f32>,
 ) -> Tensor<D> {
     let full = GatheredValues::new(full, comm.gathered_bytes());
-    gather_shard_given(shard, shape, comm, full)
-}
-
-/// [`gather_shard_prefetched`] with values already counted (the prefetch thread's).
-pub(crate) fn gather_shard_given<const D: usize>(
-    shard: Tensor<1>,
-    shape: [usize; D],
-    comm: &ShardComm,
-    full: GatheredValues,
-) -> Tensor<D> {
-    Tensor::from_dispatch(Dispatch::gather_shard(
-        shard.into_dispatch(),
-        Shape::from(shape),
-        comm.clone(),
-        Given(GivenValues::Values(Arc::new(full))),
-    ))
+    let given = Given(GivenValues::Values(Arc::new(full)));
+    gather_given(shard, shape, comm, given)
 }
 
 /// [`gather_shard_prefetched`] with the values in a block's storage (the prefetch thread's).
@@ -495,11 +476,21 @@ pub(crate) fn gather_shard_slot<const D: usize>(
     comm: &ShardComm,
     slot: Arc<ParamSlot>,
 ) -> Tensor<D> {
+    gather_given(shard, shape, comm, Given::slot(slot))
+}
+
+/// The gather op over `shard` with what its forward is given (nothing: it gathers).
+fn gather_given<const D: usize>(
+    shard: Tensor<1>,
+    shape: [usize; D],
+    comm: &ShardComm,
+    given: Given,
+) -> Tensor<D> {
     Tensor::from_dispatch(Dispatch::gather_shard(
         shard.into_dispatch(),
         Shape::from(shape),
         comm.clone(),
-        Given::slot(slot),
+        given,
     ))
 }
 

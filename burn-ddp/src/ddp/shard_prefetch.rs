@@ -29,7 +29,7 @@ use std::time::Duration;
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 
-use super::block_storage::{BlockStorage, ParamSlot, RestoreReport, Restorer};
+use super::block_storage::{BlockStorage, ParamSlot, RestoreReport, Restorer, StorageLinks};
 use super::gathered_bytes::{GatheredBytes, Held};
 use super::mapped::MappedBuffer;
 use super::shard_gather::shard_len;
@@ -84,14 +84,6 @@ fn send(commands: &Commands, command: Command) -> Result<(), String> {
     }
 }
 
-/// What the thread needs to make a block's storage.
-struct Context {
-    gathered: Arc<GatheredBytes>,
-    restorer: Restorer,
-    report: RestoreReport,
-    deadline: Duration,
-}
-
 /// The prefetch thread of one rank (module docs).
 pub struct Prefetcher {
     commands: Commands,
@@ -121,10 +113,11 @@ impl Prefetcher {
             let commands = commands.clone();
             Arc::new(move |block| send(&commands, Command::Restore(block)))
         };
-        let context = Context {
-            gathered,
+        // What the thread gives each block's storage it makes.
+        let links = StorageLinks {
             restorer,
             report,
+            gauge: gathered,
             deadline,
         };
         let handle = std::thread::Builder::new()
@@ -135,9 +128,9 @@ impl Prefetcher {
                         Command::Gather { block, out } => {
                             // Nobody waiting (a forward that marked fewer blocks): the gather
                             // still ran, on every rank alike.
-                            let _ = out.send(gather_block(&mut group, block, &context));
+                            let _ = out.send(gather_block(&mut group, block, &links));
                         }
-                        Command::Restore(storage) => restore_block(&mut group, &storage, &context),
+                        Command::Restore(storage) => restore_block(&mut group, &storage, &links),
                     }
                 }
             })
@@ -262,10 +255,10 @@ fn buffer(len: usize) -> Result<MappedBuffer<f32>, String> {
 fn gather_block(
     group: &mut TcpProcessGroup,
     block: BlockShards,
-    context: &Context,
+    links: &StorageLinks,
 ) -> Result<GatheredBlock, String> {
     let world = group.world_size();
-    let (all, counted) = gather_packed(group, &block.shards, &block.numels, &context.gathered)?;
+    let (all, counted) = gather_packed(group, &block.shards, &block.numels, &links.gauge)?;
     let buffers = match block.numels[..] {
         // One parameter: the buffer is the parameter, then padding; no copy (its slot counts
         // it from here).
@@ -285,15 +278,7 @@ fn gather_block(
         }
     };
     // The slots count their buffers from here (the collective's buffer went, or is theirs).
-    let (storage, slots) = BlockStorage::new(
-        block.shards,
-        block.numels,
-        buffers,
-        context.restorer.clone(),
-        context.report.clone(),
-        context.gathered.clone(),
-        context.deadline,
-    );
+    let (storage, slots) = BlockStorage::new(block.shards, block.numels, buffers, links.clone());
     Ok(GatheredBlock {
         ids: block.ids,
         slots,
@@ -302,9 +287,9 @@ fn gather_block(
 }
 
 /// An evicted block gathered again, into the slots its tensors still use.
-fn restore_block(group: &mut TcpProcessGroup, storage: &BlockStorage, context: &Context) {
+fn restore_block(group: &mut TcpProcessGroup, storage: &BlockStorage, links: &StorageLinks) {
     let world = group.world_size();
-    match gather_packed(group, &storage.shards, &storage.numels, &context.gathered) {
+    match gather_packed(group, &storage.shards, &storage.numels, &links.gauge) {
         Ok((all, counted)) => {
             let bytes = std::mem::size_of_val(&*all) as u64;
             let mut unpacked = Unpacking::new(all, counted, &storage.numels, world);
