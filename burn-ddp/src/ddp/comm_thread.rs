@@ -30,6 +30,13 @@ pub const STORE_SUFFIX: &str = "/overlap";
 /// memory; buckets stream through piece by piece, so a smaller ring only costs more wake-ups.
 pub const OVERLAP_RING_BYTES: usize = 1 << 20;
 
+/// Bytes of the overlap group's rings beside a job group of `job_ring` bytes: never more than
+/// the job's (ZeRO stages 2 and 3 give it smaller rings to save memory:
+/// [`job_ring_bytes`](super::options::job_ring_bytes)).
+pub fn overlap_ring_bytes(job_ring: usize) -> usize {
+    OVERLAP_RING_BYTES.min(job_ring)
+}
+
 /// One bucket to average: [`bucket_means`]' arguments.
 pub struct Job {
     pub grads: Vec<FloatTensor<Dispatch>>,
@@ -73,7 +80,8 @@ pub struct CommThread {
 
 impl CommThread {
     /// Forms the overlap group and starts the thread. Collective: every rank calls it at the
-    /// same point, with the same options (deadline: `options.timeout`).
+    /// same point, with the job group's options (deadline: `options.timeout`; rings:
+    /// [`overlap_ring_bytes`]).
     pub fn start(
         store: Arc<dyn Store>,
         rank: usize,
@@ -81,7 +89,7 @@ impl CommThread {
         mut options: TcpGroupOptions,
     ) -> Result<Self, DdpError> {
         options.store_prefix.push_str(STORE_SUFFIX);
-        options.shared_memory_ring_bytes = OVERLAP_RING_BYTES;
+        options.shared_memory_ring_bytes = overlap_ring_bytes(options.shared_memory_ring_bytes);
         let deadline = options.timeout + Duration::from_secs(30);
         let mut group = TcpProcessGroup::new(store, rank, world_size, options)?;
         let (jobs, inbox) = mpsc::channel::<Job>();

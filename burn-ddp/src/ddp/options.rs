@@ -9,8 +9,27 @@ use std::time::Duration;
 use super::buffers::BufferSync;
 use super::transport::GradientTransport;
 use super::zero_stage::ZeroStage;
-use crate::group::TcpGroupOptions;
+use crate::group::{shm, TcpGroupOptions};
 use crate::kernels::HalfFormat;
+
+/// Bytes of each shared-memory ring of the job's group at ZeRO stages 2 and 3: a quarter of
+/// a piece instead of four pieces. Those stages are chosen to save memory, and every rank
+/// maps its own ring and its neighbour's, both counted in its resident memory (8 MiB at the
+/// default size). Their gradients mostly go through groups of their own (the communication
+/// thread's for marked blocks at stage 2, the shards' at stage 3), so the job's group
+/// carries little in bulk: stage 2's all-gather of the parameters, and its gradients where no
+/// block is marked. Through a ring smaller than a piece those run at about half the speed
+/// (`trainer bench-allreduce` on this project's 2-core machine: 1.3 to 2.5 GB/s against 2.2
+/// to 4.2 between 1 and 32 MiB).
+pub const SHARDED_JOB_RING_BYTES: usize = 256 << 10;
+
+/// Bytes of each shared-memory ring of the job's group at ZeRO stage `stage`.
+pub fn job_ring_bytes(stage: ZeroStage) -> usize {
+    match stage {
+        ZeroStage::Off | ZeroStage::OptimizerState => shm::DEFAULT_CAPACITY,
+        ZeroStage::Gradients | ZeroStage::Parameters => SHARDED_JOB_RING_BYTES,
+    }
+}
 
 /// The synchronisation of a data-parallel job. `Default` is PyTorch DDP's: 25 MiB buckets,
 /// f32 on the wire, gradient overlap on (for marked blocks), rank 0's buffers broadcast after every step, ZeRO off, NCCL where the
@@ -93,12 +112,35 @@ impl DdpOptions {
         self
     }
 
-    /// The TCP group's options with these deadlines.
+    /// The job group's options: these deadlines, and the ZeRO stage's shared-memory rings
+    /// ([`job_ring_bytes`]).
     pub fn tcp_options(&self) -> TcpGroupOptions {
         TcpGroupOptions {
             timeout: self.timeout,
             stall_warning: self.stall_warning,
+            shared_memory_ring_bytes: job_ring_bytes(self.zero_stage),
             ..Default::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ddp::comm_thread::overlap_ring_bytes;
+
+    #[test]
+    fn zero_stages_2_and_3_give_the_job_and_overlap_groups_smaller_rings() {
+        let rings = |stage| {
+            let job = DdpOptions::default()
+                .with_zero_stage(stage)
+                .tcp_options()
+                .shared_memory_ring_bytes;
+            (job, overlap_ring_bytes(job))
+        };
+        assert_eq!(rings(ZeroStage::Off), (4 << 20, 1 << 20));
+        assert_eq!(rings(ZeroStage::OptimizerState), (4 << 20, 1 << 20));
+        assert_eq!(rings(ZeroStage::Gradients), (256 << 10, 256 << 10));
+        assert_eq!(rings(ZeroStage::Parameters), (256 << 10, 256 << 10));
     }
 }

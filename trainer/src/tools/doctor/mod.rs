@@ -162,7 +162,7 @@ fn resource_checks(
         world_size: job.world_size,
         groups: RingGroups {
             gradient_overlap: settings.distributed.gradient_overlap,
-            zero_stage_3: settings.distributed.zero_stage.shards_parameters(),
+            zero_stage: settings.distributed.zero_stage,
         },
         space: probe::fs_space(Path::new("/dev/shm")),
     }));

@@ -1,11 +1,14 @@
 //! `/dev/shm` against the shared-memory ring. Every rank of a job of several ranks reserves one
-//! ring file there per process group: the job's (4 MiB + 4 KiB), with gradient overlap the
-//! communication thread's (1 MiB + 4 KiB), and at ZeRO stage 3 the shards' gathers' and their
-//! prefetch thread's (4 MiB + 4 KiB each); a rank that cannot falls back to loopback TCP,
+//! ring file there per process group: the job's (4 MiB + 4 KiB; 256 KiB + 4 KiB at ZeRO
+//! stages 2 and 3, which save memory), with gradient overlap the communication thread's
+//! (1 MiB + 4 KiB, or the job's if smaller), and at ZeRO stage 3 the shards' gathers' and their
+//! prefetch thread's (1 MiB + 4 KiB each); a rank that cannot falls back to loopback TCP,
 //! silently and slower, so too little room is a failure of what the job asked for.
 
-use burn_ddp::ddp::comm_thread::OVERLAP_RING_BYTES;
+use burn_ddp::ddp::comm_thread::overlap_ring_bytes;
+use burn_ddp::ddp::options::job_ring_bytes;
 use burn_ddp::group::shm;
+use burn_ddp::ZeroStage;
 
 use super::units::{plural, size};
 use crate::finding::Finding;
@@ -22,22 +25,23 @@ pub struct FsSpace {
 pub struct RingGroups {
     /// The gradient overlap's communication thread's group.
     pub gradient_overlap: bool,
-    /// ZeRO stage 3's two: the shards' gathers and reduce-scatters, and the prefetch thread's.
-    pub zero_stage_3: bool,
+    /// The job's ZeRO stage: the size of the job group's ring, and at stage 3 two groups
+    /// more (the shards' gathers and reduce-scatters, and the prefetch thread's).
+    pub zero_stage: ZeroStage,
 }
 
 impl RingGroups {
     /// Each group's ring file: what it is, and its bytes.
     fn files(self) -> Vec<(&'static str, usize)> {
-        let job = shm::file_bytes(shm::DEFAULT_CAPACITY);
-        let mut files = vec![("the job group's", job)];
+        let job_ring = job_ring_bytes(self.zero_stage);
+        let mut files = vec![("the job group's", shm::file_bytes(job_ring))];
         if self.gradient_overlap {
             files.push((
                 "the gradient overlap's",
-                shm::file_bytes(OVERLAP_RING_BYTES),
+                shm::file_bytes(overlap_ring_bytes(job_ring)),
             ));
         }
-        if self.zero_stage_3 {
+        if self.zero_stage.shards_parameters() {
             let side = shm::file_bytes(burn_ddp::ddp::fully_sharded::RING_BYTES);
             files.push(("ZeRO stage 3's gathers'", side));
             files.push(("their prefetch's", side));
@@ -158,7 +162,7 @@ mod tests {
             world_size: ranks,
             groups: RingGroups {
                 gradient_overlap: false,
-                zero_stage_3: false,
+                zero_stage: ZeroStage::Off,
             },
             space: Ok(FsSpace {
                 free,
@@ -169,39 +173,49 @@ mod tests {
 
     #[test]
     fn dev_shm_must_hold_one_ring_file_per_local_rank() {
-        let groups = |gradient_overlap, zero_stage_3| RingGroups {
+        let groups = |gradient_overlap, zero_stage| RingGroups {
             gradient_overlap,
-            zero_stage_3,
+            zero_stage,
         };
-        assert_eq!(shm_need(2, 2, groups(false, false)), 2 * (4 * MIB + 4096));
+        let (stage_0, stage_3) = (ZeroStage::Off, ZeroStage::Parameters);
+        assert_eq!(shm_need(2, 2, groups(false, stage_0)), 2 * (4 * MIB + 4096));
         assert_eq!(
-            shm_need(1, 1, groups(true, true)),
+            shm_need(2, 2, groups(false, ZeroStage::OptimizerState)),
+            2 * (4 * MIB + 4096)
+        );
+        assert_eq!(
+            shm_need(2, 2, groups(true, ZeroStage::Gradients)),
+            2 * (MIB / 4 + 4096 + MIB / 4 + 4096),
+            "stage 2 gives the job group and the overlap's smaller rings"
+        );
+        assert_eq!(
+            shm_need(1, 1, groups(true, stage_3)),
             0,
             "a job of one has no ring"
         );
         assert_eq!(
-            shm_need(1, 4, groups(false, false)),
+            shm_need(1, 4, groups(false, stage_0)),
             4 * MIB + 4096,
             "one rank here, others elsewhere"
         );
         assert_eq!(
-            shm_need(2, 2, groups(true, false)),
+            shm_need(2, 2, groups(true, stage_0)),
             2 * (4 * MIB + 4096 + MIB + 4096),
             "the overlap's group has smaller rings of its own"
         );
         assert_eq!(
-            shm_need(2, 2, groups(false, true)),
-            2 * (4 * MIB + 4096 + 2 * (MIB + 4096)),
+            shm_need(2, 2, groups(false, stage_3)),
+            2 * (MIB / 4 + 4096 + 2 * (MIB + 4096)),
             "ZeRO stage 3 forms two groups more, with smaller rings of their own"
         );
         for (groups, free, says) in [
             (
-                groups(true, true),
-                12 * MIB,
-                "needs 14.0 MiB for 2 local ranks (7.0 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)",
+                groups(true, stage_3),
+                5 * MIB,
+                "needs 5.0 MiB for 2 local ranks (2.5 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)",
             ),
             (
-                groups(true, false),
+                groups(true, stage_0),
                 9 * MIB,
                 "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: the job group's ring and the gradient overlap's)",
             ),
