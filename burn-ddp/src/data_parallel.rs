@@ -33,11 +33,12 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device};
 
 use crate::ddp::buffers::{self, BufferSync};
-use crate::ddp::fully_sharded::FullyShardedState;
-use crate::ddp::sharded_module::ShardedForward;
-use crate::ddp::sync_group::{self, SyncGroupGuard};
-use crate::ddp::zero;
-use crate::ddp::zero_stage::ZeroStage;
+use crate::ddp::fsdp::fully_sharded::FullyShardedState;
+use crate::ddp::fsdp::sharded_module::ShardedForward;
+use crate::ddp::options::groups::ProcessGroupRole;
+use crate::ddp::options::zero_stage::ZeroStage;
+use crate::ddp::sync_batch_norm::sync_group::{self, SyncGroupGuard};
+use crate::ddp::zero::sharded_sync;
 use crate::ddp::{
     param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats,
     ReducerStats, ShardedSync, StepTimeline,
@@ -112,7 +113,7 @@ impl DataParallel {
     /// The handle over an already formed job. Collective when the options choose NCCL (the
     /// group is formed through the job's store, within `options.timeout`). In a world of more
     /// than one rank it also installs, process-wide while the handle lives, what synchronised
-    /// BatchNorm needs to form its own group at its first use (see [`crate::ddp::sync_group`]).
+    /// BatchNorm needs to form its own group at its first use (see [`crate::ddp::sync_batch_norm::sync_group`]).
     /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         let sync = GradientSync::new(&options, &dist, device)?;
@@ -126,8 +127,7 @@ impl DataParallel {
             None
         };
         let sync_batch_norm = if dist.env.world_size > 1 {
-            let mut options = dist.group.options().clone();
-            options.store_prefix.push_str(sync_group::STORE_SUFFIX);
+            let options = ProcessGroupRole::SyncBatchNorm.options(dist.group.options());
             sync_group::install(sync_group::Recipe {
                 store: dist.store.clone(),
                 rank: dist.env.rank,
@@ -254,13 +254,13 @@ impl DataParallel {
 
     /// The stage-3 group's counters (gathers, reduce-scatters, blocks gathered ahead, bytes);
     /// `None` at other stages.
-    pub fn shard_comm(&self) -> Option<&crate::ddp::shard_gather::ShardComm> {
+    pub fn shard_comm(&self) -> Option<&crate::ddp::fsdp::shard_gather::ShardComm> {
         self.fully_sharded.as_ref().map(FullyShardedState::comm)
     }
 
     /// The full shapes of the parameters sharded at stage 3 (`None` before
     /// [`fully_shard`](Self::fully_shard), and at other stages).
-    pub fn shard_layout(&self) -> Option<&crate::ddp::sharded_module::ShardLayout> {
+    pub fn shard_layout(&self) -> Option<&crate::ddp::fsdp::sharded_module::ShardLayout> {
         self.fully_sharded
             .as_ref()
             .and_then(FullyShardedState::layout)
@@ -354,8 +354,8 @@ impl DataParallel {
         optimize: impl FnOnce(M, GradientsParams) -> M,
     ) -> Result<(M, StepOutcome), DdpError> {
         let check = self.sync_gradients(&model, &mut grads)?;
-        self.gradient_bytes = zero::gradient_bytes(&model, &grads);
-        self.parameter_bytes = zero::parameter_bytes(&model);
+        self.gradient_bytes = sharded_sync::gradient_bytes(&model, &grads);
+        self.parameter_bytes = sharded_sync::parameter_bytes(&model);
         let nonfinite = verdict(check)?;
         let (model, outcome) = if nonfinite.is_empty() {
             let model = optimize(model, grads);
@@ -523,7 +523,9 @@ impl DataParallel {
     ) -> Result<ModuleOptimizer, DdpError> {
         let (rank, world) = (self.rank(), self.world_size());
         match &mut self.sharded {
-            Some(sharded) => zero::keep_owned_state(optim, sharded.plan(model, world), rank),
+            Some(sharded) => {
+                sharded_sync::keep_owned_state(optim, sharded.plan(model, world), rank)
+            }
             None => Ok(optim),
         }
     }
@@ -544,7 +546,7 @@ impl DataParallel {
         if self.sharded.is_none() {
             return Ok(None);
         }
-        zero::gather_state(optim, &mut self.dist.group, 0)
+        sharded_sync::gather_state(optim, &mut self.dist.group, 0)
     }
 
     /// What gradient synchronisation did so far (synchronisations, collectives, bytes; at
@@ -693,7 +695,7 @@ fn grads_extend<M: Module>(model: &M, grads: &mut GradientsParams, mut from: Gra
 }
 
 /// The failure synchronised BatchNorm recorded in this step's forward or backward, if any
-/// ([`crate::ddp::sync_group`]).
+/// ([`crate::ddp::sync_batch_norm::sync_group`]).
 fn check_sync_batch_norm() -> Result<(), DdpError> {
     match sync_group::take_error() {
         Some(e) => Err(e.into()),

@@ -296,7 +296,7 @@ pub enum SyncBatchNormError {
 }
 
 /// A failure of ZeRO stage 3's parameter gather or gradient reduce-scatter
-/// ([`crate::ddp::shard_gather`]), kept until the step checks.
+/// ([`crate::ddp::fsdp::shard_gather`]), kept until the step checks.
 #[derive(Debug, thiserror::Error)]
 pub enum ShardGatherError {
     /// The all-gather of a parameter or the reduce-scatter of its gradient failed.

@@ -245,7 +245,7 @@ pub struct DistributedConfig {
     /// How gradient buckets travel, on every path (host and NCCL): `"none"` (f32), `"bf16"`
     /// or `"fp16"` (see [`HalfFormat`]), what PyTorch's `bf16_compress_hook` /
     /// `fp16_compress_hook` do.
-    #[serde(with = "burn_ddp::ddp::config_names::compression")]
+    #[serde(with = "burn_ddp::ddp::options::config_names::compression")]
     pub gradient_compression: Option<HalfFormat>,
     /// Whether the gradients of the blocks a model marks (`burn_ddp::mark_block`) go on the
     /// wire while backward runs (on the host path of plain DDP): the same weights either way
@@ -268,7 +268,7 @@ pub struct DistributedConfig {
     /// every step boundary (replica checks, checkpoints, validation): `"broadcast"` (rank 0's,
     /// PyTorch DDP's default), `"average"` (the mean over the ranks) or `"off"` (each rank
     /// keeps its own; checkpoints hold rank 0's).
-    #[serde(with = "burn_ddp::ddp::config_names::buffers")]
+    #[serde(with = "burn_ddp::ddp::options::config_names::buffers")]
     pub sync_buffers: Option<BufferSync>,
     /// Pipeline stages the model is cut into (1: none, plain data parallelism). With `P > 1`
     /// the world size must be a multiple of `P`: `world / P` replicas of the pipeline train

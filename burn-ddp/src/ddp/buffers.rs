@@ -17,7 +17,7 @@
 
 use burn::module::Module;
 
-use super::module::{read_floats, write_floats, FloatSlot};
+use crate::ddp::module::{read_floats, write_floats, FloatSlot};
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 

@@ -6,13 +6,15 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
 
-use super::comm::HostStaging;
-use super::finite::GradientCheck;
-use super::options::DdpOptions;
-use super::overlap::{GroupRecipe, Overlap, OverlapStats, Settings, StepTimeline};
-use super::reducer::{Reducer, ReducerStats};
-use super::shard_plan::ShardPlan;
-use super::transport::GradientTransport;
+use crate::ddp::buckets::comm::HostStaging;
+use crate::ddp::buckets::finite::GradientCheck;
+use crate::ddp::options::ddp_options::DdpOptions;
+use crate::ddp::options::transport::GradientTransport;
+use crate::ddp::overlap::ready_buckets::{
+    GroupRecipe, Overlap, OverlapStats, Settings, StepTimeline,
+};
+use crate::ddp::reducer::{Reducer, ReducerStats};
+use crate::ddp::zero::shard_plan::ShardPlan;
 use crate::error::DdpError;
 #[cfg(feature = "cuda")]
 use crate::group::nccl::{NcclGroupOptions, NcclProcessGroup};
@@ -85,7 +87,7 @@ impl GradientSync {
 
     /// Replaces every gradient with its mean over the ranks. Collective, once per optimizer
     /// step ([`Reducer::sync`]); on the host path it follows the overlap's plan
-    /// ([`super::overlap`]), learning it (collective too) at the first armed step. With
+    /// ([`crate::ddp::overlap::ready_buckets`]), learning it (collective too) at the first armed step. With
     /// `owners` (ZeRO stage 2, host path only) `grads` keeps only this rank's own gradients,
     /// each the mean over the ranks.
     pub fn sync<M: Module>(
@@ -99,7 +101,12 @@ impl GradientSync {
         if let Some(group) = &mut self.nccl {
             // `GradientTransport::choose` never picks NCCL at stage 2.
             debug_assert!(owners.is_none());
-            return super::device::sync_with_nccl(&mut self.reducer, group, model, grads);
+            return crate::ddp::buckets::nccl::sync_with_nccl(
+                &mut self.reducer,
+                group,
+                model,
+                grads,
+            );
         }
         self.overlap
             .after_backward(tcp, model, grads, self.reducer.bucket_cap())?;
@@ -112,7 +119,7 @@ impl GradientSync {
         )
     }
 
-    /// Arms the next backward for the overlap ([`super::overlap`]): `earlier`, the step's
+    /// Arms the next backward for the overlap ([`crate::ddp::overlap::ready_buckets`]): `earlier`, the step's
     /// earlier micro-batches' summed gradients; `weight`, this micro-batch's factor; `owners`,
     /// at ZeRO stage 2, who keeps each gradient. Not collective; a no-op in a job of one or on
     /// NCCL.
@@ -154,7 +161,7 @@ impl GradientSync {
 /// `cuda`).
 fn is_cuda(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
-    return super::device::cuda_ordinal(device).is_some();
+    return crate::ddp::buckets::nccl::cuda_ordinal(device).is_some();
     #[cfg(not(feature = "cuda"))]
     {
         let _ = device;
@@ -176,7 +183,7 @@ fn nccl_group(
         stall_warning: options.stall_warning,
         ..Default::default()
     };
-    let device = super::device::cuda_ordinal(device)
+    let device = crate::ddp::buckets::nccl::cuda_ordinal(device)
         .unwrap_or_else(|| crate::cuda::local_device(dist.env.local_rank));
     let group =
         NcclProcessGroup::with_options(dist.store.clone(), rank, world, device, nccl_options)

@@ -39,12 +39,12 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 
-use super::bucket::{check_bucket_len, plan_buckets, Bucket};
-use super::comm::{bucket_means, BucketComm};
-use super::comm_thread::Job;
-use super::finite::{probe, FiniteScan, GradientCheck};
-use super::overlap::{BucketTiming, Overlap, StepTimeline};
-use super::shard_plan::ShardPlan;
+use crate::ddp::buckets::comm::{bucket_means, BucketComm};
+use crate::ddp::buckets::finite::{probe, FiniteScan, GradientCheck};
+use crate::ddp::buckets::plan::{check_bucket_len, plan_buckets, Bucket};
+use crate::ddp::overlap::comm_thread::Job;
+use crate::ddp::overlap::ready_buckets::{BucketTiming, Overlap, StepTimeline};
+use crate::ddp::zero::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::kernels::HalfFormat;
 
@@ -74,7 +74,7 @@ impl Reducer {
     /// every rank.
     pub fn new(bucket_cap_mb: f64, compression: Option<HalfFormat>) -> Self {
         Self {
-            bucket_cap_elems: super::bucket::cap_elements(bucket_cap_mb),
+            bucket_cap_elems: crate::ddp::buckets::plan::cap_elements(bucket_cap_mb),
             compression,
             check_finite: true,
             stats: ReducerStats::default(),
@@ -500,7 +500,7 @@ mod tests {
     use burn::tensor::TensorData;
 
     use super::*;
-    use crate::ddp::comm::HostStaging;
+    use crate::ddp::buckets::comm::HostStaging;
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};
 

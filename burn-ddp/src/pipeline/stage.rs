@@ -730,7 +730,7 @@ mod tests {
 
         // Its DataParallel handles install synchronised BatchNorm's group (module docs of
         // `sync_group`): not while another test relies on there being none.
-        let _alone = crate::ddp::sync_group::TEST_LOCK
+        let _alone = crate::ddp::sync_batch_norm::sync_group::TEST_LOCK
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let (stages, replicas, steps, lr) = (2, 2, 2, 0.1);

@@ -536,14 +536,15 @@ pub fn load_optimizer_bytes(
         dir: dir.to_path_buf(),
         reason,
     };
-    let saved = burn_ddp::ddp::zero::state_param_ids_of(Bytes::from_bytes_vec(bytes.clone()))
-        .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
+    let saved =
+        burn_ddp::ddp::zero::sharded_sync::state_param_ids_of(Bytes::from_bytes_vec(bytes.clone()))
+            .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
     let optim = optim
         .from_bytes(Bytes::from_bytes_vec(bytes))
         .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
     // Burn skips, without a word, the state it cannot rebuild for the configured optimizer
     // (e.g. Adam's moments into SGD with momentum): a resume would silently start them over.
-    let loaded = burn_ddp::ddp::zero::state_param_ids(&optim)
+    let loaded = burn_ddp::ddp::zero::sharded_sync::state_param_ids(&optim)
         .map_err(|e| mismatch(format!("its optimizer state does not load: {e}")))?;
     if loaded != saved {
         return Err(mismatch(format!(

@@ -153,7 +153,7 @@ pub fn save_checkpoint<M: Module>(
     optim: OptimizerState<'_>,
     scheduler: &[u8],
 ) -> anyhow::Result<()> {
-    if !burn_ddp::ddp::finite::module_is_finite(model)? {
+    if !burn_ddp::ddp::buckets::finite::module_is_finite(model)? {
         return Err(policy.non_finite(position));
     }
     let manifest = policy.manifest(ddp.world_size(), position);

@@ -12,7 +12,7 @@
 //! The parts of one step, one per rank, are the checkpoint. A resume takes the newest step
 //! every rank of a set has (a crash between two ranks' writes leaves one a step ahead, so each
 //! rank keeps at least 2), joins the weights whole and cuts the optimizer state for its own
-//! world size and stage (burn-ddp's [`reshard`](burn_ddp::ddp::reshard)): a stage-3
+//! world size and stage (burn-ddp's [`reshard`](burn_ddp::ddp::fsdp::reshard)): a stage-3
 //! checkpoint resumes at any world size and stage. `trainer consolidate` writes the joined
 //! checkpoint as a whole one (`<checkpoint.dir>/step-…/`), which `trainer eval` and Burn's
 //! own loaders read.
@@ -25,7 +25,7 @@ use anyhow::{bail, Context};
 use burn::module::{Module, ParamId};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Bytes, DType};
-use burn_ddp::ddp::reshard::{reshard_state, reshard_tensors, ShardTarget};
+use burn_ddp::ddp::fsdp::reshard::{reshard_state, reshard_tensors, ShardTarget};
 use burn_ddp::DataParallel;
 use burn_store::ModuleSnapshot;
 
@@ -363,7 +363,7 @@ pub fn save<M: Module>(
     schedule: &Schedule,
 ) -> anyhow::Result<()> {
     let (rank, world) = (ddp.rank(), ddp.world_size());
-    let finite = burn_ddp::ddp::finite::module_is_finite(model)?;
+    let finite = burn_ddp::ddp::buckets::finite::module_is_finite(model)?;
     let flags = ddp.all_gather(&[f64::from(u8::from(finite))])?;
     if flags.contains(&0.0) {
         return Err(policy.non_finite(position));

@@ -38,7 +38,7 @@ use crate::backend::{device_name, train_device};
 use crate::builtin::{self, WithApp};
 use crate::config::{DeviceKind, OptimizerName};
 use crate::engine::pipeline::StageSplit;
-use burn_ddp::ddp::zero;
+use burn_ddp::ddp::zero::sharded_sync;
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchTrainArgs {
@@ -227,7 +227,7 @@ fn print_runs(per_step: f64, plain: &Measured, runs: &[Measured], device: Device
 /// Optimizer state per rank and bytes on the wire per step at world 2, stages 0, 1 and 2.
 fn print_state_and_bytes<M: Module>(model: &M, optimizer: OptimizerName, momentum: f64) {
     let params = model.num_params();
-    let stage1_own = zero::plan_for(model, 2).counts().to_vec();
+    let stage1_own = sharded_sync::plan_for(model, 2).counts().to_vec();
     let state_copies = match optimizer {
         OptimizerName::Sgd if momentum > 0.0 => 1,
         OptimizerName::Sgd => 0,

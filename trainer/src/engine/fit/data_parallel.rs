@@ -16,8 +16,8 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
-use burn_ddp::ddp::reshard::ShardTarget;
-use burn_ddp::ddp::zero;
+use burn_ddp::ddp::fsdp::reshard::ShardTarget;
+use burn_ddp::ddp::zero::sharded_sync;
 use burn_ddp::{DataParallel, Distributed, StepOutcome};
 
 use super::across_ranks::{across_ranks, train_metrics_window};
@@ -405,8 +405,8 @@ impl<A: App> StepKind for DataParallelSteps<A> {
 
     fn held_state(&mut self) -> anyhow::Result<HeldState> {
         Ok(HeldState {
-            optimizer_state_params: zero::state_param_ids(&self.optim)?.len() as u64,
-            optimizer_state_bytes: zero::state_bytes(&self.optim)?,
+            optimizer_state_params: sharded_sync::state_param_ids(&self.optim)?.len() as u64,
+            optimizer_state_bytes: sharded_sync::state_bytes(&self.optim)?,
             gradient_bytes: self.ddp.gradient_bytes(),
             parameter_bytes: self.ddp.parameter_bytes(),
             gathered_peak_bytes: self.ddp.gathered_peak_bytes(),

@@ -29,7 +29,7 @@ use burn::module::Module;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Device, Tensor};
-use burn_ddp::ddp::zero;
+use burn_ddp::ddp::zero::sharded_sync;
 use burn_ddp::host_values::host_values;
 use burn_ddp::pipeline::{
     PipelineConfig, PipelineError, PipelineParallel, PipelineStage, StageStep,
@@ -347,8 +347,8 @@ where
 
     fn held_state(&mut self) -> anyhow::Result<HeldState> {
         Ok(HeldState {
-            optimizer_state_params: zero::state_param_ids(&self.optim)?.len() as u64,
-            optimizer_state_bytes: zero::state_bytes(&self.optim)?,
+            optimizer_state_params: sharded_sync::state_param_ids(&self.optim)?.len() as u64,
+            optimizer_state_bytes: sharded_sync::state_bytes(&self.optim)?,
             gradient_bytes: self.pp.replica_group().gradient_bytes(),
             parameter_bytes: self.pp.replica_group().parameter_bytes(),
             // Pipeline stages do not combine with ZeRO stage 3.

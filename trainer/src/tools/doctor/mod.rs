@@ -51,6 +51,7 @@ use crate::backend::{self, DeviceJob};
 use crate::builtin::{self, WithApp};
 use crate::config::{DeviceKind, DistributedConfig, TrainingConfig};
 use crate::engine::memory::{available_memory, MemoryEstimate};
+use crate::engine::parallel;
 use crate::engine::pipeline::StageSplit;
 use crate::error::UsageError;
 use crate::finding::{self, Finding};
@@ -160,10 +161,7 @@ fn resource_checks(
         enabled: burn_ddp::env::shared_memory_from(env),
         local_ranks: job.nproc,
         world_size: job.world_size,
-        groups: RingGroups {
-            gradient_overlap: settings.distributed.gradient_overlap,
-            zero_stage: settings.distributed.zero_stage,
-        },
+        groups: RingGroups::of(&parallel::ddp_options(&settings.distributed)),
         space: probe::fs_space(Path::new("/dev/shm")),
     }));
     let shape = JobShape {

@@ -1,14 +1,12 @@
 //! `/dev/shm` against the shared-memory ring. Every rank of a job of several ranks reserves one
-//! ring file there per process group: the job's (4 MiB + 4 KiB; 256 KiB + 4 KiB at ZeRO
-//! stages 2 and 3, which save memory), with gradient overlap the communication thread's
-//! (1 MiB + 4 KiB, or the job's if smaller), and at ZeRO stage 3 the shards' gathers' and their
-//! prefetch thread's (1 MiB + 4 KiB each); a rank that cannot falls back to loopback TCP,
+//! ring file there per process group it forms (burn-ddp's list for the job's options, with
+//! each ring's size: the job's 4 MiB + 4 KiB, or 256 KiB + 4 KiB at ZeRO stages 2 and 3, the
+//! overlap's and stage 3's side groups 1 MiB + 4 KiB); a rank that cannot falls back to loopback TCP,
 //! silently and slower, so too little room is a failure of what the job asked for.
 
-use burn_ddp::ddp::comm_thread::overlap_ring_bytes;
-use burn_ddp::ddp::options::job_ring_bytes;
+use burn_ddp::ddp::options::groups::PlannedGroup;
 use burn_ddp::group::shm;
-use burn_ddp::ZeroStage;
+use burn_ddp::DdpOptions;
 
 use super::units::{plural, size};
 use crate::finding::Finding;
@@ -20,44 +18,35 @@ pub struct FsSpace {
     pub total: u64,
 }
 
-/// The process groups a rank forms, each with a ring file of its own.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RingGroups {
-    /// The gradient overlap's communication thread's group.
-    pub gradient_overlap: bool,
-    /// The job's ZeRO stage: the size of the job group's ring, and at stage 3 two groups
-    /// more (the shards' gathers and reduce-scatters, and the prefetch thread's).
-    pub zero_stage: ZeroStage,
-}
+/// The process groups a rank forms, each with a ring file of its own: burn-ddp's list for
+/// the job's options ([`DdpOptions::process_groups`]), less synchronised BatchNorm's, which
+/// only a model with that layer forms.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RingGroups(Vec<PlannedGroup>);
 
 impl RingGroups {
+    pub fn of(options: &DdpOptions) -> Self {
+        let groups = options.process_groups();
+        Self(groups.into_iter().filter(|g| !g.on_first_use).collect())
+    }
+
     /// Each group's ring file: what it is, and its bytes.
-    fn files(self) -> Vec<(&'static str, usize)> {
-        let job_ring = job_ring_bytes(self.zero_stage);
-        let mut files = vec![("the job group's", shm::file_bytes(job_ring))];
-        if self.gradient_overlap {
-            files.push((
-                "the gradient overlap's",
-                shm::file_bytes(overlap_ring_bytes(job_ring)),
-            ));
-        }
-        if self.zero_stage.shards_parameters() {
-            let side = shm::file_bytes(burn_ddp::ddp::fully_sharded::RING_BYTES);
-            files.push(("ZeRO stage 3's gathers'", side));
-            files.push(("their prefetch's", side));
-        }
-        files
+    fn files(&self) -> Vec<(&'static str, usize)> {
+        self.0
+            .iter()
+            .map(|g| (g.role.name(), shm::file_bytes(g.ring_bytes)))
+            .collect()
     }
 }
 
 /// `/dev/shm` bytes one rank reserves: a ring file per process group.
-pub fn shm_per_rank(groups: RingGroups) -> u64 {
+pub fn shm_per_rank(groups: &RingGroups) -> u64 {
     groups.files().iter().map(|&(_, bytes)| bytes as u64).sum()
 }
 
 /// `/dev/shm` bytes that `local_ranks` ranks of a job of `world_size` need: one ring file per
 /// rank and process group, none for a job of one.
-pub fn shm_need(local_ranks: usize, world_size: usize, groups: RingGroups) -> u64 {
+pub fn shm_need(local_ranks: usize, world_size: usize, groups: &RingGroups) -> u64 {
     if world_size <= 1 {
         0
     } else {
@@ -82,7 +71,7 @@ const SHM_ADVICE: &str = "enlarge it (`mount -o remount,size=1G /dev/shm`; Docke
 /// `/dev/shm` against what the shared-memory ring needs.
 pub fn dev_shm(f: &ShmFacts) -> Finding {
     const CHECK: &str = "/dev/shm";
-    let need = shm_need(f.local_ranks, f.world_size, f.groups);
+    let need = shm_need(f.local_ranks, f.world_size, &f.groups);
     if !f.enabled {
         return Finding::ok(
             CHECK,
@@ -118,10 +107,10 @@ pub fn dev_shm(f: &ShmFacts) -> Finding {
                 size(need),
                 plural(f.local_ranks, "local rank"),
                 match &f.groups.files()[..] {
-                    [_] => format!("{} each", size(shm_per_rank(f.groups))),
+                    [_] => format!("{} each", size(shm_per_rank(&f.groups))),
                     [(first, _), rest @ ..] => format!(
-                        "{} a rank: {first} ring{}",
-                        size(shm_per_rank(f.groups)),
+                        "{} a rank: a ring for each of {first}{}",
+                        size(shm_per_rank(&f.groups)),
                         rest.iter()
                             .enumerate()
                             .map(|(i, (name, _))| {
@@ -151,19 +140,26 @@ pub fn dev_shm(f: &ShmFacts) -> Finding {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn_ddp::ZeroStage;
+
     use crate::finding::Status;
 
     const MIB: u64 = 1 << 20;
+
+    fn groups(overlap: bool, zero_stage: ZeroStage) -> RingGroups {
+        RingGroups::of(
+            &DdpOptions::default()
+                .with_overlap(overlap)
+                .with_zero_stage(zero_stage),
+        )
+    }
 
     fn shm_facts(free: u64, ranks: usize) -> ShmFacts {
         ShmFacts {
             enabled: true,
             local_ranks: ranks,
             world_size: ranks,
-            groups: RingGroups {
-                gradient_overlap: false,
-                zero_stage: ZeroStage::Off,
-            },
+            groups: groups(false, ZeroStage::Off),
             space: Ok(FsSpace {
                 free,
                 total: free.max(64 << 10),
@@ -173,51 +169,55 @@ mod tests {
 
     #[test]
     fn dev_shm_must_hold_one_ring_file_per_local_rank() {
-        let groups = |gradient_overlap, zero_stage| RingGroups {
-            gradient_overlap,
-            zero_stage,
-        };
         let (stage_0, stage_3) = (ZeroStage::Off, ZeroStage::Parameters);
-        assert_eq!(shm_need(2, 2, groups(false, stage_0)), 2 * (4 * MIB + 4096));
         assert_eq!(
-            shm_need(2, 2, groups(false, ZeroStage::OptimizerState)),
+            shm_need(2, 2, &groups(false, stage_0)),
             2 * (4 * MIB + 4096)
         );
         assert_eq!(
-            shm_need(2, 2, groups(true, ZeroStage::Gradients)),
+            shm_need(2, 2, &groups(false, ZeroStage::OptimizerState)),
+            2 * (4 * MIB + 4096)
+        );
+        assert_eq!(
+            shm_need(2, 2, &groups(true, ZeroStage::Gradients)),
             2 * (MIB / 4 + 4096 + MIB / 4 + 4096),
             "stage 2 gives the job group and the overlap's smaller rings"
         );
         assert_eq!(
-            shm_need(1, 1, groups(true, stage_3)),
+            shm_need(1, 1, &groups(true, stage_3)),
             0,
             "a job of one has no ring"
         );
         assert_eq!(
-            shm_need(1, 4, groups(false, stage_0)),
+            shm_need(1, 4, &groups(false, stage_0)),
             4 * MIB + 4096,
             "one rank here, others elsewhere"
         );
         assert_eq!(
-            shm_need(2, 2, groups(true, stage_0)),
+            shm_need(2, 2, &groups(true, stage_0)),
             2 * (4 * MIB + 4096 + MIB + 4096),
             "the overlap's group has smaller rings of its own"
         );
         assert_eq!(
-            shm_need(2, 2, groups(false, stage_3)),
+            shm_need(2, 2, &groups(false, stage_3)),
             2 * (MIB / 4 + 4096 + 2 * (MIB + 4096)),
             "ZeRO stage 3 forms two groups more, with smaller rings of their own"
+        );
+        assert_eq!(
+            shm_need(2, 2, &groups(true, stage_3)),
+            shm_need(2, 2, &groups(false, stage_3)),
+            "stage 3's gradients go through its own groups: no overlap group"
         );
         for (groups, free, says) in [
             (
                 groups(true, stage_3),
-                5 * MIB,
-                "needs 5.0 MiB for 2 local ranks (2.5 MiB a rank: the job group's ring, the gradient overlap's, ZeRO stage 3's gathers' and their prefetch's)",
+                4 * MIB,
+                "for 2 local ranks (2.3 MiB a rank: a ring for each of the job group, ZeRO stage 3's gather group and ZeRO stage 3's prefetch group)",
             ),
             (
                 groups(true, stage_0),
                 9 * MIB,
-                "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: the job group's ring and the gradient overlap's)",
+                "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: a ring for each of the job group and the gradient overlap's group)",
             ),
         ] {
             let short = dev_shm(&ShmFacts {

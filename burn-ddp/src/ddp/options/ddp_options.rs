@@ -6,30 +6,12 @@
 
 use std::time::Duration;
 
-use super::buffers::BufferSync;
-use super::transport::GradientTransport;
-use super::zero_stage::ZeroStage;
-use crate::group::{shm, TcpGroupOptions};
+use crate::ddp::buffers::BufferSync;
+use crate::ddp::options::groups::{job_ring_bytes, PlannedGroup, ProcessGroupRole};
+use crate::ddp::options::transport::GradientTransport;
+use crate::ddp::options::zero_stage::ZeroStage;
+use crate::group::TcpGroupOptions;
 use crate::kernels::HalfFormat;
-
-/// Bytes of each shared-memory ring of the job's group at ZeRO stages 2 and 3: a quarter of
-/// a piece instead of four pieces. Those stages are chosen to save memory, and every rank
-/// maps its own ring and its neighbour's, both counted in its resident memory (8 MiB at the
-/// default size). Their gradients mostly go through groups of their own (the communication
-/// thread's for marked blocks at stage 2, the shards' at stage 3), so the job's group
-/// carries little in bulk: stage 2's all-gather of the parameters, and its gradients where no
-/// block is marked. Through a ring smaller than a piece those run at about half the speed
-/// (`trainer bench-allreduce` on this project's 2-core machine: 1.3 to 2.5 GB/s against 2.2
-/// to 4.2 between 1 and 32 MiB).
-pub const SHARDED_JOB_RING_BYTES: usize = 256 << 10;
-
-/// Bytes of each shared-memory ring of the job's group at ZeRO stage `stage`.
-pub fn job_ring_bytes(stage: ZeroStage) -> usize {
-    match stage {
-        ZeroStage::Off | ZeroStage::OptimizerState => shm::DEFAULT_CAPACITY,
-        ZeroStage::Gradients | ZeroStage::Parameters => SHARDED_JOB_RING_BYTES,
-    }
-}
 
 /// The synchronisation of a data-parallel job. `Default` is PyTorch DDP's: 25 MiB buckets,
 /// f32 on the wire, gradient overlap on (for marked blocks), rank 0's buffers broadcast after every step, ZeRO off, NCCL where the
@@ -47,7 +29,7 @@ pub struct DdpOptions {
     pub compression: Option<HalfFormat>,
     /// Largest gradient bucket in MiB.
     pub bucket_cap_mb: f64,
-    /// Whether the buckets of marked blocks ([`mark_block`](super::ready_op::mark_block)) are
+    /// Whether the buckets of marked blocks ([`mark_block`](crate::ddp::overlap::ready_op::mark_block)) are
     /// summed while backward runs (on the host path of plain DDP). Off, the same buckets are
     /// summed after backward, giving the same bits; a model that marks nothing is not
     /// affected either way.
@@ -113,7 +95,8 @@ impl DdpOptions {
     }
 
     /// The job group's options: these deadlines, and the ZeRO stage's shared-memory rings
-    /// ([`job_ring_bytes`]).
+    /// ([`job_ring_bytes`]); the other groups' are made from it
+    /// ([`process_groups`](Self::process_groups)).
     pub fn tcp_options(&self) -> TcpGroupOptions {
         TcpGroupOptions {
             timeout: self.timeout,
@@ -122,25 +105,33 @@ impl DdpOptions {
             ..Default::default()
         }
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ddp::comm_thread::overlap_ring_bytes;
-
-    #[test]
-    fn zero_stages_2_and_3_give_the_job_and_overlap_groups_smaller_rings() {
-        let rings = |stage| {
-            let job = DdpOptions::default()
-                .with_zero_stage(stage)
-                .tcp_options()
-                .shared_memory_ring_bytes;
-            (job, overlap_ring_bytes(job))
-        };
-        assert_eq!(rings(ZeroStage::Off), (4 << 20, 1 << 20));
-        assert_eq!(rings(ZeroStage::OptimizerState), (4 << 20, 1 << 20));
-        assert_eq!(rings(ZeroStage::Gradients), (256 << 10, 256 << 10));
-        assert_eq!(rings(ZeroStage::Parameters), (256 << 10, 256 << 10));
+    /// The process groups a rank forms under these options in a job of more than one rank
+    /// (a job of one forms none): the job's; the overlap's where overlap is on and can run (the
+    /// host path at ZeRO stages 0 and 2, formed at the first step that arms it for a model
+    /// that marks blocks; counted unless the transport is NCCL by name, as `Auto` may still
+    /// choose the host); stage 3's two; synchronised BatchNorm's, for a model that has the
+    /// layer. Pure.
+    pub fn process_groups(&self) -> Vec<PlannedGroup> {
+        let job_ring = self.tcp_options().shared_memory_ring_bytes;
+        let mut roles = vec![ProcessGroupRole::Job];
+        let overlap_runs = matches!(self.zero_stage, ZeroStage::Off | ZeroStage::Gradients)
+            && self.transport != GradientTransport::Nccl;
+        if self.overlap && overlap_runs {
+            roles.push(ProcessGroupRole::Overlap);
+        }
+        if self.zero_stage.shards_parameters() {
+            roles.push(ProcessGroupRole::ShardGather);
+            roles.push(ProcessGroupRole::ShardPrefetch);
+        }
+        roles.push(ProcessGroupRole::SyncBatchNorm);
+        roles
+            .into_iter()
+            .map(|role| PlannedGroup {
+                role,
+                ring_bytes: role.ring_bytes(job_ring),
+                on_first_use: role == ProcessGroupRole::SyncBatchNorm,
+            })
+            .collect()
     }
 }

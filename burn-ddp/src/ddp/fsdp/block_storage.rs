@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::{Shape, Tensor, TensorData};
 
-use super::gathered_bytes::{as_tensor_data, GatheredBytes, Held, StorageValues};
-use super::mapped::MappedBuffer;
+use crate::ddp::buckets::mapped::MappedBuffer;
+use crate::ddp::fsdp::gathered_bytes::{as_tensor_data, GatheredBytes, Held, StorageValues};
 
 /// Asks the prefetch thread to gather a block again (queued behind what it is doing).
 pub(crate) type Restorer = Arc<dyn Fn(Arc<BlockStorage>) -> Result<(), String> + Send + Sync>;

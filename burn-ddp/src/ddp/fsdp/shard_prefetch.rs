@@ -1,11 +1,11 @@
 //! ZeRO stage 3's gathers off the training thread: a thread of its own all-gathers the marked
 //! blocks, one collective per block, in the order the forward uses them, one block ahead of
 //! it; and gathers again the blocks given back after their forward when the backward reads
-//! them ([`super::block_storage`]). While block `k` computes, block `k + 1` is on the wire
+//! them ([`crate::ddp::fsdp::block_storage`]). While block `k` computes, block `k + 1` is on the wire
 //! (FSDP's forward prefetch, one block ahead, never further: each block further ahead would
 //! be held whole too); a rank holds the block computing and the next one whole, the next
 //! one's unpacked part and the rest of its collective's buffer meanwhile (measured:
-//! [`super::gathered_bytes`]).
+//! [`crate::ddp::fsdp::gathered_bytes`]).
 //!
 //! ```text
 //! sharded_forward(model)  every block's shards (tensor handles); block 0 asked for
@@ -29,17 +29,17 @@ use std::time::Duration;
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 
-use super::block_storage::{BlockStorage, ParamSlot, RestoreReport, Restorer, StorageLinks};
-use super::gathered_bytes::{GatheredBytes, Held};
-use super::mapped::MappedBuffer;
-use super::shard_gather::shard_len;
+use crate::ddp::buckets::mapped::MappedBuffer;
+use crate::ddp::fsdp::block_storage::{
+    BlockStorage, ParamSlot, RestoreReport, Restorer, StorageLinks,
+};
+use crate::ddp::fsdp::gathered_bytes::{GatheredBytes, Held};
+use crate::ddp::fsdp::shard_gather::shard_len;
+use crate::ddp::options::groups::ProcessGroupRole;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, TcpGroupOptions, TcpProcessGroup};
 use crate::host_values::copy_host_values;
 use crate::store::Store;
-
-/// The suffix of the prefetch group's store prefix.
-pub const STORE_SUFFIX: &str = "/shard-prefetch";
 
 /// One marked block's shards, as the forward will use them.
 #[derive(Debug, Clone)]
@@ -54,7 +54,7 @@ pub struct BlockShards {
 
 /// One block gathered whole: each parameter's values in its slot, in `ids`' order (counted
 /// in the rank's [`GatheredBytes`] while they are in memory), and the block's storage
-/// (evicted once the forward has moved on, [`super::block_storage`]).
+/// (evicted once the forward has moved on, [`crate::ddp::fsdp::block_storage`]).
 pub struct GatheredBlock {
     pub ids: Vec<ParamId>,
     pub(crate) slots: Vec<Arc<ParamSlot>>,
@@ -95,16 +95,17 @@ pub struct Prefetcher {
 impl Prefetcher {
     /// Forms the prefetch group and starts the thread, which counts the blocks it gathers in
     /// `gathered` and reports each restore (its bytes, or its failure) to `report`. Collective: every rank calls it at
-    /// the same point, with the same options (deadline: `options.timeout`).
+    /// the same point, with the job group's options `job` (deadline: its timeout; namespace
+    /// and ring: [`ProcessGroupRole::ShardPrefetch`]).
     pub(crate) fn start(
         store: std::sync::Arc<dyn Store>,
         rank: usize,
         world_size: usize,
-        mut options: TcpGroupOptions,
+        job: &TcpGroupOptions,
         gathered: Arc<GatheredBytes>,
         report: RestoreReport,
     ) -> Result<Self, DdpError> {
-        options.store_prefix.push_str(STORE_SUFFIX);
+        let options = ProcessGroupRole::ShardPrefetch.options(job);
         let deadline = options.timeout + Duration::from_secs(30);
         let mut group = TcpProcessGroup::new(store, rank, world_size, options)?;
         let (sender, inbox) = mpsc::channel::<Command>();
@@ -404,7 +405,7 @@ fn unpack_parameter_into(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ddp::shard_gather::shard_of;
+    use crate::ddp::fsdp::shard_gather::shard_of;
 
     #[test]
     fn a_packed_block_unpacks_into_its_whole_parameters() {

@@ -1,11 +1,12 @@
-//! The process group of synchronised BatchNorm ([`super::SyncBatchNorm`]), installed
+//! The process group of synchronised BatchNorm ([`crate::ddp::SyncBatchNorm`]), installed
 //! process-wide.
 //!
 //! A model's `forward` cannot reach the [`DataParallel`](crate::DataParallel) handle (the
 //! training loop holds it, and its group, by `&mut`), and a Burn backward pass cannot take
 //! arguments at all. So the statistics travel on a group of their own: a second TCP ring of the
 //! same job, formed through the same store under its own namespace (the handle's group's prefix
-//! followed by [`STORE_SUFFIX`]). `DataParallel::new` installs its recipe here when the world has
+//! followed by
+//! [`ProcessGroupRole::SyncBatchNorm`](crate::ddp::options::groups::ProcessGroupRole)'s suffix). `DataParallel::new` installs its recipe here when the world has
 //! more than one rank, and the [`SyncGroupGuard`] it keeps takes it out again when it is
 //! dropped. The ring itself is formed at the first synchronised statistic (the first training
 //! forward of a `SyncBatchNorm`, which every rank reaches in step), so a job without
@@ -50,11 +51,6 @@ use crate::env::DistEnv;
 use crate::error::SyncBatchNormError;
 use crate::group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};
 use crate::store::Store;
-
-/// Appended to the store namespace of the `DataParallel`'s group for the synchronised-BatchNorm
-/// group (`pg/default/sync_batch_norm` for a job's default group; a pipeline stage's replicas
-/// get their own).
-pub const STORE_SUFFIX: &str = "/sync_batch_norm";
 
 /// The installed group, if any, and the first error since [`take_error`] last looked.
 ///

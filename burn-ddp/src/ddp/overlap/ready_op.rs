@@ -12,7 +12,7 @@
 //! its order is `x`'s plus one. Every op of the block then has a higher order (it uses a
 //! lifted parameter or depends on `x`), every op of the blocks before it a lower one (they
 //! made `x`): the lift's backward runs right after the block's backward, when the gradient it
-//! passes to the parameter is final, and hands it to the overlap of [`super::overlap`].
+//! passes to the parameter is final, and hands it to the overlap of [`crate::ddp::overlap::ready_buckets`].
 //! Verified by `overlap::tests` (blocks come ready in reverse forward order, biases
 //! included). A parameter also used outside the block (tied weights) is not final then: do
 //! not mark such a block.
@@ -45,7 +45,8 @@ use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::kind::{Basic, Kind};
 use burn::tensor::Tensor;
 
-use super::{overlap, sharded_module};
+use crate::ddp::fsdp::sharded_module;
+use crate::ddp::overlap::ready_buckets;
 
 /// Marks `block` as a block entered with `input`: returns the block to run on `input` for
 /// this forward, whose parameters' gradients are handed to the gradient overlap as soon as
@@ -64,7 +65,7 @@ use super::{overlap, sharded_module};
 /// DDP requires anyway). A block whose parameters are also used outside it (tied weights)
 /// must not be marked. Unarmed (module docs) it returns `block` itself.
 ///
-/// Under ZeRO stage 3 (a [`ShardedForward`](super::sharded_module::ShardedForward) alive on
+/// Under ZeRO stage 3 (a [`ShardedForward`](crate::ddp::fsdp::sharded_module::ShardedForward) alive on
 /// this thread) it returns the block with its sharded parameters gathered whole instead:
 /// collective then, in the order the model marks its blocks.
 ///
@@ -91,7 +92,7 @@ pub fn mark_block<'a, M: Module, const D: usize, K: Basic>(
     }
     // A block entered with token ids (an embedding) has no float input to order its lift
     // after: its gradients are summed after backward, as an unmarked block's.
-    if !overlap::is_armed() || K::KIND != Kind::Float {
+    if !ready_buckets::is_armed() || K::KIND != Kind::Float {
         return Cow::Borrowed(block);
     }
     let anchor = input.clone().into_dispatch();
@@ -193,13 +194,13 @@ impl<B: Backend + HandOff> Backward<B, 2> for Lifted<B> {
         }
         // Sending as it goes, the bucket takes the gradient out of Burn's container (it owns
         // it, so the ring drains into it in place; the DDP step puts the mean back).
-        let total = if overlap::takes_gradients() {
+        let total = if ready_buckets::takes_gradients() {
             grads.remove::<B>(&self.param)
         } else {
             grads.get::<B>(&self.param)
         };
         if let Some(total) = total {
-            overlap::gradient_ready(self.id, self.block, B::to_dispatch(total));
+            ready_buckets::gradient_ready(self.id, self.block, B::to_dispatch(total));
         }
     }
 }

@@ -11,9 +11,9 @@
 //! [`gather_shard`] of the shards: a forward through the copy trains the shards (the backward
 //! reduce-scatters into them), and once the copy is dropped, the full parameters live only as
 //! long as the forward's graph keeps them — under Burn's gradient checkpointing, not at all
-//! (see [`super::shard_gather`]). The blocks gathered ahead on Burn's CPU backend are given
+//! (see [`crate::ddp::fsdp::shard_gather`]). The blocks gathered ahead on Burn's CPU backend are given
 //! back when the forward enters the next block, and gathered again when read
-//! ([`super::block_storage`]).
+//! ([`crate::ddp::fsdp::block_storage`]).
 //!
 //! [`ShardedForward`] makes [`mark_block`](crate::mark_block) do that gathering for the blocks
 //! a model marks, so a model already marked for gradient overlap needs no other change.
@@ -26,10 +26,12 @@ use std::sync::Arc;
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
 
-use super::block_storage::{BlockStorage, ParamSlot};
-use super::gathered_bytes::GatheredBytes;
-use super::shard_gather::{gather_shard, gather_shard_slot, shard_len, shard_of, ShardComm};
-use super::shard_prefetch::PrefetchStream;
+use crate::ddp::fsdp::block_storage::{BlockStorage, ParamSlot};
+use crate::ddp::fsdp::gathered_bytes::GatheredBytes;
+use crate::ddp::fsdp::shard_gather::{
+    gather_shard, gather_shard_slot, shard_len, shard_of, ShardComm,
+};
+use crate::ddp::fsdp::shard_prefetch::PrefetchStream;
 use crate::error::ShardGatherError;
 use crate::host_values::host_values;
 
@@ -64,7 +66,7 @@ impl ShardLayout {
 
 /// `module` with each float parameter that `sharded` selects replaced by this rank's shard of
 /// it (module docs), and the layout to gather them with. Not collective: every rank cuts the
-/// same values (the replicas must be equal, as [`prepare_module`](super::prepare_module) makes
+/// same values (the replicas must be equal, as [`prepare_module`](crate::ddp::prepare_module) makes
 /// them). Fails only when a parameter cannot be read back as `f32`.
 pub fn shard_module<M: Module>(
     module: M,
@@ -200,7 +202,7 @@ enum Marking {
         /// match (the rest of this forward gathers on the spot).
         prefetched: Option<PrefetchStream>,
         /// The storage of the block gathered ahead that the forward entered last: evicted
-        /// when the forward enters the next block ([`super::block_storage`]).
+        /// when the forward enters the next block ([`crate::ddp::fsdp::block_storage`]).
         entered: Option<Arc<BlockStorage>>,
     },
     /// The blocks marked so far, in order, each with the parameters no earlier block has.
@@ -227,7 +229,7 @@ impl ShardedForward {
     }
 
     /// [`enter`](Self::enter), the blocks taken from `prefetched` in order (gathered ahead
-    /// by [`super::shard_prefetch`]); a block that does not match the next one there is
+    /// by [`crate::ddp::fsdp::shard_prefetch`]); a block that does not match the next one there is
     /// gathered on the spot, as is every later block of this forward.
     pub fn enter_prefetched(
         layout: &ShardLayout,

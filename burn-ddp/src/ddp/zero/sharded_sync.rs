@@ -43,12 +43,12 @@ use burn::prelude::*;
 use burn::tensor::TensorData;
 use burn_pack::Bytes;
 
-use super::finite::{FiniteScan, GradientCheck};
-use super::host_pieces::{host_slice, HostBucket};
-use super::module::{read_floats, write_floats, FloatSlot};
-use super::reducer::ReducerStats;
-use super::shard_plan::ShardPlan;
-use super::zero_buckets::reduce_scatter_to_owners;
+use crate::ddp::buckets::finite::{FiniteScan, GradientCheck};
+use crate::ddp::buckets::host_pieces::{host_slice, HostBucket};
+use crate::ddp::buckets::scatter::reduce_scatter_to_owners;
+use crate::ddp::module::{read_floats, write_floats, FloatSlot};
+use crate::ddp::reducer::ReducerStats;
+use crate::ddp::zero::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
 use crate::kernels::HalfFormat;
@@ -65,7 +65,7 @@ pub struct ShardedSync {
 }
 
 impl ShardedSync {
-    /// `compression` as for [`super::Reducer::new`]; must be the same on every rank.
+    /// `compression` as for [`crate::ddp::Reducer::new`]; must be the same on every rank.
     pub fn new(compression: Option<HalfFormat>) -> Self {
         Self {
             compression,
@@ -532,7 +532,7 @@ mod tests {
     use burn::optim::AdamConfig;
 
     use super::*;
-    use crate::ddp::comm::HostStaging;
+    use crate::ddp::buckets::comm::HostStaging;
     use crate::ddp::{prepare_module, Reducer};
     use crate::group::{TcpGroupOptions, TcpProcessGroup};
     use crate::store::{MemoryStore, Store};

@@ -24,9 +24,9 @@
 //!
 //! ## Gathered ahead
 //! [`gather_shard_prefetched`] is the same op with the forward's values already gathered
-//! (by [`super::shard_prefetch`], block by block, ahead of the forward); its backward and its
+//! (by [`crate::ddp::fsdp::shard_prefetch`], block by block, ahead of the forward); its backward and its
 //! recompute run the collectives here. On Burn's CPU backend a block gathered ahead is in a
-//! block's storage ([`super::block_storage`]): the op is then registered *compute-bound*,
+//! block's storage ([`crate::ddp::fsdp::block_storage`]): the op is then registered *compute-bound*,
 //! so whatever needs the parameter in backward keeps its tensor, whose memory the block
 //! gives back after the forward and gathers again when it is read: no recompute, on any
 //! device strategy.
@@ -53,8 +53,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
 use burn::tensor::{Shape, Tensor, TensorData};
 
-use super::block_storage::ParamSlot;
-use super::gathered_bytes::{GatheredBytes, GatheredValues};
+use crate::ddp::fsdp::block_storage::ParamSlot;
+use crate::ddp::fsdp::gathered_bytes::{GatheredBytes, GatheredValues};
 use crate::error::{CollectiveError, ShardGatherError};
 use crate::group::{Element, ProcessGroup, ReduceOp, TcpProcessGroup};
 use crate::host_values::host_values;
@@ -171,7 +171,7 @@ impl ShardComm {
         self.lock().reduce_scatters
     }
 
-    /// Blocks the forwards took gathered ahead ([`super::shard_prefetch`]) so far.
+    /// Blocks the forwards took gathered ahead ([`crate::ddp::fsdp::shard_prefetch`]) so far.
     pub fn prefetched_blocks(&self) -> u64 {
         self.lock().prefetched
     }
@@ -185,7 +185,7 @@ impl ShardComm {
     }
 
     /// Blocks gathered again for a read after their forward had moved on (their backward,
-    /// on Burn's CPU backend: [`super::block_storage`]) so far.
+    /// on Burn's CPU backend: [`crate::ddp::fsdp::block_storage`]) so far.
     pub fn restored_blocks(&self) -> u64 {
         self.lock().restored
     }
@@ -287,7 +287,7 @@ impl ShardComm {
 
 /// The backend operation under [`gather_shard`]: Burn's CPU backend (Flex), its CubeCL backend
 /// (features `wgpu` / `cuda`) and autodiff over any of them, through the host (as
-/// [`all_reduce_sum`](super::all_reduce_op::all_reduce_sum); on another backend the generated
+/// [`all_reduce_sum`](crate::ddp::sync_batch_norm::all_reduce_op::all_reduce_sum); on another backend the generated
 /// routing panics, "Backend not supported for custom op").
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
 pub trait GatherShard: Backend {
@@ -312,7 +312,7 @@ enum GivenValues {
     None,
     Values(Arc<GatheredValues>),
     /// In a block's storage, evicted after the forward and gathered again when read
-    /// ([`super::block_storage`]).
+    /// ([`crate::ddp::fsdp::block_storage`]).
     Slot(Arc<ParamSlot>),
 }
 

@@ -16,8 +16,8 @@ use std::collections::{BTreeMap, HashMap};
 use burn::module::ParamId;
 use burn_pack::Bytes;
 
-use super::shard_gather::shard_len;
-use super::zero::StateParts;
+use crate::ddp::fsdp::shard_gather::shard_len;
+use crate::ddp::zero::sharded_sync::StateParts;
 use crate::error::DdpError;
 
 /// How [`reshard_tensors`] leaves each sharded tensor.
@@ -26,7 +26,7 @@ pub enum ShardTarget {
     /// Whole, in the parameter's full shape (a consolidated checkpoint, stages 0 to 2).
     Whole,
     /// Rank `rank`'s shard of `world`, shaped `[1, …, 1, len]` as
-    /// [`shard_module`](super::sharded_module::shard_module) shapes it.
+    /// [`shard_module`](crate::ddp::fsdp::sharded_module::shard_module) shapes it.
     Shard { rank: usize, world: usize },
 }
 
@@ -139,7 +139,9 @@ pub fn reshard_state(
     merged.tensors = reshard_tensors(
         tensors,
         |t| {
-            let id = t.param_id.or_else(|| super::zero::key_id(&t.name))?;
+            let id = t
+                .param_id
+                .or_else(|| crate::ddp::zero::sharded_sync::key_id(&t.name))?;
             sharded.get(&ParamId::from(id)).cloned()
         },
         target,
@@ -154,7 +156,7 @@ fn state_error(e: burn_pack::Error) -> DdpError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ddp::shard_gather::shard_of;
+    use crate::ddp::fsdp::shard_gather::shard_of;
     use burn::tensor::DType;
 
     fn tensor(name: &str, shape: Vec<usize>, values: &[f32]) -> burn_pack::Tensor {

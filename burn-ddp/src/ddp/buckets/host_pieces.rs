@@ -19,8 +19,8 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, DispatchDevice, TensorMetadata};
 use burn::tensor::{Tensor, TensorData};
 
-use super::bucket::segments;
-use super::finite::FiniteScan;
+use crate::ddp::buckets::finite::FiniteScan;
+use crate::ddp::buckets::plan::segments;
 use crate::error::DdpError;
 use crate::group::PieceStaging;
 use crate::kernels::{host16, HalfFormat};

@@ -1,10 +1,10 @@
 //! [`GradientTransport`]: where gradients are summed, and the one home of the rules that
 //! choose it — what `Auto` means ([`GradientTransport::resolve`]), that NCCL needs a CUDA
 //! device ([`GradientTransport::check_device`]), and that ZeRO stages 1 and 2 run over the host
-//! ([`GradientTransport::choose`], the whole decision). Pure: [`super::GradientSync`] forms
+//! ([`GradientTransport::choose`], the whole decision). Pure: [`crate::ddp::GradientSync`] forms
 //! what they choose; the trainer's config check and `trainer doctor` ask the same functions.
 
-use super::zero_stage::ZeroStage;
+use crate::ddp::options::zero_stage::ZeroStage;
 
 /// Where gradients are summed (PyTorch's choice of backend for the DDP process group).
 /// Metrics, checkpoints and the start-up broadcast always use the TCP group.

@@ -26,28 +26,19 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use super::block_storage::RestoreReport;
-use super::finite::{probe, FiniteScan};
-use super::module::param_checksum_where;
-use super::shard_gather::ShardComm;
-use super::shard_prefetch::{BlockShards, Prefetcher};
-use super::sharded_module::{
+use crate::ddp::buckets::finite::{probe, FiniteScan};
+use crate::ddp::fsdp::block_storage::RestoreReport;
+use crate::ddp::fsdp::shard_gather::ShardComm;
+use crate::ddp::fsdp::shard_prefetch::{BlockShards, Prefetcher};
+use crate::ddp::fsdp::sharded_module::{
     discover_blocks, gather_module, shard_module, ShardLayout, ShardedForward,
 };
+use crate::ddp::module::param_checksum_where;
+use crate::ddp::options::groups::ProcessGroupRole;
 use crate::error::{DdpError, ShardGatherError};
 use crate::group::TcpProcessGroup;
 use crate::init::Distributed;
 use crate::kernels::HalfFormat;
-
-/// The suffix of the stage-3 group's store prefix.
-pub const STORE_SUFFIX: &str = "/shard";
-
-/// Bytes of the shared-memory rings of stage 3's two groups (the gathers' and the prefetch
-/// thread's), as the overlap's: one 1 MiB piece, not the job group's four. Each rank maps its
-/// own ring and its neighbour's, both in its resident memory (two groups of 4 MiB rings were
-/// 16 MiB of a rank's peak RSS at stage 3); a collective streams through piece by piece, so a
-/// smaller ring costs only more wake-ups.
-pub const RING_BYTES: usize = 1 << 20;
 
 /// One rank's stage-3 state (module docs).
 pub struct FullyShardedState {
@@ -64,11 +55,9 @@ impl FullyShardedState {
     /// rank calls it at the same point, with the same `compression` (deadline: the job group's
     /// timeout).
     pub fn form(dist: &Distributed, compression: Option<HalfFormat>) -> Result<Self, DdpError> {
-        let mut options = dist.group.options().clone();
-        options.shared_memory_ring_bytes = RING_BYTES;
-        options.store_prefix.push_str(STORE_SUFFIX);
+        let options = ProcessGroupRole::ShardGather.options(dist.group.options());
         let (rank, world) = (dist.env.rank, dist.env.world_size);
-        let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options.clone())?;
+        let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options)?;
         let comm = ShardComm::new(group, compression);
         let gathered = comm.gathered_bytes().clone();
         let report: RestoreReport = {
@@ -78,8 +67,14 @@ impl FullyShardedState {
                 Err(e) => comm.record(ShardGatherError::Prefetch(e)),
             })
         };
-        let prefetcher =
-            Prefetcher::start(dist.store.clone(), rank, world, options, gathered, report)?;
+        let prefetcher = Prefetcher::start(
+            dist.store.clone(),
+            rank,
+            world,
+            dist.group.options(),
+            gathered,
+            report,
+        )?;
         Ok(Self {
             comm,
             layout: None,

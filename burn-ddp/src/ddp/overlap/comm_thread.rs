@@ -15,27 +15,13 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::Dispatch;
 use burn::tensor::Shape;
 
-use super::comm::{bucket_means, HostStaging};
-use super::finite::FiniteScan;
+use crate::ddp::buckets::comm::{bucket_means, HostStaging};
+use crate::ddp::buckets::finite::FiniteScan;
+use crate::ddp::options::groups::ProcessGroupRole;
 use crate::error::DdpError;
 use crate::group::{TcpGroupOptions, TcpProcessGroup};
 use crate::kernels::HalfFormat;
 use crate::store::Store;
-
-/// The store suffix of the overlap group's namespace.
-pub const STORE_SUFFIX: &str = "/overlap";
-
-/// Bytes of the overlap group's shared-memory rings: one of its 1 MiB pieces, not the job
-/// group's four. Each rank maps its own ring and its neighbour's, both counted in its resident
-/// memory; buckets stream through piece by piece, so a smaller ring only costs more wake-ups.
-pub const OVERLAP_RING_BYTES: usize = 1 << 20;
-
-/// Bytes of the overlap group's rings beside a job group of `job_ring` bytes: never more than
-/// the job's (ZeRO stages 2 and 3 give it smaller rings to save memory:
-/// [`job_ring_bytes`](super::options::job_ring_bytes)).
-pub fn overlap_ring_bytes(job_ring: usize) -> usize {
-    OVERLAP_RING_BYTES.min(job_ring)
-}
 
 /// One bucket to average: [`bucket_means`]' arguments.
 pub struct Job {
@@ -81,15 +67,14 @@ pub struct CommThread {
 impl CommThread {
     /// Forms the overlap group and starts the thread. Collective: every rank calls it at the
     /// same point, with the job group's options (deadline: `options.timeout`; rings:
-    /// [`overlap_ring_bytes`]).
+    /// [`ProcessGroupRole::Overlap`]).
     pub fn start(
         store: Arc<dyn Store>,
         rank: usize,
         world_size: usize,
-        mut options: TcpGroupOptions,
+        options: TcpGroupOptions,
     ) -> Result<Self, DdpError> {
-        options.store_prefix.push_str(STORE_SUFFIX);
-        options.shared_memory_ring_bytes = overlap_ring_bytes(options.shared_memory_ring_bytes);
+        let options = ProcessGroupRole::Overlap.options(&options);
         let deadline = options.timeout + Duration::from_secs(30);
         let mut group = TcpProcessGroup::new(store, rank, world_size, options)?;
         let (jobs, inbox) = mpsc::channel::<Job>();

@@ -1,5 +1,5 @@
 //! [`Overlap`]: gradient buckets summed while backward runs, for models whose blocks are
-//! marked ([`mark_block`](super::ready_op::mark_block)).
+//! marked ([`mark_block`](crate::ddp::overlap::ready_op::mark_block)).
 //!
 //! ```text
 //! DataParallel::overlap_next_backward     arms the next backward (the step's last micro-batch)
@@ -36,11 +36,11 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Shape, Tensor};
 
-use super::bucket::{
+use crate::ddp::buckets::plan::{
     check_bucket_len, first_bucket_cap, plan_buckets_in_order, ready_order, Bucket,
 };
-use super::comm_thread::{CommThread, Job};
-use super::shard_plan::ShardPlan;
+use crate::ddp::overlap::comm_thread::{CommThread, Job};
+use crate::ddp::zero::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, TcpGroupOptions, TcpProcessGroup};
 use crate::kernels::HalfFormat;
@@ -580,7 +580,7 @@ mod tests {
     use burn::tensor::Device;
 
     use super::*;
-    use crate::ddp::ready_op::mark_block;
+    use crate::ddp::overlap::ready_op::mark_block;
 
     fn ids(layer: &Linear) -> Vec<ParamId> {
         let bias = layer.bias.as_ref().map(|b| b.id);

@@ -1,4 +1,4 @@
-//! [`BucketComm`]: how the [`Reducer`](super::Reducer) sums a packed gradient bucket across
+//! [`BucketComm`]: how the [`Reducer`](crate::ddp::Reducer) sums a packed gradient bucket across
 //! ranks — the seam between the DDP layer and a process group.
 //!
 //! | implementation | where the bucket goes | devices |
@@ -14,9 +14,11 @@ use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Dispatch, TensorMetadata};
 use burn::tensor::{DType, Int, Shape, Tensor};
 
-use super::finite::FiniteScan;
-use super::host_pieces::{host_slice, read_error, read_float, F32Pieces, HalfPieces, HostBucket};
-use super::zero_buckets;
+use crate::ddp::buckets::finite::FiniteScan;
+use crate::ddp::buckets::host_pieces::{
+    host_slice, read_error, read_float, F32Pieces, HalfPieces, HostBucket,
+};
+use crate::ddp::buckets::scatter;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::kernels::{host16, host_memory, BucketOps, BucketOpsError, HalfFormat};
@@ -230,7 +232,7 @@ impl<G: ProcessGroup> BucketComm for HostStaging<'_, G> {
         scale: f32,
         scan: &mut FiniteScan,
     ) -> Result<Vec<Option<FloatTensor<Dispatch>>>, DdpError> {
-        zero_buckets::mean_to_owners(self.0, grads, shapes, owners, compression, scale, scan)
+        scatter::mean_to_owners(self.0, grads, shapes, owners, compression, scale, scan)
     }
 
     fn all_reduce_f32(

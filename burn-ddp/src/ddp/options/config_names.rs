@@ -1,4 +1,4 @@
-//! The config names of the two [`DdpOptions`](super::DdpOptions) fields that are `Option`s
+//! The config names of the two [`DdpOptions`](crate::ddp::DdpOptions) fields that are `Option`s
 //! (feature `serde`): serde `with` modules for a field of a config struct, as the trainer's
 //! `[distributed]` table uses them. A name that is not one of these is refused naming the
 //! ones that are, as serde's derive refuses an unknown variant.

@@ -2,7 +2,7 @@
 //! buckets without leaving the GPU, the device addresses it needs, [`cuda_ordinal`] (whether a
 //! training device is a CUDA one) and `sync_with_nccl` (the DDP step's NCCL path).
 //!
-//! The [`Reducer`](super::Reducer) does the rest, as for every other device; per bucket:
+//! The [`Reducer`](crate::ddp::Reducer) does the rest, as for every other device; per bucket:
 //!
 //! ```text
 //!   1. pack      BucketOps::pack_bucket: one fresh contiguous f32 buffer, on Burn's stream
@@ -77,9 +77,9 @@ use burn_cubecl::{Cube, CubeBackend, CubeDevice};
 use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
 
-use super::comm::BucketComm;
-use super::finite::{FiniteScan, GradientCheck};
-use super::reducer::Reducer;
+use crate::ddp::buckets::comm::BucketComm;
+use crate::ddp::buckets::finite::{FiniteScan, GradientCheck};
+use crate::ddp::reducer::Reducer;
 use crate::error::DdpError;
 use crate::group::nccl::NcclProcessGroup;
 use crate::group::{DataType, ReduceOp};
@@ -368,7 +368,7 @@ impl BucketComm for NcclBuckets<'_> {
     }
 
     fn gather_flags(&mut self, local: bool) -> Result<Vec<bool>, DdpError> {
-        super::comm::gather_flags(self.0, local)
+        crate::ddp::buckets::comm::gather_flags(self.0, local)
     }
 }
 
@@ -388,7 +388,7 @@ mod tests {
 
     use super::*;
     use crate::cuda::{check_cuda_available, check_nccl_available};
-    use crate::ddp::bucket::plan_buckets;
+    use crate::ddp::buckets::plan::plan_buckets;
     use crate::ddp::{HostStaging, ReducerStats};
     use crate::host_values::host_values;
     use crate::kernels::BucketOps;

@@ -1,5 +1,5 @@
 //! ZeRO stage 2's unit of work: one gradient bucket reduce-scattered to the owners of its
-//! parameters ([`ShardPlan`](super::ShardPlan)), so that each rank keeps the mean of only the
+//! parameters ([`ShardPlan`](crate::ddp::ShardPlan)), so that each rank keeps the mean of only the
 //! gradients it owns and drops the rest of the bucket as soon as it is sent.
 //!
 //! ```text
@@ -21,9 +21,9 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, TensorMetadata};
 use burn::tensor::{DType, Shape};
 
-use super::finite::FiniteScan;
-use super::host_pieces::{host_slice, read_float, F32Pieces, HalfPieces, HostBucket};
-use super::mapped::MappedBuffer;
+use crate::ddp::buckets::finite::FiniteScan;
+use crate::ddp::buckets::host_pieces::{host_slice, read_float, F32Pieces, HalfPieces, HostBucket};
+use crate::ddp::buckets::mapped::MappedBuffer;
 use crate::error::DdpError;
 use crate::group::{Element, PieceStaging, ProcessGroup, ReduceOp};
 use crate::kernels::HalfFormat;
