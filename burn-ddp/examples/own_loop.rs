@@ -12,8 +12,8 @@
 //! and Adam). Rank 0 writes `model.safetensors`. It trains on Burn's CPU device
 //! (`Device::flex().autodiff()`); the device is a value, so another one is a one-line change.
 //! At ZeRO stage 3 (`--zero-stage 3`) each rank keeps a shard of the marked layers: three
-//! more lines (`fully_shard`, `sharded_forward`, `gathered`) and Burn's gradient
-//! checkpointing on the device.
+//! more lines (`fully_shard`, `gathered`, and `DataParallel::training_device`, which turns
+//! on Burn's gradient checkpointing where stage 3 needs it).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,15 +24,17 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn_ddp::rng::SplitMix64;
-use burn_ddp::{mark_block, DataParallel, DdpError, DdpOptions, StepOutcome, ZeroStage};
+use burn_ddp::{
+    mark_block, DataParallel, DdpError, DdpOptions, MicroBatch, StepOutcome, ZeroStage,
+};
 use burn_store::{ModuleSnapshot, SafetensorsStore};
 
-/// Where this program trains: Burn's CPU backend, with autodiff, at every ZeRO stage (at
-/// stage 3 each gathered layer's memory is given back after its forward and gathered again
-/// for its backward by burn-ddp; a GPU device would add `.gradient_checkpointing()` at stage
-/// 3, see `DataParallel::fully_shard`).
-fn train_device(_stage: ZeroStage) -> Device {
-    Device::flex().autodiff()
+/// Where this program trains: Burn's CPU backend, with autodiff, at every ZeRO stage, through
+/// burn-ddp's rule for stage 3 (a GPU device gets Burn's gradient checkpointing there; on the
+/// CPU each gathered layer's memory is given back after its forward and gathered again for its
+/// backward by burn-ddp, so the device is returned as it is).
+fn train_device(options: &DdpOptions) -> Device {
+    DataParallel::training_device(options, Device::flex().autodiff())
 }
 
 const FEATURES: usize = 20;
@@ -139,21 +141,21 @@ fn args() -> Result<Args, String> {
 fn train(
     ddp: &mut DataParallel,
     a: &Args,
+    device: &Device,
     mut optim: ModuleOptimizer,
     lr: f64,
 ) -> Result<(Mlp, f64, usize), DdpError> {
-    let device = train_device(a.zero_stage);
     let data = data(1024, 3);
     device.seed(5);
     // Every rank starts from rank 0's weights.
-    let model = ddp.prepare(Mlp::new(&device))?;
+    let model = ddp.prepare(Mlp::new(device))?;
     // ZeRO stage 3: one forward finds the marked layers, whose parameters are then cut into
     // shards (at other stages the model is returned as it is).
-    let sample = Tensor::<1>::from_floats(data[0].0.as_slice(), &device).reshape([1, FEATURES]);
+    let sample = Tensor::<1>::from_floats(data[0].0.as_slice(), device).reshape([1, FEATURES]);
     let mut model = ddp.fully_shard(model, |m| {
         let _ = m.forward(sample);
     })?;
-    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
     let (mut step, mut epoch) = (0, 0);
     let (mut loss_sum, mut seen) = (0.0, 0.0);
     while step < a.steps {
@@ -161,14 +163,12 @@ fn train(
         for chunk in ddp.shard(data.len(), 7, epoch).chunks(a.batch) {
             let x: Vec<f32> = chunk.iter().flat_map(|&i| data[i].0.clone()).collect();
             let y: Vec<i64> = chunk.iter().map(|&i| data[i].1).collect();
-            let x =
-                Tensor::<1>::from_floats(x.as_slice(), &device).reshape([chunk.len(), FEATURES]);
-            let y = Tensor::<1, Int>::from_ints(y.as_slice(), &device);
-            // This backward may sum the marked layers' gradients while it runs (no earlier
-            // micro-batches to add, a weight of 1).
-            ddp.overlap_next_backward(&model, None, 1.0);
-            // Stage 3: the marked layers gathered whole for this forward and its backward.
-            let gather = ddp.sharded_forward(&model);
+            let x = Tensor::<1>::from_floats(x.as_slice(), device).reshape([chunk.len(), FEATURES]);
+            let y = Tensor::<1, Int>::from_ints(y.as_slice(), device);
+            // Before the forward: this backward may sum the marked layers' gradients while it
+            // runs (the step's only micro-batch), and at stage 3 the marked layers are gathered
+            // whole for this forward and its backward.
+            let scope = ddp.micro_batch(&model, MicroBatch::ONLY);
             let loss = loss_fn.forward(model.forward(x), y);
             let value = loss
                 .clone()
@@ -177,7 +177,7 @@ fn train(
             loss_sum += value * chunk.len() as f64;
             seen += chunk.len() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
-            drop(gather);
+            drop(scope);
             // The DDP step: the mean gradient over every rank's batch, your optimizer (under
             // ZeRO stage 1 each rank steps its own parameters and sends them), the buffers.
             // Every rank gets the same outcome, so all stop together on NaN or Inf.
@@ -231,11 +231,12 @@ fn run() -> Result<(), Failure> {
     let a = args().map_err(|e| Failure(e, 2))?;
     // Join the job (launcher / torchrun / Slurm / Open MPI variables), or run alone.
     let options = DdpOptions::default().with_zero_stage(a.zero_stage);
-    let mut ddp = DataParallel::from_env(options, &train_device(a.zero_stage))?;
+    let device = train_device(&options);
+    let mut ddp = DataParallel::from_env(options, &device)?;
     let trained = if a.adam {
-        train(&mut ddp, &a, AdamConfig::new().init(), 1e-3)
+        train(&mut ddp, &a, &device, AdamConfig::new().init(), 1e-3)
     } else {
-        train(&mut ddp, &a, SgdConfig::new().init(), 0.05)
+        train(&mut ddp, &a, &device, SgdConfig::new().init(), 0.05)
     };
     let (model, mean_loss, steps) = trained?;
     save(&mut ddp, &model, &a.out).map_err(|e| Failure(e, 1))?;

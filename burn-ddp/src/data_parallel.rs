@@ -8,7 +8,10 @@
 //! let mut model = ddp.prepare(model)?;                  // replicas equal (rank 0's weights)
 //! for epoch in 0..epochs {
 //!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
+//!         let scope = ddp.micro_batch(&model, MicroBatch::ONLY); // overlap armed; stage 3 gathers
+//!         let loss = /* your forward and loss */;
 //!         let grads = GradientsParams::from_grads(loss.backward(), &model);
+//!         drop(scope);
 //!         // The whole DDP step: mean gradients over all ranks, the verdict on NaN/Inf (the
 //!         // same on every rank), your optimizer, ZeRO 1/2's gather, the buffers.
 //!         let (next, outcome) = ddp.step(model, grads, |m, g| optim.step(lr, m, g))?;
@@ -35,17 +38,20 @@ use burn::tensor::{Bytes, Device};
 use crate::ddp::buffers::{self, BufferSync};
 use crate::ddp::fsdp::fully_sharded::FullyShardedState;
 use crate::ddp::fsdp::sharded_module::ShardedForward;
+use crate::ddp::micro_batch::{MicroBatch, MicroBatchScope};
 use crate::ddp::options::groups::ProcessGroupRole;
 use crate::ddp::options::zero_stage::ZeroStage;
+use crate::ddp::sharding::{grads_extend, Sharding};
 use crate::ddp::sync_batch_norm::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero::sharded_sync;
 use crate::ddp::{
     param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats,
-    ReducerStats, ShardedSync, StepTimeline,
+    ReducerStats, StepTimeline,
 };
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
 use crate::init::Distributed;
+use crate::kernels::host_memory;
 use crate::sampler::DistributedSampler;
 
 /// What [`DataParallel::step`] did: the same on every rank of the job.
@@ -71,12 +77,8 @@ impl StepOutcome {
 pub struct DataParallel {
     dist: Distributed,
     sync: GradientSync,
-    zero_stage: ZeroStage,
-    /// `Some` under ZeRO stages 1 and 2: the owners, and the parameters' all-gather (stage 1
-    /// also reduces its gradients through it).
-    sharded: Option<ShardedSync>,
-    /// `Some` under ZeRO stage 3: the shards' group and layout.
-    fully_sharded: Option<FullyShardedState>,
+    /// How this rank holds the model: the ZeRO stage, with its state.
+    sharding: Sharding,
     /// Whether gradients are checked for NaN / ±Inf (always, today).
     check_finite: bool,
     /// Bytes of the gradients the last step's optimizer was given (this rank's own at stages 1
@@ -117,15 +119,15 @@ impl DataParallel {
     /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         let sync = GradientSync::new(&options, &dist, device)?;
-        let sharded = options
-            .zero_stage
-            .has_owners()
-            .then(|| ShardedSync::new(options.compression));
-        let fully_sharded = if options.zero_stage.shards_parameters() {
-            Some(FullyShardedState::form(&dist, options.compression)?)
-        } else {
-            None
-        };
+        let sharding = Sharding::form(options.zero_stage, options.compression, &dist)?;
+        if sharding.full().is_some()
+            && !host_memory(device.as_dispatch())
+            && device.gradient_checkpointing_strategy().is_none()
+        {
+            tracing::warn!(
+                "ZeRO stage 3 on a device backend without Burn's gradient checkpointing: the weights Burn reshapes stay gathered until backward; train on DataParallel::training_device(&options, device)"
+            );
+        }
         let sync_batch_norm = if dist.env.world_size > 1 {
             let options = ProcessGroupRole::SyncBatchNorm.options(dist.group.options());
             sync_group::install(sync_group::Recipe {
@@ -140,9 +142,7 @@ impl DataParallel {
         Ok(Self {
             dist,
             sync,
-            zero_stage: options.zero_stage,
-            sharded,
-            fully_sharded,
+            sharding,
             check_finite: true,
             gradient_bytes: 0,
             parameter_bytes: 0,
@@ -195,7 +195,7 @@ impl DataParallel {
     /// [`mark_block`](crate::mark_block), then returns the model with those blocks'
     /// parameters cut into flat shards, this rank's kept. Call it after
     /// [`prepare`](Self::prepare), before the first step; then run every training forward
-    /// and its backward under [`sharded_forward`](Self::sharded_forward)'s guard. At stages
+    /// and its backward under [`micro_batch`](Self::micro_batch)'s scope. At stages
     /// 0 to 2 it returns `model` as it is, without running `forward`, so a loop written for
     /// stage 3 runs at every stage.
     ///
@@ -203,13 +203,13 @@ impl DataParallel {
     /// call it, with the same model. On Burn's CPU backend the blocks gathered ahead are the
     /// tensors' storage: each block's memory is given back once the forward enters the next
     /// block and gathered again when its backward reads it, whatever keeps the tensors
-    /// (`ddp::block_storage`), so no recompute is needed. On a device backend the gathered
+    /// (`ddp::fsdp::block_storage`), so no recompute is needed. On a device backend the gathered
     /// values are copied to the device: a parameter that an op takes as it is (a matmul) is
     /// still dropped after the forward and gathered again for the backward, but one that Burn
     /// reshapes first (its linear on a batched input) is dropped only on a device with Burn's
-    /// gradient checkpointing (`Device::autodiff().gradient_checkpointing()`), as the trainer
-    /// engine uses on a GPU at stage 3: without it such weights live until backward, as
-    /// activations do.
+    /// gradient checkpointing: train on [`training_device`](Self::training_device), which
+    /// turns it on where stage 3 needs it (without it such weights live until backward, as
+    /// activations do).
     ///
     /// # Errors
     /// [`DdpError::Options`] when `forward` marks no block; [`DdpError::Unsupported`] when a
@@ -219,23 +219,20 @@ impl DataParallel {
         model: M,
         forward: impl FnOnce(&M),
     ) -> Result<M, DdpError> {
-        match &mut self.fully_sharded {
-            Some(state) => state.shard(model, forward),
-            None => Ok(model),
+        match &mut self.sharding {
+            Sharding::Full(state) => state.shard(model, forward),
+            _ => Ok(model),
         }
     }
 
     /// Under ZeRO stage 3, once [`fully_shard`](Self::fully_shard) has run: the guard under
     /// which [`mark_block`](crate::mark_block) takes each marked block of `model` whole for
-    /// the forward (all-gathered ahead, block by block, on a thread of their own: the next
-    /// block is on the wire while the current one computes). Hold it over every training
-    /// forward and its backward (the backward reduce-scatters, and gathers again where a
-    /// block needs its weights); drop it before validation (see [`gathered`](Self::gathered)).
-    /// `None` at other stages. Entering it is collective (it queues this forward's gathers
-    /// on every rank), as the forwards it covers are: every rank marking the same blocks in
-    /// the same order (the same model, the same number of micro-batches).
-    pub fn sharded_forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
-        self.fully_sharded.as_ref()?.forward(model)
+    /// the forward (all-gathered ahead, block by block, on a thread of their own). `None` at
+    /// other stages. Collective (it queues this forward's gathers on every rank). Part of
+    /// [`micro_batch`](Self::micro_batch), the one place that orders what runs before a
+    /// backward.
+    fn sharded_forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
+        self.sharding.full()?.forward(model)
     }
 
     /// Under ZeRO stage 3, a copy of `model` with every shard gathered whole (for a
@@ -246,7 +243,7 @@ impl DataParallel {
     /// # Errors
     /// A failed gather.
     pub fn gathered<M: Module>(&mut self, model: &M) -> Result<M, DdpError> {
-        match &self.fully_sharded {
+        match self.sharding.full() {
             Some(state) if state.layout().is_some() => state.gathered(model),
             _ => Ok(model.clone()),
         }
@@ -255,45 +252,89 @@ impl DataParallel {
     /// The stage-3 group's counters (gathers, reduce-scatters, blocks gathered ahead, bytes);
     /// `None` at other stages.
     pub fn shard_comm(&self) -> Option<&crate::ddp::fsdp::shard_gather::ShardComm> {
-        self.fully_sharded.as_ref().map(FullyShardedState::comm)
+        self.sharding.full().map(FullyShardedState::comm)
     }
 
     /// The full shapes of the parameters sharded at stage 3 (`None` before
     /// [`fully_shard`](Self::fully_shard), and at other stages).
     pub fn shard_layout(&self) -> Option<&crate::ddp::fsdp::sharded_module::ShardLayout> {
-        self.fully_sharded
-            .as_ref()
-            .and_then(FullyShardedState::layout)
+        self.sharding.full().and_then(FullyShardedState::layout)
     }
 
-    /// Lets the next backward put gradients on the wire while it runs: call it before the
-    /// forward of the step's last micro-batch (the only one, without accumulation), with the
-    /// model, `earlier` (the sum of the step's earlier micro-batches' gradients, if any) and
-    /// `weight` (the factor you multiply this micro-batch's gradients by before adding them;
-    /// 1 to take them as they are). The blocks the model marks with
-    /// [`mark_block`](crate::mark_block) then hand their gradients over as soon as backward
-    /// has passed them, and [`step`](Self::step) waits only for what is still on the wire.
-    /// Do not call it for the earlier micro-batches (no communication there, as in PyTorch's
-    /// `no_sync`).
+    /// Everything the DDP step needs set up before one micro-batch's forward and backward, in
+    /// the one order that works, so a training loop never orders it (as PyTorch's DDP
+    /// `forward` does it for you):
+    /// 1. for the step's last micro-batch ([`MicroBatch::Last`]; [`MicroBatch::ONLY`] without
+    ///    accumulation), the gradient overlap is armed: the blocks the model marks with
+    ///    [`mark_block`](crate::mark_block) hand their gradients over as soon as backward has
+    ///    passed them (combined with the earlier micro-batches' as `earlier` and `weight` say;
+    ///    at ZeRO stage 2 each bucket reduce-scattered to its owners), and
+    ///    [`step`](Self::step) waits only for what is still on the wire. The earlier
+    ///    micro-batches ([`MicroBatch::Accumulating`]) send nothing (PyTorch's `no_sync`);
+    /// 2. at ZeRO stage 3, the marked blocks are gathered ahead for the forward (and again
+    ///    for the backward where they were given back).
     ///
-    /// At ZeRO stage 2 each bucket is reduce-scattered to its parameters' owners as it
-    /// fills, and the gradients this rank does not own are dropped once sent.
+    /// Hold the returned scope over the micro-batch's forward and backward; drop it after the
+    /// backward (before validation: see [`gathered`](Self::gathered)). After the step's last
+    /// micro-batch, call [`step`](Self::step): the one place that orders what runs after.
     ///
-    /// Not collective and never blocking; a no-op in a job of one, with NCCL, under ZeRO
-    /// stages 1 and 3 (stage 3's gradients are reduce-scattered by the backward itself), or
-    /// for a model that marks nothing. Without it, `step` sums every bucket after
-    /// backward, in the same plan: the same bits, no overlap.
-    pub fn overlap_next_backward<M: Module>(
+    /// Collective at ZeRO stage 3 (every rank marking the same blocks in the same order: the
+    /// same model, the same number of micro-batches); otherwise local and never blocking.
+    /// Without overlap (a job of one, NCCL, ZeRO stages 1 and 3, a model that marks nothing,
+    /// or overlap off) `step` sums every bucket after backward, in the same plan: the same
+    /// bits.
+    pub fn micro_batch<M: Module>(
+        &mut self,
+        model: &M,
+        position: MicroBatch<'_>,
+    ) -> MicroBatchScope {
+        if let MicroBatch::Last { earlier, weight } = position {
+            self.overlap_next_backward(model, earlier, weight);
+        }
+        MicroBatchScope {
+            _gather: self.sharded_forward(model),
+        }
+    }
+
+    /// The device to train on under `options`: `device` itself, except at ZeRO stage 3 on a
+    /// device backend (not Burn's CPU backend), where Burn's gradient checkpointing is turned
+    /// on. There the gathered weights are copied into the device's memory, which burn-ddp
+    /// cannot give back after the forward: checkpointing makes Burn gather them again in
+    /// backward instead of keeping them. On the CPU the gathered values are the tensors'
+    /// storage, given back and gathered again by the block itself, so no activation is
+    /// recomputed. Pure; call it before building the model and [`new`](Self::new).
+    pub fn training_device(options: &DdpOptions, device: Device) -> Device {
+        let on_device = !host_memory(device.as_dispatch());
+        if options.zero_stage.shards_parameters() && on_device {
+            device.autodiff().gradient_checkpointing()
+        } else {
+            device
+        }
+    }
+
+    /// Arms the next backward for the gradient overlap (step 1 of
+    /// [`micro_batch`](Self::micro_batch)): `earlier`, the sum of the step's earlier
+    /// micro-batches' gradients; `weight`, this micro-batch's factor. Not collective; a no-op
+    /// where overlap cannot run.
+    fn overlap_next_backward<M: Module>(
         &mut self,
         model: &M,
         earlier: Option<&GradientsParams>,
         weight: f32,
     ) {
         let world = self.world_size();
-        let owners = match (self.zero_stage, &mut self.sharded) {
-            (ZeroStage::OptimizerState | ZeroStage::Parameters, _) => return,
-            (ZeroStage::Gradients, Some(sharded)) => Some(sharded.plan(model, world)),
-            _ => None,
+        let owners = match &mut self.sharding {
+            Sharding::Replicated => None,
+            Sharding::Owners {
+                sync,
+                gradients: true,
+            } => Some(sync.plan(model, world)),
+            // Stage 1 reduces its flat buffer after backward; stage 3's gradients are
+            // reduce-scattered by the backward itself.
+            Sharding::Owners {
+                gradients: false, ..
+            }
+            | Sharding::Full(_) => return,
         };
         self.sync.arm_overlap(model, earlier, weight, owners);
     }
@@ -392,7 +433,7 @@ impl DataParallel {
     /// `OptimizerState` (each rank steps, and keeps optimizer state for, the parameters it
     /// owns) or `Gradients` (and keeps only their gradients).
     pub fn zero_stage(&self) -> ZeroStage {
-        self.zero_stage
+        self.sharding.stage()
     }
 
     /// Bytes of the gradients the last [`step`](Self::step) gave the optimizer: every
@@ -434,19 +475,25 @@ impl DataParallel {
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
         let world = self.dist.env.world_size;
-        match (self.zero_stage, &mut self.sharded) {
-            (ZeroStage::OptimizerState, Some(sharded)) => {
+        match &mut self.sharding {
+            Sharding::Replicated => self.average_gradients(model, grads),
+            Sharding::Owners {
+                sync,
+                gradients: false,
+            } => {
                 check_sync_batch_norm()?;
-                sharded.reduce_to_owners(&mut self.dist.group, model, grads)
+                sync.reduce_to_owners(&mut self.dist.group, model, grads)
             }
-            (ZeroStage::Gradients, Some(sharded)) => {
+            Sharding::Owners {
+                sync,
+                gradients: true,
+            } => {
                 check_sync_batch_norm()?;
-                let owners = sharded.plan(model, world);
+                let owners = sync.plan(model, world);
                 self.sync
                     .sync(&mut self.dist.group, model, grads, Some(owners))
             }
-            (ZeroStage::Parameters, _) => self.sync_stage_3(model, grads),
-            _ => self.average_gradients(model, grads),
+            Sharding::Full(_) => self.sync_stage_3(model, grads),
         }
     }
 
@@ -457,7 +504,7 @@ impl DataParallel {
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
-        let Some(state) = &self.fully_sharded else {
+        let Some(state) = self.sharding.full() else {
             return self.average_gradients(model, grads);
         };
         let (shards, nonfinite) = state.take_shard_gradients(model, grads, self.check_finite)?;
@@ -483,8 +530,8 @@ impl DataParallel {
     /// and receives the others' (the replicas are bit-identical again). Stage 0: nothing.
     /// Collective under stages 1 and 2; call it only after a step that was taken.
     pub(crate) fn finish_step<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
-        match &mut self.sharded {
-            Some(sharded) => sharded.gather_parameters(&mut self.dist.group, model),
+        match self.sharding.owners() {
+            Some(sync) => sync.gather_parameters(&mut self.dist.group, model),
             None => Ok(model),
         }
     }
@@ -522,10 +569,8 @@ impl DataParallel {
         optim: ModuleOptimizer,
     ) -> Result<ModuleOptimizer, DdpError> {
         let (rank, world) = (self.rank(), self.world_size());
-        match &mut self.sharded {
-            Some(sharded) => {
-                sharded_sync::keep_owned_state(optim, sharded.plan(model, world), rank)
-            }
+        match self.sharding.owners() {
+            Some(sync) => sharded_sync::keep_owned_state(optim, sync.plan(model, world), rank),
             None => Ok(optim),
         }
     }
@@ -543,7 +588,7 @@ impl DataParallel {
         &mut self,
         optim: &ModuleOptimizer,
     ) -> Result<Option<Bytes>, DdpError> {
-        if self.sharded.is_none() {
+        if self.sharding.owners().is_none() {
             return Ok(None);
         }
         sharded_sync::gather_state(optim, &mut self.dist.group, 0)
@@ -554,7 +599,7 @@ impl DataParallel {
     /// reduce-scatters).
     pub fn gradient_stats(&self) -> ReducerStats {
         let path = self.sync.stats();
-        if let Some(state) = &self.fully_sharded {
+        if let Some(state) = self.sharding.full() {
             let comm = state.comm();
             return ReducerStats {
                 syncs: path.syncs,
@@ -564,16 +609,16 @@ impl DataParallel {
                 bytes_reduced: path.bytes_reduced + comm.bytes(),
             };
         }
-        match &self.sharded {
-            Some(sharded) => {
-                let zero = sharded.stats();
+        match &self.sharding {
+            Sharding::Owners { sync, .. } => {
+                let zero = sync.stats();
                 ReducerStats {
                     syncs: path.syncs + zero.syncs,
                     bucket_all_reduces: path.bucket_all_reduces + zero.bucket_all_reduces,
                     bytes_reduced: path.bytes_reduced + zero.bytes_reduced,
                 }
             }
-            None => path,
+            _ => path,
         }
     }
 
@@ -606,7 +651,7 @@ impl DataParallel {
     /// bit-identical, naming the first rank that differs from rank 0. Collective.
     /// At ZeRO stage 3 the shards differ by rank: the parameters held whole are compared.
     pub fn check_replicas<M: Module>(&mut self, model: &M, step: usize) -> Result<(), DdpError> {
-        let ours = match &self.fully_sharded {
+        let ours = match self.sharding.full() {
             Some(state) => state.replicated_checksum(model),
             None => param_checksum(model),
         } as i64;
@@ -670,28 +715,6 @@ impl DataParallel {
     pub fn barrier(&mut self) -> Result<(), DdpError> {
         Ok(self.dist.group.barrier()?)
     }
-}
-
-/// Moves every gradient of `from` that `model` has a parameter for into `grads`.
-fn grads_extend<M: Module>(model: &M, grads: &mut GradientsParams, mut from: GradientsParams) {
-    struct Move<'a> {
-        to: &'a mut GradientsParams,
-        from: &'a mut GradientsParams,
-    }
-    impl burn::module::ModuleVisitor for Move<'_> {
-        fn visit_float<const D: usize>(
-            &mut self,
-            param: &burn::module::Param<burn::tensor::Tensor<D>>,
-        ) {
-            if let Some(g) = self.from.remove::<D>(param.id) {
-                self.to.register(param.id, g);
-            }
-        }
-    }
-    model.visit(&mut Move {
-        to: grads,
-        from: &mut from,
-    });
 }
 
 /// The failure synchronised BatchNorm recorded in this step's forward or backward, if any

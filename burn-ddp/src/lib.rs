@@ -56,8 +56,8 @@ pub mod testing;
 
 pub use data_parallel::{DataParallel, StepOutcome};
 pub use ddp::{
-    mark_block, parameter_count, BucketTiming, DdpOptions, GradientTransport, OverlapStats,
-    StepTimeline, SyncBatchNorm, SyncBatchNormConfig, ZeroStage,
+    mark_block, parameter_count, BucketTiming, DdpOptions, GradientTransport, MicroBatch,
+    MicroBatchScope, OverlapStats, StepTimeline, SyncBatchNorm, SyncBatchNormConfig, ZeroStage,
 };
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError, SyncBatchNormError};

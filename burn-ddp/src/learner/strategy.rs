@@ -65,6 +65,7 @@ use super::gather::GatherOutput;
 use super::loader;
 use crate::data_parallel::{DataParallel, StepOutcome};
 use crate::ddp::buffers::{self, BufferSync};
+use crate::ddp::micro_batch::MicroBatch;
 use crate::ddp::DdpOptions;
 use crate::error::DdpError;
 use crate::group::ProcessGroup;
@@ -545,17 +546,25 @@ impl DdpStrategy {
             iteration += 1;
             let progress = iter.progress();
             let last = accumulated + 1 == steps.accumulation || progress.is_completed();
-            if last {
+            let model = learner.model();
+            let scope = if last {
                 // This backward may put the model's marked blocks on the wire as it goes,
                 // added to the earlier micro-batches' gradients as the accumulator adds them.
-                let model = learner.model();
                 let earlier = (accumulated > 0).then(|| accumulator.grads());
-                ddp.overlap_next_backward(&model, earlier.as_ref(), 1.0);
+                let position = MicroBatch::Last {
+                    earlier: earlier.as_ref(),
+                    weight: 1.0,
+                };
+                let scope = ddp.micro_batch(&model, position);
                 if let Some(earlier) = earlier {
                     accumulator.accumulate(&model, earlier);
                 }
-            }
+                scope
+            } else {
+                ddp.micro_batch(&model, MicroBatch::Accumulating)
+            };
             let output = learner.train_step(batch);
+            drop(scope);
             accumulator.accumulate(&learner.model(), output.grads);
             accumulated += 1;
             if last {

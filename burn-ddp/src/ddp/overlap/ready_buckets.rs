@@ -2,7 +2,7 @@
 //! marked ([`mark_block`](crate::ddp::overlap::ready_op::mark_block)).
 //!
 //! ```text
-//! DataParallel::overlap_next_backward     arms the next backward (the step's last micro-batch)
+//! DataParallel::micro_batch(Last)         arms the next backward (the step's last micro-batch)
 //!   backward: block N done ─▶ gradient_ready(params of N) ─▶ bucket full? ─▶ comm thread
 //!             block N-1 done ─▶ …                                       (sums it meanwhile)
 //! DataParallel::step ─▶ Reducer: buckets not yet sent are queued now; wait for every result

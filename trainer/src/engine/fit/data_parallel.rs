@@ -18,7 +18,7 @@ use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
 use burn_ddp::ddp::fsdp::reshard::ShardTarget;
 use burn_ddp::ddp::zero::sharded_sync;
-use burn_ddp::{DataParallel, Distributed, StepOutcome};
+use burn_ddp::{DataParallel, Distributed, MicroBatch, StepOutcome};
 
 use super::across_ranks::{across_ranks, train_metrics_window};
 use super::events::HeldState;
@@ -87,18 +87,11 @@ pub fn start<A: App>(
     let dist = Distributed::from_env_or_standalone(
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
-    let mut device = backend::train_device(config.output.device, dist.env.local_rank)?;
-    if config.distributed.zero_stage.shards_parameters()
-        && config.output.device != crate::config::DeviceKind::Cpu
-    {
-        // On a device backend the gathered values are copied into the device's memory, which
-        // burn-ddp cannot give back after the forward: Burn's gradient checkpointing
-        // recomputes each block's parameters in backward instead of keeping them
-        // (burn-ddp's `shard_gather`). On the CPU the values are the tensors' storage, given
-        // back and gathered again by the block itself (`block_storage`), so activations are
-        // not recomputed.
-        device = device.gradient_checkpointing();
-    }
+    // ZeRO stage 3 on a GPU trains with Burn's gradient checkpointing (burn-ddp's rule).
+    let device = DataParallel::training_device(
+        &parallel::ddp_options(&config.distributed),
+        backend::train_device(config.output.device, dist.env.local_rank)?,
+    );
     Ok(RankStart {
         app,
         config,
@@ -218,21 +211,25 @@ impl<A: App> DataParallelSteps<A> {
             let (batcher, device) = (&self.batcher, &self.device);
             let batch = clock.time(Phase::Data, || batches.next_batch(batcher, device))?;
             let compute = Instant::now();
-            if i == last {
-                // The last micro-batch's backward may put marked blocks' gradients on the
-                // wire as it goes, combined with the earlier ones as below.
-                let earlier = accumulator.grads();
-                let earlier = (i > 0).then_some(earlier);
-                self.ddp
-                    .overlap_next_backward(model, earlier.as_ref(), *weight);
-                if let Some(earlier) = earlier {
-                    accumulator.accumulate(model, earlier);
+            // What runs before this micro-batch's forward and backward (burn-ddp orders it):
+            // the last one's backward may put marked blocks' gradients on the wire as it goes,
+            // combined with the earlier ones as below; at ZeRO stage 3 the marked blocks are
+            // gathered whole for the forward and backward.
+            let earlier = (i == last && i > 0).then(|| accumulator.grads());
+            let position = if i == last {
+                MicroBatch::Last {
+                    earlier: earlier.as_ref(),
+                    weight: *weight,
                 }
+            } else {
+                MicroBatch::Accumulating
+            };
+            let scope = self.ddp.micro_batch(model, position);
+            if let Some(earlier) = earlier {
+                accumulator.accumulate(model, earlier);
             }
-            // ZeRO stage 3: the marked blocks gathered whole for this forward and backward.
-            let gather = self.ddp.sharded_forward(model);
             let output = TrainStep::step(model, batch);
-            drop(gather);
+            drop(scope);
             let mut grads = output.grads;
             if *weight != 1.0 {
                 // Each micro-batch's mean loss counts by its share.
