@@ -64,11 +64,12 @@ def expand_use(body):
     return rec([], body)
 
 def test_modules(mods):
-    """Modules declared `#[cfg(test)] mod name;` (a file of tests), with everything below them."""
+    """Modules declared `#[cfg(test)] mod name;` or `#[cfg(all(test, ...))] mod name;` (a file of
+    tests), with everything below them."""
     found = set()
     for mod, path in mods.items():
         text = open(path).read()
-        for m in re.finditer(r'#\[cfg\(test\)\]\s*(?:pub(?:\(crate\))?\s+)?mod\s+(\w+)\s*;', text):
+        for m in re.finditer(r'#\[cfg\((?:test|all\(test,[^\]]*\))\)\]\s*(?:pub(?:\(crate\))?\s+)?mod\s+(\w+)\s*;', text):
             found.add(tuple(mod) + (m.group(1),))
     return {m for m in mods if any(m[:len(t)] == t for t in found)}
 

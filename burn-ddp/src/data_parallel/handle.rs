@@ -1,33 +1,5 @@
-//! [`DataParallel`]: the one home of the DDP step — the handle a rank holds to train with
-//! the others (what Accelerate's `Accelerator` or a DDP-wrapped module is to PyTorch). The
-//! `trainer` engine's loop, the burn-train strategy ([`crate::learner::DdpStrategy`]) and
-//! own-loop programs all train through it.
-//!
-//! ```text
-//! let mut ddp = DataParallel::from_env(DdpOptions::default(), &device)?;
-//! let mut model = ddp.prepare(model)?;                  // replicas equal (rank 0's weights)
-//! for epoch in 0..epochs {
-//!     for batch in ddp.shard(train.len(), seed, epoch).chunks(b) {   // this rank's samples
-//!         let scope = ddp.micro_batch(&model, MicroBatch::ONLY); // overlap armed; stage 3 gathers
-//!         let loss = /* your forward and loss */;
-//!         let grads = GradientsParams::from_grads(loss.backward(), &model);
-//!         drop(scope);
-//!         // The whole DDP step: mean gradients over all ranks, the verdict on NaN/Inf (the
-//!         // same on every rank), your optimizer, ZeRO 1/2's gather, the buffers.
-//!         let (next, outcome) = ddp.step(model, grads, |m, g| optim.step(lr, m, g))?;
-//!         model = next;
-//!         if let StepOutcome::Skipped { ranks } = outcome { /* stop, or go on: all ranks alike */ }
-//!     }
-//!     let [loss_sum, n] = ddp.sum([loss_sum, n])?;      // exact global metrics
-//! }
-//! ddp.barrier()?;
-//! ```
-//! A compiled, runnable version: `burn-ddp/examples/own_loop.rs` (a program that uses
-//! `burn` and `burn-ddp` only, and burn-store to write its weights).
-//!
-//! Every method marked *collective* must be called by every rank, in the same order, with
-//! arguments that agree where it says so; each has a deadline ([`DdpOptions::timeout`], or the
-//! one it is given) after which it fails naming the ranks that did not arrive.
+//! [`DataParallel`]: the handle, joining, preparing and the DDP step (the module docs of
+//! [`crate::data_parallel`] show the loop).
 
 use std::time::Duration;
 
@@ -35,6 +7,7 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Bytes, Device};
 
+use crate::data_parallel::outcome::StepOutcome;
 use crate::ddp::buffers::{self, BufferSync};
 use crate::ddp::fsdp::fully_sharded::FullyShardedState;
 use crate::ddp::fsdp::sharded_module::ShardedForward;
@@ -45,40 +18,20 @@ use crate::ddp::sharding::{grads_extend, Sharding};
 use crate::ddp::sync_batch_norm::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero::sharded_sync;
 use crate::ddp::{
-    param_checksum, prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats,
-    ReducerStats, StepTimeline,
+    prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats, ReducerStats,
+    StepTimeline,
 };
 use crate::error::DdpError;
-use crate::group::{ProcessGroup, ReduceOp, TcpProcessGroup};
+use crate::group::{ProcessGroup, TcpProcessGroup};
 use crate::init::Distributed;
 use crate::kernels::host_memory;
-use crate::sampler::DistributedSampler;
-
-/// What [`DataParallel::step`] did: the same on every rank of the job.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[must_use = "a skipped step is the caller's to report or stop on"]
-pub enum StepOutcome {
-    /// The optimizer stepped with the gradients' mean over the ranks.
-    Applied,
-    /// The gradients of `ranks` (ascending) held a NaN or an infinity, so their mean was not
-    /// finite: no rank stepped its optimizer (the parameters are as they were), and the
-    /// buffers were still made equal. Stop, or go on to the next step, as you choose: every
-    /// rank has the same outcome, so all choose alike.
-    Skipped { ranks: Vec<usize> },
-}
-
-impl StepOutcome {
-    pub fn is_applied(&self) -> bool {
-        matches!(self, StepOutcome::Applied)
-    }
-}
 
 /// One rank's membership of a data-parallel job, and the DDP step it takes with the others.
 pub struct DataParallel {
-    dist: Distributed,
+    pub(super) dist: Distributed,
     sync: GradientSync,
     /// How this rank holds the model: the ZeRO stage, with its state.
-    sharding: Sharding,
+    pub(super) sharding: Sharding,
     /// Whether gradients are checked for NaN / ±Inf (always, today).
     check_finite: bool,
     /// Bytes of the gradients the last step's optimizer was given (this rank's own at stages 1
@@ -90,7 +43,7 @@ pub struct DataParallel {
     buffer_rule: Option<BufferSync>,
     /// Whether the model has buffers at all (learnt at the first sync; the same on every rank).
     has_buffers: Option<bool>,
-    timeout: Duration,
+    pub(super) timeout: Duration,
     /// The group of [`SyncBatchNorm`](crate::ddp::SyncBatchNorm)'s statistics, installed
     /// process-wide while this handle lives (none in a world of one); it also tells this
     /// build's layers that a `DataParallel` of their build is alive.
@@ -620,100 +573,6 @@ impl DataParallel {
             }
             _ => path,
         }
-    }
-
-    /// This rank's data-set indices for `epoch`: its share of one global permutation seeded by
-    /// `seed + epoch`, padded so every rank gets as many (PyTorch's `DistributedSampler`).
-    /// Local; `len` and `seed` must agree across ranks.
-    pub fn shard(&self, len: usize, seed: u64, epoch: usize) -> Vec<usize> {
-        DistributedSampler::new(len, self.world_size(), self.rank())
-            .with_seed(seed)
-            .indices(epoch as u64, 0)
-    }
-
-    /// Element-wise sums over the ranks (exact global metrics from per-rank sums and counts).
-    /// Collective.
-    pub fn sum<const N: usize>(&mut self, values: [f64; N]) -> Result<[f64; N], DdpError> {
-        let mut v = values;
-        self.dist.group.all_reduce(&mut v, ReduceOp::Sum)?;
-        Ok(v)
-    }
-
-    /// Every rank's `values`, concatenated in rank order (`world_size × values.len()`).
-    /// Collective; every rank passes the same number of values.
-    pub fn all_gather(&mut self, values: &[f64]) -> Result<Vec<f64>, DdpError> {
-        let mut all = vec![0.0; values.len() * self.world_size()];
-        self.dist.group.all_gather(values, &mut all)?;
-        Ok(all)
-    }
-
-    /// Fails with [`DdpError::ReplicaDrift`] when the replicas' parameters are not
-    /// bit-identical, naming the first rank that differs from rank 0. Collective.
-    /// At ZeRO stage 3 the shards differ by rank: the parameters held whole are compared.
-    pub fn check_replicas<M: Module>(&mut self, model: &M, step: usize) -> Result<(), DdpError> {
-        let ours = match self.sharding.full() {
-            Some(state) => state.replicated_checksum(model),
-            None => param_checksum(model),
-        } as i64;
-        let mut all = vec![0i64; self.world_size()];
-        self.dist.group.all_gather(&[ours], &mut all)?;
-        if let Some(r) = all.iter().position(|&c| c != all[0]) {
-            return Err(DdpError::ReplicaDrift(format!(
-                "replica drift at step {step}: rank {r}'s parameters (checksum {:016x}) differ from rank 0's ({:016x})",
-                all[r] as u64,
-                all[0] as u64
-            )));
-        }
-        Ok(())
-    }
-
-    /// Rank 0 runs `action` (writing a checkpoint, a report) while the others wait for its
-    /// verdict through the store, up to `timeout` (chosen by the caller, so a slow disk never
-    /// trips the collectives' deadline). `key` names this occurrence; it must be the same on
-    /// every rank and new for each call. Collective.
-    ///
-    /// Returns rank 0's own result to rank 0 (`Ok(Err(e))` when `action` failed); the other
-    /// ranks get `Ok(Ok(()))`, or [`DdpError::RankZeroFailed`] carrying rank 0's message.
-    pub fn run_on_rank_zero<E: std::fmt::Display>(
-        &mut self,
-        what: &str,
-        key: &str,
-        timeout: Duration,
-        action: impl FnOnce() -> Result<(), E>,
-    ) -> Result<Result<(), E>, DdpError> {
-        let key = format!("burn-ddp/rank-zero/{key}");
-        if self.rank() == 0 {
-            let result = action();
-            if self.world_size() > 1 {
-                let status = match &result {
-                    Ok(()) => "ok".to_string(),
-                    Err(e) => format!("{e:#}"),
-                };
-                self.dist.store.set(&key, status.as_bytes())?;
-            }
-            return Ok(result);
-        }
-        let status = self.dist.store.get(&key, timeout)?;
-        if status != b"ok" {
-            return Err(DdpError::RankZeroFailed {
-                what: what.to_string(),
-                message: String::from_utf8_lossy(&status).into_owned(),
-            });
-        }
-        Ok(Ok(()))
-    }
-
-    /// Rank 0's `value` on every rank. Collective.
-    pub fn broadcast_from_rank_zero(&mut self, value: i64) -> Result<i64, DdpError> {
-        let mut v = [value];
-        self.dist.group.broadcast(&mut v, 0)?;
-        Ok(v[0])
-    }
-
-    /// Waits for every rank. Call it last: rank 0 may host the rendezvous store, so ranks
-    /// leave together. Collective.
-    pub fn barrier(&mut self) -> Result<(), DdpError> {
-        Ok(self.dist.group.barrier()?)
     }
 }
 
