@@ -12,7 +12,7 @@ use half::{bf16, f16};
 ///
 /// With feature `serde` it is written as its [`name`](HalfFormat::name); the trainer's
 /// `distributed.gradient_compression` adds `"none"` for no compression
-/// (`ddp::config_names::compression`).
+/// (`ddp::options::config_names::compression`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum HalfFormat {

@@ -290,7 +290,7 @@ mod tests {
         let run = |mode: &str| {
             let out = std::process::Command::new(std::env::current_exe().unwrap())
                 .args([
-                    "ddp::sync_batch_norm::tests::in_a_job_of_several_training_needs_a_data_parallel_of_this_build",
+                    "ddp::sync_batch_norm::layer::tests::in_a_job_of_several_training_needs_a_data_parallel_of_this_build",
                     "--exact",
                     "--nocapture",
                     "--test-threads=1",
