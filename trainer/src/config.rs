@@ -342,7 +342,7 @@ impl Default for OutputConfig {
             dir: PathBuf::from("runs/default"),
             device: DeviceKind::Cpu,
             log_samples: false,
-            plots: crate::backend::features::Feature::Plots.built(),
+            plots: crate::features::Feature::Plots.built(),
             tensorboard: false,
         }
     }

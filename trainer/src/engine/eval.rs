@@ -14,8 +14,8 @@ use burn::train::InferenceStep;
 use burn_ddp::sampler::DistributedSampler;
 
 use crate::app::{App, AppError};
-use crate::backend;
 use crate::engine::checkpoint;
+use crate::engine::device::train_device;
 use crate::engine::preflight::{preflight, Splitting};
 use crate::error::UsageError;
 use crate::report::metrics::{self, Metrics};
@@ -109,7 +109,7 @@ pub fn evaluate<A: App>(
             |pipeline| pipeline.join(format!("stage-*/{}", checkpoint::step_dir_name(step))),
         ),
     };
-    let device = backend::train_device(config.output.device, 0)?;
+    let device = train_device(config.output.device, 0)?;
     let model = app.model(&config.model, &config.data, &device)?;
     let model = checkpoint::load_model_parts(&parts, model)?.valid();
     let batcher = app.batcher(&config.model, &config.data, &device);

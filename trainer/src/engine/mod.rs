@@ -6,6 +6,7 @@
 //! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), the pipeline step kind, stage checkpoints |
 //! | `parallel` | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
 //! | `eval` | validation over every sample once, and the `eval` command |
+//! | `device` | the device of `output.device` (cargo features `wgpu`, `cuda`), whether this build and machine can run it, the doctor's device facts |
 //! | `preflight` | the check before any rank starts: config, app tables, device; never the data |
 //! | `plan` | the step plan (pure): steps, logs, checkpoints, validations |
 //! | `schedule` | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
@@ -18,6 +19,7 @@
 //! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
 
 pub(crate) mod checkpoint;
+pub(crate) mod device;
 pub(crate) mod eval;
 pub(crate) mod fault_injection;
 pub(crate) mod fit;

@@ -28,8 +28,8 @@ use super::step_kind::{StepInput, StepKind};
 use super::summary::Validation;
 use super::training_loop::{fit, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
-use crate::backend;
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
+use crate::engine::device::{pin_default_device, train_device};
 use crate::engine::fault_injection;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
@@ -77,7 +77,7 @@ pub fn start<A: App>(
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let config = preflight(&app, config_path, 1, world_size, splitting)?;
-    backend::pin_default_device();
+    pin_default_device();
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
         bail!(AppError(
@@ -87,7 +87,7 @@ pub fn start<A: App>(
     let dist = Distributed::from_env_or_standalone(
         parallel::ddp_options(&config.distributed).tcp_options(),
     )?;
-    let mut device = backend::train_device(config.output.device, dist.env.local_rank)?;
+    let mut device = train_device(config.output.device, dist.env.local_rank)?;
     if config.distributed.zero_stage.shards_parameters()
         && config.output.device != crate::config::DeviceKind::Cpu
     {

@@ -24,7 +24,7 @@
 //!    what the [`StepPlan`](crate::engine::plan::StepPlan) asks for: a `train` line, a replica check, a
 //!    checkpoint, validation on every validation sample exactly once.
 //!
-//! No `cfg(feature)` here: devices live in [`crate::backend`], the gradient path in
+//! No `cfg(feature)` here: devices live in [`crate::engine::device`], the gradient path in
 //! `burn_ddp::DataParallel`, which chooses host staging or NCCL from the device.
 
 pub(crate) mod across_ranks;
