@@ -14,9 +14,9 @@
 //! | [`app`] | the user's contract, one trait: `App` (config tables, data sets, model, batcher, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval); `main_with_stages` with a pipeline split |
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
-//! | `engine/` | the training engine: the one loop over step kinds (`fit/`), [`pipeline`] stages, the step plan, schedule, loader, checkpoints, validation, the pre-flight, the memory estimate, fault injection, the training device (`device`, cargo features `wgpu` and `cuda`) |
+//! | `engine/` | the training engine: the one loop over step kinds (`fit/`, with the rank's reporter of its events), [`pipeline`] stages, the step plan, schedule, loader, checkpoints, validation, the pre-flight, the memory estimate, fault injection, the training device (`device`, cargo features `wgpu` and `cuda`) |
 //! | `launcher/` | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`, like torchrun): the pure launch plan, the launcher ↔ worker environment contract, this machine's limits, rank logs, orphans, torchrun's error file |
-//! | `report/` | what a run reports: the rank's reporter (consumes the loop's events), [`metrics`] summed across ranks, the `metrics.jsonl` records, TensorBoard files, [`plot`] charts |
+//! | `report/` | what a run reports (below the engine, which consumes its own events into it): [`metrics`] summed across ranks, step times, the `metrics.jsonl` records, TensorBoard files, [`plot`] charts |
 //! | `tools/` | tools beside training: `trainer doctor`, the collectives self-test and all-reduce benchmark, the engine's benchmarks (`bench`, `bench_link`) |
 //! | `finding` | one check's result and the report they make (the doctor's and the launcher's refusals) |
 //! | `features` | the optional parts (`sqlite`, `image-folder`, `plots`, `tensorboard`, all in the default features): whether this build has one, the error naming a missing one, and the rule that places each beside its user with a stand-in |

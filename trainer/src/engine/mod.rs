@@ -15,7 +15,6 @@
 //! | `sharded_checkpoint` | ZeRO stage 3's checkpoints: each rank's part, joined or re-cut on resume, consolidated |
 //! | `memory` | the memory pre-flight: parameters, optimizer state and activations against the machine |
 //! | `throughput` | samples per second since the last log line, validation left out |
-//! | `timing` | where each step's time goes, per rank and across ranks (pure) |
 //! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
 
 pub(crate) mod checkpoint;
@@ -32,4 +31,3 @@ pub(crate) mod preflight;
 pub(crate) mod schedule;
 pub(crate) mod sharded_checkpoint;
 pub(crate) mod throughput;
-pub(crate) mod timing;

@@ -31,14 +31,14 @@ use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
 use crate::engine::device::{pin_default_device, train_device};
 use crate::engine::fault_injection;
+use crate::engine::fit::rank_reporter::RankReporter;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
 use crate::engine::preflight::{preflight, Splitting};
 use crate::engine::schedule::Schedule;
 use crate::engine::sharded_checkpoint;
-use crate::engine::timing::{Phase, PhaseClock, RankTimes, StepTime};
 use crate::report::metrics::{MetricValue, Metrics};
-use crate::report::rank_reporter::RankReporter;
+use crate::report::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// Everything one rank's training needs (steps 1 and 2 of the module docs of [`super`]): the
 /// app, its config, the formed job, the data sets and the device; then [`train`] (data
