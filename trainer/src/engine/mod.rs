@@ -5,7 +5,8 @@
 //! | `fit/` | the one training loop over step kinds (data parallel, pipeline stages), its events |
 //! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), the pipeline step kind, stage checkpoints |
 //! | `parallel` | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
-//! | `eval` | validation over every sample once, and the `eval` command |
+//! | `validation` | validation over every sample once, across the ranks |
+//! | `eval` | the `eval` command: a checkpoint (or a pipeline's stage checkpoints) validated by one process |
 //! | `device` | the device of `output.device` (cargo features `wgpu`, `cuda`), whether this build and machine can run it, the doctor's device facts |
 //! | `preflight` | the check before any rank starts: config, app tables, device; never the data |
 //! | `plan` | the step plan (pure): steps, logs, checkpoints, validations |
@@ -31,3 +32,4 @@ pub(crate) mod preflight;
 pub(crate) mod schedule;
 pub(crate) mod sharded_checkpoint;
 pub(crate) mod throughput;
+pub(crate) mod validation;

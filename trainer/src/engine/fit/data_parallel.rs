@@ -454,7 +454,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         // since each rank validates its own number of batches.
         let inner = self.ddp.gathered(&model.valid())?;
         let device = self.device.clone().inner();
-        let samples = crate::engine::eval::evaluate_shard(
+        let samples = crate::engine::validation::evaluate_shard(
             &inner,
             &*valid,
             &self.batcher,
