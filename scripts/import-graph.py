@@ -1,15 +1,26 @@
 #!/usr/bin/env python3
-"""The file-level import graph of each crate source folder given (CI: trainer/src, burn-ddp/src).
+"""The import graph of each crate source folder given (CI: trainer/src, burn-ddp/src), checked
+file by file and folder by folder.
 
 A file imports another when it names a path into it: `crate::a::b`, `super::x`, `self::x`, or a
 child module by name (`checks::run`), in `use` lines or inline; comments and `#[cfg(test)]` (or `#[cfg(all(test, ...))]`)
 modules aside. A folder's front (its mod.rs, or lib.rs) declaring, re-exporting and dispatching
 to its own files is the module tree, not an import, so those edges are left out.
 
-Prints each crate's files, edges, levels (the longest chain of imports), its upward edges (a file
-importing the front of a folder it lives in: `super::Item`) and every circle (a strongly
-connected set of files) with its edges. Exits 1 when there is a circle or an upward edge (a
-file names its own contract's file, not the front that re-exports it).
+Files: prints each crate's files, edges, levels (the longest chain of imports), its upward edges
+(a file importing the front of a folder it lives in: `super::Item`) and every circle (a strongly
+connected set of files) with its edges.
+
+Folders: in every folder (the crate root and each sub-folder) its direct children, files and
+sub-folders (a sub-folder standing for everything under it; the folder's own front stands for
+the folder one level up), make a graph: `a -> b` when a file in `a` imports a file in `b`. Each
+child gets a floor (the longest path below it in the graph's condensation: 0 imports no
+sibling); an arrow to a sibling on the same floor or higher is upward, which is an arrow inside a
+circle of siblings. Prints every circle among siblings and every upward arrow (with the file
+edges behind it), then one summary line per folder (children, arrows, floors).
+
+Exits 1 when there is a file circle, a file upward edge or a folder circle (a file names its
+own contract's file, not the front that re-exports it; folders are layered as files are).
 
     python3 scripts/import-graph.py trainer/src burn-ddp/src
 """
@@ -143,6 +154,42 @@ def levels(mods, edges):
     for m in mods: visit(m, set())
     return level
 
+def folder_graphs(mods, edges):
+    """For each folder (the crate root and every module with modules under it), its direct
+    children (files and sub-folders, a sub-folder standing for everything under it) and the
+    arrows among them: `a -> b` when a file in `a` imports a file in `b`, with those file edges.
+    A folder's own front stands for the folder one level up, so it is none of its children."""
+    folders = {m[:n] for m in mods for n in range(len(m))}
+    out = {}
+    for f in sorted(folders, key=lambda f: (len(f), f)):
+        under = lambda m: len(m) > len(f) and m[:len(f)] == f
+        children = sorted({m[:len(f) + 1] for m in mods if under(m)})
+        arrows = defaultdict(list)
+        for m in mods:
+            if not under(m): continue
+            for t in edges.get(m, ()):
+                if under(t) and m[:len(f) + 1] != t[:len(f) + 1]:
+                    arrows[(m[:len(f) + 1], t[:len(f) + 1])].append((m, t))
+        out[f] = (children, dict(arrows))
+    return out
+
+def floors(nodes, arrows):
+    """Each node's floor: 0 for one importing no sibling, else 1 + the highest floor it imports,
+    over the condensation (the members of a circle share a floor), with its circles."""
+    succ = defaultdict(set)
+    for a, b in arrows: succ[a].add(b)
+    comps = sccs(nodes, succ)
+    comp_of = {v: i for i, c in enumerate(comps) for v in c}
+    # Tarjan emits components in reverse topological order: a component's imports come first.
+    floor_of = {}
+    for i, c in enumerate(comps):
+        floor_of[i] = 1 + max((floor_of[comp_of[w]] for v in c for w in succ[v]
+                               if comp_of[w] != i), default=-1)
+    return {v: floor_of[comp_of[v]] for v in nodes}, [c for c in comps if len(c) > 1], comp_of
+
+def name(m, f=()):
+    return '/'.join(m[len(f):]) or 'lib'
+
 status = 0
 if len(sys.argv) < 2:
     sys.exit(__doc__)
@@ -163,4 +210,28 @@ for src in sys.argv[1:]:
         for m in sorted(c):
             for t in sorted(edges[m]):
                 if t in cs: print(f"    {'/'.join(m) or 'lib'} -> {'/'.join(t) or 'lib'}")
+    # Folders: the children of each folder, layered like the files.
+    total_circles = total_upward = 0
+    summary = []
+    for f, (children, arrows) in folder_graphs(mods, edges).items():
+        floor, circles, comp_of = floors(children, arrows)
+        # Against the layering: an arrow to a sibling on the same floor or higher, which is an
+        # arrow inside a circle (the condensation is layered by the longest path).
+        upward = sorted((a, b) for (a, b) in arrows if floor[b] >= floor[a])
+        total_circles += len(circles); total_upward += len(upward)
+        label = (name(f) + '/') if f else 'crate root'
+        counts = defaultdict(int)
+        for v in children: counts[floor[v]] += 1
+        summary.append(f"  {label}: {len(children)} children, {len(arrows)} arrows, "
+                       f"{1 + max(floor.values(), default=0)} floors, {len(upward)} upward, {len(circles)} circles")
+        for c in circles:
+            status = 1
+            print(f"  folder circle in {label}:", ", ".join(sorted(name(v, f) for v in c)))
+        for a, b in upward:
+            files = arrows[(a, b)]
+            shown = ", ".join(f"{name(m)} -> {name(t)}" for m, t in sorted(files)[:3])
+            more = f", +{len(files) - 3}" if len(files) > 3 else ""
+            print(f"  folder upward in {label}: {name(a, f)} -> {name(b, f)} ({len(files)} file edges: {shown}{more})")
+    print(f"{src} folders: {len(summary)} folders, {total_upward} upward arrows, {total_circles} circles")
+    for line in summary: print(line)
 sys.exit(status)

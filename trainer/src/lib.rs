@@ -14,16 +14,16 @@
 //! | [`app`] | the user's contract, one trait: `App` (config tables, data sets, model, batcher, metrics) |
 //! | [`run`] | tier 1: an app's whole command line (train, launch, eval); `main_with_stages` with a pipeline split |
 //! | [`config`] | the engine's TOML sections, one default per field, validation |
-//! | `engine/` | the training engine: the one loop over step kinds (`fit/`), [`pipeline`] stages, the step plan, schedule, loader, checkpoints, validation, the pre-flight, the memory estimate, fault injection |
+//! | `engine/` | the training engine: the one loop over step kinds (`fit/`, with the rank's reporter of its events), [`pipeline`] stages, the step plan, schedule, loader, checkpoints, validation, the pre-flight, the memory estimate, fault injection, the training device (`device`, cargo features `wgpu` and `cuda`) |
 //! | `launcher/` | spawning and supervising local ranks (`--nproc-per-node`, `trainer launch`, like torchrun): the pure launch plan, the launcher ↔ worker environment contract, this machine's limits, rank logs, orphans, torchrun's error file |
-//! | `report/` | what a run reports: the rank's reporter (consumes the loop's events), [`metrics`] summed across ranks, the `metrics.jsonl` records, TensorBoard files, [`plot`] charts |
+//! | `report/` | what a run reports (below the engine, which consumes its own events into it): [`metrics`] summed across ranks, step times, the `metrics.jsonl` records, TensorBoard files, [`plot`] charts |
 //! | `tools/` | tools beside training: `trainer doctor`, the collectives self-test and all-reduce benchmark, the engine's benchmarks (`bench`, `bench_link`) |
 //! | `finding` | one check's result and the report they make (the doctor's and the launcher's refusals) |
-//! | `backend` | every device and cargo feature: the run-time training device, what the doctor needs to know of the devices; the optional parts (`sqlite`, `image-folder`, `plots`, `tensorboard`, all in the default features), each compiled only with its feature |
+//! | `features` | the optional parts (`sqlite`, `image-folder`, `plots`, `tensorboard`, all in the default features): whether this build has one, the error naming a missing one, and the rule that places each beside its user with a stand-in |
 //! | `error` | `UsageError` (exit code 2), error reports and exit codes |
 //! | [`builtin`] | the reference models as apps: classifiers on digits, regression, transformer text |
 //! | `data` | the digits and synthetic classification data, batching |
-//! | `sources` | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard (SQLite and images by `backend`) |
+//! | `sources` | the user's data for the built-in apps: CSV, SQLite (burn-dataset's format), image folders, read per shard (SQLite and images behind their cargo features) |
 //! | [`alloc`] | allocation failures as a one-line error |
 //! | [`cli`] | the `trainer` binary's command line (imported by `main` only) |
 
@@ -37,13 +37,13 @@
 pub use burn_ddp;
 pub mod alloc;
 pub mod app;
-mod backend;
 pub mod builtin;
 pub mod cli;
 pub mod config;
 mod data;
 mod engine;
 mod error;
+mod features;
 mod finding;
 mod launcher;
 mod report;

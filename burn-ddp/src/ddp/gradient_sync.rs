@@ -99,14 +99,11 @@ impl GradientSync {
     ) -> Result<GradientCheck, DdpError> {
         #[cfg(feature = "cuda")]
         if let Some(group) = &mut self.nccl {
-            // `GradientTransport::choose` never picks NCCL at stage 2.
+            // `GradientTransport::choose` never picks NCCL at stage 2. The buckets are summed
+            // without leaving the GPU.
             debug_assert!(owners.is_none());
-            return crate::ddp::buckets::nccl::sync_with_nccl(
-                &mut self.reducer,
-                group,
-                model,
-                grads,
-            );
+            let buckets = &mut crate::ddp::buckets::nccl::NcclBuckets(group);
+            return self.reducer.sync(buckets, model, grads);
         }
         self.overlap
             .after_backward(tcp, model, grads, self.reducer.bucket_cap())?;

@@ -42,22 +42,12 @@ use burn::tensor::{DType, FloatDType};
 use crate::ddp::buckets::comm::{bucket_means, BucketComm};
 use crate::ddp::buckets::finite::{probe, FiniteScan, GradientCheck};
 use crate::ddp::buckets::plan::{check_bucket_len, plan_buckets, Bucket};
+pub use crate::ddp::buckets::stats::ReducerStats;
 use crate::ddp::overlap::comm_thread::Job;
 use crate::ddp::overlap::ready_buckets::{BucketTiming, Overlap, StepTimeline};
 use crate::ddp::zero::shard_plan::ShardPlan;
 use crate::error::DdpError;
 use crate::kernels::HalfFormat;
-
-/// Counters a test or a metrics line can read.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ReducerStats {
-    /// Gradient synchronisations (one per optimizer step, whatever the accumulation).
-    pub syncs: u64,
-    /// Bucket all-reduces issued.
-    pub bucket_all_reduces: u64,
-    /// Bytes of gradient buckets all-reduced, as sent: 4 per element, 2 when compressed.
-    pub bytes_reduced: u64,
-}
 
 /// Averages gradients across the ranks of a process group. See the module docs.
 #[derive(Debug, Clone)]

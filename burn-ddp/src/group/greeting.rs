@@ -11,8 +11,8 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use crate::error::CollectiveError;
+use crate::group::poll::{pollfd, wait_fds};
 use crate::group::rendezvous::Rendezvous;
-use crate::group::tcp::transport::{pollfd, wait_fds};
 use crate::group::wire::{self, RingHello, HELLO_FIXED_LEN};
 use crate::store::backoff::Backoff;
 

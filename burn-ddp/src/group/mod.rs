@@ -8,6 +8,7 @@
 //!   each step); no I/O, tested by simulation.
 //! - [`wire`]: the pure encoding of the ring's hello and per-collective header.
 //! - [`netif`]: which interface carries an address (for the set-up log).
+//! - `poll`: `poll(2)` entries and a bounded wait, for the rings, the greeting and shared memory.
 //! - `rendezvous`: how the ranks of a new group find each other through the store (rank claims,
 //!   world size, missing ranks, the first-cause abort), shared by the TCP and NCCL groups; each
 //!   group's keys live in its own namespace of the store ([`crate::store::PrefixStore`]).
@@ -33,6 +34,7 @@ pub(crate) mod greeting;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod netif;
+pub(crate) mod poll;
 pub(crate) mod postmortem;
 pub(crate) mod rendezvous;
 pub mod ring;

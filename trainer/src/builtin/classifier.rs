@@ -11,13 +11,12 @@ use models::{DigitsModel, InputShape};
 use serde::{Deserialize, Serialize};
 
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
-use crate::backend;
-use crate::backend::features::Feature;
 use crate::data::{self, ClassificationBatcher, ClassificationItem};
+use crate::features::Feature;
 use crate::report::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::schema::{self, ClassColumns, Features};
-use crate::sources::{self, csv, sqlite};
+use crate::sources::{self, csv, image_folder, sqlite, sqlite_dataset};
 
 /// `[model]`: `name` picks the model from the registry; the other keys are its options
 /// (checked by the model, naming any unknown key).
@@ -369,20 +368,15 @@ impl App for ClassifierApp {
             }
             DataSource::Csv => sources::split(csv::open(&d.path, d.class_columns())?, vf, seed),
             DataSource::Sqlite => {
-                let table = backend::sqlite::dataset(&d.path, d.table(), d.class_columns())?;
+                let table = sqlite_dataset::dataset(&d.path, d.table(), d.class_columns())?;
                 sources::split(table, vf, seed)
             }
             DataSource::ImageFolder => {
                 let [h, w] = d.image_size.unwrap_or_default();
                 let side = |s: usize| u32::try_from(s).unwrap_or(u32::MAX);
                 let labels = d.labels.as_deref();
-                let folder = backend::image_folder::dataset(
-                    &d.path,
-                    labels,
-                    d.class_count(),
-                    side(h),
-                    side(w),
-                )?;
+                let folder =
+                    image_folder::dataset(&d.path, labels, d.class_count(), side(h), side(w))?;
                 sources::split(folder, vf, seed)
             }
         };

@@ -14,12 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use super::parts::{split_by_index, Named};
 use crate::app::{App, AppError, Datasets, TrainItem, ValidItem};
-use crate::backend;
-use crate::backend::features::Feature;
+use crate::features::Feature;
 use crate::report::metrics::Metrics;
 use crate::sources::counting::count_reads_if_asked;
 use crate::sources::schema::{self, Features, Targets, ValueColumns};
-use crate::sources::{self, csv, sqlite};
+use crate::sources::{self, csv, sqlite, sqlite_dataset};
 
 /// The `[model] name` of this app.
 pub const NAME: &str = "regression";
@@ -211,7 +210,7 @@ impl App for RegressionApp {
             }
             RegressionSource::Csv => sources::split(csv::open(&path, d.value_columns())?, vf, seed),
             RegressionSource::Sqlite => {
-                let table = backend::sqlite::dataset(&path, d.table(), d.value_columns())?;
+                let table = sqlite_dataset::dataset(&path, d.table(), d.value_columns())?;
                 sources::split(table, vf, seed)
             }
         };

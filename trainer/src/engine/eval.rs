@@ -1,66 +1,19 @@
-//! Evaluation: every validation sample exactly once across the ranks, and the `eval` command
-//! (a checkpoint of any app validated by one process).
+//! The `eval` command: a checkpoint of any app (a pipeline's stage checkpoints joined into the
+//! whole model) validated by one process, as training validates it ([`evaluate_shard`]).
 
 use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::bail;
-use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataloader::Progress;
-use burn::data::dataset::Dataset;
 use burn::module::Module;
-use burn::tensor::Device;
-use burn::train::InferenceStep;
-use burn_ddp::sampler::DistributedSampler;
 
-use crate::app::{App, AppError};
-use crate::backend;
+use crate::app::App;
 use crate::engine::checkpoint;
+use crate::engine::device::train_device;
 use crate::engine::preflight::{preflight, Splitting};
+use crate::engine::validation::evaluate_shard;
 use crate::error::UsageError;
-use crate::report::metrics::{self, Metrics};
-
-/// Feeds this rank's evaluation shard of `items` through `model` to `metrics` (local); returns
-/// the shard's size. `model` is the `valid()` copy and `device` the device without autodiff
-/// the batches are made on.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn evaluate_shard<I, VM, Bt>(
-    model: &VM,
-    items: &dyn Dataset<I>,
-    batcher: &Bt,
-    metrics: &mut Metrics<VM::Output>,
-    rank: usize,
-    world: usize,
-    device: &Device,
-    batch_size: usize,
-) -> anyhow::Result<usize>
-where
-    VM: InferenceStep,
-    Bt: Batcher<I, VM::Input>,
-{
-    let indices = DistributedSampler::new(items.len(), world, rank).eval_indices();
-    for (k, chunk) in indices.chunks(batch_size.max(1)).enumerate() {
-        let batch_items = chunk
-            .iter()
-            .map(|&i| crate::app::read_item(items, i, "validation set").map_err(AppError))
-            .collect::<Result<Vec<_>, _>>()?;
-        let batch = batcher.batch(batch_items, device);
-        let progress = Progress {
-            items_processed: ((k + 1) * batch_size).min(indices.len()),
-            items_total: indices.len(),
-            unit: None,
-        };
-        metrics.update_lazy(
-            model.step(batch),
-            chunk.len(),
-            progress,
-            k,
-            None,
-            "validation",
-        )?;
-    }
-    Ok(indices.len())
-}
+use crate::report::metrics;
 
 /// `eval --config FILE --checkpoint DIR`: loads a checkpoint into app `A`'s model and validates
 /// it on the configured device (one process).
@@ -109,7 +62,7 @@ pub fn evaluate<A: App>(
             |pipeline| pipeline.join(format!("stage-*/{}", checkpoint::step_dir_name(step))),
         ),
     };
-    let device = backend::train_device(config.output.device, 0)?;
+    let device = train_device(config.output.device, 0)?;
     let model = app.model(&config.model, &config.data, &device)?;
     let model = checkpoint::load_model_parts(&parts, model)?.valid();
     let batcher = app.batcher(&config.model, &config.data, &device);

@@ -5,7 +5,9 @@
 //! | `fit/` | the one training loop over step kinds (data parallel, pipeline stages), its events |
 //! | [`pipeline`] | pipeline stages: how a model splits (`StageSplit`, `StageOf`), the pipeline step kind, stage checkpoints |
 //! | `parallel` | `[distributed]` as `burn_ddp::DdpOptions`, and the collectives of the engine's checkpoints (latest, save: rank 0 writes, the others wait) |
-//! | `eval` | validation over every sample once, and the `eval` command |
+//! | `validation` | validation over every sample once, across the ranks |
+//! | `eval` | the `eval` command: a checkpoint (or a pipeline's stage checkpoints) validated by one process |
+//! | `device` | the device of `output.device` (cargo features `wgpu`, `cuda`), whether this build and machine can run it, the doctor's device facts |
 //! | `preflight` | the check before any rank starts: config, app tables, device; never the data |
 //! | `plan` | the step plan (pure): steps, logs, checkpoints, validations |
 //! | `schedule` | the learning-rate schedule: a Burn `LrScheduler` whose state is checkpointed |
@@ -14,10 +16,10 @@
 //! | `sharded_checkpoint` | ZeRO stage 3's checkpoints: each rank's part, joined or re-cut on resume, consolidated |
 //! | `memory` | the memory pre-flight: parameters, optimizer state and activations against the machine |
 //! | `throughput` | samples per second since the last log line, validation left out |
-//! | `timing` | where each step's time goes, per rank and across ranks (pure) |
 //! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
 
 pub(crate) mod checkpoint;
+pub(crate) mod device;
 pub(crate) mod eval;
 pub(crate) mod fault_injection;
 pub(crate) mod fit;
@@ -30,4 +32,4 @@ pub(crate) mod preflight;
 pub(crate) mod schedule;
 pub(crate) mod sharded_checkpoint;
 pub(crate) mod throughput;
-pub(crate) mod timing;
+pub(crate) mod validation;

@@ -7,10 +7,11 @@ use anyhow::bail;
 use burn_ddp::pipeline::{LayoutError, PipelineLayout};
 
 use crate::app::{App, AppConfig};
-use crate::backend;
-use crate::config::DeviceKind;
+use crate::config::{DeviceKind, OutputConfig};
+use crate::engine::device::device_available;
 use crate::engine::memory::{available_memory, MemoryEstimate};
 use crate::error::UsageError;
+use crate::features::Feature;
 
 /// Whether `[distributed] pipeline_stages > 1` can run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,9 +84,30 @@ pub fn preflight<A: App>(
         .ok()
         .and_then(|r| r.parse().ok())
         .unwrap_or(0);
-    backend::device_available(config.output.device, local_rank)?;
-    backend::outputs_available(&config.output)?;
+    device_available(config.output.device, local_rank)?;
+    outputs_available(&config.output)?;
     Ok(config)
+}
+
+/// `output.plots` and `output.tensorboard` asked of a build without their features: a usage
+/// error (exit code 2) naming the feature.
+fn outputs_available(output: &OutputConfig) -> Result<(), UsageError> {
+    let asked = [
+        (output.plots, Feature::Plots, "output.plots = true"),
+        (
+            output.tensorboard,
+            Feature::Tensorboard,
+            "output.tensorboard = true",
+        ),
+    ];
+    for (on, feature, what) in asked {
+        if on {
+            feature
+                .require(what)
+                .map_err(|e| UsageError(e.to_string()))?;
+        }
+    }
+    Ok(())
 }
 
 /// The stages × replicas grid of `world_size` ranks cut into `stages` stages, as burn-ddp's

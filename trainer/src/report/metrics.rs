@@ -18,8 +18,8 @@ use burn::train::ItemLazy;
 use burn_ddp::{CollectiveError, ProcessGroup, ReduceOp};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::backend::tensorboard::EventWriter;
 pub use crate::report::record::Record;
+use crate::report::tensorboard::EventWriter;
 
 /// Adds `values` over all ranks (collective). Metrics are sums of per-sample quantities with
 /// their counts, so the result is the exact global value however samples fall on ranks.

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::engine::timing::StepTime;
+use crate::report::timing::StepTime;
 
 /// One line of `metrics.jsonl`. Metric values are keyed by the burn-train metric's name
 /// (`"Loss"`, `"Accuracy"`, ...), each the global mean over the samples it covers (`null` when

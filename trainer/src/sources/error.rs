@@ -5,8 +5,8 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
-use crate::backend::features::FeatureMissing;
 use crate::data::io_message;
+use crate::features::FeatureMissing;
 
 /// Where in a file a problem is: what the message puts after the path.
 #[derive(Debug, Clone, PartialEq, Eq)]

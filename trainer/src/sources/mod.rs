@@ -7,9 +7,10 @@
 //! | `sqlite` | a table in burn-dataset's `SqliteDataset` format | one query: every row checked | one query: row `row_id = i + 1` |
 //! | `image-folder` | `root/<class>/<image>` | the folders listed | one image decoded, grey, resized |
 //!
-//! SQLite and images are read by `crate::backend` (cargo features `sqlite` and `image-folder`,
-//! in the `trainer` binary's default features): [`sqlite`] here holds what the config names
-//! (the table), checked without them.
+//! SQLite and images are read by `sqlite_dataset` and `image_folder` (cargo features `sqlite`
+//! and `image-folder`, in the `trainer` binary's default features; without them their
+//! stand-ins refuse, `crate::features`): [`sqlite`] holds what the config names (the table),
+//! checked without them.
 //!
 //! Each is a Burn `Dataset` over the whole file; [`split`] makes the training and validation
 //! sets from it (a seeded shuffle of the indices, as the digits are split) without reading
@@ -24,6 +25,19 @@ pub mod error;
 pub mod schema;
 pub mod sqlite;
 pub mod table;
+
+// The optional readers (`crate::features`): each real module with its cargo feature, its
+// stand-in with the same names without it.
+#[cfg(feature = "image-folder")]
+pub(crate) mod image_folder;
+#[cfg(not(feature = "image-folder"))]
+#[path = "image_folder_stand_in.rs"]
+pub(crate) mod image_folder;
+#[cfg(feature = "sqlite")]
+pub(crate) mod sqlite_dataset;
+#[cfg(not(feature = "sqlite"))]
+#[path = "sqlite_dataset_stand_in.rs"]
+pub(crate) mod sqlite_dataset;
 
 use std::sync::Arc;
 

@@ -97,7 +97,7 @@ pub fn check_columns(features: &Features, targets: &[String]) -> Result<(), AppE
 
 /// One cell of a row, as the file holds it (a CSV cell is always text).
 #[derive(Debug, Clone, PartialEq)]
-// SQLite's types: only text is read in a build without the `sqlite` feature (`crate::backend`).
+// SQLite's types: only text is read in a build without the `sqlite` feature (`sqlite_dataset.rs`).
 #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
 pub enum Cell {
     Null,

@@ -1,5 +1,5 @@
 //! `[data] source = "sqlite"`, as the config names it: `data.table`, checked with the config
-//! (no SQLite needed). The table is read by `crate::backend`'s `sqlite` entry (cargo feature
+//! (no SQLite needed). The table is read by `sqlite_dataset.rs` (cargo feature
 //! `sqlite`), in burn-dataset's `SqliteDataset` format.
 
 /// The `data.table` when none is given (Burn's name for the training split).

@@ -34,9 +34,9 @@ use burn::train::TrainStep;
 use clap::Args;
 
 use crate::app::{App, AppConfig};
-use crate::backend::{device_name, train_device};
 use crate::builtin::{self, WithApp};
 use crate::config::{DeviceKind, OptimizerName};
+use crate::engine::device::{device_name, train_device};
 use crate::engine::pipeline::StageSplit;
 use burn_ddp::ddp::zero::sharded_sync;
 
@@ -94,7 +94,7 @@ fn engine_runs(device: DeviceKind) -> &'static [(&'static str, usize, u8)] {
 
 fn bench_app<A: App>(app: A, args: &BenchTrainArgs) -> anyhow::Result<ExitCode> {
     let config = AppConfig::<A>::load(&args.config)?;
-    crate::backend::device_available(args.device, 0)?;
+    crate::engine::device::device_available(args.device, 0)?;
     if args.plain_only {
         println!(
             "plain samples/s: {:.1}",

@@ -9,6 +9,7 @@
 //! - [`finite`]: each rank's gradients checked for NaN / ±Inf on the way to the wire, and
 //!   [`GradientCheck`](finite::GradientCheck), which ranks had them.
 //! - `scatter`: ZeRO stage 2's bucket, reduce-scattered to its parameters' owners.
+//! - [`stats`]: [`ReducerStats`](stats::ReducerStats), the counters of what was sent.
 //! - `mapped`: buffers mapped from the kernel and returned on drop (ZeRO's reduce-scatters).
 
 pub mod comm;
@@ -19,3 +20,4 @@ pub(crate) mod mapped;
 pub mod nccl;
 pub mod plan;
 pub(crate) mod scatter;
+pub mod stats;

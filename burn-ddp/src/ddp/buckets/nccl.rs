@@ -1,6 +1,7 @@
 //! NCCL for gradient buckets (feature `cuda`): [`NcclBuckets`], the [`BucketComm`] that sums
 //! buckets without leaving the GPU, the device addresses it needs, [`cuda_ordinal`] (whether a
-//! training device is a CUDA one) and `sync_with_nccl` (the DDP step's NCCL path).
+//! training device is a CUDA one); the DDP step's NCCL path is the reducer over `NcclBuckets`
+//! (`ddp::gradient_sync`).
 //!
 //! The [`Reducer`](crate::ddp::Reducer) does the rest, as for every other device; per bucket:
 //!
@@ -69,8 +70,6 @@ use burn::backend::{
     Backend, BackendTensor, BackendTypes, DType, Dispatch, DispatchAutodiffContext, DispatchDevice,
     DispatchTensor, DispatchTensorKind, TensorMetadata,
 };
-use burn::module::Module;
-use burn::optim::GradientsParams;
 use burn::tensor::Device;
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{Cube, CubeBackend, CubeDevice};
@@ -78,8 +77,7 @@ use cubecl::cuda::CudaRuntime;
 use cubecl_runtime::runtime::Runtime;
 
 use crate::ddp::buckets::comm::BucketComm;
-use crate::ddp::buckets::finite::{FiniteScan, GradientCheck};
-use crate::ddp::reducer::Reducer;
+use crate::ddp::buckets::finite::FiniteScan;
 use crate::error::DdpError;
 use crate::group::nccl::NcclProcessGroup;
 use crate::group::{DataType, ReduceOp};
@@ -98,21 +96,6 @@ fn dispatch_cuda_ordinal(device: &DispatchDevice) -> Option<usize> {
         DispatchDevice::Autodiff(device) => dispatch_cuda_ordinal(device),
         _ => None,
     }
-}
-
-/// [`Reducer::sync`] through [`NcclBuckets`]: averages `grads` over `group` without leaving the
-/// GPU. Collective. The DDP step calls it only for a CUDA training device ([`cuda_ordinal`]).
-///
-/// # Errors
-/// What the reducer reports; [`DdpError::Device`] for gradients that are not CUDA tensors of
-/// the group's device.
-pub(crate) fn sync_with_nccl<M: Module>(
-    reducer: &mut Reducer,
-    group: &mut NcclProcessGroup,
-    model: &M,
-    grads: &mut GradientsParams,
-) -> Result<GradientCheck, DdpError> {
-    reducer.sync(&mut NcclBuckets(group), model, grads)
 }
 
 /// The plain CubeCL tensor behind a primitive of `burn_cubecl::Cube`, whichever type that is in
@@ -389,7 +372,7 @@ mod tests {
     use super::*;
     use crate::cuda::{check_cuda_available, check_nccl_available};
     use crate::ddp::buckets::plan::plan_buckets;
-    use crate::ddp::{HostStaging, ReducerStats};
+    use crate::ddp::{HostStaging, Reducer, ReducerStats};
     use crate::host_values::host_values;
     use crate::kernels::BucketOps;
     use crate::store::{MemoryStore, Store};
@@ -556,8 +539,9 @@ mod tests {
 
             // 300 elements per bucket: several buckets, and a weight (512) alone in its own.
             let mut reducer = Reducer::new(300.0 * 4.0 / (1u64 << 20) as f64, compression);
-            let check =
-                sync_with_nccl(&mut reducer, &mut group, &net, &mut grads).expect("NCCL sync");
+            let check = reducer
+                .sync(&mut NcclBuckets(&mut group), &net, &mut grads)
+                .expect("NCCL sync");
             assert!(check.all_finite(), "{check:?}");
             let numels = [512, 32, 256, 8, 24, 3];
             let element_bytes = if compression.is_some() { 2 } else { 4 };

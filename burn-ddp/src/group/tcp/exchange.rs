@@ -19,10 +19,11 @@
 use std::time::{Duration, Instant};
 
 use super::setup::{Link, Ring};
-use super::transport::{pollfd, socket_read, socket_write, Wakeup};
+use super::transport::{socket_read, socket_write, Wakeup};
 use crate::call::{CollectiveDesc, ReduceOp};
 use crate::error::CollectiveError;
 use crate::group::element::Element;
+use crate::group::poll::{pollfd, wait_fds};
 use crate::group::ring::{RecvAction, RingPlan, SendItem};
 use crate::group::staging::StagedBuffer;
 use crate::group::stall::StallReporter;
@@ -96,8 +97,7 @@ pub(super) fn exchange<T: Element>(
             .min(stall.next_warning())
             .saturating_duration_since(now);
         let mut fds = st.poll_set(ring);
-        super::transport::wait_fds(&mut fds, wake)
-            .map_err(|e| ring.next.lost(call.desc, call.rank, e))?;
+        wait_fds(&mut fds, wake).map_err(|e| ring.next.lost(call.desc, call.rank, e))?;
         let hung_up = |fd: &libc::pollfd| {
             fd.fd >= 0 && fd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0
         };

@@ -6,8 +6,8 @@ use burn::train::ItemLazy;
 use burn_ddp::{ProcessGroup, TcpProcessGroup};
 
 use crate::engine::checkpoint::TrainPosition;
-use crate::engine::timing::{RankTimes, StepTime};
 use crate::report::metrics::{MetricValue, Metrics};
+use crate::report::timing::{RankTimes, StepTime};
 
 /// The training metrics of a `train` record: the micro-batches' `outputs` since the last one
 /// (each with its samples), synced and fed to `metrics` here, then summed over every rank of

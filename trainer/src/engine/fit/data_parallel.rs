@@ -28,17 +28,17 @@ use super::step_kind::{StepInput, StepKind};
 use super::summary::Validation;
 use super::training_loop::{fit, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
-use crate::backend;
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
+use crate::engine::device::{pin_default_device, train_device};
 use crate::engine::fault_injection;
+use crate::engine::fit::rank_reporter::RankReporter;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
 use crate::engine::preflight::{preflight, Splitting};
 use crate::engine::schedule::Schedule;
 use crate::engine::sharded_checkpoint;
-use crate::engine::timing::{Phase, PhaseClock, RankTimes, StepTime};
 use crate::report::metrics::{MetricValue, Metrics};
-use crate::report::rank_reporter::RankReporter;
+use crate::report::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// Everything one rank's training needs (steps 1 and 2 of the module docs of [`super`]): the
 /// app, its config, the formed job, the data sets and the device; then [`train`] (data
@@ -77,7 +77,7 @@ pub fn start<A: App>(
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let config = preflight(&app, config_path, 1, world_size, splitting)?;
-    backend::pin_default_device();
+    pin_default_device();
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {
         bail!(AppError(
@@ -90,7 +90,7 @@ pub fn start<A: App>(
     // ZeRO stage 3 on a GPU trains with Burn's gradient checkpointing (burn-ddp's rule).
     let device = DataParallel::training_device(
         &parallel::ddp_options(&config.distributed),
-        backend::train_device(config.output.device, dist.env.local_rank)?,
+        train_device(config.output.device, dist.env.local_rank)?,
     );
     Ok(RankStart {
         app,
@@ -451,7 +451,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         // since each rank validates its own number of batches.
         let inner = self.ddp.gathered(&model.valid())?;
         let device = self.device.clone().inner();
-        let samples = crate::engine::eval::evaluate_shard(
+        let samples = crate::engine::validation::evaluate_shard(
             &inner,
             &*valid,
             &self.batcher,

@@ -6,8 +6,8 @@ use burn_ddp::sampler::Sample;
 
 use super::summary::Validation;
 use crate::engine::checkpoint::TrainPosition;
-use crate::engine::timing::StepTime;
 use crate::report::metrics::MetricValue;
+use crate::report::timing::StepTime;
 
 /// What one rank holds of the training state at the end of the run, counted.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -5,7 +5,8 @@
 //! | [`training_loop`] | the loop, for any [`StepKind`](step_kind::StepKind): restore, set-up, each epoch's optimizer steps, after-step (log, replica check, checkpoint), validation, finish |
 //! | [`step_kind`] | the contract of a way to step: what the loop asks of data parallelism, of pipeline stages, and of the kinds to come (overlapped DDP, ZeRO 2 and 3) |
 //! | [`data_parallel`] | the data-parallel step kind (burn-ddp's `DataParallel::step`) and the entry that trains an [`App`](crate::app::App) with it |
-//! | [`events`] | what the loop reports, as events; the loop knows no file and no progress bar (the rank's reporter, [`crate::report::rank_reporter`], consumes them) |
+//! | [`events`] | what the loop reports, as events; the loop knows no file and no progress bar ([`rank_reporter`] consumes them) |
+//! | [`rank_reporter`] | the rank's consumer of the events: rank 0's metrics file and TensorBoard files, the progress bar, the sample log, the charts at the end (what it writes is `crate::report`'s) |
 //! | [`sampler`] | the epoch's sampler: uniform (`DistributedSampler`) or weighted |
 //! | [`summary`] | what a finished run reports, and the non-finite verdict's error |
 //! | [`optimizer`] | the optimizer `[optimizer]` names |
@@ -24,13 +25,14 @@
 //!    what the [`StepPlan`](crate::engine::plan::StepPlan) asks for: a `train` line, a replica check, a
 //!    checkpoint, validation on every validation sample exactly once.
 //!
-//! No `cfg(feature)` here: devices live in [`crate::backend`], the gradient path in
+//! No `cfg(feature)` here: devices live in [`crate::engine::device`], the gradient path in
 //! `burn_ddp::DataParallel`, which chooses host staging or NCCL from the device.
 
 pub(crate) mod across_ranks;
 pub(crate) mod data_parallel;
 pub(crate) mod events;
 pub(crate) mod optimizer;
+pub(crate) mod rank_reporter;
 pub(crate) mod sampler;
 pub(crate) mod step_kind;
 pub(crate) mod summary;

@@ -20,8 +20,8 @@ use super::summary::Validation;
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
 use crate::engine::loader::BatchStream;
 use crate::engine::schedule::Schedule;
-use crate::engine::timing::{PhaseClock, RankTimes, StepTime};
 use crate::report::metrics::MetricValue;
+use crate::report::timing::{PhaseClock, RankTimes, StepTime};
 
 /// One optimizer step as the loop hands it to the step kind.
 pub(crate) struct StepInput<'a> {

@@ -24,7 +24,7 @@ use crate::engine::loader::BatchStream;
 use crate::engine::plan::{PlanInput, StepPlan};
 use crate::engine::schedule::Schedule;
 use crate::engine::throughput::ThroughputWindow;
-use crate::engine::timing::PhaseClock;
+use crate::report::timing::PhaseClock;
 
 /// The config tables the loop reads.
 #[derive(Debug, Clone, Default)]
@@ -316,7 +316,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         let saving = Instant::now();
         self.kind.save(self.position, module, &self.schedule)?;
         self.clock
-            .add(crate::engine::timing::Phase::Checkpoint, saving.elapsed());
+            .add(crate::report::timing::Phase::Checkpoint, saving.elapsed());
         self.last_saved = Some(self.position.step);
         Ok(())
     }
@@ -370,8 +370,8 @@ mod tests {
 
     use super::*;
     use crate::engine::checkpoint::Manifest;
-    use crate::engine::timing::{RankTimes, StepTime};
     use crate::report::metrics::MetricValue;
+    use crate::report::timing::{RankTimes, StepTime};
 
     const SAMPLES: usize = 20;
 

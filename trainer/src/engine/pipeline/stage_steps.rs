@@ -45,6 +45,7 @@ use crate::engine::fault_injection;
 use crate::engine::fit::across_ranks::{across_ranks, train_metrics_window};
 use crate::engine::fit::events::HeldState;
 use crate::engine::fit::optimizer::optimizer;
+use crate::engine::fit::rank_reporter::RankReporter;
 use crate::engine::fit::sampler::EpochSampler;
 use crate::engine::fit::step_kind::{StepInput, StepKind};
 use crate::engine::fit::training_loop::fit;
@@ -52,10 +53,9 @@ use crate::engine::fit::{RankStart, Summary, Validation};
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
 use crate::engine::schedule::Schedule;
-use crate::engine::timing::{Phase, PhaseClock, RankTimes, StepTime};
 use crate::error::UsageError;
 use crate::report::metrics::{MetricValue, Metrics};
-use crate::report::rank_reporter::RankReporter;
+use crate::report::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
 /// The app's stage builder (see [`super::StageSplit::new`]).
 type Build<A, S> = dyn Fn(

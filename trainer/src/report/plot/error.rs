@@ -45,8 +45,8 @@ pub enum PlotError {
     NotBuilt(String),
 }
 
-impl From<crate::backend::features::FeatureMissing> for PlotError {
-    fn from(missing: crate::backend::features::FeatureMissing) -> Self {
+impl From<crate::features::FeatureMissing> for PlotError {
+    fn from(missing: crate::features::FeatureMissing) -> Self {
         PlotError::NotBuilt(missing.to_string())
     }
 }

@@ -6,9 +6,11 @@
 //! | `series.rs` | the points of every chart and the resume marks, from those lines (pure) |
 //! | `charts.rs` | which charts a run gets, their titles, axes, ranges and ticks (pure) |
 //! | `error.rs` | why no charts could be written |
+//! | `draw.rs` | a chart drawn into a PNG (plotters, embedded DejaVu Sans font; cargo feature `plots`) |
+//! | `draw_stand_in.rs` | the same name, refusing, in a build without `plots` |
 //! | `mod.rs` | the command: find the file, read it, write the charts |
 //!
-//! A chart is drawn into a PNG by `crate::backend` (plotters, embedded DejaVu Sans font), in
+//! A chart is drawn into a PNG by `draw.rs` (plotters, embedded DejaVu Sans font), in
 //! builds with the cargo feature `plots` (the `trainer` binary's default); without it the
 //! command is refused, naming the feature, with exit code 2.
 //!
@@ -24,6 +26,14 @@ pub(crate) mod error;
 mod records;
 mod series;
 
+// An optional part (`crate::features`): the real module with its cargo feature, the stand-in
+// with the same names without it.
+#[cfg(feature = "plots")]
+mod draw;
+#[cfg(not(feature = "plots"))]
+#[path = "draw_stand_in.rs"]
+mod draw;
+
 use std::fs;
 use std::io::ErrorKind;
 use std::path::{Path, PathBuf};
@@ -38,9 +48,8 @@ pub use error::PlotError;
 pub use records::{Line, SpreadLine, StartLine, TimeLine, TrainLine, ValidLine};
 pub use series::{read_series, Mark, Points, RunSeries, StepTimes};
 
-use crate::backend::draw;
-use crate::backend::features::Feature;
 use crate::error::UsageError;
+use crate::features::Feature;
 
 /// The metrics file inside a run's output directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";

@@ -76,7 +76,7 @@ pub struct TimeLine {
     pub slowest_rank: Option<usize>,
 }
 
-/// A quantity over the ranks (a [`crate::engine::timing::Spread`] as written, each part optional).
+/// A quantity over the ranks (a [`crate::report::timing::Spread`] as written, each part optional).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
 pub struct SpreadLine {
     pub min: Option<f64>,

@@ -29,7 +29,7 @@
 //! | [`probe`] | measuring the machine: file systems, limits, sockets, names |
 //! | [`allreduce`] | the all-reduce check's ranks, started through the launcher |
 //!
-//! The device probes live with every other feature gate, in [`crate::backend::device_facts`];
+//! The device probes live with the devices' feature gates, in [`crate::engine::device::device_facts`];
 //! [`checks::devices`] judges what they found.
 
 pub mod allreduce;
@@ -47,9 +47,9 @@ use self::checks::{
     AllReduceRun, CoreFacts, PortProbe, RingGroups, RouteFacts, ShmFacts, ThreadsFrom,
 };
 use crate::app::{App, AppConfig};
-use crate::backend::{self, DeviceJob};
 use crate::builtin::{self, WithApp};
 use crate::config::{DeviceKind, DistributedConfig, TrainingConfig};
+use crate::engine::device::{device_facts, DeviceJob};
 use crate::engine::memory::{available_memory, MemoryEstimate};
 use crate::engine::parallel;
 use crate::engine::pipeline::StageSplit;
@@ -128,7 +128,7 @@ pub fn doctor_command(args: &DoctorArgs) -> anyhow::Result<ExitCode> {
         world_size: job.world_size,
         gradient_sync: settings.distributed.gradient_sync,
     };
-    for f in checks::devices(&device_job, &backend::device_facts(&device_job)) {
+    for f in checks::devices(&device_job, &device_facts(&device_job)) {
         show(f);
     }
     show(allreduce_check(args, job.nproc));

@@ -1,11 +1,11 @@
 //! This build's backends against the config's `output.device`, and the devices behind them: the
-//! CUDA driver, the GPUs and NCCL, the wgpu adapter (probed in [`crate::backend::device_facts`]).
+//! CUDA driver, the GPUs and NCCL, the wgpu adapter (probed in [`crate::engine::device::device_facts`]).
 
-use crate::backend::{
+use crate::config::DeviceKind;
+use crate::engine::device::{
     device_name, rebuild_advice, CudaFacts, CudaProblem, DeviceFacts, DeviceJob, WgpuAdapter,
     WgpuProblem,
 };
-use crate::config::DeviceKind;
 use crate::finding::{Finding, Status};
 
 /// The devices: this build's backends against the config's `output.device`, and in builds that

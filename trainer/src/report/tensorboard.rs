@@ -15,8 +15,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use prost::Message;
 
-use crate::engine::timing::Phase;
 use crate::report::record::Record;
+use crate::report::timing::Phase;
 
 /// `tensorflow.Event`, the fields used for scalars.
 #[derive(Clone, PartialEq, Message)]
@@ -180,7 +180,7 @@ fn unix_time() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::timing::{RankTimes, StepTime};
+    use crate::report::timing::{RankTimes, StepTime};
 
     #[test]
     fn crc32c_is_castagnoli_and_masked_as_tfrecord_says() {

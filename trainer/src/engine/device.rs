@@ -7,9 +7,9 @@
 use burn::tensor::Device;
 use burn_ddp::GradientTransport;
 
-use super::features::this_program;
 use crate::config::DeviceKind;
 use crate::error::UsageError;
+use crate::features::this_program;
 
 /// The autodiff device this rank trains on for `output.device = device`: the CPU is Burn's
 /// pure-Rust Flex, wgpu the adapter wgpu picks (one per machine, shared by its ranks), CUDA the

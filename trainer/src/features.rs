@@ -3,6 +3,25 @@
 //! `default-features = false` compiles only those it names, and none of the others' crates.
 //! Whether this build has one, and the usage error (exit code 2) when a config or command asks
 //! for one it lacks. Imports nothing of the engine: the config's defaults ask it too.
+//!
+//! Each optional part lives beside its user, under one `cfg` rule: the folder's front declares
+//! the real module under `#[cfg(feature = "x")]` and, side by side, a stand-in with the same
+//! names under `#[cfg(not(feature = "x"))]`. The real modules are the only files that name the
+//! optional crates; the rest of the engine calls the same names in every build.
+//!
+//! | feature | real module | stand-in | what |
+//! |---|---|---|---|
+//! | `sqlite` | `sources/sqlite_dataset.rs` | `sources/sqlite_dataset_stand_in.rs` | `[data] source = "sqlite"`, read with rusqlite |
+//! | `image-folder` | `sources/image_folder.rs` | `sources/image_folder_stand_in.rs` | `[data] source = "image-folder"`, decoded with `image` |
+//! | `plots` | `report/plot/draw.rs` | `report/plot/draw_stand_in.rs` | a chart into a PNG (plotters, the embedded DejaVu font) |
+//! | `tensorboard` | `report/tensorboard.rs` | `report/tensorboard_stand_in.rs` | TensorBoard event files (prost, crc32c) |
+//!
+//! The devices (`wgpu`, `cuda`) are not optional parts of this kind: `engine/device.rs` picks
+//! the training device at run time and says whether this build and machine can run it.
+//!
+//! A config asking for a part this build lacks is refused before any rank starts (the apps'
+//! source checks and the pre-flight's check of `output.plots` and `output.tensorboard`, exit
+//! code 2, naming the feature); the stand-ins refuse the same way if they are reached anyway.
 
 use std::fmt;
 
@@ -88,7 +107,7 @@ pub fn advice(feature: Feature, program: &str) -> String {
 }
 
 /// The running binary's name (its file's stem), as the advice to rebuild takes it (here and
-/// in `device.rs`).
+/// in `engine/device.rs`).
 pub(crate) fn this_program() -> String {
     std::env::args_os()
         .next()
