@@ -203,8 +203,9 @@ fn zero_stages_1_and_2_with_adam_match_the_unchanged_program_with_the_doubled_ba
 
 /// Options that cannot work end every rank with exit code 2 and a message naming the fix:
 /// ZeRO stage 2 (as 1) with burn-train's checkpointer (whose files would lose the other ranks'
-/// optimizer state), ZeRO stage 3 (burn-train's `Learner` cannot hold the shards), and NCCL in a
-/// build without CUDA.
+/// optimizer state), ZeRO stage 3 (burn-train's `Learner` cannot hold the shards: refused by
+/// `DdpStrategy::from_env_with`, so the program's own error handling reports it), and NCCL in
+/// a build without CUDA.
 #[test]
 fn impossible_strategy_options_exit_2_naming_the_fix() {
     let dir = scratch("burn-train-refused");
@@ -215,7 +216,7 @@ fn impossible_strategy_options_exit_2_naming_the_fix() {
         ),
         (
             &["--zero-stage", "3", "--no-checkpointer"][..],
-            "Learner cannot hold a sharded model",
+            "burn_train_user: cannot start the strategy: DDP options: ZeRO stage 3 is not available",
         ),
         (&["--nccl"][..], "NCCL needs"),
     ] {

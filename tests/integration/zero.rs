@@ -382,11 +382,52 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
+/// `trainer eval` of a stage-3 run's checkpoint root `root`, and of one rank's part (its
+/// directory, and its newest step's), before `trainer consolidate`: each one message, exit
+/// code 2, that names the commands to run and no flag `eval` does not have.
+fn eval_needs_consolidate_first(config: &Path, root: &Path) {
+    let set = root.join("zero3-world-4");
+    let rank_1 = set.join("rank-1");
+    let part = newest_checkpoint(&rank_1);
+    for (given, found) in [
+        (
+            root.to_path_buf(),
+            "its newest checkpoint (step 25) is a ZeRO stage-3 one",
+        ),
+        (rank_1, "is in a ZeRO stage-3 checkpoint's per-rank parts"),
+        (part, "is in a ZeRO stage-3 checkpoint's per-rank parts"),
+        (set, "is in a ZeRO stage-3 checkpoint's per-rank parts"),
+    ] {
+        let out = run(trainer()
+            .arg("eval")
+            .arg("--config")
+            .arg(config)
+            .arg("--checkpoint")
+            .arg(&given));
+        assert_eq!(out.code, Some(2), "{}: {}", given.display(), out.all());
+        let consolidate = format!("trainer consolidate {}", root.display());
+        let eval = format!(
+            "trainer eval --config {} --checkpoint {}",
+            config.display(),
+            root.display()
+        );
+        assert_says(&out.stderr, &[found, &consolidate, &eval], &out);
+        assert_eq!(out.stderr.matches("error:").count(), 1, "{}", out.all());
+        assert!(
+            !out.stderr.contains("--no-resume") && !out.stderr.contains("shape"),
+            "{}",
+            out.all()
+        );
+    }
+}
+
 /// A stage-3 checkpoint written at world 4 resumes at worlds 2 and 3 (stage 3, the shards
 /// re-cut) and at world 1 (stage 0, joined), and a stage-0 one at world 2 and stage 3, and
 /// each ends where the uninterrupted run ends. The
-/// global batch is 24 at every world size (6 x 4, 12 x 2, 8 x 3, 24 x 1). The consolidated
-/// model loads with Burn's own loader into a model defined here, without this project.
+/// global batch is 24 at every world size (6 x 4, 12 x 2, 8 x 3, 24 x 1). `trainer eval`
+/// refuses the per-rank parts, naming `trainer consolidate`, and reads the consolidated
+/// checkpoint, which also loads with Burn's own loader into a model defined here, without
+/// this project.
 #[test]
 fn a_stage_3_checkpoint_resumes_at_other_world_sizes_and_consolidates_for_burn() {
     let dir = scratch("zero3-resume");
@@ -395,9 +436,19 @@ fn a_stage_3_checkpoint_resumes_at_other_world_sizes_and_consolidates_for_burn()
         with_stage(&digits_config(ADAM, batch, &training), stage)
             .replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 10")
     };
-    train(&write_config(&dir, "whole", &body(6, 25, 3)), 4);
+    let whole_config = write_config(&dir, "whole", &body(6, 25, 3));
+    train(&whole_config, 4);
     train(&write_config(&dir, "first", &body(6, 10, 3)), 4);
+    eval_needs_consolidate_first(&whole_config, &dir.join("whole-ckpt"));
     consolidate(&dir, "whole");
+    let out = run(trainer()
+        .arg("eval")
+        .arg("--config")
+        .arg(&whole_config)
+        .arg("--checkpoint")
+        .arg(dir.join("whole-ckpt")));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_says(&out.stdout, &["(step 25): validation"], &out);
     let whole = final_weights(&dir, "whole");
     // A whole checkpoint (stage 0, world 4) resumed at stage 3 too: the state cut per rank.
     train(&write_config(&dir, "whole0", &body(6, 10, 0)), 4);

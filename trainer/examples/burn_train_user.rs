@@ -245,7 +245,7 @@ fn run(args: &Args, device: Device, optim: ModuleOptimizer, lr: f64) -> ExitCode
         let ddp = match DdpStrategy::from_env_with(options) {
             Ok(ddp) => Arc::new(ddp),
             Err(e) => {
-                eprintln!("burn_train_user: cannot join the job: {e}");
+                eprintln!("burn_train_user: cannot start the strategy: {e}");
                 return ExitCode::from(if e.is_usage() { 2 } else { 1 });
             }
         };

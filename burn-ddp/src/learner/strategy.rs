@@ -43,7 +43,9 @@
 //! state of the parameters it owns; burn-train's `Learner` does not let a strategy read that
 //! state, so rank 0 could not write it whole: stage 1 or 2 with a checkpointer is refused at the
 //! start (exit code 2) instead of writing checkpoints that would resume with other ranks' state
-//! lost.
+//! lost. ZeRO stage 3 is refused where the options are given ([`DdpStrategy::from_env_with`],
+//! [`DdpStrategy::with_options`]: [`DdpError::Options`]): the `Learner` cannot hold a sharded
+//! model.
 //!
 //! **Failure.** The strategy trait cannot return errors: a collective that fails or times out
 //! (a rank died, a rank's loader ran out early) ends this process with exit code 1 after
@@ -101,10 +103,13 @@ impl DdpStrategy {
         Self::from_env_with(DdpOptions::default())
     }
 
-    /// [`from_env`](Self::from_env) with these options (the same on every rank).
+    /// [`from_env`](Self::from_env) with these options (the same on every rank). Options the
+    /// strategy cannot train with (ZeRO stage 3) are refused before joining, with
+    /// [`DdpError::Options`] (a usage error, [`DdpError::is_usage`]).
     pub fn from_env_with(options: DdpOptions) -> Result<Self, DdpError> {
+        check_options(&options)?;
         let dist = Distributed::from_env_or_standalone(options.tcp_options())?;
-        Ok(Self::new(dist).with_options(options))
+        Self::new(dist).with_options(options)
     }
 
     /// The strategy over an already formed job, with the default options.
@@ -126,10 +131,12 @@ impl DdpStrategy {
 
     /// How gradients are synchronised (transport, ZeRO stage, compression, buckets, buffers).
     /// The same on every rank. The deadlines of an already formed job stay those it was
-    /// formed with.
-    pub fn with_options(mut self, options: DdpOptions) -> Self {
+    /// formed with. [`DdpError::Options`] for options the strategy cannot train with (ZeRO
+    /// stage 3).
+    pub fn with_options(mut self, options: DdpOptions) -> Result<Self, DdpError> {
+        check_options(&options)?;
         self.options = options;
-        self
+        Ok(self)
     }
 
     /// The device this rank trains on (made autodiff when it is not; validation runs on its
@@ -219,6 +226,18 @@ fn quiet_logger() {
         .try_init();
 }
 
+/// Refuses the options the strategy cannot train with, before any rank joins or trains: ZeRO
+/// stage 3, whose sharded model burn-train's `Learner` cannot hold. Local (the options are the
+/// same on every rank, so every rank refuses).
+fn check_options(options: &DdpOptions) -> Result<(), DdpError> {
+    if options.zero_stage.shards_parameters() {
+        return Err(DdpError::Options(
+            "ZeRO stage 3 is not available under the burn-train strategy: burn-train 0.22's Learner cannot hold a sharded model (Learner::load_model keeps every parameter's shape, dropping a record of another shape, and its optimizer is private, so a strategy cannot put the shards in its place). Train through the trainer engine or your own loop (DataParallel::fully_shard and micro_batch), or use ZeRO stage 2".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Ends this rank after a failed collective (module docs: the trait has no error path).
 fn fail(rank: usize, what: &str, error: impl std::fmt::Display) -> ! {
     let _ = std::io::Write::write_fmt(
@@ -276,12 +295,6 @@ where
         dataloader_valid: ValidLoader<M>,
         components: TrainingComponents<M>,
     ) -> LearningResult<M> {
-        if self.options.zero_stage.shards_parameters() {
-            refuse(
-                self.rank,
-                "ZeRO stage 3 is not available under the burn-train strategy: burn-train 0.22's Learner cannot hold a sharded model (Learner::load_model keeps every parameter's shape, dropping a record of another shape, and its optimizer is private, so a strategy cannot put the shards in its place). Train through the trainer engine or your own loop (DataParallel::fully_shard and sharded_forward), or use ZeRO stage 2",
-            );
-        }
         let sharded = self.options.zero_stage.shards_optimizer_state();
         if sharded && components.checkpointer.is_some() {
             refuse(
@@ -681,4 +694,27 @@ fn shard<O>(
     }
     let each = loader.num_items() / world;
     loader.slice(rank * each, (rank + 1) * each)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ddp::ZeroStage;
+
+    /// Stage 3 is refused where the options are given, as a usage error, before joining (no
+    /// job is formed: this process has no launcher's variables to join with).
+    #[test]
+    fn zero_stage_3_is_refused_by_from_env_with_as_a_usage_error() {
+        let options = DdpOptions::default().with_zero_stage(ZeroStage::Parameters);
+        let error = match DdpStrategy::from_env_with(options) {
+            Ok(_) => panic!("stage 3 accepted"),
+            Err(e) => e,
+        };
+        assert!(matches!(error, DdpError::Options(_)), "{error}");
+        assert!(error.is_usage());
+        assert!(
+            error.to_string().contains("ZeRO stage 3 is not available"),
+            "{error}"
+        );
+    }
 }

@@ -40,7 +40,7 @@ pub const FORMAT_VERSION: u32 = 3;
 pub(crate) const MODEL_FILE: &str = "model.safetensors";
 const OPTIMIZER_FILE: &str = "optimizer.bpk";
 pub(crate) const SCHEDULER_FILE: &str = "scheduler.bpk";
-const MANIFEST_FILE: &str = "manifest.json";
+pub(crate) const MANIFEST_FILE: &str = "manifest.json";
 /// The Burn release this build trains with, recorded in every manifest: a build on another
 /// Burn that cannot read these files names it (`tests` checks it against `Cargo.lock`).
 pub const BURN_VERSION: &str = "0.22.1";

@@ -49,6 +49,21 @@ fn rank_dir(root: &Path, world: usize, rank: usize) -> PathBuf {
     set_dir(root, world).join(format!("rank-{rank}"))
 }
 
+/// The checkpoint root (a run's `checkpoint.dir`) whose stage-3 set holds `path`, where
+/// `path` is in one: the set's directory `<root>/zero3-world-N`, a rank's, or one part's.
+pub fn root_of_set_member(path: &Path) -> Option<PathBuf> {
+    let set = path.ancestors().find(|a| {
+        a.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix(SET_PREFIX))
+            .is_some_and(|world| world.parse::<usize>().is_ok())
+    })?;
+    Some(match set.parent() {
+        Some(root) if !root.as_os_str().is_empty() => root.to_path_buf(),
+        _ => PathBuf::from("."),
+    })
+}
+
 /// A stage-3 checkpoint: its ranks' parts of one step, in rank order (never empty).
 #[derive(Debug, Clone)]
 pub struct ShardedCheckpoint {
@@ -439,4 +454,36 @@ pub fn consolidate(root: &Path) -> anyhow::Result<PathBuf> {
     manifest.shards = None;
     manifest.checksums.clear();
     checkpoint::save_files(root, usize::MAX, manifest, &weights, &optimizer, &scheduler)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_set_member_names_the_checkpoint_root_that_holds_it() {
+        let root = Path::new("runs/x/ckpt");
+        for member in [
+            set_dir(root, 4),
+            rank_dir(root, 4, 1),
+            rank_dir(root, 4, 1).join("step-00000025"),
+        ] {
+            assert_eq!(
+                root_of_set_member(&member).as_deref(),
+                Some(root),
+                "{member:?}"
+            );
+        }
+        assert_eq!(
+            root_of_set_member(Path::new("zero3-world-2/rank-0")).as_deref(),
+            Some(Path::new("."))
+        );
+        for other in [
+            "runs/x/ckpt",
+            "runs/x/ckpt/step-00000025",
+            "zero3-world-x/rank-0",
+        ] {
+            assert_eq!(root_of_set_member(Path::new(other)), None, "{other}");
+        }
+    }
 }

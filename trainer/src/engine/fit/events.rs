@@ -86,7 +86,8 @@ pub(crate) enum Event<'a> {
     },
     /// No more steps: what shows progress can go.
     StepsDone,
-    /// Where the time of the run's steps went, over the job.
+    /// Where the time of the run's steps went, over the job, and what each rank held: sent
+    /// after the final checkpoint and validation, so that the peak memory counts them.
     Finished {
         step: usize,
         world_size: usize,

@@ -24,7 +24,7 @@ use crate::engine::loader::BatchStream;
 use crate::engine::plan::{PlanInput, StepPlan};
 use crate::engine::schedule::Schedule;
 use crate::engine::throughput::ThroughputWindow;
-use crate::report::timing::PhaseClock;
+use crate::report::timing::{PhaseClock, StepTime};
 
 /// The config tables the loop reads.
 #[derive(Debug, Clone, Default)]
@@ -252,11 +252,13 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         Ok(())
     }
 
-    /// The end of the run: where the time went (`Finished`), the final checkpoint and
-    /// validation if the last step had none, the step kind's own end. Collective.
+    /// The end of the run: the step times over the ranks, the final checkpoint and validation
+    /// if the last step had none, then what the run held (`Finished`, whose peak memory
+    /// counts the final checkpoint and validation), the step kind's own end. Collective.
     fn finish(mut self, module: &K::Module) -> anyhow::Result<Summary> {
         self.events.on(Event::StepsDone)?;
-        let time = self.time_report()?;
+        // Taken before the final checkpoint: the report is of the steps' times.
+        let times = self.step_times()?;
         let position = self.position;
         if self.last_saved != Some(position.step) {
             self.save_checkpoint(module)?;
@@ -276,6 +278,13 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
                 v
             }
         };
+        let time = match times {
+            Some((time, report)) => {
+                self.finished(time, &report)?;
+                Some(report)
+            }
+            None => None,
+        };
         self.kind.finish(position)?;
         self.events.on(Event::Ended)?;
         Ok(Summary {
@@ -286,9 +295,9 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         })
     }
 
-    /// The run's step times over the ranks, its peak memory and optimizer state per rank, as
-    /// a `Finished` event; the report in words, `None` without steps. Collective.
-    fn time_report(&mut self) -> anyhow::Result<Option<String>> {
+    /// The run's step times over the ranks and the report in words; `None` without steps.
+    /// Collective.
+    fn step_times(&mut self) -> anyhow::Result<Option<(StepTime, String)>> {
         // The steps since the last log line count in the run's totals.
         let _ = self.clock.take_window();
         if self.clock.run_steps() == 0 {
@@ -296,6 +305,14 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         }
         let (time, ranks) = self.kind.across_ranks(self.clock.run_means())?;
         let report = time.describe(&ranks);
+        Ok(Some((time, report)))
+    }
+
+    /// The `Finished` event: the step times, and each rank's peak memory and held training
+    /// state, read now, so that the peak includes everything the run did (the final
+    /// checkpoint and validation: at ZeRO stage 2 rank 0's merge of the optimizer state for
+    /// the checkpoint is often its peak). Collective.
+    fn finished(&mut self, time: StepTime, report: &str) -> anyhow::Result<()> {
         let mut ours = vec![crate::engine::memory::peak_resident_bytes().unwrap_or(0) as f64];
         ours.extend(self.kind.held_state()?.to_values());
         let all = self.kind.all_gather(&ours)?;
@@ -304,11 +321,10 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             step: self.position.step,
             world_size: self.kind.world_size(),
             time,
-            report: &report,
+            report,
             peak_rss_bytes: per_rank.clone().map(|r| r[0] as u64).collect(),
             held: per_rank.map(|r| HeldState::from_values(&r[1..])).collect(),
-        })?;
-        Ok(Some(report))
+        })
     }
 
     /// A checkpoint of the current position (the step kind writes it). Collective.
@@ -396,6 +412,9 @@ mod tests {
         trained: Vec<Vec<usize>>,
         saved: Vec<usize>,
         validated: Vec<usize>,
+        /// What had been saved and validated when the held state (and the peak memory
+        /// beside it) was read for the `Finished` event.
+        held_read_after: Option<(Vec<usize>, Vec<usize>)>,
     }
 
     impl Fake {
@@ -408,6 +427,7 @@ mod tests {
                 trained: Vec::new(),
                 saved: Vec::new(),
                 validated: Vec::new(),
+                held_read_after: None,
             }
         }
     }
@@ -468,6 +488,7 @@ mod tests {
             Ok(ours.to_vec())
         }
         fn held_state(&mut self) -> anyhow::Result<HeldState> {
+            self.held_read_after = Some((self.saved.clone(), self.validated.clone()));
             Ok(HeldState::default())
         }
         fn check_replicas(&mut self, _: &usize, _: usize) -> anyhow::Result<()> {
@@ -585,6 +606,32 @@ mod tests {
         let done = events.lines.iter().position(|l| l == "steps done");
         let finished = events.lines.iter().position(|l| l == "finished 20");
         assert!(done.is_some() && done < finished, "{:?}", events.lines);
+    }
+
+    /// A run stopped mid-epoch by `max_steps` saves and validates its last step in `finish`;
+    /// the `Finished` event's peak memory and held state are read after both (a final
+    /// checkpoint can be a rank's peak: at ZeRO stage 2 rank 0 merges the optimizer state).
+    #[test]
+    fn the_finish_record_is_measured_after_the_final_checkpoint_and_validation() {
+        let mut settings = settings();
+        settings.training.max_steps = Some(17);
+        let mut fake = Fake::new();
+        let (summary, events) = run(&mut fake, &settings);
+        assert_eq!(summary.unwrap().steps, 17);
+        assert_eq!(fake.saved.last(), Some(&17), "the final checkpoint");
+        assert_eq!(fake.validated, [10, 17], "the final validation");
+        assert_eq!(
+            fake.held_read_after,
+            Some((fake.saved.clone(), fake.validated.clone())),
+            "read after the final checkpoint and validation"
+        );
+        let at = |line: &str| events.lines.iter().position(|l| l == line);
+        let (validated, finished) = (at("validated 1 17"), at("finished 17"));
+        assert!(
+            validated.is_some() && validated < finished && finished < at("ended"),
+            "{:?}",
+            events.lines
+        );
     }
 
     /// A checkpoint of step 6 (12 samples into epoch 0) with a schedule of its own.
