@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use anyhow::bail;
 use burn::module::Module;
 
-use crate::app::{App, AppError};
+use crate::app::App;
 use crate::engine::checkpoint::{self, Checkpoint, CheckpointMismatch};
 use crate::engine::device::train_device;
 use crate::engine::preflight::{preflight, Splitting};
