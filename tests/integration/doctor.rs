@@ -128,7 +128,7 @@ fn a_tiny_dev_shm_fails_with_its_size_and_advice() {
         "64 KiB free",
         // The job's group and the gradient overlap's (on by default), a ring file each: 4 MiB
         // and 1 MiB, and a page of counters each.
-        "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: the job group's ring and the gradient overlap's)",
+        "needs 10.0 MiB for 2 local ranks (5.0 MiB a rank: a ring for each of the job group and the gradient overlap's group)",
         "loopback TCP",
     ] {
         assert!(check.line.contains(needle), "{needle:?}: {}", check.line);
