@@ -170,7 +170,7 @@ correctness() {
   local tests=$1 trainer=$2
   # 1, 2: the kernels bit for bit on CUDA; the one-rank NCCL group and reducer.
   check "kernels, NCCL group, device reducer" 150 \
-    "$tests" kernels cuda nccl ddp::buckets::nccl --skip wgpu --test-threads=1
+    "$tests" kernels cuda nccl --skip wgpu --test-threads=1
   # 3: the digits MLP on the GPU (the trainer's build: unfused, the CubeCL bucket kernels),
   # against the CPU run's accuracy in the same call.
   local sync

@@ -1,11 +1,12 @@
 //! [`DataParallel`]: the handle, joining, preparing and the DDP step (the module docs of
 //! [`crate::data_parallel`] show the loop).
 
+use std::marker::PhantomData;
 use std::time::Duration;
 
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::{Bytes, Device};
+use burn::tensor::{Bytes, Device, GradientCheckpointingStrategy};
 
 use crate::data_parallel::outcome::StepOutcome;
 use crate::ddp::buffers::{self, BufferSync};
@@ -73,9 +74,9 @@ impl DataParallel {
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         let sync = GradientSync::new(&options, &dist, device)?;
         let sharding = Sharding::form(options.zero_stage, options.compression, &dist)?;
-        if sharding.full().is_some()
-            && !host_memory(device.as_dispatch())
-            && device.gradient_checkpointing_strategy().is_none()
+        let checkpointing = device.gradient_checkpointing_strategy();
+        if needs_checkpointing(options.zero_stage, device)
+            && checkpointing != Some(GradientCheckpointingStrategy::Balanced)
         {
             tracing::warn!(
                 "ZeRO stage 3 on a device backend without Burn's gradient checkpointing: the weights Burn reshapes stay gathered until backward; train on DataParallel::training_device(&options, device)"
@@ -240,12 +241,13 @@ impl DataParallel {
         &mut self,
         model: &M,
         position: MicroBatch<'_>,
-    ) -> MicroBatchScope {
+    ) -> MicroBatchScope<'_> {
         if let MicroBatch::Last { earlier, weight } = position {
             self.overlap_next_backward(model, earlier, weight);
         }
         MicroBatchScope {
             _gather: self.sharded_forward(model),
+            handle: PhantomData,
         }
     }
 
@@ -255,11 +257,12 @@ impl DataParallel {
     /// cannot give back after the forward: checkpointing makes Burn gather them again in
     /// backward instead of keeping them. On the CPU the gathered values are the tensors'
     /// storage, given back and gathered again by the block itself, so no activation is
-    /// recomputed. Pure; call it before building the model and [`new`](Self::new).
+    /// recomputed. Always an autodiff device. Pure; call it before building the model and
+    /// [`new`](Self::new) (which warns when stage 3 trains on a device backend without it).
     pub fn training_device(options: &DdpOptions, device: Device) -> Device {
-        let on_device = !host_memory(device.as_dispatch());
-        if options.zero_stage.shards_parameters() && on_device {
-            device.autodiff().gradient_checkpointing()
+        let device = device.autodiff();
+        if needs_checkpointing(options.zero_stage, &device) {
+            device.gradient_checkpointing()
         } else {
             device
         }
@@ -384,7 +387,8 @@ impl DataParallel {
 
     /// The ZeRO stage this handle runs: `Off` (every rank steps every parameter),
     /// `OptimizerState` (each rank steps, and keeps optimizer state for, the parameters it
-    /// owns) or `Gradients` (and keeps only their gradients).
+    /// owns), `Gradients` (and keeps only their gradients) or `Parameters` (and only a shard
+    /// of the marked blocks' weights).
     pub fn zero_stage(&self) -> ZeroStage {
         self.sharding.stage()
     }
@@ -446,7 +450,10 @@ impl DataParallel {
                 self.sync
                     .sync(&mut self.dist.group, model, grads, Some(owners))
             }
-            Sharding::Full(_) => self.sync_stage_3(model, grads),
+            Sharding::Full(state) => {
+                let taken = state.take_shard_gradients(model, grads, self.check_finite)?;
+                self.sync_stage_3(model, grads, taken)
+            }
         }
     }
 
@@ -456,11 +463,8 @@ impl DataParallel {
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
+        (shards, nonfinite): (GradientsParams, bool),
     ) -> Result<GradientCheck, DdpError> {
-        let Some(state) = self.sharding.full() else {
-            return self.average_gradients(model, grads);
-        };
-        let (shards, nonfinite) = state.take_shard_gradients(model, grads, self.check_finite)?;
         let mut check = self.average_gradients(model, grads)?;
         let mut flags = vec![0u8; self.world_size()];
         self.dist.group.all_gather(&[nonfinite as u8], &mut flags)?;
@@ -574,6 +578,14 @@ impl DataParallel {
             _ => path,
         }
     }
+}
+
+/// Whether training at `stage` on `device` needs Burn's gradient checkpointing: ZeRO stage 3 on
+/// a device backend, where the gathered weights are copies in the device's memory that
+/// burn-ddp cannot give back after the forward (the one home of the rule:
+/// [`DataParallel::training_device`] applies it, [`DataParallel::new`] warns without it).
+fn needs_checkpointing(stage: ZeroStage, device: &Device) -> bool {
+    stage.shards_parameters() && !host_memory(device.as_dispatch())
 }
 
 /// The failure synchronised BatchNorm recorded in this step's forward or backward, if any

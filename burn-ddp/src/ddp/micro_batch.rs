@@ -2,13 +2,15 @@
 //! [`MicroBatchScope`], what [`DataParallel::micro_batch`](crate::DataParallel::micro_batch)
 //! sets up before its forward and keeps until its backward has run.
 
+use std::marker::PhantomData;
+
 use burn::optim::GradientsParams;
 
 use crate::ddp::fsdp::sharded_module::ShardedForward;
 
 /// Where a micro-batch stands in its optimizer step (with gradient accumulation a step has
 /// several; without, one, [`MicroBatch::ONLY`]).
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 pub enum MicroBatch<'a> {
     /// One of the step's earlier micro-batches: its gradients stay on this rank until the
     /// last one's (PyTorch's `no_sync`).
@@ -36,8 +38,11 @@ impl MicroBatch<'static> {
 /// Held over one micro-batch's forward and backward; drop it after the backward, before
 /// validation or the next micro-batch. At ZeRO stage 3 it is the guard under which
 /// [`mark_block`](crate::mark_block) gathers each marked block whole; at other stages it
-/// holds nothing.
-#[must_use = "hold it over the micro-batch's forward and backward, then drop it"]
-pub struct MicroBatchScope {
+/// holds nothing. Bind it to a name (`let scope = ...`), not to `_`, which drops it at once.
+/// It borrows the `DataParallel` that made it, so `step` cannot run before it is dropped.
+#[must_use = "hold it over the micro-batch's forward and backward (`let scope = ...`), then drop it"]
+pub struct MicroBatchScope<'a> {
+    /// Held for its drop: the gathers end with the scope.
     pub(crate) _gather: Option<ShardedForward>,
+    pub(crate) handle: PhantomData<&'a mut ()>,
 }

@@ -1,5 +1,6 @@
 //! The DDP layer: what turns N copies of a Burn training loop into one data-parallel job.
-//! Plain DDP is the files here; each way of stepping beyond it has a folder of its own.
+//! Plain DDP, and what `DataParallel` holds and takes (its sharding, a micro-batch's position),
+//! are the files here; each way of stepping beyond plain DDP has a folder of its own.
 //! Which thread issues which collective on which process group, and why their order depends
 //! only on the model's order: [docs/concurrency.md](../../../docs/concurrency.md).
 //!

@@ -559,22 +559,27 @@ impl DdpStrategy {
             iteration += 1;
             let progress = iter.progress();
             let last = accumulated + 1 == steps.accumulation || progress.is_completed();
-            let model = learner.model();
-            let scope = if last {
-                // This backward may put the model's marked blocks on the wire as it goes,
-                // added to the earlier micro-batches' gradients as the accumulator adds them.
-                let earlier = (accumulated > 0).then(|| accumulator.grads());
-                let position = MicroBatch::Last {
-                    earlier: earlier.as_ref(),
-                    weight: 1.0,
-                };
-                let scope = ddp.micro_batch(&model, position);
-                if let Some(earlier) = earlier {
-                    accumulator.accumulate(&model, earlier);
+            let scope = {
+                // The model's handles only for this call: a clone held over the step would
+                // keep Burn from updating the parameters in place.
+                let model = learner.model();
+                if last {
+                    // This backward may put the model's marked blocks on the wire as it goes,
+                    // added to the earlier micro-batches' gradients as the accumulator adds
+                    // them.
+                    let earlier = (accumulated > 0).then(|| accumulator.grads());
+                    let position = MicroBatch::Last {
+                        earlier: earlier.as_ref(),
+                        weight: 1.0,
+                    };
+                    let scope = ddp.micro_batch(&model, position);
+                    if let Some(earlier) = earlier {
+                        accumulator.accumulate(&model, earlier);
+                    }
+                    scope
+                } else {
+                    ddp.micro_batch(&model, MicroBatch::Accumulating)
                 }
-                scope
-            } else {
-                ddp.micro_batch(&model, MicroBatch::Accumulating)
             };
             let output = learner.train_step(batch);
             drop(scope);

@@ -52,14 +52,17 @@ fn program_name() -> String {
 
 /// The error for a ZeRO stage-3 checkpoint, which `eval` cannot read: `what` it found, and the
 /// two commands that consolidate the run's checkpoint root `root` and evaluate the result.
-fn consolidate_first(what: String, root: &Path, config_path: &Path) -> anyhow::Error {
+fn consolidate_first(what: String, root: Option<&Path>, config_path: &Path) -> anyhow::Error {
     let program = program_name();
+    // A part found outside its set names no root: a guessed one would give a command that
+    // cannot work.
+    let root = root.map_or_else(
+        || "<the run's checkpoint.dir>".to_string(),
+        |r| r.display().to_string(),
+    );
     UsageError(format!(
-        "{what}. A ZeRO stage-3 run (distributed.zero_stage = 3) writes each rank's shards apart, under {}/zero3-world-N/rank-R/; eval reads a whole checkpoint. Join the newest one's parts first, then evaluate:\n  {program} consolidate {}\n  {program} eval --config {} --checkpoint {}",
-        root.display(),
-        root.display(),
+        "{what}. A ZeRO stage-3 run (distributed.zero_stage = 3) writes each rank's shards apart, under {root}/zero3-world-N/rank-R/; eval reads a whole checkpoint. Join the newest one's parts first, then evaluate:\n  {program} consolidate {root}\n  {program} eval --config {} --checkpoint {root}",
         config_path.display(),
-        root.display(),
     ))
     .into()
 }
@@ -74,7 +77,7 @@ fn whole_checkpoint(path: &Path, config_path: &Path) -> anyhow::Result<Checkpoin
                 "{} is in a ZeRO stage-3 checkpoint's per-rank parts: each part holds one rank's shard of the model, not the model",
                 path.display()
             ),
-            &root,
+            Some(&root),
             config_path,
         ));
     }
@@ -91,7 +94,7 @@ fn whole_checkpoint(path: &Path, config_path: &Path) -> anyhow::Result<Checkpoin
                         sharded.manifest().position.step,
                         sharded.dir().display()
                     ),
-                    path,
+                    Some(path),
                     config_path,
                 ))
             }
@@ -103,7 +106,6 @@ fn whole_checkpoint(path: &Path, config_path: &Path) -> anyhow::Result<Checkpoin
     };
     // A part moved out of its set still says what it is.
     if let Some(part) = &ckpt.manifest.shards {
-        let root = ckpt.dir.ancestors().nth(3).unwrap_or(&ckpt.dir);
         return Err(consolidate_first(
             format!(
                 "{} is rank {}'s part (of {}) of a ZeRO stage-3 checkpoint: it holds that rank's shard of the model, not the model",
@@ -111,7 +113,7 @@ fn whole_checkpoint(path: &Path, config_path: &Path) -> anyhow::Result<Checkpoin
                 part.rank,
                 part.world_size
             ),
-            root,
+            None,
             config_path,
         ));
     }

@@ -50,9 +50,12 @@ fn rank_dir(root: &Path, world: usize, rank: usize) -> PathBuf {
 }
 
 /// The checkpoint root (a run's `checkpoint.dir`) whose stage-3 set holds `path`, where
-/// `path` is in one: the set's directory `<root>/zero3-world-N`, a rank's, or one part's.
+/// `path` is one of the set's three levels: the set's directory `<root>/zero3-world-N`, a
+/// rank's (`.../rank-r`), or one part's (`.../rank-r/step-N`). Only those depths are looked
+/// at, so a user's own directory that happens to be named `zero3-world-N` higher up does not
+/// count.
 pub fn root_of_set_member(path: &Path) -> Option<PathBuf> {
-    let set = path.ancestors().find(|a| {
+    let set = path.ancestors().take(3).find(|a| {
         a.file_name()
             .and_then(|n| n.to_str())
             .and_then(|n| n.strip_prefix(SET_PREFIX))
@@ -482,6 +485,7 @@ mod tests {
             "runs/x/ckpt",
             "runs/x/ckpt/step-00000025",
             "zero3-world-x/rank-0",
+            "zero3-world-2/mine/runs/x/ckpt/step-00000025",
         ] {
             assert_eq!(root_of_set_member(Path::new(other)), None, "{other}");
         }

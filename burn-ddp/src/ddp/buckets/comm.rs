@@ -222,7 +222,7 @@ impl<G: ProcessGroup> BucketComm for HostStaging<'_, G> {
     }
 
     /// Each gradient read to the host, the bucket laid out owner by owner and
-    /// reduce-scattered (`zero_buckets.rs`).
+    /// reduce-scattered (`buckets/scatter.rs`).
     fn mean_to_owners(
         &mut self,
         grads: Vec<FloatTensor<Dispatch>>,

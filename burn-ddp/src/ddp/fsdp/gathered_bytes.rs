@@ -4,7 +4,7 @@
 //! Every whole parameter stage 3 makes is counted while its values are in memory: one
 //! gathered on the spot or again for a backward's recompute lives in a [`GatheredValues`],
 //! from its creation until the last tensor that uses its memory is dropped; a block gathered
-//! ahead lives in a block's storage ([`crate::ddp::fsdp::block_storage`]), counted until the block is
+//! ahead lives in a block's storage ([`super::block_storage`]), counted until the block is
 //! evicted after its forward, and again while it is gathered back for its backward. The values
 //! become the tensor's storage as they are (a [`Bytes`] over them, no copy, on Burn's CPU
 //! backend), so whatever keeps the tensor — the forward's ops, the backward's saved inputs, a
@@ -98,7 +98,7 @@ impl Drop for Held {
 }
 
 /// A whole parameter's `f32` values, counted while they live (module docs). (A block gathered
-/// ahead keeps its values in a block's storage instead, [`crate::ddp::fsdp::block_storage`].)
+/// ahead keeps its values in a block's storage instead, [`super::block_storage`].)
 pub(crate) struct GatheredValues {
     values: Vec<f32>,
     _held: Held,

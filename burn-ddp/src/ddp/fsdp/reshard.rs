@@ -26,7 +26,7 @@ pub enum ShardTarget {
     /// Whole, in the parameter's full shape (a consolidated checkpoint, stages 0 to 2).
     Whole,
     /// Rank `rank`'s shard of `world`, shaped `[1, …, 1, len]` as
-    /// [`shard_module`](crate::ddp::fsdp::sharded_module::shard_module) shapes it.
+    /// [`shard_module`](super::sharded_module::shard_module) shapes it.
     Shard { rank: usize, world: usize },
 }
 

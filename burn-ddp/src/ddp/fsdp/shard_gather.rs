@@ -24,9 +24,9 @@
 //!
 //! ## Gathered ahead
 //! [`gather_shard_prefetched`] is the same op with the forward's values already gathered
-//! (by [`crate::ddp::fsdp::shard_prefetch`], block by block, ahead of the forward); its backward and its
+//! (by [`super::shard_prefetch`], block by block, ahead of the forward); its backward and its
 //! recompute run the collectives here. On Burn's CPU backend a block gathered ahead is in a
-//! block's storage ([`crate::ddp::fsdp::block_storage`]): the op is then registered *compute-bound*,
+//! block's storage ([`super::block_storage`]): the op is then registered *compute-bound*,
 //! so whatever needs the parameter in backward keeps its tensor, whose memory the block
 //! gives back after the forward and gathers again when it is read: no recompute, on any
 //! device strategy.
@@ -171,7 +171,7 @@ impl ShardComm {
         self.lock().reduce_scatters
     }
 
-    /// Blocks the forwards took gathered ahead ([`crate::ddp::fsdp::shard_prefetch`]) so far.
+    /// Blocks the forwards took gathered ahead ([`super::shard_prefetch`]) so far.
     pub fn prefetched_blocks(&self) -> u64 {
         self.lock().prefetched
     }
@@ -185,7 +185,7 @@ impl ShardComm {
     }
 
     /// Blocks gathered again for a read after their forward had moved on (their backward,
-    /// on Burn's CPU backend: [`crate::ddp::fsdp::block_storage`]) so far.
+    /// on Burn's CPU backend: [`super::block_storage`]) so far.
     pub fn restored_blocks(&self) -> u64 {
         self.lock().restored
     }
@@ -312,7 +312,7 @@ enum GivenValues {
     None,
     Values(Arc<GatheredValues>),
     /// In a block's storage, evicted after the forward and gathered again when read
-    /// ([`crate::ddp::fsdp::block_storage`]).
+    /// ([`super::block_storage`]).
     Slot(Arc<ParamSlot>),
 }
 

@@ -1,14 +1,14 @@
 //! ZeRO stage 3's gathers off the training thread: a thread of its own all-gathers the marked
 //! blocks, one collective per block, in the order the forward uses them, one block ahead of
 //! it; and gathers again the blocks given back after their forward when the backward reads
-//! them ([`crate::ddp::fsdp::block_storage`]). While block `k` computes, block `k + 1` is on the wire
+//! them ([`super::block_storage`]). While block `k` computes, block `k + 1` is on the wire
 //! (FSDP's forward prefetch, one block ahead, never further: each block further ahead would
 //! be held whole too); a rank holds the block computing and the next one whole, the next
 //! one's unpacked part and the rest of its collective's buffer meanwhile (measured:
-//! [`crate::ddp::fsdp::gathered_bytes`]).
+//! [`super::gathered_bytes`]).
 //!
 //! ```text
-//! sharded_forward(model)  every block's shards (tensor handles); block 0 asked for
+//! micro_batch(model)      every block's shards (tensor handles); block 0 asked for
 //! thread                  per request, in order: read and pack the shards, all_gather,
 //!                         unpack each parameter into a slot of its own
 //! mark_block(block k)     takes block k (no collective in the forward), asks for block k + 1
@@ -54,7 +54,7 @@ pub struct BlockShards {
 
 /// One block gathered whole: each parameter's values in its slot, in `ids`' order (counted
 /// in the rank's [`GatheredBytes`] while they are in memory), and the block's storage
-/// (evicted once the forward has moved on, [`crate::ddp::fsdp::block_storage`]).
+/// (evicted once the forward has moved on, [`super::block_storage`]).
 pub struct GatheredBlock {
     pub ids: Vec<ParamId>,
     pub(crate) slots: Vec<Arc<ParamSlot>>,

@@ -11,9 +11,9 @@
 //! [`gather_shard`] of the shards: a forward through the copy trains the shards (the backward
 //! reduce-scatters into them), and once the copy is dropped, the full parameters live only as
 //! long as the forward's graph keeps them — under Burn's gradient checkpointing, not at all
-//! (see [`crate::ddp::fsdp::shard_gather`]). The blocks gathered ahead on Burn's CPU backend are given
+//! (see [`super::shard_gather`]). The blocks gathered ahead on Burn's CPU backend are given
 //! back when the forward enters the next block, and gathered again when read
-//! ([`crate::ddp::fsdp::block_storage`]).
+//! ([`super::block_storage`]).
 //!
 //! [`ShardedForward`] makes [`mark_block`](crate::mark_block) do that gathering for the blocks
 //! a model marks, so a model already marked for gradient overlap needs no other change.
@@ -202,7 +202,7 @@ enum Marking {
         /// match (the rest of this forward gathers on the spot).
         prefetched: Option<PrefetchStream>,
         /// The storage of the block gathered ahead that the forward entered last: evicted
-        /// when the forward enters the next block ([`crate::ddp::fsdp::block_storage`]).
+        /// when the forward enters the next block ([`super::block_storage`]).
         entered: Option<Arc<BlockStorage>>,
     },
     /// The blocks marked so far, in order, each with the parameters no earlier block has.
@@ -229,7 +229,7 @@ impl ShardedForward {
     }
 
     /// [`enter`](Self::enter), the blocks taken from `prefetched` in order (gathered ahead
-    /// by [`crate::ddp::fsdp::shard_prefetch`]); a block that does not match the next one there is
+    /// by [`super::shard_prefetch`]); a block that does not match the next one there is
     /// gathered on the spot, as is every later block of this forward.
     pub fn enter_prefetched(
         layout: &ShardLayout,

@@ -166,5 +166,15 @@ mod tests {
         let shard = ShardGather.options(&job);
         assert_eq!(shard.store_prefix, format!("{}/shard", job.store_prefix));
         assert_eq!(shard.shared_memory_ring_bytes, 1 << 20);
+        // Each side group's namespace sits beside the others under the job's.
+        let prefetch = ShardPrefetch.options(&job);
+        assert_eq!(
+            prefetch.store_prefix,
+            format!("{}/shard-prefetch", job.store_prefix)
+        );
+        assert_eq!(
+            Overlap.options(&job).store_prefix,
+            format!("{}/overlap", job.store_prefix)
+        );
     }
 }

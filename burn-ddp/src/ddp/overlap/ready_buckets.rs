@@ -1,5 +1,5 @@
 //! [`Overlap`]: gradient buckets summed while backward runs, for models whose blocks are
-//! marked ([`mark_block`](crate::ddp::overlap::ready_op::mark_block)).
+//! marked ([`mark_block`](super::ready_op::mark_block)).
 //!
 //! ```text
 //! DataParallel::micro_batch(Last)         arms the next backward (the step's last micro-batch)

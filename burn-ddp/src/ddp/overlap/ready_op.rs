@@ -12,7 +12,7 @@
 //! its order is `x`'s plus one. Every op of the block then has a higher order (it uses a
 //! lifted parameter or depends on `x`), every op of the blocks before it a lower one (they
 //! made `x`): the lift's backward runs right after the block's backward, when the gradient it
-//! passes to the parameter is final, and hands it to the overlap of [`crate::ddp::overlap::ready_buckets`].
+//! passes to the parameter is final, and hands it to the overlap of [`super::ready_buckets`].
 //! Verified by `overlap::tests` (blocks come ready in reverse forward order, biases
 //! included). A parameter also used outside the block (tied weights) is not final then: do
 //! not mark such a block.

@@ -16,17 +16,17 @@
 //! the implementation for `Autodiff<B, C>` written here, which records a step with
 //! burn-autodiff's `Backward` / `OpsPrep` / `OpsKind` machinery (as burn-autodiff's own
 //! `all_reduce` does). Both the forward and the backward run [`host_sum`]: read the tensor back,
-//! sum it across the ranks of the synchronised-BatchNorm group ([`crate::ddp::sync_batch_norm::sync_group`]), write it
+//! sum it across the ranks of the synchronised-BatchNorm group ([`super::sync_group`]), write it
 //! back. A host round trip, which is fine for per-channel statistics of a few hundred values,
 //! and the same code for every backend (Flex; CubeCL's, fused or not).
 //!
 //! ## Contract
-//! Collective over the installed group (the contract of [`crate::ddp::sync_batch_norm::sync_group`]): every rank calls
+//! Collective over the installed group (the contract of [`super::sync_group`]): every rank calls
 //! it in the same order, with tensors of the same number of elements; the backward pass runs
 //! the collective again, so every rank must run its backward too. Each collective has the
 //! group's deadline. Without a group of more than one rank, `y = x` and `dL/dx = dL/dy`. On
 //! failure the result is this rank's own `x` (or gradient) and the error is recorded for the
-//! next DDP step (see [`crate::ddp::sync_batch_norm::sync_group`]).
+//! next DDP step (see [`super::sync_group`]).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;

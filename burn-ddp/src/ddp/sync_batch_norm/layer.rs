@@ -22,7 +22,7 @@
 //! and the global *biased* variance (Burn keeps no Bessel correction; PyTorch does), so 2 ranks
 //! × b samples leave the running statistics of 1 rank × 2b.
 //!
-//! The statistics travel on the synchronised-BatchNorm group ([`crate::ddp::sync_batch_norm::sync_group`]), which a
+//! The statistics travel on the synchronised-BatchNorm group ([`super::sync_group`]), which a
 //! [`DataParallel`](crate::DataParallel) of more than one rank installs. Without one (world size
 //! 1, or no `DataParallel` at all) the layer is exactly Burn's `BatchNorm` — except in a process
 //! that the launcher's variables make a rank of a job of several ranks while no `DataParallel` of
@@ -39,7 +39,7 @@
 //! - **Eval mode**: the running statistics, no collective.
 //! - **On failure or timeout** of a collective: the layer goes on with this rank's local
 //!   statistics, and the next `DataParallel::step` returns the error
-//!   ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)); see [`crate::ddp::sync_batch_norm::sync_group`].
+//!   ([`DdpError::SyncBatchNorm`](crate::DdpError::SyncBatchNorm)); see [`super::sync_group`].
 //! - **Records**: the same fields, names and types as `burn::nn::BatchNorm`, so their records
 //!   (checkpoints) are interchangeable.
 
@@ -126,7 +126,7 @@ impl SyncBatchNorm {
     /// Burn's `BatchNorm`). In training mode, if this process is a rank of a job of more than
     /// one rank (the launcher's variables say so) but no `DataParallel` of this build of
     /// burn-ddp is alive, so there is no group to sum the statistics over (two builds of
-    /// burn-ddp in one program; see [`crate::ddp::sync_batch_norm::sync_group`]).
+    /// burn-ddp in one program; see [`super::sync_group`]).
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
         let [num_features] = self.gamma.shape().dims();
         let dims = input.dims();
