@@ -43,36 +43,6 @@ impl<T: bytemuck::Pod> MappedBuffer<T> {
     }
 }
 
-/// Pages are given back in whole units of this many bytes (a multiple of every page size
-/// Linux uses), so that a range never takes a page that still holds values in use.
-const RELEASE_UNIT: usize = 64 << 10;
-
-impl<T: bytemuck::Pod> MappedBuffer<T> {
-    /// Gives the whole release units inside the values `values` back to the kernel (they read
-    /// as zeros afterwards) and returns how many bytes that was. For a buffer read once, front
-    /// to back: its memory goes as it is consumed.
-    pub fn release(&mut self, values: std::ops::Range<usize>) -> usize {
-        let size = std::mem::size_of::<T>();
-        let Some(map) = &self.map else {
-            return 0;
-        };
-        let start = (values.start * size).next_multiple_of(RELEASE_UNIT);
-        let end = (values.end * size).min(map.len()) / RELEASE_UNIT * RELEASE_UNIT;
-        if end <= start {
-            return 0;
-        }
-        // SAFETY: `&mut self`: no reference into the mapping is alive. The mapping is private
-        // and anonymous, so its released pages read back as zeros, a valid value of any
-        // `Pod` type; `start..end` is within it and page-aligned (the mapping starts on a
-        // page, and the unit is a multiple of the page size).
-        match unsafe { map.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start) } {
-            Ok(()) => end - start,
-            // The pages stay: only the memory is not given back early.
-            Err(_) => 0,
-        }
-    }
-}
-
 impl<T: bytemuck::Pod> MappedBuffer<T> {
     /// Gives every page of the buffer back to the kernel (it reads as zeros afterwards) and
     /// returns how many bytes that was: the whole buffer, its last page included.
@@ -122,16 +92,9 @@ mod tests {
         assert!(buffer.iter().all(|&x| x == 0.0));
         buffer[2999] = 1.5;
         assert_eq!(buffer[2999], 1.5);
-        // Whole 64 KiB units inside the range go back and read as zeros; the rest stays.
-        let mut big = MappedBuffer::<f32>::zeroed(3 * 16384).unwrap();
-        big.fill(2.0);
-        assert_eq!(big.release(100..2 * 16384 + 5), 65536);
-        assert!(big[16384..2 * 16384].iter().all(|&x| x == 0.0));
-        assert!(big[..16384]
-            .iter()
-            .chain(&big[2 * 16384..])
-            .all(|&x| x == 2.0));
-        assert_eq!(big.release(0..10), 0);
+        // Given back whole, its last page included, it reads as zeros.
+        assert_eq!(buffer.release_all(), 12000);
+        assert!(buffer.iter().all(|&x| x == 0.0));
         let halves = MappedBuffer::<half::bf16>::zeroed(5).unwrap();
         assert_eq!(halves.len(), 5);
         assert!(MappedBuffer::<f32>::zeroed(0).unwrap().is_empty());

@@ -18,8 +18,8 @@
 //! blocks are evicted decides only memory and time, never a value. The restores run on the
 //! prefetch thread's group in the order the reads ask for them, which is the model's (the
 //! same on every rank); reads come from the training thread (Burn's forward and backward).
-//! A restore that fails leaves zeros and reports the failure (`ShardComm::take_error`), as a
-//! failed gather does.
+//! A restore that fails reports the failure (`ShardComm::take_error`), as a failed gather
+//! does, and the step fails with it; the values read meanwhile are zeros or partly gathered.
 
 use std::cell::UnsafeCell;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,8 +34,11 @@ use crate::ddp::fsdp::gathered_bytes::{as_tensor_data, GatheredBytes, Held, Stor
 /// Asks the prefetch thread to gather a block again (queued behind what it is doing).
 pub(crate) type Restorer = Arc<dyn Fn(Arc<BlockStorage>) -> Result<(), String> + Send + Sync>;
 
-/// Writes parameter `i`'s whole values into the slice given (a restore's unpacking).
-pub(crate) type Unpack<'a> = &'a mut dyn FnMut(usize, &mut [f32]);
+/// Gathers parameter `i`'s whole values into its slot's buffer (the parameter, then padding),
+/// or, for a slot no tensor uses any more (`None`), into a buffer of its own (the collective
+/// still runs, on every rank alike); returns the bytes of the collective's buffer.
+pub(crate) type GatherInto<'a> =
+    &'a mut dyn FnMut(usize, Option<&mut [f32]>) -> Result<u64, String>;
 
 /// Where each restore is reported: the bytes of its collective's buffer, or why it failed.
 pub(crate) type RestoreReport = Arc<dyn Fn(Result<u64, String>) + Send + Sync>;
@@ -199,37 +202,55 @@ impl BlockStorage {
         *state = State::Restoring;
         drop(state);
         if let Err(e) = (self.links.restorer)(self.clone()) {
-            self.finish(Err(e));
+            self.fail(e);
         }
     }
 
-    /// The restore's end (the prefetch thread): `unpack(i, values)` writes parameter `i`'s
-    /// whole values into `values` (each slot still alive, in order) after a collective of
-    /// `bytes`, or the failure, leaving zeros. Reported either way; wakes the reads waiting
-    /// for the block.
-    pub fn finish(&self, gathered: Result<(u64, Unpack<'_>), String>) {
-        let mut state = lock(&self.state);
+    /// The restore (the prefetch thread): `gather(i, buffer)` for every parameter in order,
+    /// under the block's state (no read runs until it is resident again; a read waiting for
+    /// it waits for the collectives, which have the group's deadline). Reported either way
+    /// (the bytes, or the first failure: the values are then zeros or partly gathered, and the
+    /// step fails with it); wakes the reads waiting.
+    pub fn restore(&self, gather: GatherInto<'_>) {
+        let state = lock(&self.state);
         if *state != State::Restoring {
             return;
         }
-        match gathered {
-            Ok((bytes, unpack)) => {
-                for (i, slot) in lock(&self.slots).iter().enumerate() {
-                    let Some(slot) = slot.upgrade() else { continue };
+        let slots = lock(&self.slots).clone();
+        let mut outcome = Ok(0);
+        for i in 0..self.numels.len() {
+            let gathered = match slots.get(i).and_then(Weak::upgrade) {
+                Some(slot) => {
                     // SAFETY: the block is restoring: no read runs until it is resident
                     // again (reads wait under `state`, held here).
                     let buffer = unsafe { &mut *slot.buffer.get() };
-                    unpack(i, &mut buffer[..slot.len]);
-                    *lock(&slot.held) = Some(
-                        self.links
-                            .gauge
-                            .hold(std::mem::size_of_val(&**buffer) as u64),
-                    );
+                    let bytes = std::mem::size_of_val(&**buffer) as u64;
+                    *lock(&slot.held) = Some(self.links.gauge.hold(bytes));
+                    gather(i, Some(&mut buffer[..]))
                 }
-                (self.links.report)(Ok(bytes));
+                None => gather(i, None),
+            };
+            match (gathered, &mut outcome) {
+                (Ok(bytes), Ok(total)) => *total += bytes,
+                (Err(e), Ok(_)) => outcome = Err(e),
+                (_, Err(_)) => {}
             }
-            Err(e) => (self.links.report)(Err(e)),
         }
+        (self.links.report)(outcome);
+        self.become_resident(state);
+    }
+
+    /// A restore that could not be asked for: reported, and the values read as zeros.
+    fn fail(&self, why: String) {
+        let state = lock(&self.state);
+        if *state != State::Restoring {
+            return;
+        }
+        (self.links.report)(Err(why));
+        self.become_resident(state);
+    }
+
+    fn become_resident(&self, mut state: MutexGuard<'_, State>) {
         *state = State::Resident;
         self.resident.store(true, Ordering::Release);
         self.changed.notify_all();
@@ -330,11 +351,13 @@ mod tests {
                 asked.lock().unwrap().push(block.numels[0]);
                 std::thread::spawn(move || {
                     let first = block.numels[0];
-                    block.finish(Ok((8, &mut |i, out: &mut [f32]| {
+                    block.restore(&mut |i, out: Option<&mut [f32]>| {
+                        let out = out.ok_or("every slot lives")?;
                         for (j, v) in out.iter_mut().enumerate() {
                             *v = value(first, i, j);
                         }
-                    })));
+                        Ok(4 * out.len() as u64)
+                    });
                 });
                 Ok(())
             })
@@ -392,7 +415,7 @@ mod tests {
             vec![20_000, 40_000],
             "read once each: the block read, then the one before it, asked ahead"
         );
-        assert_eq!(restored.load(Ordering::Relaxed), 16);
+        assert_eq!(restored.load(Ordering::Relaxed), all, "each slot's bytes");
         assert_eq!(gauge.live(), all);
         // A read of a resident block asks for nothing.
         read(&b_tensors[0]);

@@ -1,16 +1,22 @@
 //! ZeRO stage 3's gathers off the training thread: a thread of its own all-gathers the marked
-//! blocks, one collective per block, in the order the forward uses them, one block ahead of
-//! it; and gathers again the blocks given back after their forward when the backward reads
-//! them ([`super::block_storage`]). While block `k` computes, block `k + 1` is on the wire
-//! (FSDP's forward prefetch, one block ahead, never further: each block further ahead would
-//! be held whole too); a rank holds the block computing and the next one whole, the next
-//! one's unpacked part and the rest of its collective's buffer meanwhile (measured:
+//! blocks, in the order the forward uses them, one block ahead of it; and gathers again the
+//! blocks given back after their forward when the backward reads them
+//! ([`super::block_storage`]). While block `k` computes, block `k + 1` is on the wire (FSDP's
+//! forward prefetch, one block ahead, never further: each block further ahead would be held
+//! whole too); a rank holds the block computing and the next one whole (measured:
 //! [`super::gathered_bytes`]).
+//!
+//! Each parameter is gathered in place, in the mapping that becomes its tensor's storage: the
+//! rank's shard is copied into its part and an all-gather fills the others' parts. One
+//! collective per parameter rather than per block, because a block's parameters packed into
+//! one buffer would need that buffer and an unpacking copy besides the parameters, and on a
+//! CPU the fresh pages of those buffers cost more than the collectives' calls (measured: a
+//! rank of the reference transformer faulted in about 12,000 pages a step fewer).
 //!
 //! ```text
 //! micro_batch(model)      every block's shards (tensor handles); block 0 asked for
-//! thread                  per request, in order: read and pack the shards, all_gather,
-//!                         unpack each parameter into a slot of its own
+//! thread                  per request, in order, each parameter: its shard copied into a
+//!                         slot of its own, all-gathered there in place
 //! mark_block(block k)     takes block k (no collective in the forward), asks for block k + 1
 //! a read of an evicted    asks for that block again (and the one the forward ran before
 //!   block (backward)      it), waits for it
@@ -33,7 +39,7 @@ use crate::ddp::buckets::mapped::MappedBuffer;
 use crate::ddp::fsdp::block_storage::{
     BlockStorage, ParamSlot, RestoreReport, Restorer, StorageLinks,
 };
-use crate::ddp::fsdp::gathered_bytes::{GatheredBytes, Held};
+use crate::ddp::fsdp::gathered_bytes::GatheredBytes;
 use crate::ddp::fsdp::shard_gather::shard_len;
 use crate::ddp::options::groups::ProcessGroupRole;
 use crate::error::DdpError;
@@ -131,7 +137,7 @@ impl Prefetcher {
                             // still ran, on every rank alike.
                             let _ = out.send(gather_block(&mut group, block, &links));
                         }
-                        Command::Restore(storage) => restore_block(&mut group, &storage, &links),
+                        Command::Restore(storage) => restore_block(&mut group, &storage),
                     }
                 }
             })
@@ -211,74 +217,64 @@ impl PrefetchStream {
     }
 }
 
-/// The block's shards read and packed (this rank's part), all-gathered in one collective
-/// into a buffer counted while it lives: the ranks' parts in rank order.
-fn gather_packed(
+/// One parameter gathered whole, in place, into `full` (its values, then padding:
+/// [`shard_len`]` × world` values): this rank's shard copied into its own part, then the
+/// ranks' parts all-gathered (one collective per parameter, with no buffer but the
+/// parameter's own). Returns the bytes of the collective's buffer.
+fn gather_parameter(
     group: &mut TcpProcessGroup,
-    shards: &[Tensor<1>],
-    numels: &[usize],
-    gathered: &Arc<GatheredBytes>,
-) -> Result<(MappedBuffer<f32>, Held), String> {
-    let world = group.world_size();
-    let lens: Vec<usize> = numels.iter().map(|&n| shard_len(n, world)).collect();
-    let per_rank: usize = lens.iter().sum();
-    let mut packed = buffer(per_rank)?;
-    let mut unread = None;
-    let mut offset = 0;
-    for (shard, len) in shards.iter().zip(&lens) {
-        // On failure zeros: every rank must still enter the collective the others are in.
-        if let Err(e) = copy_host_values(shard, &mut packed[offset..offset + len]) {
-            unread.get_or_insert(e);
-        }
-        offset += len;
-    }
-    let mut all = buffer(per_rank * world)?;
-    let counted = gathered.hold(std::mem::size_of_val(&*all) as u64);
+    shard: &Tensor<1>,
+    full: &mut [f32],
+) -> Result<u64, String> {
+    let (rank, world) = (group.rank(), group.world_size());
+    let len = full.len() / world.max(1);
+    // On failure zeros: every rank must still enter the collective the others are in.
+    let unread = copy_host_values(shard, &mut full[rank * len..(rank + 1) * len]).err();
+    let counts = vec![len; world];
     group
-        .all_gather(&packed, &mut all)
+        .all_gather_v(full, &counts)
         .map_err(|e| format!("ZeRO stage 3: gathering a block failed: {e}"))?;
     match unread {
         Some(why) => Err(format!(
             "ZeRO stage 3: a shard could not be read for its gather: {why}"
         )),
-        None => Ok((all, counted)),
+        None => Ok(std::mem::size_of_val(full) as u64),
     }
 }
 
-/// Mapped from the kernel and given back after use (module docs of `mapped`): a thread's own
-/// malloc heap would keep the largest blocks' buffers for good.
-fn buffer(len: usize) -> Result<MappedBuffer<f32>, String> {
-    MappedBuffer::<f32>::zeroed(len)
+/// A buffer for one whole parameter of `numel` values and its padding (module docs of
+/// `mapped`: mapped from the kernel and given back after use, since a thread's own malloc
+/// heap would keep the largest blocks' memory for good).
+fn parameter_buffer(numel: usize, world: usize) -> Result<MappedBuffer<f32>, String> {
+    MappedBuffer::<f32>::zeroed(shard_len(numel, world) * world)
         .map_err(|e| format!("ZeRO stage 3: no memory for a gathered block: {e}"))
 }
 
-/// One block for the forward: gathered, then each parameter in a slot of its own.
+/// One block for the forward: each parameter gathered into a slot of its own. After a
+/// failure the block's other gathers still run (as on the ranks that did not fail); the
+/// first failure is returned.
 fn gather_block(
     group: &mut TcpProcessGroup,
     block: BlockShards,
     links: &StorageLinks,
 ) -> Result<GatheredBlock, String> {
     let world = group.world_size();
-    let (all, counted) = gather_packed(group, &block.shards, &block.numels, &links.gauge)?;
-    let buffers = match block.numels[..] {
-        // One parameter: the buffer is the parameter, then padding; no copy (its slot counts
-        // it from here).
-        [_] => {
-            drop(counted);
-            vec![all]
+    let mut buffers = Vec::with_capacity(block.numels.len());
+    // Counted as they are gathered; the slots count them from `BlockStorage::new` on.
+    let mut counted = Vec::with_capacity(block.numels.len());
+    let mut failed = None;
+    for (shard, &numel) in block.shards.iter().zip(&block.numels) {
+        let mut full = parameter_buffer(numel, world)?;
+        counted.push(links.gauge.hold(std::mem::size_of_val(&*full) as u64));
+        if let Err(e) = gather_parameter(group, shard, &mut full) {
+            failed.get_or_insert(e);
         }
-        _ => {
-            let mut unpacked = Unpacking::new(all, counted, &block.numels, world);
-            let mut buffers = Vec::with_capacity(block.numels.len());
-            for (i, &numel) in block.numels.iter().enumerate() {
-                let mut values = buffer(numel)?;
-                unpacked.parameter(i, &mut values);
-                buffers.push(values);
-            }
-            buffers
-        }
-    };
-    // The slots count their buffers from here (the collective's buffer went, or is theirs).
+        buffers.push(full);
+    }
+    if let Some(why) = failed {
+        return Err(why);
+    }
+    drop(counted);
     let (storage, slots) = BlockStorage::new(block.shards, block.numels, buffers, links.clone());
     Ok(GatheredBlock {
         ids: block.ids,
@@ -287,148 +283,17 @@ fn gather_block(
     })
 }
 
-/// An evicted block gathered again, into the slots its tensors still use.
-fn restore_block(group: &mut TcpProcessGroup, storage: &BlockStorage, links: &StorageLinks) {
+/// An evicted block gathered again, in place, into the slots its tensors still use.
+fn restore_block(group: &mut TcpProcessGroup, storage: &BlockStorage) {
     let world = group.world_size();
-    match gather_packed(group, &storage.shards, &storage.numels, &links.gauge) {
-        Ok((all, counted)) => {
-            let bytes = std::mem::size_of_val(&*all) as u64;
-            let mut unpacked = Unpacking::new(all, counted, &storage.numels, world);
-            storage.finish(Ok((bytes, &mut |i, values: &mut [f32]| {
-                unpacked.parameter(i, values)
-            })));
+    storage.restore(&mut |i, slot: Option<&mut [f32]>| {
+        let shard = &storage.shards[i];
+        match slot {
+            Some(full) => gather_parameter(group, shard, full),
+            None => {
+                let mut full = parameter_buffer(storage.numels[i], world)?;
+                gather_parameter(group, shard, &mut full)
+            }
         }
-        Err(e) => storage.finish(Err(e)),
-    }
-}
-
-/// A gathered block's buffer unpacked parameter by parameter, in order, its consumed part
-/// given back to the kernel as it goes, so that the block is not held twice (buffer and
-/// parameters) while it is unpacked.
-struct Unpacking {
-    all: MappedBuffer<f32>,
-    counted: Held,
-    lens: Vec<usize>,
-    offsets: Vec<usize>,
-    per_rank: usize,
-    /// Bytes given back so far of each rank's part (its consumed prefix).
-    released: Vec<usize>,
-}
-
-impl Unpacking {
-    fn new(all: MappedBuffer<f32>, counted: Held, numels: &[usize], world: usize) -> Self {
-        let lens: Vec<usize> = numels.iter().map(|&n| shard_len(n, world)).collect();
-        let offsets: Vec<usize> = lens
-            .iter()
-            .scan(0, |at, len| {
-                let start = *at;
-                *at += len;
-                Some(start)
-            })
-            .collect();
-        Self {
-            all,
-            counted,
-            per_rank: lens.iter().sum(),
-            lens,
-            offsets,
-            released: vec![0; world],
-        }
-    }
-
-    /// Parameter `i`'s whole values into `full`; the parts of the buffer up to its end given
-    /// back (parameters skipped before it included).
-    fn parameter(&mut self, i: usize, full: &mut [f32]) {
-        let (offset, len) = (self.offsets[i], self.lens[i]);
-        unpack_parameter_into(&self.all, self.per_rank, offset, len, full);
-        for (rank, released) in self.released.iter_mut().enumerate() {
-            let part = rank * self.per_rank;
-            let now = self.all.release(part..part + offset + len);
-            self.counted.shrink((now - *released) as u64);
-            *released = now;
-        }
-    }
-}
-
-/// The whole parameters from `gathered`, the ranks' packed shards in rank order (each rank's
-/// block: the parameters' shards one after the other, [`shard_len`]`(numel, world)` values
-/// each). Pure.
-pub fn unpack_block(gathered: &[f32], numels: &[usize], world: usize) -> Vec<Vec<f32>> {
-    let lens: Vec<usize> = numels.iter().map(|&n| shard_len(n, world)).collect();
-    let per_rank: usize = lens.iter().sum();
-    let mut offset = 0;
-    numels
-        .iter()
-        .zip(&lens)
-        .map(|(&numel, &len)| {
-            let full = unpack_parameter(gathered, per_rank, offset, len, numel);
-            offset += len;
-            full
-        })
-        .collect()
-}
-
-/// One parameter of [`unpack_block`]: `numel` values whose shards (`len` values each) start at
-/// `offset` in every rank's part of `per_rank` values. Pure.
-fn unpack_parameter(
-    gathered: &[f32],
-    per_rank: usize,
-    offset: usize,
-    len: usize,
-    numel: usize,
-) -> Vec<f32> {
-    let mut full = vec![0.0; numel];
-    unpack_parameter_into(gathered, per_rank, offset, len, &mut full);
-    full
-}
-
-/// [`unpack_parameter`] into `full` (the parameter's `numel` values). Pure.
-fn unpack_parameter_into(
-    gathered: &[f32],
-    per_rank: usize,
-    offset: usize,
-    len: usize,
-    full: &mut [f32],
-) {
-    let world = gathered.len() / per_rank.max(1);
-    for rank in 0..world {
-        let at = rank * len;
-        if at >= full.len() {
-            break;
-        }
-        let start = rank * per_rank + offset;
-        let take = len.min(full.len() - at);
-        full[at..at + take].copy_from_slice(&gathered[start..start + take]);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::ddp::fsdp::shard_gather::shard_of;
-
-    #[test]
-    fn a_packed_block_unpacks_into_its_whole_parameters() {
-        let params: Vec<Vec<f32>> = vec![
-            (0..10).map(|i| i as f32).collect(),
-            vec![100.0],
-            (0..7).map(|i| -(i as f32)).collect(),
-        ];
-        let numels: Vec<usize> = params.iter().map(Vec::len).collect();
-        for world in [1, 2, 3, 4, 11] {
-            let gathered: Vec<f32> = (0..world)
-                .flat_map(|rank| {
-                    params
-                        .iter()
-                        .flat_map(move |p| shard_of(p, rank, world))
-                        .collect::<Vec<_>>()
-                })
-                .collect();
-            assert_eq!(
-                unpack_block(&gathered, &numels, world),
-                params,
-                "world {world}"
-            );
-        }
-    }
+    });
 }
