@@ -277,6 +277,10 @@ pub enum DdpError {
     /// those cannot return errors): the step's statistics were not global.
     #[error(transparent)]
     SyncBatchNorm(#[from] SyncBatchNormError),
+    /// The job could not re-form its group after ranks left or died (see
+    /// [`crate::elastic`]): the message says why and what to do.
+    #[error("elastic membership: {0}")]
+    Membership(String),
 }
 
 /// A failure of synchronised BatchNorm's statistics ([`crate::ddp::SyncBatchNorm`]), recorded

@@ -191,6 +191,19 @@ impl Distributed {
         })
     }
 
+    /// Re-forms this job among `members` (ranks of this group, in the new group's rank order)
+    /// after other ranks left or died: the same as [`sub_group`](Self::sub_group) named
+    /// `name` (which must differ from every earlier generation's), except that the new group
+    /// then takes this one's place, and the store server this rank may host moves along. The
+    /// old group's connections close. On an error `self` is unchanged. Collective over
+    /// `members` only.
+    pub fn regroup(&mut self, members: &[usize], name: &str) -> Result<(), CollectiveError> {
+        let mut next = self.sub_group(members, name)?;
+        next._server = self._server.take();
+        *self = next;
+        Ok(())
+    }
+
     /// A job whose group was formed by the caller (the tests' in-process worlds).
     #[cfg(test)]
     pub(crate) fn from_group(env: DistEnv, group: TcpProcessGroup, store: Arc<dyn Store>) -> Self {

@@ -17,6 +17,7 @@
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
 //! | [`data_parallel`] | [`DataParallel`], the one home of the DDP step: join, prepare, what runs before each micro-batch's backward ([`DataParallel::micro_batch`]), sync gradients (host ring or NCCL; ZeRO stages 1 to 3), buffers, shard, sums, rank-0 actions, barrier — used by the engine, the burn-train strategy and own loops |
 //! | [`ddp`] | the DDP layer, a folder per way of stepping: plain DDP (parameter broadcast, the reducer, the gradient path, buffers), [`ddp::options`] ([`DdpOptions`], [`GradientTransport`], [`ZeroStage`], the process groups a rank forms), [`ddp::buckets`] (plan, host staging or NCCL, the finite check), [`ddp::overlap`] (buckets summed during backward), [`ddp::zero`] (stages 1 and 2), [`ddp::fsdp`] (stage 3), [`ddp::sync_batch_norm`] ([`SyncBatchNorm`]); [`ddp::sharding::Sharding`] and [`MicroBatch`] are what `DataParallel` holds and takes. Threads and groups: `docs/concurrency.md` |
+//! | [`elastic`] | a job that goes on when ranks leave or die: the survivors' agreement through the store (who carries on, at which step); [`DataParallel::regroup`] re-forms the groups among them |
 //! | [`pipeline`] | pipeline parallelism (so far): the stages × replicas layout, GPipe and 1F1B schedules with a simulation of their bubble, the point-to-point links between neighbouring stages, `PipelineStage` and the pipeline step, the `PipelineParallel` handle |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
@@ -37,6 +38,7 @@ pub mod call;
 pub mod cuda;
 pub mod data_parallel;
 pub mod ddp;
+pub mod elastic;
 pub mod env;
 pub mod error;
 pub mod group;

@@ -22,6 +22,7 @@ mod plots;
 mod reference_models;
 mod resume;
 mod slurm;
+mod survivors;
 mod tensorboard;
 mod tiers;
 mod torchrun;

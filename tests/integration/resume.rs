@@ -183,7 +183,7 @@ fn assert_stop_and_kill_are_invisible(workload: &Workload, world: usize, stage: 
 /// weights, bit for bit, and the same optimizer and scheduler records. (Not the same file
 /// bytes: Burn writes the safetensors metadata and the optimizer's state tensors in hash
 /// order.)
-fn assert_same_checkpoints(dir: &Path, a: &str, b: &str, context: &str) {
+pub(crate) fn assert_same_checkpoints(dir: &Path, a: &str, b: &str, context: &str) {
     let (ckpt_a, ckpt_b) = (
         newest_checkpoint(&dir.join(format!("{a}-ckpt"))),
         newest_checkpoint(&dir.join(format!("{b}-ckpt"))),

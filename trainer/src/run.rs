@@ -175,8 +175,13 @@ pub fn train_or_launch<A: App>(
     if args.launch.requested() && !is_worker {
         let ranks_here = args.launch.ranks_here();
         let world_size = ranks_here.saturating_mul(args.launch.nnodes);
-        preflight(&app, config, ranks_here, world_size, splitting)?;
-        launch::launch(&args.launch, &Program::this_process()?)
+        let checked = preflight(&app, config, ranks_here, world_size, splitting)?;
+        let mut launch_args = args.launch.clone();
+        // The config's fault tolerance decides what a rank's failure does to the others.
+        launch_args.survivors_continue |= checked
+            .fault_tolerance
+            .survivors_continue(&checked.distributed);
+        launch::launch(&launch_args, &Program::this_process()?)
     } else {
         // Started by another launcher (torchrun, mpirun, srun): die with it. (A parent of pid
         // 1 cannot be told apart from a container's init that started this rank, so that

@@ -30,7 +30,7 @@ use crate::kernels::host_memory;
 /// One rank's membership of a data-parallel job, and the DDP step it takes with the others.
 pub struct DataParallel {
     pub(super) dist: Distributed,
-    sync: GradientSync,
+    pub(super) sync: GradientSync,
     /// How this rank holds the model: the ZeRO stage, with its state.
     pub(super) sharding: Sharding,
     /// Whether gradients are checked for NaN / ±Inf (always, today).
@@ -48,7 +48,12 @@ pub struct DataParallel {
     /// The group of [`SyncBatchNorm`](crate::ddp::SyncBatchNorm)'s statistics, installed
     /// process-wide while this handle lives (none in a world of one); it also tells this
     /// build's layers that a `DataParallel` of their build is alive.
-    _sync_batch_norm: SyncGroupGuard,
+    pub(super) _sync_batch_norm: SyncGroupGuard,
+    /// What the handle was made with, to form its groups again ([`Self::regroup`]).
+    pub(super) options: DdpOptions,
+    pub(super) device: Device,
+    /// How many times the job re-formed its group (0: as it started).
+    pub(super) generation: u64,
 }
 
 impl DataParallel {
@@ -72,8 +77,7 @@ impl DataParallel {
     /// BatchNorm needs to form its own group at its first use (see [`crate::ddp::sync_batch_norm::sync_group`]).
     /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
-        let sync = GradientSync::new(&options, &dist, device)?;
-        let sharding = Sharding::form(options.zero_stage, options.compression, &dist)?;
+        let (sync, sharding, sync_batch_norm) = Self::form_parts(&dist, &options, device)?;
         let checkpointing = device.gradient_checkpointing_strategy();
         if needs_checkpointing(options.zero_stage, device)
             && checkpointing != Some(GradientCheckpointingStrategy::Balanced)
@@ -82,17 +86,6 @@ impl DataParallel {
                 "ZeRO stage 3 on a device backend without Burn's gradient checkpointing: the weights Burn reshapes stay gathered until backward; train on DataParallel::training_device(&options, device)"
             );
         }
-        let sync_batch_norm = if dist.env.world_size > 1 {
-            let options = ProcessGroupRole::SyncBatchNorm.options(dist.group.options());
-            sync_group::install(sync_group::Recipe {
-                store: dist.store.clone(),
-                rank: dist.env.rank,
-                world_size: dist.env.world_size,
-                options,
-            })
-        } else {
-            sync_group::install_none()
-        };
         Ok(Self {
             dist,
             sync,
@@ -104,7 +97,34 @@ impl DataParallel {
             has_buffers: None,
             timeout: options.timeout,
             _sync_batch_norm: sync_batch_norm,
+            options,
+            device: device.clone(),
+            generation: 0,
         })
+    }
+
+    /// What the handle forms over `dist`'s group: the gradient path, the sharding of its ZeRO
+    /// stage, and synchronised BatchNorm's recipe (installed process-wide). Collective as
+    /// [`new`](Self::new) is.
+    pub(super) fn form_parts(
+        dist: &Distributed,
+        options: &DdpOptions,
+        device: &Device,
+    ) -> Result<(GradientSync, Sharding, SyncGroupGuard), DdpError> {
+        let sync = GradientSync::new(options, dist, device)?;
+        let sharding = Sharding::form(options.zero_stage, options.compression, dist)?;
+        let sync_batch_norm = if dist.env.world_size > 1 {
+            let role_options = ProcessGroupRole::SyncBatchNorm.options(dist.group.options());
+            sync_group::install(sync_group::Recipe {
+                store: dist.store.clone(),
+                rank: dist.env.rank,
+                world_size: dist.env.world_size,
+                options: role_options,
+            })
+        } else {
+            sync_group::install_none()
+        };
+        Ok((sync, sharding, sync_batch_norm))
     }
 
     pub fn rank(&self) -> usize {

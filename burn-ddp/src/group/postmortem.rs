@@ -29,7 +29,7 @@ use crate::error::{GoneRank, StoreError};
 use crate::store::{PrefixStore, Store};
 
 /// How long a rank that lost a peer waits for the other ranks' reports before it names the
-/// silent ones as dead.
+/// silent ones as dead, by default ([`crate::group::TcpGroupOptions::failure_detection`]).
 pub(crate) const REPORT_WINDOW: Duration = Duration::from_millis(2500);
 /// How often the wait looks again (it also wakes as soon as the awaited rank reports).
 const SLICE: Duration = Duration::from_millis(250);
@@ -218,7 +218,8 @@ fn gone(
 /// `store`, then calls `published` (the caller closes its connections there: a neighbour that
 /// sees them close then finds the report already there), and, when the rank lost a peer, returns
 /// what the reports say (module docs), waiting for them until `deadline` (the collective's) or
-/// [`REPORT_WINDOW`], whichever comes first.
+/// `window` (the group's failure detection, [`REPORT_WINDOW`] by default), whichever comes
+/// first.
 ///
 /// Bounded whatever the store does: `published` is called within [`STORE_GRACE`] even if the
 /// store does not answer, and the verdict comes by the end of the wait plus [`STORE_GRACE`]. The
@@ -228,10 +229,10 @@ pub(crate) fn post_mortem(
     store: &PrefixStore,
     (rank, world): (usize, usize),
     report: Report,
-    deadline: Instant,
+    (deadline, window): (Instant, Duration),
     published: impl FnOnce(),
 ) -> Verdict {
-    let until = deadline.min(Instant::now() + REPORT_WINDOW);
+    let until = deadline.min(Instant::now() + window);
     let (tx, rx) = mpsc::channel();
     let namespace = store.prefix().to_string();
     let store = store.clone();
@@ -316,7 +317,9 @@ mod tests {
             .into_iter()
             .map(|(rank, peer)| {
                 let ns = ns.clone();
-                std::thread::spawn(move || post_mortem(&ns, (rank, 4), lost(peer), deadline, || {}))
+                std::thread::spawn(move || {
+                    post_mortem(&ns, (rank, 4), lost(peer), (deadline, REPORT_WINDOW), || {})
+                })
             })
             .collect();
         for h in handles {
@@ -348,14 +351,14 @@ mod tests {
         };
         let deadline = Instant::now() + Duration::from_secs(60);
         assert!(matches!(
-            post_mortem(&ns, (1, 4), mismatch, deadline, || {}),
+            post_mortem(&ns, (1, 4), mismatch, (deadline, REPORT_WINDOW), || {}),
             Verdict::Reported
         ));
         let start = Instant::now();
         // 0 lost 2, which lost 1, which reported its own error: at once.
         ns.set("failed/2", &encode_report(&lost(1))).unwrap();
         assert!(matches!(
-            post_mortem(&ns, (0, 4), lost(2), deadline, || {}),
+            post_mortem(&ns, (0, 4), lost(2), (deadline, REPORT_WINDOW), || {}),
             Verdict::Reported
         ));
         assert!(start.elapsed() < REPORT_WINDOW);
@@ -366,7 +369,7 @@ mod tests {
         let start = Instant::now();
         let deadline = start + Duration::from_millis(300);
         assert!(matches!(
-            post_mortem(&ns(), (0, 2), lost(1), deadline, || {}),
+            post_mortem(&ns(), (0, 2), lost(1), (deadline, REPORT_WINDOW), || {}),
             Verdict::Gone(_)
         ));
         assert!(start.elapsed() < REPORT_WINDOW, "{:?}", start.elapsed());
@@ -411,7 +414,7 @@ mod tests {
             &ns,
             (2, 4),
             lost(1),
-            start + Duration::from_secs(60),
+            (start + Duration::from_secs(60), REPORT_WINDOW),
             || closed = true,
         );
         assert!(

@@ -34,6 +34,8 @@ pub struct Config<M, D> {
     #[serde(default)]
     pub distributed: DistributedConfig,
     #[serde(default)]
+    pub fault_tolerance: FaultToleranceConfig,
+    #[serde(default)]
     pub output: OutputConfig,
 }
 
@@ -279,6 +281,55 @@ pub struct DistributedConfig {
     /// every one backward) or `"1f1b"` (one forward, one backward: fewer activations held,
     /// the same bubble and weights); see [`PipelineSchedule`].
     pub pipeline_schedule: PipelineSchedule,
+}
+
+/// `[fault_tolerance]`: what a rank's death does to the job.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct FaultToleranceConfig {
+    /// `"restart"` (torchrun's model): the launcher stops every rank, and `--max-restarts`
+    /// starts them all again from the newest checkpoint. `"continue"` (torchft's): the other
+    /// ranks drop the step in flight, re-form their group without the dead rank, re-shard the
+    /// rest of the epoch over themselves and train on, without a restart. With ZeRO stages 1
+    /// to 3 a dead rank's shard of the training state is only in the checkpoint, so a failure
+    /// still restarts every rank (the run's first lines say so). Not with pipeline stages.
+    pub on_rank_failure: OnRankFailure,
+    /// The fewest ranks the job trains with (`"continue"`): below it the survivors stop,
+    /// exit code 2, saying how many are left.
+    pub min_world_size: usize,
+    /// Seconds a rank that lost a peer waits for the other ranks' failure reports before it
+    /// names the silent ones dead (`"continue"` only; 1.0): how long the survivors stall
+    /// before they re-form, about torchft's best measured heartbeat. A live rank slower than
+    /// this to notice the failure (a loaded machine) is left out of the re-formed job.
+    pub detection_secs: f64,
+}
+
+/// `fault_tolerance.on_rank_failure`: see [`FaultToleranceConfig::on_rank_failure`].
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnRankFailure {
+    #[default]
+    Restart,
+    Continue,
+}
+
+impl Default for FaultToleranceConfig {
+    fn default() -> Self {
+        Self {
+            on_rank_failure: OnRankFailure::Restart,
+            min_world_size: 1,
+            detection_secs: 1.0,
+        }
+    }
+}
+
+impl FaultToleranceConfig {
+    /// Whether the survivors of a failure carry on in this job: `"continue"`, at ZeRO stage 0
+    /// (a sharded state is only whole in the checkpoint).
+    pub fn survivors_continue(&self, distributed: &DistributedConfig) -> bool {
+        self.on_rank_failure == OnRankFailure::Continue
+            && !distributed.zero_stage.shards_optimizer_state()
+    }
 }
 
 /// `distributed.zero_stage` as burn-ddp's serde reads it (a number, then

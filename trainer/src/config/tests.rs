@@ -274,3 +274,38 @@ fn fingerprint_tracks_training_settings_only() {
     b.model.hidden = vec![];
     assert_ne!(a.model_fingerprint(), b.model_fingerprint());
 }
+
+#[test]
+fn survivors_continue_at_zero_stage_0_only_and_never_with_pipeline_stages() {
+    let with = |extra: &str| parse(&format!("{MINIMAL}\n{extra}\n"));
+    let plain = parse(MINIMAL).unwrap();
+    assert_eq!(plain.fault_tolerance, FaultToleranceConfig::default());
+    assert!(!plain.fault_tolerance.survivors_continue(&plain.distributed));
+    let ft = "[fault_tolerance]\non_rank_failure = \"continue\"";
+    let on = with(ft).unwrap();
+    assert!(on.fault_tolerance.survivors_continue(&on.distributed));
+    // A sharded state is whole only in the checkpoint: a failure restarts every rank.
+    let sharded = with(&format!("{ft}\n[distributed]\nzero_stage = 1")).unwrap();
+    assert!(!sharded
+        .fault_tolerance
+        .survivors_continue(&sharded.distributed));
+    let err = with(&format!("{ft}\n[distributed]\npipeline_stages = 2"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("fault_tolerance.on_rank_failure") && err.contains("pipeline_stages = 2"),
+        "{err}"
+    );
+    let err = with(&format!("{ft}\nmin_world_size = 0"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fault_tolerance.min_world_size"), "{err}");
+    let err = with(&format!("{ft}\ndetection_secs = 0"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("fault_tolerance.detection_secs"), "{err}");
+    let err = with("[fault_tolerance]\non_rank_failure = \"pray\"")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("on_rank_failure"), "{err}");
+}

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use burn_ddp::pipeline::PipelineLayout;
 use serde::de::DeserializeOwned;
 
-use super::schema::{Config, DeviceKind};
+use super::schema::{Config, DeviceKind, OnRankFailure};
 
 /// A configuration problem: the user must fix the file (exit code 2).
 #[derive(Debug, thiserror::Error)]
@@ -113,6 +113,31 @@ impl<M, D> Config<M, D> {
                     "= 3 cannot be combined with pipeline_stages = {} yet (stage 3 shards a whole model's marked blocks); use zero_stage = 2 with pipeline stages, or zero_stage = 3 without",
                     self.distributed.pipeline_stages
                 ),
+            );
+        }
+        let ft = &self.fault_tolerance;
+        if ft.on_rank_failure == OnRankFailure::Continue && self.distributed.pipeline_stages > 1 {
+            return invalid(
+                "fault_tolerance.on_rank_failure",
+                format!(
+                    "= \"continue\" cannot be combined with pipeline_stages = {} yet (a lost stage leaves its replica without that part of the model); use \"restart\" with --max-restarts",
+                    self.distributed.pipeline_stages
+                ),
+            );
+        }
+        if !(ft.detection_secs.is_finite() && ft.detection_secs > 0.0) {
+            return invalid(
+                "fault_tolerance.detection_secs",
+                format!(
+                    "must be a positive number of seconds (got {})",
+                    ft.detection_secs
+                ),
+            );
+        }
+        if ft.min_world_size == 0 {
+            return invalid(
+                "fault_tolerance.min_world_size",
+                "must be at least 1 (got 0)".into(),
             );
         }
         if self.checkpoint.keep_last == 0 {

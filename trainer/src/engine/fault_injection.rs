@@ -6,9 +6,19 @@
 use std::time::Duration;
 
 use crate::launcher::worker_env::{
-    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_RANK_VAR, RESTART_COUNT_VAR,
-    SEED_BY_RANK_VAR, SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
+    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR,
+    LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR, SLOW_STEP_VAR,
+    STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
 };
+
+/// The rank this process was launched as (`RANK`), else `rank`: the crash and stall hooks
+/// name processes, which keep their launch rank when the job re-forms without a lost rank.
+fn launch_rank(rank: usize) -> usize {
+    std::env::var(RANK_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(rank)
+}
 
 /// The launcher's restart count: 0 on the first attempt and without a launcher (ours, or
 /// torchrun's `TORCHELASTIC_RESTART_COUNT`).
@@ -53,6 +63,7 @@ pub fn crash_after_step_if_asked(rank: usize, step: usize) {
     let Ok(steps) = std::env::var(CRASH_AFTER_STEP_VAR) else {
         return;
     };
+    let rank = launch_rank(rank);
     let ranks = std::env::var(CRASH_RANK_VAR).ok();
     let attempt = restart_count();
     if let Some((at, who)) = crash_point(&steps, ranks.as_deref(), attempt) {
@@ -78,6 +89,46 @@ pub fn crash_in_checkpoint_if_asked(step: usize) {
         );
         kill_self();
     }
+}
+
+/// `TRAINER_CRASH_IN_STEP=STEP` (with `TRAINER_CRASH_RANK=R[+R…]`: those ranks at once):
+/// kills this process with SIGKILL in the middle of optimizer step `step` (its gradients
+/// computed, not yet summed). First attempt only.
+pub fn crash_in_step_if_asked(rank: usize, step: usize) {
+    let rank = launch_rank(rank);
+    let at = std::env::var(CRASH_IN_STEP_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok());
+    let who = std::env::var(CRASH_RANK_VAR).ok();
+    let named = who
+        .as_deref()
+        .is_none_or(|list| list.split('+').any(|r| r.trim().parse() == Ok(rank)));
+    if at == Some(step) && named && restart_count() == 0 {
+        eprintln!(
+            "[rank {rank}] {CRASH_IN_STEP_VAR}={step}: killing this process in the middle of step {step} (fault injection)"
+        );
+        kill_self();
+    }
+}
+
+/// `TRAINER_LEAVE_AFTER_STEP=STEP:R[+R…]`: the ranks that leave the job right after optimizer
+/// step `step` ([`leaving_ranks`]), if any.
+pub fn leaving_after_step(step: usize) -> Option<Vec<usize>> {
+    let spec = std::env::var(LEAVE_AFTER_STEP_VAR).ok()?;
+    leaving_ranks(&spec, step)
+}
+
+/// The ranks `spec` (`"STEP:R[+R…]"`) makes leave after step `step`; `None` at another step or
+/// when it does not parse.
+pub fn leaving_ranks(spec: &str, step: usize) -> Option<Vec<usize>> {
+    let (at, ranks) = spec.split_once(':')?;
+    if at.trim().parse::<usize>().ok()? != step {
+        return None;
+    }
+    ranks
+        .split('+')
+        .map(|r| r.trim().parse::<usize>().ok())
+        .collect()
 }
 
 fn kill_self() {
@@ -122,6 +173,7 @@ pub fn stall_if_asked(rank: usize, step: usize) {
     let Ok(spec) = std::env::var(STALL_AFTER_STEP_VAR) else {
         return;
     };
+    let rank = launch_rank(rank);
     let parsed = spec
         .split_once(':')
         .and_then(|(at, secs)| Some((at.parse::<usize>().ok()?, secs.parse::<f64>().ok()?)));
@@ -138,7 +190,14 @@ pub fn stall_if_asked(rank: usize, step: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::crash_point;
+    use super::{crash_point, leaving_ranks};
+
+    #[test]
+    fn a_scripted_resize_names_its_step_and_ranks() {
+        assert_eq!(leaving_ranks("4:1+3", 4), Some(vec![1, 3]));
+        assert_eq!(leaving_ranks("4:1", 5), None);
+        assert_eq!(leaving_ranks("4:x", 4), None);
+    }
 
     #[test]
     fn one_step_crashes_the_first_attempt_only() {

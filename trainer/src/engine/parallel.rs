@@ -16,7 +16,7 @@ use burn::tensor::Device;
 use burn_ddp::{DataParallel, DdpOptions, Distributed};
 
 use crate::app::{App, AppConfig};
-use crate::config::DistributedConfig;
+use crate::config::{DistributedConfig, FaultToleranceConfig};
 use crate::engine::checkpoint::{
     self, Checkpoint, Manifest, OptimizerState, TrainPosition, FORMAT_VERSION,
 };
@@ -41,7 +41,8 @@ pub struct CheckpointPolicy {
 }
 
 /// The DDP options `[distributed]` describes: its fields are burn-ddp's types already.
-pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
+pub fn ddp_options(d: &DistributedConfig, ft: &FaultToleranceConfig) -> DdpOptions {
+    let default = DdpOptions::default();
     DdpOptions {
         transport: d.gradient_sync,
         zero_stage: d.zero_stage,
@@ -51,6 +52,14 @@ pub fn ddp_options(d: &DistributedConfig) -> DdpOptions {
         buffers: d.sync_buffers,
         timeout: Duration::from_secs(d.timeout_secs),
         stall_warning: Duration::from_secs(d.stall_warning_secs),
+        // Where the survivors carry on, a death is known after `detection_secs`; elsewhere it
+        // only names the dead rank in the error, and the default's longer wait is kinder to a
+        // loaded machine.
+        failure_detection: if ft.survivors_continue(d) {
+            Duration::from_secs_f64(ft.detection_secs)
+        } else {
+            default.failure_detection
+        },
     }
 }
 
@@ -103,9 +112,10 @@ impl CheckpointPolicy {
 pub fn data_parallel(
     dist: Distributed,
     options: &DistributedConfig,
+    ft: &FaultToleranceConfig,
     device: &Device,
 ) -> anyhow::Result<DataParallel> {
-    Ok(DataParallel::new(dist, ddp_options(options), device)?)
+    Ok(DataParallel::new(dist, ddp_options(options, ft), device)?)
 }
 
 /// The newest usable checkpoint under `policy.dir` (damaged ones are skipped with a

@@ -14,7 +14,9 @@
 //!   launcher (`PR_SET_PDEATHSIG`), so no orphan outlives it.
 //! - The first rank to fail stops the others (SIGTERM, then SIGKILL after a grace period), and
 //!   the launcher reports which rank failed and how, last, where the user looks; with
-//!   `--max-restarts K` every rank is then started again, up to K times.
+//!   `--max-restarts K` every rank is then started again, up to K times. With
+//!   `--survivors-continue` (the trainer's `[fault_tolerance] on_rank_failure = "continue"`)
+//!   a failed rank is reported and the others go on without it.
 
 use std::ffi::{OsStr, OsString};
 use std::io::IsTerminal;
@@ -177,7 +179,11 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
             }
         );
         let children = start_ranks(&plan, program, port, attempt)?;
-        let outcome = supervise(children, &interrupted);
+        let outcome = if plan.survivors_continue {
+            supervise_survivors(children, &interrupted)
+        } else {
+            supervise(children, &interrupted)
+        };
         drop(server);
         match outcome {
             Outcome::Success => return Ok(ExitCode::SUCCESS),
@@ -391,6 +397,44 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
         if done.iter().all(Option::is_some) {
             flush_logs(children);
             return Outcome::Success;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `--survivors-continue`: waits for every rank; a failed rank is reported as it fails (its
+/// last lines with it) and the others go on without it. The job succeeds when some rank
+/// finished with success; otherwise it ends with the code of the last rank to fail (the
+/// survivors' verdict, such as 2 when too few ranks were left).
+fn supervise_survivors(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
+    let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
+    let mut last_failure: Option<ExitStatus> = None;
+    loop {
+        let sig = interrupted.load(Ordering::SeqCst);
+        if sig != 0 {
+            stop_all(&mut children, &done);
+            flush_logs(children);
+            return Outcome::Interrupted(sig);
+        }
+        let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
+        reap(&mut children, &mut done, &mut failed);
+        for (rank, status) in failed {
+            let still_running = done.iter().filter(|d| d.is_none()).count();
+            eprintln!(
+                "trainer launcher: rank {rank} failed: {}; {still_running} rank(s) carry on without it (--survivors-continue)",
+                describe(status)
+            );
+            last_failure = Some(status);
+        }
+        if done.iter().all(Option::is_some) {
+            flush_logs(children);
+            let succeeded = done.iter().flatten().any(ExitStatus::success);
+            return match (succeeded, last_failure) {
+                (false, Some(status)) => Outcome::Failed {
+                    code: status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
+                },
+                _ => Outcome::Success,
+            };
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -48,6 +48,11 @@ pub struct LaunchArgs {
     /// from the newest complete checkpoint. Bad input (exit code 2) is never retried.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
+    /// A rank's failure does not stop the other ranks: they carry on without it, and the job
+    /// succeeds if they do. The program must re-form its group itself: the trainer's
+    /// `[fault_tolerance] on_rank_failure = "continue"` sets this on its own.
+    #[arg(long)]
+    pub survivors_continue: bool,
 }
 
 impl LaunchArgs {
@@ -117,6 +122,8 @@ pub struct LaunchPlan {
     pub max_restarts: usize,
     /// Where each rank's own log goes (`--log-dir`).
     pub log_dir: Option<PathBuf>,
+    /// A failed rank leaves the others running (`--survivors-continue`).
+    pub survivors_continue: bool,
 }
 
 impl LaunchPlan {
@@ -183,6 +190,7 @@ impl LaunchPlan {
             token: env.token.clone(),
             max_restarts: args.max_restarts,
             log_dir: args.log_dir.clone(),
+            survivors_continue: args.survivors_continue,
         })
     }
 

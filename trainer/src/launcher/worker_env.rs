@@ -75,13 +75,25 @@ pub const LAUNCHER_VARS: [&str; 12] = [
 /// `k` after step `Nk` (`crate::engine::fault_injection::crash_point`).
 pub const CRASH_AFTER_STEP_VAR: &str = "TRAINER_CRASH_AFTER_STEP";
 
-/// Fault injection: with [`CRASH_AFTER_STEP_VAR`], only this rank crashes (default: every rank);
-/// a list `R0,R1,…` names attempt `k`'s rank.
+/// Fault injection: with [`CRASH_AFTER_STEP_VAR`] or [`CRASH_IN_STEP_VAR`], only this rank
+/// crashes (default: every rank), named as launched (`RANK`: a job that re-formed without a
+/// lost rank renumbers the others, not its processes); a list `R0,R1,…` names attempt `k`'s
+/// rank.
 pub const CRASH_RANK_VAR: &str = "TRAINER_CRASH_RANK";
 
 /// Fault injection: SIGKILL rank 0 in the middle of writing the checkpoint of step N (after the
 /// weights are written, before the checkpoint is complete), on the first attempt only.
 pub const CRASH_IN_CHECKPOINT_VAR: &str = "TRAINER_CRASH_IN_CHECKPOINT";
+
+/// Fault injection: `"STEP"` kills the rank(s) of [`CRASH_RANK_VAR`] (default every rank)
+/// with SIGKILL in the middle of optimizer step STEP (counted from 1): after its micro-batches'
+/// forward and backward, before its gradients are summed. First attempt only.
+pub const CRASH_IN_STEP_VAR: &str = "TRAINER_CRASH_IN_STEP";
+
+/// Fault injection (the scripted resize of `[fault_tolerance]`'s tests): `"STEP:R[+R…]"` makes
+/// ranks R (of the group at that step) leave the job cleanly right after optimizer step STEP,
+/// and the others re-form their group without them, as after a failure at that boundary.
+pub const LEAVE_AFTER_STEP_VAR: &str = "TRAINER_LEAVE_AFTER_STEP";
 
 /// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
 /// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other

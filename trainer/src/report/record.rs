@@ -40,6 +40,21 @@ pub enum Record {
         /// slowest rank.
         time: StepTime,
     },
+    /// The job re-formed its group without ranks that left or died, after optimizer step
+    /// `step`, and trains on at `world_size` (`[fault_tolerance] on_rank_failure =
+    /// "continue"`); written by the new group's rank 0.
+    Regroup {
+        epoch: usize,
+        step: usize,
+        world_size: usize,
+        previous_world_size: usize,
+        /// The ranks (of the previous group) that are gone.
+        lost: Vec<usize>,
+        /// Steps dropped so far because a rank died during them.
+        dropped_steps: usize,
+        /// Seconds from the start of the failed step (or boundary) to the re-formed group.
+        recovery_secs: f64,
+    },
     /// Validation over every validation sample exactly once.
     Valid {
         epoch: usize,

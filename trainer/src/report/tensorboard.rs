@@ -113,7 +113,7 @@ impl EventWriter {
 
 /// The scalars TensorBoard shows for a record, with the step they belong to: training
 /// metrics, learning rate and throughput, the step time by phase (median over ranks, and the
-/// slowest rank's step), and validation metrics.
+/// slowest rank's step), validation metrics, and the world size after the job re-formed.
 pub fn scalars(record: &Record) -> Option<(usize, Vec<(String, f64)>)> {
     match record {
         Record::Train {
@@ -148,6 +148,18 @@ pub fn scalars(record: &Record) -> Option<(usize, Vec<(String, f64)>)> {
                 .iter()
                 .map(|(name, v)| (format!("valid/{name}"), *v))
                 .collect(),
+        )),
+        Record::Regroup {
+            step,
+            world_size,
+            recovery_secs,
+            ..
+        } => Some((
+            *step,
+            vec![
+                ("membership/world_size".into(), *world_size as f64),
+                ("membership/recovery_secs".into(), *recovery_secs),
+            ],
         )),
         Record::Start { .. } | Record::Finish { .. } => None,
     }

@@ -41,6 +41,10 @@ pub struct DdpOptions {
     pub timeout: Duration,
     /// Warn about ranks that have not arrived after this long in one collective.
     pub stall_warning: Duration,
+    /// How long a rank that lost a peer waits for the others' failure reports before it names
+    /// the silent ones dead ([`TcpGroupOptions::failure_detection`], 2.5 s): how long the
+    /// survivors of a failure take to know who died.
+    pub failure_detection: Duration,
 }
 
 impl Default for DdpOptions {
@@ -54,6 +58,7 @@ impl Default for DdpOptions {
             buffers: Some(BufferSync::Broadcast { root: 0 }),
             timeout: Duration::from_secs(300),
             stall_warning: Duration::from_secs(60),
+            failure_detection: TcpGroupOptions::default().failure_detection,
         }
     }
 }
@@ -102,6 +107,7 @@ impl DdpOptions {
             timeout: self.timeout,
             stall_warning: self.stall_warning,
             shared_memory_ring_bytes: job_ring_bytes(self.zero_stage),
+            failure_detection: self.failure_detection,
             ..Default::default()
         }
     }

@@ -181,7 +181,8 @@ impl TcpProcessGroup {
             message: why.to_string(),
         };
         let Membership { rank, world_size } = self.member;
-        let verdict = post_mortem(&self.store, (rank, world_size), report, deadline, || {
+        let window = (deadline, self.options.failure_detection);
+        let verdict = post_mortem(&self.store, (rank, world_size), report, window, || {
             let _ = ring.next.stream.shutdown(Shutdown::Both);
             let _ = ring.prev.stream.shutdown(Shutdown::Both);
             drop(ring);

@@ -36,6 +36,11 @@ pub struct TcpGroupOptions {
     /// The group's namespace in the store ([`PrefixStore`]): two groups formed through one store
     /// at the same time need different prefixes. Default [`DEFAULT_STORE_PREFIX`].
     pub store_prefix: String,
+    /// How long a rank that lost a peer waits for the other ranks' failure reports before it
+    /// names the silent ones dead (the group's post-mortem): live ranks report at once, so
+    /// this bounds how long a rank's death takes to be known. Default 2.5 s. Need not match
+    /// across ranks.
+    pub failure_detection: Duration,
 }
 
 impl Default for TcpGroupOptions {
@@ -49,6 +54,7 @@ impl Default for TcpGroupOptions {
             shared_memory: None,
             shared_memory_ring_bytes: shm::DEFAULT_CAPACITY,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
+            failure_detection: crate::group::postmortem::REPORT_WINDOW,
         }
     }
 }

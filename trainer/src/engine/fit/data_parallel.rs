@@ -18,15 +18,17 @@ use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
 use burn_ddp::ddp::fsdp::reshard::ShardTarget;
 use burn_ddp::ddp::zero::sharded_sync;
+use burn_ddp::elastic::AgreementOptions;
 use burn_ddp::{DataParallel, Distributed, MicroBatch, StepOutcome};
 
 use super::across_ranks::{across_ranks, train_metrics_window};
 use super::events::HeldState;
+use super::membership::{MembershipChange, Regrouped};
 use super::optimizer::optimizer;
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
 use super::summary::Validation;
-use super::training_loop::{fit, LoopSettings};
+use super::training_loop::{fit, Fitted, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
 use crate::engine::device::{pin_default_device, train_device};
@@ -57,10 +59,13 @@ pub struct RankStart<A: App> {
 impl<A: App> RankStart<A> {
     /// The config tables the training loop reads.
     pub(crate) fn loop_settings(&self) -> LoopSettings {
+        let ft = &self.config.fault_tolerance;
         LoopSettings {
             training: self.config.training.clone(),
             checkpoint: self.config.checkpoint.clone(),
             optimizer: self.config.optimizer.clone(),
+            fault_tolerance: ft.clone(),
+            survivors_continue: ft.survivors_continue(&self.config.distributed),
         }
     }
 }
@@ -85,11 +90,11 @@ pub fn start<A: App>(
         ));
     }
     let dist = Distributed::from_env_or_standalone(
-        parallel::ddp_options(&config.distributed).tcp_options(),
+        parallel::ddp_options(&config.distributed, &config.fault_tolerance).tcp_options(),
     )?;
     // ZeRO stage 3 on a GPU trains with Burn's gradient checkpointing (burn-ddp's rule).
     let device = DataParallel::training_device(
-        &parallel::ddp_options(&config.distributed),
+        &parallel::ddp_options(&config.distributed, &config.fault_tolerance),
         train_device(config.output.device, dist.env.local_rank)?,
     );
     Ok(RankStart {
@@ -114,7 +119,8 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         device,
         no_resume,
     } = start;
-    let mut ddp = parallel::data_parallel(dist, &config.distributed, &device)?;
+    let mut ddp =
+        parallel::data_parallel(dist, &config.distributed, &config.fault_tolerance, &device)?;
     ddp.check_same(&config.fingerprint())?;
     let (rank, world) = (ddp.rank(), ddp.world_size());
     device.seed(fault_injection::init_seed(config.training.seed, rank));
@@ -122,7 +128,21 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
     let sampler = EpochSampler::for_app(&app, &config.training, &*data.train, world, rank)?;
     let mut reporter = RankReporter::new(rank, &config.output);
     let mut steps = DataParallelSteps::new(app, config, ddp, data, device, no_resume);
-    let (_, summary) = fit(&mut steps, model, sampler, &settings, &mut reporter)?;
+    if config_restarts_instead::<A>(&steps.config) {
+        tracing::warn!(
+            "fault_tolerance.on_rank_failure = \"continue\" at ZeRO stage {}: a rank's shard of the training state is only whole in the checkpoint, so a failure restarts every rank from the newest checkpoint (the launcher's --max-restarts)",
+            steps.config.distributed.zero_stage
+        );
+    }
+    let summary = match fit(&mut steps, model, sampler, &settings, &mut reporter)? {
+        Fitted::Done(_, summary) => summary,
+        Fitted::Left { step } => {
+            eprintln!("[rank {rank}] left the job after step {step}; the other ranks train on");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    // The job may have re-formed: rank 0 is the new group's.
+    let (rank, world) = (steps.ddp.rank(), steps.ddp.world_size());
     if rank == 0 {
         println!("{}", summary.line(world));
         if let Some(time) = &summary.time {
@@ -169,6 +189,17 @@ struct DataParallelSteps<A: App> {
     resume: bool,
     /// Fault injection: extra time in every step of this rank.
     slow_step: Option<Duration>,
+    /// How many outputs the step in flight found in `outputs` (its own go if it is dropped).
+    outputs_before_step: usize,
+}
+
+/// Whether `[fault_tolerance]` asks the survivors to carry on where they cannot (ZeRO stages
+/// 1 to 3): a failure then restarts every rank, as the warning says.
+fn config_restarts_instead<A: App>(config: &AppConfig<A>) -> bool {
+    config.fault_tolerance.on_rank_failure == crate::config::OnRankFailure::Continue
+        && !config
+            .fault_tolerance
+            .survivors_continue(&config.distributed)
 }
 
 impl<A: App> DataParallelSteps<A> {
@@ -189,6 +220,7 @@ impl<A: App> DataParallelSteps<A> {
             checkpoints: CheckpointPolicy::for_app(&app, &config),
             resume: config.checkpoint.resume && !no_resume,
             slow_step: fault_injection::slow_step_if_asked(ddp.rank()),
+            outputs_before_step: 0,
             config,
             ddp,
             data,
@@ -359,22 +391,78 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         clock: &mut PhaseClock,
     ) -> anyhow::Result<(A::Model, StepOutcome)> {
         self.device.seed(step.seed);
+        self.outputs_before_step = self.outputs.len();
         let grads = self.accumulate(&model, batches, step, clock)?;
+        fault_injection::crash_in_step_if_asked(self.ddp.rank(), step.number);
         let (optim, lr) = (&mut self.optim, step.lr);
         let mut optimizer_time = Duration::ZERO;
+        let mut updated = false;
         let started = Instant::now();
         let stepped = self.ddp.step(model, grads, |model, grads| {
+            updated = true;
             let optimize = Instant::now();
             let model = model.optimize(optim, lr.into(), grads);
             optimizer_time = optimize.elapsed();
             model
-        })?;
+        });
+        let stepped = match stepped {
+            Ok(stepped) => stepped,
+            // The optimizer state has moved on: this step cannot be dropped any more, so the
+            // error is not one the survivors carry on after.
+            Err(e) if updated => bail!(
+                "{e} (after this rank's optimizer applied the step, so the step cannot be dropped: restart from the newest checkpoint)"
+            ),
+            Err(e) => return Err(e.into()),
+        };
         clock.add(Phase::Optimizer, optimizer_time);
         clock.add(
             Phase::Sync,
             started.elapsed().saturating_sub(optimizer_time),
         );
         Ok(stepped)
+    }
+
+    /// A planned resize: the ranks not leaving re-form in their order. After a failure: the
+    /// survivors' agreement through the store, then the same (burn-ddp's
+    /// `DataParallel::regroup_after_failure`); a dropped step's outputs go.
+    fn regroup(&mut self, change: MembershipChange<'_>) -> anyhow::Result<Regrouped> {
+        let previous_world = self.ddp.world_size();
+        let lost = match change {
+            MembershipChange::Planned { leaving } => {
+                let members: Vec<usize> = (0..previous_world)
+                    .filter(|r| !leaving.contains(r))
+                    .collect();
+                self.ddp.regroup(&members)?;
+                (0..previous_world)
+                    .filter(|r| leaving.contains(r))
+                    .collect()
+            }
+            MembershipChange::Failure {
+                known_gone,
+                step,
+                in_step,
+            } => {
+                if in_step {
+                    self.outputs.truncate(self.outputs_before_step);
+                }
+                let detection = Duration::from_secs_f64(self.config.fault_tolerance.detection_secs);
+                let survivors = self.ddp.regroup_after_failure(
+                    known_gone,
+                    step as u64,
+                    &AgreementOptions::after_detection(detection),
+                )?;
+                survivors.lost
+            }
+        };
+        tracing::info!(
+            "the job re-formed without rank(s) {lost:?}: rank {} of {} now",
+            self.ddp.rank(),
+            self.ddp.world_size()
+        );
+        Ok(Regrouped {
+            previous_world,
+            lost,
+        })
     }
 
     fn train_metrics(

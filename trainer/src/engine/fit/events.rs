@@ -77,6 +77,18 @@ pub(crate) enum Event<'a> {
         metrics: &'a [MetricValue],
         time: StepTime,
     },
+    /// The job re-formed its group at `position` without the ranks `lost` (of the previous
+    /// group): this rank is now `rank` of `world_size`, and the run plans `total_steps`.
+    Regrouped {
+        position: TrainPosition,
+        rank: usize,
+        world_size: usize,
+        previous_world_size: usize,
+        lost: &'a [usize],
+        dropped_steps: usize,
+        recovery_secs: f64,
+        total_steps: usize,
+    },
     /// A validation during `epoch`; `epochs` when it ended that epoch (of that many), `None`
     /// for the final one of a run that stopped mid-epoch.
     Validated {

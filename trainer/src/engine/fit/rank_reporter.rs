@@ -46,6 +46,46 @@ impl RankReporter {
         }
     }
 
+    /// The job re-formed with this rank as `rank`: a rank that becomes rank 0 opens rank 0's
+    /// files (appending), and rank 0 writes the `regroup` record and says so.
+    fn regrouped(
+        &mut self,
+        rank: usize,
+        total_steps: usize,
+        position: TrainPosition,
+        record: &Record,
+    ) -> anyhow::Result<()> {
+        let was = std::mem::replace(&mut self.rank, rank);
+        if rank == 0 && was != 0 && self.reporter.is_some() {
+            self.reporter = Some(Reporter::new(
+                0,
+                &self.output.dir,
+                total_steps as u64,
+                position.step as u64,
+            )?);
+        }
+        if rank == 0 {
+            if let (
+                Some(reporter),
+                Record::Regroup {
+                    world_size,
+                    previous_world_size,
+                    lost,
+                    recovery_secs,
+                    ..
+                },
+            ) = (&mut self.reporter, record)
+            {
+                reporter.say(&format!(
+                    "after step {}: lost rank(s) {lost:?} of {previous_world_size}; training on with {world_size} ranks ({recovery_secs:.2} s from the failed step's start)",
+                    position.step
+                ));
+            }
+            self.record(record);
+        }
+        Ok(())
+    }
+
     /// A `valid` record, and the end of an epoch's line (of `epochs`).
     fn validated(&mut self, epoch: usize, v: &Validation, epochs: Option<usize>) {
         let Some(reporter) = &mut self.reporter else {
@@ -110,6 +150,29 @@ impl EventSink for RankReporter {
                 };
                 self.trained(position, &record, message);
             }
+            Event::Regrouped {
+                position,
+                rank,
+                world_size,
+                previous_world_size,
+                lost,
+                dropped_steps,
+                recovery_secs,
+                total_steps,
+            } => self.regrouped(
+                rank,
+                total_steps,
+                position,
+                &Record::Regroup {
+                    epoch: position.epoch,
+                    step: position.step,
+                    world_size,
+                    previous_world_size,
+                    lost: lost.to_vec(),
+                    dropped_steps,
+                    recovery_secs,
+                },
+            )?,
             Event::Validated {
                 epoch,
                 validation,

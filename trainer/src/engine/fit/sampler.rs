@@ -63,6 +63,24 @@ impl EpochSampler {
         }
     }
 
+    /// The same sampler as rank `rank` of `world`: after the job re-formed, the rest of an
+    /// epoch re-sharded over the ranks left (the global order is the same at every world size).
+    pub(crate) fn resharded(&self, world: usize, rank: usize) -> Self {
+        match self {
+            Self::Uniform(s) => Self::Uniform(DistributedSampler {
+                world_size: world,
+                rank,
+                ..s.clone()
+            }),
+            Self::Weighted(s) => {
+                let mut s = s.clone();
+                s.world_size = world;
+                s.rank = rank;
+                Self::Weighted(s)
+            }
+        }
+    }
+
     pub(crate) fn samples(&self, epoch: u64, consumed: usize) -> Vec<Sample> {
         match self {
             Self::Uniform(s) => s.samples(epoch, consumed),

@@ -16,6 +16,7 @@ use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
 use super::events::HeldState;
+use super::membership::{MembershipChange, Regrouped};
 use super::summary::Validation;
 use crate::engine::checkpoint::{Checkpoint, TrainPosition};
 use crate::engine::loader::BatchStream;
@@ -30,6 +31,8 @@ pub(crate) struct StepInput<'a> {
     /// The step's micro-batches in order, each with its weight (its share of the step's
     /// samples); the batch stream yields them in this order.
     pub micro_batches: Vec<(&'a [Sample], f32)>,
+    /// The step's number, counted from 1 over the run (the position's step after it).
+    pub number: usize,
     /// The seed of the step's randomness (dropout): the same in a resumed run.
     pub seed: u64,
     /// The learning rate of this step.
@@ -40,8 +43,10 @@ pub(crate) struct StepInput<'a> {
 pub(crate) trait StepKind {
     /// One sample of the training set.
     type Item: Send + Sync + 'static;
-    /// What this rank trains: the whole model, or its pipeline stage.
-    type Module;
+    /// What this rank trains: the whole model, or its pipeline stage. Cloned (cheaply: Burn's
+    /// tensors are shared) before a step when the survivors of a failure carry on, so that a
+    /// dropped step leaves the weights it started from.
+    type Module: Clone;
 
     /// This process's rank in the job.
     fn rank(&self) -> usize;
@@ -105,6 +110,14 @@ pub(crate) trait StepKind {
         module: &Self::Module,
         step: usize,
     ) -> anyhow::Result<Option<Validation>>;
+
+    /// Re-forms the job's groups at a step boundary without the ranks that left or died
+    /// (`change`); the rank and world size are then the new group's. Collective over the
+    /// ranks that carry on. A way to step that cannot carry on refuses (the default).
+    fn regroup(&mut self, change: MembershipChange<'_>) -> anyhow::Result<Regrouped> {
+        let _ = change;
+        anyhow::bail!("this way of stepping cannot re-form its group after a rank is lost")
+    }
 
     /// The end of the run, after the final checkpoint and validation.
     fn finish(&mut self, _position: TrainPosition) -> anyhow::Result<()> {

@@ -11,6 +11,32 @@ pub(crate) fn skipped_steps(skipped: usize) -> String {
     }
 }
 
+/// The end of a run's closing line for the times the job re-formed its group without ranks
+/// that left or died: nothing when it never did.
+pub(crate) fn regroups(membership: &Membership) -> String {
+    match membership.regroups {
+        0 => String::new(),
+        n => format!(
+            "; the job re-formed {n} time{} without the ranks it lost ({} step{} in flight dropped, {:.2} s recovering)",
+            if n == 1 { "" } else { "s" },
+            membership.dropped_steps,
+            if membership.dropped_steps == 1 { "" } else { "s" },
+            membership.recovery_secs
+        ),
+    }
+}
+
+/// What membership changes cost a run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Membership {
+    /// Times the job re-formed its group.
+    pub regroups: usize,
+    /// Steps dropped because a rank died during them.
+    pub dropped_steps: usize,
+    /// Seconds from the start of each failed step (or boundary) to the re-formed group, summed.
+    pub recovery_secs: f64,
+}
+
 /// What a finished run reports.
 #[derive(Debug, Clone)]
 pub struct Summary {
@@ -19,6 +45,8 @@ pub struct Summary {
     pub steps: usize,
     /// Optimizer steps skipped for non-finite gradients (`training.on_nonfinite = "skip"`).
     pub skipped_steps: usize,
+    /// What re-forming the job without lost ranks cost (`[fault_tolerance]`).
+    pub membership: Membership,
     /// Where the time of this process's steps went, over the ranks (`None` without steps).
     pub time: Option<String>,
 }
@@ -27,9 +55,10 @@ impl Summary {
     /// The line rank 0 prints at the end of a run.
     pub fn line(&self, world_size: usize) -> String {
         format!(
-            "{}{}",
+            "{}{}{}",
             self.result_line(world_size),
-            skipped_steps(self.skipped_steps)
+            skipped_steps(self.skipped_steps),
+            regroups(&self.membership)
         )
     }
 

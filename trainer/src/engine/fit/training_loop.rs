@@ -7,16 +7,27 @@
 //! `train_epoch`: for each optimizer step `optimizer_step` and `after_step` (`log_train`,
 //! checkpoint); then `end_of_epoch` → `finish` (`time_report`). What each becomes on disk or
 //! screen is the [`EventSink`]'s business.
+//!
+//! When the job's membership changes at a step boundary (`[fault_tolerance] on_rank_failure =
+//! "continue"`: a rank died; or the tests' scripted resize), the step kind re-forms its groups
+//! (`regroup`), the loop drops the step in flight (its weights are the clone taken before it),
+//! re-shards the rest of the epoch over the ranks left and plans the run again from the
+//! position, exactly as a resume at that world size would (`after_regroup`), and goes on: the
+//! one loop, re-entered at the same epoch.
 
 use std::time::Instant;
+
+use crate::config::FaultToleranceConfig;
+use crate::error::UsageError;
 
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
 use super::events::{Event, EventSink, HeldState};
+use super::membership::{peer_failure, MembershipChange, Regrouped};
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
-use super::summary::{NonFiniteGradients, Summary, Validation};
+use super::summary::{Membership, NonFiniteGradients, Summary, Validation};
 use crate::config::{CheckpointConfig, OnNonFinite, OptimizerConfig, TrainingConfig};
 use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::fault_injection;
@@ -32,25 +43,64 @@ pub(crate) struct LoopSettings {
     pub training: TrainingConfig,
     pub checkpoint: CheckpointConfig,
     pub optimizer: OptimizerConfig,
+    pub fault_tolerance: FaultToleranceConfig,
+    /// Whether the survivors of a failure carry on (`fault_tolerance`, at ZeRO stage 0).
+    pub survivors_continue: bool,
+}
+
+/// How a rank's training ended.
+pub(crate) enum Fitted<M> {
+    /// The run's end: the trained module and the summary.
+    Done(M, Summary),
+    /// This rank left the job after optimizer step `step`, as scripted.
+    Left { step: usize },
+}
+
+impl<M> Fitted<M> {
+    /// The trained module and summary of a run no rank of which may leave.
+    pub(crate) fn done(self) -> anyhow::Result<(M, Summary)> {
+        match self {
+            Self::Done(module, summary) => Ok((module, summary)),
+            Self::Left { step } => {
+                anyhow::bail!("this rank left the job after step {step}, which this way of stepping cannot do")
+            }
+        }
+    }
+}
+
+/// What the end of a step boundary asks of the loop.
+enum Boundary {
+    /// The next step of the same plan.
+    Continue,
+    /// The job re-formed its group: plan the rest again.
+    Regrouped,
+    /// This rank left the job.
+    Left,
 }
 
 /// Trains `module` with step kind `kind` from the newest checkpoint (or the start) to the end
-/// of the plan, reporting to `events`; returns the trained module and the run's summary.
-/// Collective over the job (every rank runs it with the same settings).
+/// of the plan, reporting to `events`; returns the trained module and the run's summary (or
+/// that this rank left the job). Collective over the job (every rank runs it with the same
+/// settings).
 pub(crate) fn fit<K: StepKind, E: EventSink>(
     kind: &mut K,
     module: K::Module,
     sampler: EpochSampler,
     settings: &LoopSettings,
     events: &mut E,
-) -> anyhow::Result<(K::Module, Summary)> {
+) -> anyhow::Result<Fitted<K::Module>> {
     let (mut module, restored) = kind.restore(module)?;
     let mut run = TrainingLoop::set_up(kind, events, settings, sampler, restored.as_ref())?;
     while run.plan.more_after(run.position) {
         module = run.train_epoch(module)?;
+        if run.left {
+            return Ok(Fitted::Left {
+                step: run.position.step,
+            });
+        }
     }
     let summary = run.finish(&module)?;
-    Ok((module, summary))
+    Ok(Fitted::Done(module, summary))
 }
 
 /// The state of one rank's training between its named steps (see [`fit`]).
@@ -68,6 +118,10 @@ struct TrainingLoop<'r, K: StepKind, E: EventSink> {
     last_valid: Option<Validation>,
     lr: f64,
     skipped: usize,
+    /// What re-forming the job cost so far.
+    membership: Membership,
+    /// Whether this rank has left the job (a scripted resize).
+    left: bool,
 }
 
 impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
@@ -111,6 +165,8 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             last_valid: None,
             lr: 0.0,
             skipped: 0,
+            membership: Membership::default(),
+            left: false,
         })
     }
 
@@ -131,12 +187,37 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         let workers = self.settings.training.num_workers;
         let mut batches = BatchStream::new(self.kind.train_set(), micro_indices, workers);
         for (k, step_samples) in steps.iter().enumerate() {
-            module = self.optimizer_step(module, &mut batches, step_samples)?;
+            let started = Instant::now();
+            // The weights and the schedule the step starts from, to carry on from if a rank
+            // dies during it.
+            let before = match self.settings.survivors_continue {
+                true => Some((module.clone(), self.schedule_state()?)),
+                false => None,
+            };
+            module = match (
+                self.optimizer_step(module, &mut batches, step_samples),
+                before,
+            ) {
+                (Ok(stepped), _) => stepped,
+                (Err(e), Some((module, schedule))) => {
+                    self.carry_on_after(e, Some(schedule), started)?;
+                    return Ok(module);
+                }
+                (Err(e), None) => return Err(e),
+            };
             self.position = self.plan.after_step(self.position, epoch_start, k);
             self.clock.end_step();
             self.window
                 .add(step_samples.len() * self.kind.data_parallel_size());
-            self.after_step(&module, step_samples)?;
+            match self.after_step(&module, step_samples) {
+                Ok(Boundary::Continue) => {}
+                Ok(Boundary::Regrouped | Boundary::Left) => return Ok(module),
+                Err(e) if self.settings.survivors_continue => {
+                    self.carry_on_after(e, None, started)?;
+                    return Ok(module);
+                }
+                Err(e) => return Err(e),
+            }
             if self.position.step >= self.plan.total_steps {
                 break;
             }
@@ -158,6 +239,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
     ) -> anyhow::Result<K::Module> {
         self.lr = self.schedule.next_lr();
         let step = StepInput {
+            number: self.position.step + 1,
             samples: step_samples,
             micro_batches: self.plan.micro_batches(step_samples),
             // Seeded per step, so dropout masks are the same in a resumed run.
@@ -186,8 +268,13 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
     }
 
     /// What the plan asks for after an optimizer step: a metrics line, a replica check, a
-    /// checkpoint; then the fault-injection hooks.
-    fn after_step(&mut self, module: &K::Module, step_samples: &[Sample]) -> anyhow::Result<()> {
+    /// checkpoint; then the fault-injection hooks, the last of which is the tests' scripted
+    /// resize.
+    fn after_step(
+        &mut self,
+        module: &K::Module,
+        step_samples: &[Sample],
+    ) -> anyhow::Result<Boundary> {
         let step = self.position.step;
         self.events.on(Event::Stepped {
             epoch: self.position.epoch,
@@ -205,6 +292,113 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         let rank = self.kind.rank();
         fault_injection::crash_after_step_if_asked(rank, step);
         fault_injection::stall_if_asked(rank, step);
+        match fault_injection::leaving_after_step(step) {
+            Some(leaving) if leaving.contains(&rank) => {
+                tracing::info!("rank {rank} leaves the job after step {step} (scripted resize)");
+                self.left = true;
+                Ok(Boundary::Left)
+            }
+            Some(leaving) => {
+                let started = Instant::now();
+                let regrouped = self
+                    .kind
+                    .regroup(MembershipChange::Planned { leaving: &leaving })?;
+                let schedule = self.schedule_state()?;
+                self.after_regroup(regrouped, schedule, started)?;
+                Ok(Boundary::Regrouped)
+            }
+            None => Ok(Boundary::Continue),
+        }
+    }
+
+    /// A failure at a step boundary that the survivors survive: the step kind re-forms the
+    /// group with the ranks that carry on, then [`after_regroup`](Self::after_regroup).
+    /// `dropped`: the schedule's state before the step in flight, when the failure came during
+    /// it (the step is dropped). Any other error, or one while re-forming, ends the run as
+    /// before. Collective over the survivors.
+    fn carry_on_after(
+        &mut self,
+        error: anyhow::Error,
+        dropped: Option<Vec<u8>>,
+        started: Instant,
+    ) -> anyhow::Result<()> {
+        let in_step = dropped.is_some();
+        let Some(known_gone) = peer_failure(&error) else {
+            return Err(error);
+        };
+        let step = self.position.step;
+        tracing::warn!(
+            "rank {}: {error:#}; the survivors re-form the job (fault_tolerance.on_rank_failure = \"continue\")",
+            self.kind.rank()
+        );
+        let change = MembershipChange::Failure {
+            known_gone: &known_gone,
+            step,
+            in_step,
+        };
+        let regrouped = self
+            .kind
+            .regroup(change)
+            .map_err(|e| e.context(format!("carrying on after step {step} failed: {error:#}")))?;
+        if in_step {
+            self.membership.dropped_steps += 1;
+        }
+        let schedule = match dropped {
+            Some(before) => before,
+            None => self.schedule_state()?,
+        };
+        self.after_regroup(regrouped, schedule, started)
+    }
+
+    /// The learning-rate schedule's state (its record), as a checkpoint holds it.
+    fn schedule_state(&self) -> anyhow::Result<Vec<u8>> {
+        self.schedule
+            .to_bytes()
+            .map_err(|e| anyhow::anyhow!("the learning-rate schedule: {e}"))
+    }
+
+    /// The rest of the run at the new world size, from the position: the epoch re-sharded
+    /// over the ranks left, the plan and the schedule's length planned again (the schedule
+    /// goes on from `schedule`, its state at the position), as a resume at this world size
+    /// would; the `Regrouped` event. Fewer ranks than `fault_tolerance.min_world_size` stop
+    /// the run (exit code 2).
+    fn after_regroup(
+        &mut self,
+        regrouped: Regrouped,
+        schedule: Vec<u8>,
+        started: Instant,
+    ) -> anyhow::Result<()> {
+        let (rank, world) = (self.kind.rank(), self.kind.data_parallel_size());
+        let min = self.settings.fault_tolerance.min_world_size;
+        if world < min {
+            return Err(UsageError(format!(
+                "only {world} of {} ranks are left after step {} (lost ranks {:?}), fewer than fault_tolerance.min_world_size = {min}: stopping; the newest checkpoint resumes the run",
+                regrouped.previous_world, self.position.step, regrouped.lost
+            ))
+            .into());
+        }
+        self.sampler = self.sampler.resharded(world, rank);
+        self.plan = plan(&*self.kind, self.settings, &self.sampler, self.position);
+        self.schedule = Schedule::new(&self.settings.optimizer, world, self.plan.total_steps)?
+            .load_bytes(schedule)
+            .map_err(|e| anyhow::anyhow!("the learning-rate schedule: {e}"))?;
+        // Kept out of the step times and the rate, as validation is.
+        let recovery = started.elapsed();
+        self.clock.exclude(recovery);
+        self.window.exclude(recovery);
+        let recovery_secs = recovery.as_secs_f64();
+        self.membership.regroups += 1;
+        self.membership.recovery_secs += recovery_secs;
+        self.events.on(Event::Regrouped {
+            position: self.position,
+            rank,
+            world_size: world,
+            previous_world_size: regrouped.previous_world,
+            lost: &regrouped.lost,
+            dropped_steps: self.membership.dropped_steps,
+            recovery_secs,
+            total_steps: self.plan.total_steps,
+        })?;
         Ok(())
     }
 
@@ -291,6 +485,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             validation,
             steps: position.step,
             skipped_steps: self.skipped,
+            membership: self.membership.clone(),
             time,
         })
     }

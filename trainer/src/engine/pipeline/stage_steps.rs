@@ -129,7 +129,7 @@ where
         stage: PhantomData,
     };
     let started = Instant::now();
-    let (stage, summary) = fit(&mut steps, stage, sampler, &settings, &mut reporter)?;
+    let (stage, summary) = fit(&mut steps, stage, sampler, &settings, &mut reporter)?.done()?;
     drop(stage);
     steps.closing_lines(&summary, started.elapsed())?;
     // Rank 0 may host the store: leave together.
@@ -163,8 +163,13 @@ fn form<A: App>(
         c.resume && !no_resume
     );
     dist.check_same(&settings, Duration::from_secs(d.timeout_secs))?;
-    PipelineParallel::new(dist, pipeline, parallel::ddp_options(d), device)
-        .map_err(usage_or_failure)
+    PipelineParallel::new(
+        dist,
+        pipeline,
+        parallel::ddp_options(d, &Default::default()),
+        device,
+    )
+    .map_err(usage_or_failure)
 }
 
 /// A pipeline that could not form or step: a usage error (exit code 2) when it is one.

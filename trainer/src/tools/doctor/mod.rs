@@ -161,7 +161,11 @@ fn resource_checks(
         enabled: burn_ddp::env::shared_memory_from(env),
         local_ranks: job.nproc,
         world_size: job.world_size,
-        groups: RingGroups::of(&parallel::ddp_options(&settings.distributed)),
+        groups: RingGroups::of(&parallel::ddp_options(
+            &settings.distributed,
+            // Fault tolerance forms no group of its own.
+            &Default::default(),
+        )),
         space: probe::fs_space(Path::new("/dev/shm")),
     }));
     let shape = JobShape {

@@ -150,6 +150,7 @@ impl EventSink for Recorder {
             Event::Validated {
                 epoch, validation, ..
             } => format!("validated {epoch} {}", validation.step),
+            Event::Regrouped { position, .. } => format!("regrouped {}", position.step),
             Event::StepsDone => "steps done".into(),
             Event::Finished { step, .. } => format!("finished {step}"),
             Event::Ended => "ended".into(),
@@ -185,6 +186,7 @@ fn settings() -> LoopSettings {
             ..CheckpointConfig::default()
         },
         optimizer: OptimizerConfig::default(),
+        ..LoopSettings::default()
     }
 }
 
@@ -194,7 +196,9 @@ fn sampler(settings: &LoopSettings) -> EpochSampler {
 
 fn run(fake: &mut Fake, settings: &LoopSettings) -> (anyhow::Result<Summary>, Recorder) {
     let mut events = Recorder::default();
-    let result = fit(fake, 0, sampler(settings), settings, &mut events).map(|(_, s)| s);
+    let result = fit(fake, 0, sampler(settings), settings, &mut events)
+        .and_then(|f| f.done())
+        .map(|(_, s)| s);
     (result, events)
 }
 
@@ -327,8 +331,9 @@ fn a_nonfinite_step_is_skipped_or_stops_the_run_as_configured() {
     let mut fake = Fake::new();
     fake.nonfinite = vec![5];
     let mut events = Recorder::default();
-    let (applied, summary) =
-        fit(&mut fake, 0, sampler(&settings), &settings, &mut events).expect("skipping trains on");
+    let (applied, summary) = fit(&mut fake, 0, sampler(&settings), &settings, &mut events)
+        .and_then(|f| f.done())
+        .expect("skipping trains on");
     assert_eq!((applied, summary.steps, summary.skipped_steps), (19, 20, 1));
 
     settings.training.on_nonfinite = OnNonFinite::Stop;

@@ -1,0 +1,223 @@
+//! A failure costs seconds, not the job (`[fault_tolerance] on_rank_failure = "continue"`):
+//! when a rank is killed with SIGKILL, in the middle of a step or between two steps, the
+//! other ranks drop the step in flight, re-form their group without it and train on, and end
+//! with the weights, optimizer state and schedule of a run whose membership was scripted to
+//! change at the same step boundary (`TRAINER_LEAVE_AFTER_STEP`: the rank leaves cleanly, no
+//! failure), bit for bit. Below `fault_tolerance.min_world_size` the survivors stop with exit
+//! code 2, saying how many are left.
+
+use std::path::Path;
+
+use crate::common::*;
+use crate::reference_models::{text_config, NOAM_ADAM};
+use crate::resume::assert_same_checkpoints;
+
+/// How the victim dies.
+#[derive(Clone, Copy, Debug)]
+enum Kill {
+    /// In the middle of step `n` (its gradients computed, not summed): the survivors drop
+    /// step `n`, so the boundary is after step `n - 1`.
+    MidStep(usize),
+    /// Right after step `n`: the boundary is after step `n` (the survivors find it gone in
+    /// step `n + 1`, which they drop).
+    AfterStep(usize),
+}
+
+impl Kill {
+    fn env(self) -> (&'static str, String) {
+        match self {
+            Self::MidStep(n) => ("TRAINER_CRASH_IN_STEP", n.to_string()),
+            Self::AfterStep(n) => ("TRAINER_CRASH_AFTER_STEP", n.to_string()),
+        }
+    }
+
+    fn boundary(self) -> usize {
+        match self {
+            Self::MidStep(n) => n - 1,
+            Self::AfterStep(n) => n,
+        }
+    }
+}
+
+fn continuing(body: &str, extra: &str) -> String {
+    format!("{body}\n[fault_tolerance]\non_rank_failure = \"continue\"\n{extra}")
+}
+
+/// Trains `body` at `world` ranks twice: rank `victim` killed as `kill` says, and the same
+/// rank leaving at the same boundary as scripted; both succeed and end bit for bit alike, and
+/// the failed run's metrics record the re-formed job.
+fn assert_failure_equals_scripted_resize(
+    name: &str,
+    body: &str,
+    world: usize,
+    victim: usize,
+    kill: Kill,
+) {
+    let dir = scratch(&format!("survivors-{name}"));
+    let body = continuing(body, "");
+    let context = format!("{name}: world {world}, rank {victim} killed {kill:?}");
+
+    let failed = write_config(&dir, "failed", &body);
+    let (var, value) = kill.env();
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&failed)
+        .args(["--nproc-per-node", &world.to_string()])
+        .env(var, value)
+        .env("TRAINER_CRASH_RANK", victim.to_string()));
+    assert_eq!(out.code, Some(0), "{context}:\n{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[
+            &format!("rank {victim} failed: killed by signal 9"),
+            "carry on without it",
+        ],
+        &out,
+    );
+    // Killed between steps, it is missed in the next step's gradient all-reduce: the
+    // survivors drop that step either way.
+    let dropped = 1;
+    assert_says(
+        &out.stdout,
+        &[&format!(
+            "the job re-formed 1 time without the ranks it lost ({dropped} step"
+        )],
+        &out,
+    );
+    let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
+    assert_eq!(regroups.len(), 1, "{context}: {regroups:?}");
+    let r = &regroups[0];
+    assert_eq!(
+        (
+            r["step"].as_u64(),
+            r["world_size"].as_u64(),
+            r["previous_world_size"].as_u64(),
+            r["lost"].clone(),
+            r["dropped_steps"].as_u64(),
+        ),
+        (
+            Some(kill.boundary() as u64),
+            Some(world as u64 - 1),
+            Some(world as u64),
+            serde_json::json!([victim]),
+            Some(dropped as u64),
+        ),
+        "{context}: {r}"
+    );
+
+    let scripted = write_config(&dir, "scripted", &body);
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&scripted)
+        .args(["--nproc-per-node", &world.to_string()])
+        .env(
+            "TRAINER_LEAVE_AFTER_STEP",
+            format!("{}:{victim}", kill.boundary()),
+        ));
+    assert_eq!(out.code, Some(0), "{context}, scripted:\n{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[&format!(
+            "[rank {victim}] left the job after step {}",
+            kill.boundary()
+        )],
+        &out,
+    );
+    assert_same_checkpoints(&dir, "failed", "scripted", &context);
+}
+
+/// The records of `kind` in a `metrics.jsonl`.
+fn records(path: &Path, kind: &str) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["kind"] == kind)
+        .collect()
+}
+
+fn digits(optimizer: &str) -> String {
+    // 30 steps of 12 per rank: the job re-forms mid-epoch and finishes the epoch re-sharded.
+    digits_config(optimizer, 12, "max_steps = 30").replace("epochs = 3", "epochs = 1")
+}
+
+#[test]
+fn a_rank_killed_mid_step_leaves_the_others_where_a_scripted_resize_does() {
+    assert_failure_equals_scripted_resize("digits-sgd-w3", &digits(SGD), 3, 1, Kill::MidStep(6));
+    // Rank 0 (metrics, checkpoints) dies: the new group's rank 0 takes its files over.
+    assert_failure_equals_scripted_resize("digits-adam-w4", &digits(ADAM), 4, 0, Kill::MidStep(9));
+}
+
+#[test]
+fn a_rank_killed_between_steps_leaves_the_others_where_a_scripted_resize_does() {
+    assert_failure_equals_scripted_resize(
+        "digits-adam-w3",
+        &digits(ADAM),
+        3,
+        2,
+        Kill::AfterStep(7),
+    );
+    assert_failure_equals_scripted_resize("digits-sgd-w4", &digits(SGD), 4, 3, Kill::AfterStep(4));
+}
+
+#[test]
+fn the_transformer_survives_a_rank_killed_mid_step_as_a_scripted_resize_does() {
+    let body = text_config(NOAM_ADAM, 5, "max_steps = 12");
+    assert_failure_equals_scripted_resize("text-adam-w3", &body, 3, 1, Kill::MidStep(5));
+}
+
+/// Ranks 1 and 2 of 4 killed in the same step: the two left re-form once, without both, and
+/// end where a scripted resize without both ends.
+#[test]
+fn two_ranks_killed_at_once_leave_the_other_two_where_a_scripted_resize_does() {
+    let dir = scratch("survivors-two-at-once");
+    let body = continuing(&digits(ADAM), "");
+    let failed = write_config(&dir, "failed", &body);
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&failed)
+        .args(["--nproc-per-node", "4"])
+        .env("TRAINER_CRASH_IN_STEP", "6")
+        .env("TRAINER_CRASH_RANK", "1+2"));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
+    assert_eq!(regroups.len(), 1, "{regroups:?}\n{}", out.all());
+    assert_eq!(
+        (
+            regroups[0]["lost"].clone(),
+            regroups[0]["world_size"].as_u64()
+        ),
+        (serde_json::json!([1, 2]), Some(2)),
+        "{}",
+        out.all()
+    );
+    let scripted = write_config(&dir, "scripted", &body);
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&scripted)
+        .args(["--nproc-per-node", "4"])
+        .env("TRAINER_LEAVE_AFTER_STEP", "5:1+2"));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_same_checkpoints(&dir, "failed", "scripted", "ranks 1 and 2 killed in step 6");
+}
+
+#[test]
+fn fewer_ranks_than_min_world_size_stop_with_exit_code_2_and_the_numbers() {
+    let dir = scratch("survivors-min-world");
+    let body = continuing(&digits(SGD), "min_world_size = 3");
+    let config = write_config(&dir, "run", &body);
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", "3"])
+        .env("TRAINER_CRASH_IN_STEP", "4")
+        .env("TRAINER_CRASH_RANK", "2"));
+    assert_eq!(out.code, Some(2), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &[
+            "only 2 of 3 ranks are left after step 3",
+            "fewer than fault_tolerance.min_world_size = 3",
+        ],
+        &out,
+    );
+}

@@ -1,0 +1,69 @@
+//! What the loop needs to carry on when the job's membership changes at a step boundary
+//! (`[fault_tolerance] on_rank_failure = "continue"`, or a scripted resize in the tests): why
+//! it changes, what the step kind reports back, and which errors are the loss of peers.
+
+use burn_ddp::elastic::{collective_failed_peers, failed_peers};
+use burn_ddp::{CollectiveError, DdpError};
+
+/// Why the job re-forms its group.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum MembershipChange<'a> {
+    /// The ranks `leaving` (of the current group) leave after this step, as every rank was
+    /// told (the tests' scripted resize, `TRAINER_LEAVE_AFTER_STEP`).
+    Planned { leaving: &'a [usize] },
+    /// A collective failed because peers died or stopped answering: `known_gone`, as the
+    /// group's post-mortem found them; `step`, the optimizer steps this rank has applied;
+    /// `in_step`, whether the failure came during a step (dropped: its outputs go too).
+    Failure {
+        known_gone: &'a [usize],
+        step: usize,
+        in_step: bool,
+    },
+}
+
+/// The group after a change, as the step kind reports it (the new rank and world size are
+/// the step kind's own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Regrouped {
+    pub previous_world: usize,
+    /// The ranks of the previous group that are not in the new one.
+    pub lost: Vec<usize>,
+}
+
+/// The ranks found gone when `error` is the loss of peers (burn-ddp's
+/// [`failed_peers`]), wherever it sits in the error's chain; `None` for any other error.
+pub(crate) fn peer_failure(error: &anyhow::Error) -> Option<Vec<usize>> {
+    error.chain().find_map(|cause| {
+        if let Some(ddp) = cause.downcast_ref::<DdpError>() {
+            return failed_peers(ddp);
+        }
+        cause
+            .downcast_ref::<CollectiveError>()
+            .and_then(collective_failed_peers)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use burn_ddp::{CollectiveError, DdpError};
+
+    use super::peer_failure;
+
+    #[test]
+    fn a_broken_group_is_a_peer_failure_and_a_mismatch_is_not() {
+        let aborted = CollectiveError::Aborted {
+            rank: 1,
+            first_error: "rank 2 is gone".into(),
+        };
+        let wrapped = anyhow::Error::from(DdpError::from(aborted)).context("the step");
+        assert_eq!(peer_failure(&wrapped), Some(vec![]));
+        let setup = CollectiveError::Setup {
+            rank: 1,
+            message: "bad world".into(),
+        };
+        assert_eq!(peer_failure(&anyhow::Error::from(setup)), None);
+        let mismatch = anyhow::Error::from(DdpError::Mismatch("settings".into()));
+        assert_eq!(peer_failure(&mismatch), None);
+        assert_eq!(peer_failure(&anyhow::anyhow!("disk full")), None);
+    }
+}
