@@ -273,6 +273,9 @@ pub enum DdpError {
     /// Rank 0 failed an action the other ranks waited for (writing a checkpoint).
     #[error("rank 0 failed {what}: {message}")]
     RankZeroFailed { what: String, message: String },
+    /// Rank 0 stopped beating while the others waited for it (it died during `what`).
+    #[error("rank 0 stopped during {what}: no sign of life for {silent:?} (it exited or crashed: look at its log)")]
+    RankZeroGone { what: String, silent: Duration },
     /// Synchronised BatchNorm failed in the last forward or backward (recorded there, since
     /// those cannot return errors): the step's statistics were not global.
     #[error(transparent)]

@@ -43,6 +43,42 @@ fn continuing(body: &str, extra: &str) -> String {
     format!("{body}\n[fault_tolerance]\non_rank_failure = \"continue\"\n{extra}")
 }
 
+/// Trains run `name` of `body` (written in `dir`) at `world` ranks with the fault-injection
+/// variables `env`, and expects the job to succeed.
+fn train_with(dir: &Path, name: &str, body: &str, world: usize, env: &[(&str, String)]) -> Output {
+    let config = write_config(dir, name, body);
+    let mut cmd = trainer();
+    cmd.arg("--config")
+        .arg(&config)
+        .args(["--nproc-per-node", &world.to_string()])
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())));
+    let out = run(&mut cmd);
+    assert_eq!(out.code, Some(0), "{name} ({env:?}):\n{}", out.all());
+    out
+}
+
+/// Trains run `scripted` of `body` with `leave` (`STEP:R[+R…]`) leaving as scripted, and
+/// expects it to end where run `failed` ended, bit for bit.
+fn assert_scripted_resize_ends_alike(
+    dir: &Path,
+    body: &str,
+    world: usize,
+    leave: &str,
+    context: &str,
+) {
+    let leaving = [("TRAINER_LEAVE_AFTER_STEP", leave.to_string())];
+    let out = train_with(dir, "scripted", body, world, &leaving);
+    let (step, ranks) = leave.split_once(':').unwrap_or_default();
+    for rank in ranks.split('+') {
+        assert_says(
+            &out.stderr,
+            &[&format!("[rank {rank}] left the job after step {step}")],
+            &out,
+        );
+    }
+    assert_same_checkpoints(dir, "failed", "scripted", context);
+}
+
 /// Trains `body` at `world` ranks twice: rank `victim` killed as `kill` says, and the same
 /// rank leaving at the same boundary as scripted; both succeed and end bit for bit alike, and
 /// the failed run's metrics record the re-formed job.
@@ -57,15 +93,9 @@ fn assert_failure_equals_scripted_resize(
     let body = continuing(body, "");
     let context = format!("{name}: world {world}, rank {victim} killed {kill:?}");
 
-    let failed = write_config(&dir, "failed", &body);
     let (var, value) = kill.env();
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&failed)
-        .args(["--nproc-per-node", &world.to_string()])
-        .env(var, value)
-        .env("TRAINER_CRASH_RANK", victim.to_string()));
-    assert_eq!(out.code, Some(0), "{context}:\n{}", out.all());
+    let killing = [(var, value), ("TRAINER_CRASH_RANK", victim.to_string())];
+    let out = train_with(&dir, "failed", &body, world, &killing);
     assert_says(
         &out.stderr,
         &[
@@ -105,25 +135,8 @@ fn assert_failure_equals_scripted_resize(
         "{context}: {r}"
     );
 
-    let scripted = write_config(&dir, "scripted", &body);
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&scripted)
-        .args(["--nproc-per-node", &world.to_string()])
-        .env(
-            "TRAINER_LEAVE_AFTER_STEP",
-            format!("{}:{victim}", kill.boundary()),
-        ));
-    assert_eq!(out.code, Some(0), "{context}, scripted:\n{}", out.all());
-    assert_says(
-        &out.stderr,
-        &[&format!(
-            "[rank {victim}] left the job after step {}",
-            kill.boundary()
-        )],
-        &out,
-    );
-    assert_same_checkpoints(&dir, "failed", "scripted", &context);
+    let leave = format!("{}:{victim}", kill.boundary());
+    assert_scripted_resize_ends_alike(&dir, &body, world, &leave, &context);
 }
 
 /// The records of `kind` in a `metrics.jsonl`.
@@ -171,33 +184,63 @@ fn the_transformer_survives_a_rank_killed_mid_step_as_a_scripted_resize_does() {
 fn two_ranks_killed_at_once_leave_the_other_two_where_a_scripted_resize_does() {
     let dir = scratch("survivors-two-at-once");
     let body = continuing(&digits(ADAM), "");
-    let failed = write_config(&dir, "failed", &body);
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&failed)
-        .args(["--nproc-per-node", "4"])
-        .env("TRAINER_CRASH_IN_STEP", "6")
-        .env("TRAINER_CRASH_RANK", "1+2"));
-    assert_eq!(out.code, Some(0), "{}", out.all());
+    let killing = [
+        ("TRAINER_CRASH_IN_STEP", "6".to_string()),
+        ("TRAINER_CRASH_RANK", "1+2".to_string()),
+    ];
+    let out = train_with(&dir, "failed", &body, 4, &killing);
     let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
-    assert_eq!(regroups.len(), 1, "{regroups:?}\n{}", out.all());
     assert_eq!(
-        (
-            regroups[0]["lost"].clone(),
-            regroups[0]["world_size"].as_u64()
-        ),
-        (serde_json::json!([1, 2]), Some(2)),
+        regroups
+            .iter()
+            .map(|r| (r["lost"].clone(), r["world_size"].as_u64()))
+            .collect::<Vec<_>>(),
+        vec![(serde_json::json!([1, 2]), Some(2))],
         "{}",
         out.all()
     );
-    let scripted = write_config(&dir, "scripted", &body);
-    let out = run(trainer()
-        .arg("--config")
-        .arg(&scripted)
-        .args(["--nproc-per-node", "4"])
-        .env("TRAINER_LEAVE_AFTER_STEP", "5:1+2"));
-    assert_eq!(out.code, Some(0), "{}", out.all());
-    assert_same_checkpoints(&dir, "failed", "scripted", "ranks 1 and 2 killed in step 6");
+    assert_scripted_resize_ends_alike(&dir, &body, 4, "5:1+2", "ranks 1 and 2 killed in step 6");
+}
+
+/// Rank 0 killed while it writes the checkpoint of step 10 (its weights written, the
+/// checkpoint not complete): the others know within the detection time (rank 0's heartbeat
+/// stops), re-form without it, and the new rank 0 writes the later checkpoints; no damaged
+/// checkpoint is taken for a good one, and the run ends where rank 0 leaving after step 10 as
+/// scripted ends.
+#[test]
+fn rank_0_killed_while_writing_a_checkpoint_leaves_the_others_training() {
+    let dir = scratch("survivors-in-checkpoint");
+    let body = continuing(&digits(SGD), "")
+        .replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 10");
+    let killing = [("TRAINER_CRASH_IN_CHECKPOINT", "10".to_string())];
+    let out = train_with(&dir, "failed", &body, 3, &killing);
+    assert_says(&out.stderr, &["rank 0 stopped during"], &out);
+    let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
+    assert_eq!(
+        regroups
+            .iter()
+            .map(|r| (
+                r["step"].as_u64(),
+                r["lost"].clone(),
+                r["dropped_steps"].as_u64()
+            ))
+            .collect::<Vec<_>>(),
+        vec![(Some(10), serde_json::json!([0]), Some(0))],
+        "{}",
+        out.all()
+    );
+    assert!(
+        newest_checkpoint(&dir.join("failed-ckpt")).ends_with("step-00000030"),
+        "{}",
+        out.all()
+    );
+    assert_scripted_resize_ends_alike(
+        &dir,
+        &body,
+        3,
+        "10:0",
+        "rank 0 killed in a checkpoint write",
+    );
 }
 
 #[test]

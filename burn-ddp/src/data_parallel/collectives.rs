@@ -7,6 +7,7 @@ use std::time::Duration;
 use burn::module::Module;
 
 use crate::data_parallel::handle::DataParallel;
+use crate::data_parallel::rank_zero;
 use crate::ddp::param_checksum;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
@@ -61,7 +62,9 @@ impl DataParallel {
     /// Rank 0 runs `action` (writing a checkpoint, a report) while the others wait for its
     /// verdict through the store, up to `timeout` (chosen by the caller, so a slow disk never
     /// trips the collectives' deadline). `key` names this occurrence; it must be the same on
-    /// every rank and new for each call. Collective.
+    /// every rank and new for each call. Collective. Rank 0 beats a counter in the store while
+    /// `action` runs, so the others know a dead rank 0 within the options' failure detection
+    /// ([`DdpError::RankZeroGone`]), not at `timeout`.
     ///
     /// Returns rank 0's own result to rank 0 (`Ok(Err(e))` when `action` failed); the other
     /// ranks get `Ok(Ok(()))`, or [`DdpError::RankZeroFailed`] carrying rank 0's message.
@@ -73,8 +76,18 @@ impl DataParallel {
         action: impl FnOnce() -> Result<(), E>,
     ) -> Result<Result<(), E>, DdpError> {
         let key = format!("burn-ddp/rank-zero/{key}");
+        let beat_key = format!("{key}/beat");
+        let detection = self.options.failure_detection;
         if self.rank() == 0 {
-            let result = action();
+            let result = match self.world_size() {
+                1 => action(),
+                _ => rank_zero::with_heartbeat(
+                    self.dist.store.as_ref(),
+                    &beat_key,
+                    detection / 4,
+                    action,
+                ),
+            };
             if self.world_size() > 1 {
                 let status = match &result {
                     Ok(()) => "ok".to_string(),
@@ -84,7 +97,13 @@ impl DataParallel {
             }
             return Ok(result);
         }
-        let status = self.dist.store.get(&key, timeout)?;
+        let status = rank_zero::wait_for_verdict(
+            self.dist.store.as_ref(),
+            (&key, &beat_key),
+            what,
+            timeout,
+            detection,
+        )?;
         if status != b"ok" {
             return Err(DdpError::RankZeroFailed {
                 what: what.to_string(),

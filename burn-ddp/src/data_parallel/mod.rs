@@ -34,11 +34,13 @@
 //! | `handle` | [`DataParallel`]: joining, preparing the model, sharding it (stage 3), what runs before a micro-batch's backward ([`DataParallel::micro_batch`]) and the step after it |
 //! | `collectives` | the rest a rank does with the others: its samples, exact sums, the replica check, rank 0's actions, the barrier |
 //! | `outcome` | [`StepOutcome`] |
+//! | `rank_zero` | rank 0's actions the others wait for through the store, with a heartbeat that tells a slow disk from a dead rank 0 |
 //! | `regroup` | the groups formed again among the ranks that carry on ([`DataParallel::regroup`], [`DataParallel::regroup_after_failure`]; [`crate::elastic`]) |
 
 mod collectives;
 mod handle;
 mod outcome;
+mod rank_zero;
 mod regroup;
 
 pub use handle::DataParallel;

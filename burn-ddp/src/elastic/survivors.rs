@@ -86,6 +86,7 @@ pub fn failed_peers(error: &DdpError) -> Option<Vec<usize>> {
             collective_failed_peers(c)
         }
         DdpError::Overlap(_) => Some(Vec::new()),
+        DdpError::RankZeroGone { .. } => Some(vec![0]),
         _ => None,
     }
 }

@@ -341,11 +341,8 @@ enum Outcome {
 fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     loop {
-        let sig = interrupted.load(Ordering::SeqCst);
-        if sig != 0 {
-            stop_all(&mut children, &done);
-            flush_logs(children);
-            return Outcome::Interrupted(sig);
+        if let Some(outcome) = stop_if_interrupted(&mut children, &done, interrupted) {
+            return outcome;
         }
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         reap(&mut children, &mut done, &mut failed);
@@ -402,35 +399,40 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
     }
 }
 
-/// `--survivors-continue`: waits for every rank; a failed rank is reported as it fails (its
-/// last lines with it) and the others go on without it. The job succeeds when some rank
-/// finished with success; otherwise it ends with the code of the last rank to fail (the
-/// survivors' verdict, such as 2 when too few ranks were left).
+/// `--survivors-continue`: waits for every rank; a failed rank is reported as it fails and the
+/// others go on without it. The job ends as the last rank to exit ends (the survivors' verdict:
+/// success, or 2 when too few ranks were left); among ranks that exit together, a failure.
 fn supervise_survivors(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
-    let mut last_failure: Option<ExitStatus> = None;
+    let mut last: Option<ExitStatus> = None;
     loop {
-        let sig = interrupted.load(Ordering::SeqCst);
-        if sig != 0 {
-            stop_all(&mut children, &done);
-            flush_logs(children);
-            return Outcome::Interrupted(sig);
+        if let Some(outcome) = stop_if_interrupted(&mut children, &done, interrupted) {
+            return outcome;
         }
+        let before = done.clone();
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         reap(&mut children, &mut done, &mut failed);
+        let mut exited: Vec<ExitStatus> = done
+            .iter()
+            .zip(&before)
+            .filter_map(|(now, was)| now.filter(|_| was.is_none()))
+            .collect();
+        // Of the ranks that exited since the last look, a failure speaks for them.
+        exited.sort_by_key(ExitStatus::success);
+        if let Some(&status) = exited.first() {
+            last = Some(status);
+        }
         for (rank, status) in failed {
             let still_running = done.iter().filter(|d| d.is_none()).count();
             eprintln!(
                 "trainer launcher: rank {rank} failed: {}; {still_running} rank(s) carry on without it (--survivors-continue)",
                 describe(status)
             );
-            last_failure = Some(status);
         }
         if done.iter().all(Option::is_some) {
             flush_logs(children);
-            let succeeded = done.iter().flatten().any(ExitStatus::success);
-            return match (succeeded, last_failure) {
-                (false, Some(status)) => Outcome::Failed {
+            return match last {
+                Some(status) if !status.success() => Outcome::Failed {
                     code: status.code().map(|c| c.clamp(1, 255) as u8).unwrap_or(1),
                 },
                 _ => Outcome::Success,
@@ -438,6 +440,21 @@ fn supervise_survivors(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Ou
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// When the launcher got a signal: every rank stopped, its output flushed, and the outcome.
+fn stop_if_interrupted(
+    children: &mut Vec<Rank>,
+    done: &[Option<ExitStatus>],
+    interrupted: &AtomicUsize,
+) -> Option<Outcome> {
+    let sig = interrupted.load(Ordering::SeqCst);
+    if sig == 0 {
+        return None;
+    }
+    stop_all(children, done);
+    flush_logs(std::mem::take(children));
+    Some(Outcome::Interrupted(sig))
 }
 
 /// The sort key that puts the likely cause of a failure first: a rank killed by a signal (its

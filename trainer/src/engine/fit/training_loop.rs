@@ -17,9 +17,6 @@
 
 use std::time::Instant;
 
-use crate::config::FaultToleranceConfig;
-use crate::error::UsageError;
-
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
@@ -28,13 +25,16 @@ use super::membership::{peer_failure, MembershipChange, Regrouped};
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
 use super::summary::{Membership, NonFiniteGradients, Summary, Validation};
-use crate::config::{CheckpointConfig, OnNonFinite, OptimizerConfig, TrainingConfig};
+use crate::config::{
+    CheckpointConfig, FaultToleranceConfig, OnNonFinite, OptimizerConfig, TrainingConfig,
+};
 use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::fault_injection;
 use crate::engine::loader::BatchStream;
 use crate::engine::plan::{PlanInput, StepPlan};
 use crate::engine::schedule::Schedule;
 use crate::engine::throughput::ThroughputWindow;
+use crate::error::UsageError;
 use crate::report::timing::{PhaseClock, StepTime};
 
 /// The config tables the loop reads.

@@ -1,0 +1,126 @@
+//! Rank 0's actions the others wait for through the store (a checkpoint write): rank 0 beats
+//! a counter while it works, so a waiting rank tells a slow disk from a dead rank 0 within the
+//! failure detection time instead of at the action's deadline.
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::error::{DdpError, StoreError};
+use crate::store::Store;
+
+/// Runs `action` while a helper thread adds 1 to `beat_key` every `interval` (store errors
+/// there are ignored: the verdict that follows says what went wrong).
+pub(super) fn with_heartbeat<T>(
+    store: &dyn Store,
+    beat_key: &str,
+    interval: Duration,
+    action: impl FnOnce() -> T,
+) -> T {
+    let (done, stop) = mpsc::channel::<()>();
+    std::thread::scope(|scope| {
+        scope.spawn(move || loop {
+            let _ = store.add(beat_key, 1);
+            match stop.recv_timeout(interval) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                _ => return,
+            }
+        });
+        let result = action();
+        drop(done);
+        result
+    })
+}
+
+/// Waits for rank 0's verdict under `key`, up to `timeout`; fails with
+/// [`DdpError::RankZeroGone`] once `beat_key` has not moved for `detection` after a first beat
+/// (four times `detection` before any: rank 0 may reach the action a little later).
+pub(super) fn wait_for_verdict(
+    store: &dyn Store,
+    (key, beat_key): (&str, &str),
+    what: &str,
+    timeout: Duration,
+    detection: Duration,
+) -> Result<Vec<u8>, DdpError> {
+    let started = Instant::now();
+    let deadline = started + timeout;
+    let slice = (detection / 4).max(Duration::from_millis(10));
+    let mut last_beat: Option<i64> = None;
+    let mut moved_at = started;
+    loop {
+        let now = Instant::now();
+        let left = deadline.saturating_duration_since(now);
+        if left <= slice {
+            return Ok(store.get(key, left)?);
+        }
+        match store.get(key, slice) {
+            Ok(status) => return Ok(status),
+            Err(StoreError::Timeout { .. }) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let beat = store.add(beat_key, 0)?;
+        let now = Instant::now();
+        if beat != 0 && last_beat != Some(beat) {
+            last_beat = Some(beat);
+            moved_at = now;
+        }
+        let allowed = if last_beat.is_some() {
+            detection
+        } else {
+            detection * 4
+        };
+        if now.duration_since(moved_at) > allowed {
+            return Err(DdpError::RankZeroGone {
+                what: what.to_string(),
+                silent: now.duration_since(moved_at),
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{wait_for_verdict, with_heartbeat};
+    use crate::error::DdpError;
+    use crate::store::{MemoryStore, Store};
+
+    /// A slow action that beats is waited for; one that stopped beating is named gone within
+    /// the detection time, long before the deadline.
+    #[test]
+    fn a_beating_rank_zero_is_waited_for_and_a_silent_one_is_gone() {
+        let store = MemoryStore::new();
+        let detection = Duration::from_millis(200);
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                with_heartbeat(&store, "k/beat", detection / 4, || {
+                    std::thread::sleep(detection * 3);
+                });
+                let _ = store.set("k", b"ok");
+            });
+            let verdict = wait_for_verdict(
+                &store,
+                ("k", "k/beat"),
+                "a slow write",
+                Duration::from_secs(60),
+                detection,
+            );
+            assert_eq!(verdict.map_err(|e| e.to_string()), Ok(b"ok".to_vec()));
+        });
+        // Beats once, then silence (rank 0 died mid-write).
+        let _ = store.add("gone/beat", 1);
+        let started = std::time::Instant::now();
+        let verdict = wait_for_verdict(
+            &store,
+            ("gone", "gone/beat"),
+            "a write",
+            Duration::from_secs(60),
+            detection,
+        );
+        assert!(
+            matches!(verdict, Err(DdpError::RankZeroGone { .. })),
+            "{verdict:?}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+}
