@@ -284,6 +284,9 @@ pub enum DdpError {
     /// [`crate::elastic`]): the message says why and what to do.
     #[error("elastic membership: {0}")]
     Membership(String),
+    /// A process that asked to join found the job ended: there is nothing left to train.
+    #[error("the job ended before this process could join it")]
+    JobEnded,
 }
 
 /// A failure of synchronised BatchNorm's statistics ([`crate::ddp::SyncBatchNorm`]), recorded

@@ -27,8 +27,28 @@ const SHARED_TOKEN_KEY: &str = "token";
 pub struct Distributed {
     pub env: DistEnv,
     pub group: TcpProcessGroup,
+    /// The store as this group sees it (the job's, or a namespace of it for a sub-group or a
+    /// later generation).
     pub store: Arc<dyn Store>,
+    /// The job's store itself: where later generations of the job and joining ranks meet.
+    pub(crate) root: Arc<dyn Store>,
+    /// How many times the job re-formed its group (0: as it started); generation `g > 0`
+    /// lives under `gen-{g}/` in the job's store.
+    pub(crate) generation: u64,
+    /// The join requests dealt with when this process joined the job (0 for a founding
+    /// member): where its [`crate::elastic::JoinWatch`] starts.
+    pub(crate) joins_handled: u64,
+    /// The settings fingerprint this process joined with (a founding member's is checked by
+    /// [`check_same`](Self::check_same) instead).
+    pub(crate) fingerprint: Option<String>,
     _server: Option<TcpStoreServer>,
+}
+
+/// The job's store as a rank connects to it, before it forms a group.
+struct Connected {
+    store: Arc<dyn Store>,
+    server: Option<TcpStoreServer>,
+    options: TcpGroupOptions,
 }
 
 impl Distributed {
@@ -45,7 +65,32 @@ impl Distributed {
     /// with torch's own workers. Without a token of its own ([`TOKEN_VAR`], or a caller's), rank 0
     /// then draws a random one per attempt and shares it through the store, so the ring still
     /// refuses peers of other jobs and of earlier attempts.
-    pub fn init(env: DistEnv, mut options: TcpGroupOptions) -> Result<Self, CollectiveError> {
+    pub fn init(env: DistEnv, options: TcpGroupOptions) -> Result<Self, CollectiveError> {
+        let Connected {
+            store,
+            server,
+            options,
+        } = Self::connect(&env, options, true)?;
+        let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
+        Ok(Self {
+            env,
+            group,
+            root: store.clone(),
+            store,
+            generation: 0,
+            joins_handled: 0,
+            fingerprint: None,
+            _server: server,
+        })
+    }
+
+    /// The job's store, connected as [`init`](Self::init) connects to it (rank 0 hosting it
+    /// when `may_host` and nobody else does), with the options completed (token, address).
+    fn connect(
+        env: &DistEnv,
+        mut options: TcpGroupOptions,
+        may_host: bool,
+    ) -> Result<Connected, CollectiveError> {
         let setup = |message: String| CollectiveError::Setup {
             rank: env.rank,
             message,
@@ -73,7 +118,7 @@ impl Distributed {
             rank: env.rank,
             source,
         };
-        let server = if env.rank == 0 && host.rank0_hosts() {
+        let server = if may_host && env.rank == 0 && host.rank0_hosts() {
             // Listen on loopback when rank 0's address is a loopback one (every rank is local):
             // nothing outside this machine can reach the store then.
             let bind_ip = if is_loopback(&endpoint) {
@@ -116,12 +161,10 @@ impl Distributed {
                 "cannot tell which local address reaches {endpoint}"
             )));
         }
-        let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
-        Ok(Self {
-            env,
-            group,
+        Ok(Connected {
             store,
-            _server: server,
+            server,
+            options,
         })
     }
 
@@ -187,21 +230,94 @@ impl Distributed {
             env,
             group,
             store,
+            root: Arc::clone(&self.root),
+            generation: self.generation,
+            joins_handled: 0,
+            fingerprint: None,
             _server: None,
         })
     }
 
-    /// Re-forms this job among `members` (ranks of this group, in the new group's rank order)
-    /// after other ranks left or died: the same as [`sub_group`](Self::sub_group) named
-    /// `name` (which must differ from every earlier generation's), except that the new group
-    /// then takes this one's place, and the store server this rank may host moves along. The
-    /// old group's connections close. On an error `self` is unchanged. Collective over
-    /// `members` only.
-    pub fn regroup(&mut self, members: &[usize], name: &str) -> Result<(), CollectiveError> {
-        let mut next = self.sub_group(members, name)?;
+    /// Re-forms this job as its next generation, in which this process is rank `rank` of
+    /// `world`: after ranks left or died (the ranks that carry on, in their old order), or
+    /// when ranks join (the members first, in their order, then the joiners, which call
+    /// [`join`](Self::join)). The group forms through the job's store under `gen-{g}/`, so
+    /// nothing of an earlier generation is read; it then takes this one's place, and the store
+    /// server this rank may host moves along. The old group's connections close. On an error
+    /// `self` is unchanged. Collective over the new generation's ranks only; the deadline is
+    /// the group's timeout.
+    pub fn regroup(&mut self, rank: usize, world: usize) -> Result<(), CollectiveError> {
+        let generation = self.generation + 1;
+        let env = DistEnv {
+            rank,
+            world_size: world,
+            ..self.env.clone()
+        };
+        let mut next = Self::form_generation(
+            env,
+            Arc::clone(&self.root),
+            self.group.options().clone(),
+            generation,
+        )?;
         next._server = self._server.take();
         *self = next;
         Ok(())
+    }
+
+    /// Generation `generation` of the job through `root`, the job's store.
+    fn form_generation(
+        env: DistEnv,
+        root: Arc<dyn Store>,
+        options: TcpGroupOptions,
+        generation: u64,
+    ) -> Result<Self, CollectiveError> {
+        let store: Arc<dyn Store> = match generation {
+            0 => Arc::clone(&root),
+            g => Arc::new(PrefixStore::new(format!("gen-{g}"), Arc::clone(&root))),
+        };
+        let group = TcpProcessGroup::new(Arc::clone(&store), env.rank, env.world_size, options)?;
+        Ok(Self {
+            env,
+            group,
+            store,
+            root,
+            generation,
+            joins_handled: 0,
+            fingerprint: None,
+            _server: None,
+        })
+    }
+
+    /// Joins a job that is already training (a rank restarted by its launcher, or a new one):
+    /// connects to the job's store as [`init`](Self::init) does (hosting nothing), asks to
+    /// join with this process's settings `fingerprint`, waits until the job admits it at a
+    /// step boundary (at most `options.timeout`: the job may be validating or writing a
+    /// checkpoint), and forms the grown generation with the ranks already there. Returns the
+    /// job, in which this process has the rank the admission gave, and the admission.
+    /// Collective with the job's ranks at their admission (see [`crate::elastic::join`]).
+    ///
+    /// # Errors
+    /// [`DdpError::Mismatch`] when the job refuses this process (other settings);
+    /// [`DdpError::JobEnded`] when it ended before this process could join;
+    /// [`DdpError::Membership`] when it did not admit it in time; [`DdpError::Store`] on a deadline or a
+    /// lost store; what forming the group reports.
+    pub fn join(
+        env: DistEnv,
+        options: TcpGroupOptions,
+        fingerprint: &str,
+    ) -> Result<(Self, crate::elastic::Admission), DdpError> {
+        let Connected { store, options, .. } = Self::connect(&env, options, false)?;
+        let admission =
+            crate::elastic::join::request_to_join(store.as_ref(), fingerprint, options.timeout)?;
+        let env = DistEnv {
+            rank: admission.rank,
+            world_size: admission.world,
+            ..env
+        };
+        let mut dist = Self::form_generation(env, store, options, admission.generation)?;
+        dist.joins_handled = admission.handled;
+        dist.fingerprint = Some(fingerprint.to_owned());
+        Ok((dist, admission))
     }
 
     /// A job whose group was formed by the caller (the tests' in-process worlds).
@@ -210,7 +326,11 @@ impl Distributed {
         Self {
             env,
             group,
+            root: Arc::clone(&store),
             store,
+            generation: 0,
+            joins_handled: 0,
+            fingerprint: None,
             _server: None,
         }
     }
@@ -286,7 +406,11 @@ impl Distributed {
         Self {
             env,
             group,
+            root: Arc::clone(&store),
             store,
+            generation: 0,
+            joins_handled: 0,
+            fingerprint: None,
             _server: None,
         }
     }

@@ -3,8 +3,12 @@
 //! other ranks drop the step in flight, re-form their group without it and train on, and end
 //! with the weights, optimizer state and schedule of a run whose membership was scripted to
 //! change at the same step boundary (`TRAINER_LEAVE_AFTER_STEP`: the rank leaves cleanly, no
-//! failure), bit for bit. Below `fault_tolerance.min_world_size` the survivors stop with exit
-//! code 2, saying how many are left.
+//! failure), bit for bit. Started again by the launcher (`--max-restarts`), the killed rank
+//! joins the others at a step boundary, taking rank 0's weights, optimizer state and position
+//! over the collectives, and the run ends bit for bit where a scripted leave and a scripted
+//! join at the same boundaries (`TRAINER_JOIN_AFTER_STEP`) end. Below
+//! `fault_tolerance.min_world_size` the survivors stop with exit code 2, saying how many are
+//! left.
 
 use std::path::Path;
 
@@ -46,11 +50,24 @@ fn continuing(body: &str, extra: &str) -> String {
 /// Trains run `name` of `body` (written in `dir`) at `world` ranks with the fault-injection
 /// variables `env`, and expects the job to succeed.
 fn train_with(dir: &Path, name: &str, body: &str, world: usize, env: &[(&str, String)]) -> Output {
+    train_restarting(dir, name, body, world, env, 0)
+}
+
+/// [`train_with`], with the launcher's `--max-restarts restarts`.
+fn train_restarting(
+    dir: &Path,
+    name: &str,
+    body: &str,
+    world: usize,
+    env: &[(&str, String)],
+    restarts: usize,
+) -> Output {
     let config = write_config(dir, name, body);
     let mut cmd = trainer();
     cmd.arg("--config")
         .arg(&config)
         .args(["--nproc-per-node", &world.to_string()])
+        .args(["--max-restarts", &restarts.to_string()])
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())));
     let out = run(&mut cmd);
     assert_eq!(out.code, Some(0), "{name} ({env:?}):\n{}", out.all());
@@ -240,6 +257,163 @@ fn rank_0_killed_while_writing_a_checkpoint_leaves_the_others_training() {
         3,
         "10:0",
         "rank 0 killed in a checkpoint write",
+    );
+}
+
+/// When the job admits the restarted rank.
+#[derive(Clone, Copy, Debug)]
+enum Join {
+    /// After step `n`, every rank waiting there for it (`TRAINER_JOIN_AFTER_STEP`).
+    After(usize),
+    /// As soon as it asks: after the step after the boundary where rank 0 sees its request.
+    WhenItAsks,
+}
+
+/// Trains `body` at `world` ranks twice: rank `victim` killed as `kill` says and started again
+/// by the launcher to join as `join` says; then the same rank leaving at the same boundary
+/// and joining again at the same step, as scripted. Both end bit for bit alike, and the
+/// failed run's metrics record the lost rank and the joined one.
+fn assert_failure_and_rejoin_equal_scripted_resize(
+    name: &str,
+    body: &str,
+    world: usize,
+    victim: usize,
+    kill: Kill,
+    join: Join,
+) {
+    let dir = scratch(&format!("rejoin-{name}"));
+    // Every step's replicas compared: a joiner that took anything else than rank 0's state
+    // (its optimizer's, say) drifts from the others at its first step.
+    let body = continuing(body, "").replace("[training]", "[training]\ncheck_replicas_every = 1");
+    let context = format!("{name}: world {world}, rank {victim} killed {kill:?}, joining {join:?}");
+
+    let (var, value) = kill.env();
+    let mut env = vec![(var, value), ("TRAINER_CRASH_RANK", victim.to_string())];
+    if let Join::After(step) = join {
+        env.push(("TRAINER_JOIN_AFTER_STEP", step.to_string()));
+    }
+    let out = train_restarting(&dir, "failed", &body, world, &env, 1);
+    assert_says(
+        &out.stderr,
+        &[
+            &format!("rank {victim} failed: killed by signal 9"),
+            &format!("started rank {victim} again to join the others (1 of 1 restarts)"),
+        ],
+        &out,
+    );
+    assert_says(&out.stdout, &["; ranks joined it 1 time ("], &out);
+    let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
+    let changes: Vec<_> = regroups
+        .iter()
+        .map(|r| {
+            (
+                r["step"].as_u64().unwrap_or(0) as usize,
+                r["world_size"].as_u64(),
+                r["lost"].clone(),
+                r["joined"].clone(),
+            )
+        })
+        .collect();
+    let joined_at = changes.get(1).map_or(0, |c| c.0);
+    if let Join::After(step) = join {
+        assert_eq!(joined_at, step, "{context}: {changes:?}");
+    }
+    assert_eq!(
+        changes,
+        vec![
+            (
+                kill.boundary(),
+                Some(world as u64 - 1),
+                serde_json::json!([victim]),
+                serde_json::json!([]),
+            ),
+            (
+                joined_at,
+                Some(world as u64),
+                serde_json::json!([]),
+                serde_json::json!([world - 1]),
+            ),
+        ],
+        "{context}: {}",
+        out.all()
+    );
+    assert!(joined_at > kill.boundary(), "{context}: {changes:?}");
+
+    let scripted = [
+        (
+            "TRAINER_LEAVE_AFTER_STEP",
+            format!("{}:{victim}", kill.boundary()),
+        ),
+        ("TRAINER_JOIN_AFTER_STEP", joined_at.to_string()),
+    ];
+    let out = train_with(&dir, "scripted", &body, world, &scripted);
+    assert_says(
+        &out.stderr,
+        &[&format!(
+            "[rank {victim}] left the job after step {}",
+            kill.boundary()
+        )],
+        &out,
+    );
+    assert_says(&out.stdout, &["; ranks joined it 1 time ("], &out);
+    assert_same_checkpoints(&dir, "failed", "scripted", &context);
+}
+
+#[test]
+fn a_rank_killed_and_started_again_joins_where_a_scripted_leave_and_join_do() {
+    assert_failure_and_rejoin_equal_scripted_resize(
+        "digits-sgd-w3",
+        &digits(SGD),
+        3,
+        1,
+        Kill::MidStep(6),
+        Join::After(12),
+    );
+    // Rank 0 dies: it joins again as the last rank of the grown job.
+    assert_failure_and_rejoin_equal_scripted_resize(
+        "digits-adam-w4",
+        &digits(ADAM),
+        4,
+        0,
+        Kill::MidStep(9),
+        Join::After(15),
+    );
+    assert_failure_and_rejoin_equal_scripted_resize(
+        "digits-adam-w3-between",
+        &digits(ADAM),
+        3,
+        2,
+        Kill::AfterStep(7),
+        Join::After(14),
+    );
+}
+
+/// Without the scripted join the restarted rank is admitted as soon as it asks (the run is
+/// long enough for it to start: 240 steps), and the run still ends where a scripted leave and
+/// join at the steps it recorded end.
+#[test]
+fn a_restarted_rank_joins_as_soon_as_it_asks() {
+    let body = digits_config(SGD, 4, "max_steps = 240").replace("epochs = 3", "epochs = 2");
+    assert_failure_and_rejoin_equal_scripted_resize(
+        "digits-sgd-w3-asks",
+        &body,
+        3,
+        2,
+        Kill::MidStep(5),
+        Join::WhenItAsks,
+    );
+}
+
+#[test]
+fn the_transformer_rejoins_as_a_scripted_leave_and_join_do() {
+    let body = text_config(NOAM_ADAM, 5, "max_steps = 12");
+    assert_failure_and_rejoin_equal_scripted_resize(
+        "text-adam-w3",
+        &body,
+        3,
+        1,
+        Kill::MidStep(5),
+        Join::After(8),
     );
 }
 

@@ -192,7 +192,10 @@ pub fn train_or_launch<A: App>(
         {
             tracing::debug!("the parent is pid 0 or 1: not watching for the launcher's death");
         }
-        let start = fit::start(app, config, args.no_resume, splitting)?;
+        let start = match fit::start(app, config, args.no_resume, splitting) {
+            Err(e) if fit::job_ended(&e) => return Ok(fit::ended_before_joining()),
+            start => start?,
+        };
         match stages {
             Some(stages) if start.config.distributed.pipeline_stages > 1 => {
                 pipeline::train(start, stages)

@@ -22,6 +22,7 @@ use crate::ddp::{
     prepare_module, DdpOptions, GradientCheck, GradientSync, OverlapStats, ReducerStats,
     StepTimeline,
 };
+use crate::elastic::JoinWatch;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, TcpProcessGroup};
 use crate::init::Distributed;
@@ -52,8 +53,11 @@ pub struct DataParallel {
     /// What the handle was made with, to form its groups again ([`Self::regroup`]).
     pub(super) options: DdpOptions,
     pub(super) device: Device,
-    /// How many times the job re-formed its group (0: as it started).
-    pub(super) generation: u64,
+    /// What this member knows of processes joining the job ([`Self::joiners_due`]).
+    pub(super) joins: JoinWatch,
+    /// This rank's settings fingerprint, once [`Self::check_same`] has checked it: a joiner
+    /// with another is refused.
+    pub(super) fingerprint: Option<String>,
 }
 
 impl DataParallel {
@@ -78,6 +82,8 @@ impl DataParallel {
     /// `device`: the training device, as for [`from_env`](Self::from_env).
     pub fn new(dist: Distributed, options: DdpOptions, device: &Device) -> Result<Self, DdpError> {
         let (sync, sharding, sync_batch_norm) = Self::form_parts(&dist, &options, device)?;
+        let joins = JoinWatch::new(dist.joins_handled);
+        let fingerprint = dist.fingerprint.clone();
         let checkpointing = device.gradient_checkpointing_strategy();
         if needs_checkpointing(options.zero_stage, device)
             && checkpointing != Some(GradientCheckpointingStrategy::Balanced)
@@ -99,7 +105,8 @@ impl DataParallel {
             _sync_batch_norm: sync_batch_norm,
             options,
             device: device.clone(),
-            generation: 0,
+            joins,
+            fingerprint,
         })
     }
 
@@ -153,7 +160,9 @@ impl DataParallel {
     /// Fails on every rank whose `fingerprint` (of its settings) differs from rank 0's, naming
     /// it ([`DdpError::Mismatch`]). Collective.
     pub fn check_same(&mut self, fingerprint: &str) -> Result<(), DdpError> {
-        self.dist.check_same(fingerprint, self.timeout)
+        self.dist.check_same(fingerprint, self.timeout)?;
+        self.fingerprint = Some(fingerprint.to_owned());
+        Ok(())
     }
 
     /// Makes the replicas equal: parameter ids from the visit order (so optimizer state

@@ -25,14 +25,32 @@ impl DataParallel {
     /// state is nowhere else but in a checkpoint: restart every rank from it) and when this
     /// rank is not in `members`; what forming the groups reports.
     pub fn regroup(&mut self, members: &[usize]) -> Result<(), DdpError> {
+        let rank = self.rank();
+        let Some(new_rank) = members.iter().position(|&m| m == rank) else {
+            return Err(DdpError::Membership(format!(
+                "rank {rank} is not among the ranks that carry on ({members:?})"
+            )));
+        };
+        self.next_generation(new_rank, members.len())
+    }
+
+    /// Forms the job's next generation, in which this rank is `rank` of `world`, and every
+    /// part of the handle over it. Collective over the new generation.
+    pub(super) fn next_generation(&mut self, rank: usize, world: usize) -> Result<(), DdpError> {
         let stage = self.zero_stage();
         if stage != ZeroStage::Off {
             return Err(DdpError::Membership(format!(
                 "cannot re-form the job at ZeRO stage {stage}: each rank holds the only live copy of its shard of the training state, so a lost rank's shard is only in the newest checkpoint; restart every rank from it (the launcher's --max-restarts)"
             )));
         }
-        let generation = self.generation + 1;
-        self.dist.regroup(members, &format!("gen-{generation}"))?;
+        self.dist.regroup(rank, world)?;
+        self.joins.regrouped();
+        self.form_again()
+    }
+
+    /// The gradient path, the sharding and synchronised BatchNorm's recipe over the current
+    /// group (after it changed).
+    pub(super) fn form_again(&mut self) -> Result<(), DdpError> {
         // The old group's synchronised-BatchNorm recipe goes first, so that the new one
         // takes its place instead of replacing another handle's.
         drop(std::mem::replace(
@@ -44,7 +62,6 @@ impl DataParallel {
         self.sync = sync;
         self.sharding = sharding;
         self._sync_batch_norm = sync_batch_norm;
-        self.generation = generation;
         Ok(())
     }
 

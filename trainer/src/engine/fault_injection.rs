@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use crate::launcher::worker_env::{
-    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR,
-    LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR, SLOW_STEP_VAR,
-    STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
+    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR, JOINING_VAR,
+    JOIN_AFTER_STEP_VAR, LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR,
+    SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
 };
 
 /// The rank this process was launched as (`RANK`), else `rank`: the crash and stall hooks
@@ -129,6 +129,20 @@ pub fn leaving_ranks(spec: &str, step: usize) -> Option<Vec<usize>> {
         .split('+')
         .map(|r| r.trim().parse::<usize>().ok())
         .collect()
+}
+
+/// `TRAINER_JOIN_AFTER_STEP=STEP`: the step after which the job admits a joiner, waiting for
+/// one (the scripted grow), if any.
+pub fn join_after_step() -> Option<usize> {
+    std::env::var(JOIN_AFTER_STEP_VAR)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Whether the launcher restarted this rank to join the running job (`TRAINER_JOINING=1`;
+/// not fault injection, but read here with the launcher's other per-rank word).
+pub fn joining() -> bool {
+    std::env::var(JOINING_VAR).is_ok_and(|v| v.trim() == "1")
 }
 
 fn kill_self() {

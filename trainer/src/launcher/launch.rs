@@ -16,7 +16,8 @@
 //!   the launcher reports which rank failed and how, last, where the user looks; with
 //!   `--max-restarts K` every rank is then started again, up to K times. With
 //!   `--survivors-continue` (the trainer's `[fault_tolerance] on_rank_failure = "continue"`)
-//!   a failed rank is reported and the others go on without it.
+//!   a failed rank is reported and the others go on without it; with `--max-restarts K` too,
+//!   the failed rank alone is started again (up to K restarts in all) and joins them.
 
 use std::ffi::{OsStr, OsString};
 use std::io::IsTerminal;
@@ -154,7 +155,10 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
     }
 
     let mut port = plan.port;
-    for attempt in 0..=plan.max_restarts {
+    // Restarts so far: of every rank (an attempt), or with --survivors-continue of one rank.
+    let mut restarts = 0;
+    loop {
+        let attempt = restarts;
         // A fresh store per attempt: the ranks of a restarted job start from an empty store.
         let server = match plan.store_bind_addr(port) {
             Some(addr) => {
@@ -180,7 +184,15 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
         );
         let children = start_ranks(&plan, program, port, attempt)?;
         let outcome = if plan.survivors_continue {
-            supervise_survivors(children, &interrupted)
+            let mut rejoin = |local_rank: usize, restarts: usize| {
+                start_rank(
+                    &plan,
+                    program,
+                    local_rank,
+                    plan.rejoin_env(local_rank, port, restarts),
+                )
+            };
+            supervise_survivors(children, &interrupted, &plan, &mut restarts, &mut rejoin)
         } else {
             supervise(children, &interrupted)
         };
@@ -191,17 +203,17 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
                 eprintln!("trainer launcher: stopped every rank on signal {sig}");
                 return Ok(ExitCode::from(128 + sig as u8));
             }
-            Outcome::Failed { code } if plan.restarts_after(code, attempt) => eprintln!(
-                "trainer launcher: restarting every rank ({} of {} restarts, {RESTART_COUNT_VAR}={}); \
-                 a trainer resumes from its newest complete checkpoint",
-                attempt + 1,
-                plan.max_restarts,
-                attempt + 1
-            ),
+            Outcome::Failed { code } if plan.restarts_after(Some(code), restarts) => {
+                restarts += 1;
+                eprintln!(
+                    "trainer launcher: restarting every rank ({restarts} of {} restarts, {RESTART_COUNT_VAR}={restarts}); \
+                     a trainer resumes from its newest complete checkpoint",
+                    plan.max_restarts,
+                );
+            }
             Outcome::Failed { code } => return Ok(ExitCode::from(code)),
         }
     }
-    unreachable!("the last attempt always returns")
 }
 
 /// Refuses, before any process starts, a job this machine's limits cannot hold
@@ -255,29 +267,14 @@ fn start_ranks(
     port: u16,
     attempt: usize,
 ) -> anyhow::Result<Vec<Rank>> {
-    let stderr_is_terminal = std::io::stderr().is_terminal();
     let mut children = Vec::with_capacity(plan.nproc);
     for local_rank in 0..plan.nproc {
-        let rank = plan.rank(local_rank);
-        let mut cmd = Command::new(&program.exe);
-        cmd.args(&program.args)
-            .envs(plan.rank_env(local_rank, port, attempt));
-        if plan.pipes_stderr(rank, stderr_is_terminal) {
-            cmd.stderr(Stdio::piped());
-        }
-        die_with_parent(&mut cmd);
-        let started = plan
-            .log_dir
-            .as_deref()
-            .map(|dir| open_log(dir, rank))
-            .transpose()
-            .and_then(|file| {
-                let mut child = cmd.spawn().with_context(|| {
-                    format!("cannot start rank {rank} ({})", program.exe.display())
-                })?;
-                let log = child.stderr.take().map(|e| RankLog::forward(rank, e, file));
-                Ok(Rank { rank, child, log })
-            });
+        let started = start_rank(
+            plan,
+            program,
+            local_rank,
+            plan.rank_env(local_rank, port, attempt),
+        );
         match started {
             Ok(started) => children.push(started),
             Err(e) => {
@@ -288,6 +285,37 @@ fn start_ranks(
         }
     }
     Ok(children)
+}
+
+/// Starts local rank `local_rank` with the launcher's variables `env`.
+fn start_rank(
+    plan: &LaunchPlan,
+    program: &Program,
+    local_rank: usize,
+    env: Vec<(&'static str, String)>,
+) -> anyhow::Result<Rank> {
+    let rank = plan.rank(local_rank);
+    let mut cmd = Command::new(&program.exe);
+    cmd.args(&program.args).envs(env);
+    if plan.pipes_stderr(rank, std::io::stderr().is_terminal()) {
+        cmd.stderr(Stdio::piped());
+    }
+    die_with_parent(&mut cmd);
+    let file = plan
+        .log_dir
+        .as_deref()
+        .map(|dir| open_log(dir, rank))
+        .transpose()?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start rank {rank} ({})", program.exe.display()))?;
+    let log = child.stderr.take().map(|e| RankLog::forward(rank, e, file));
+    Ok(Rank {
+        local_rank,
+        rank,
+        child,
+        log,
+    })
 }
 
 /// Opens (appending) DIR/rank-N.log.
@@ -318,6 +346,7 @@ fn die_with_parent(cmd: &mut Command) {
 
 /// A started rank: its process and, when its stderr is piped, the forwarder of its lines.
 struct Rank {
+    local_rank: usize,
     rank: usize,
     child: Child,
     log: Option<RankLog>,
@@ -400,9 +429,17 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
 }
 
 /// `--survivors-continue`: waits for every rank; a failed rank is reported as it fails and the
-/// others go on without it. The job ends as the last rank to exit ends (the survivors' verdict:
-/// success, or 2 when too few ranks were left); among ranks that exit together, a failure.
-fn supervise_survivors(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
+/// others go on without it, and while `--max-restarts` allows (`restarts` counts them) it is
+/// started again by `rejoin` (local rank, restart count) to join them. The job ends as the
+/// last rank to exit ends (the survivors' verdict: success, or 2 when too few ranks were
+/// left); among ranks that exit together, a failure.
+fn supervise_survivors(
+    mut children: Vec<Rank>,
+    interrupted: &AtomicUsize,
+    plan: &LaunchPlan,
+    restarts: &mut usize,
+    rejoin: &mut dyn FnMut(usize, usize) -> anyhow::Result<Rank>,
+) -> Outcome {
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut last: Option<ExitStatus> = None;
     loop {
@@ -428,6 +465,26 @@ fn supervise_survivors(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Ou
                 "trainer launcher: rank {rank} failed: {}; {still_running} rank(s) carry on without it (--survivors-continue)",
                 describe(status)
             );
+            let code = status.code().map(|c| c.clamp(0, 255) as u8);
+            if still_running == 0 || !plan.restarts_after(code, *restarts) {
+                continue;
+            }
+            let Some(i) = children.iter().position(|r| r.rank == rank) else {
+                continue;
+            };
+            *restarts += 1;
+            match rejoin(children[i].local_rank, *restarts) {
+                Ok(started) => {
+                    eprintln!(
+                        "trainer launcher: started rank {rank} again to join the others ({} of {} restarts)",
+                        *restarts, plan.max_restarts
+                    );
+                    let old = std::mem::replace(&mut children[i], started);
+                    flush_logs(vec![old]);
+                    done[i] = None;
+                }
+                Err(e) => eprintln!("trainer launcher: cannot start rank {rank} again: {e:#}"),
+            }
         }
         if done.iter().all(Option::is_some) {
             flush_logs(children);

@@ -16,9 +16,9 @@ use clap::Args;
 
 use crate::error::UsageError;
 use crate::launcher::worker_env::{
-    AGENT_STORE_VAR, GROUP_RANK_VAR, LOCAL_RANK_VAR, LOCAL_WORLD_SIZE_VAR, MASTER_ADDR_VAR,
-    MASTER_PORT_VAR, RANK_VAR, RESTART_COUNT_VAR, THREADS_VAR, TOKEN_VAR, WORKER_VAR,
-    WORLD_SIZE_VAR,
+    AGENT_STORE_VAR, GROUP_RANK_VAR, JOINING_VAR, LOCAL_RANK_VAR, LOCAL_WORLD_SIZE_VAR,
+    MASTER_ADDR_VAR, MASTER_PORT_VAR, RANK_VAR, RESTART_COUNT_VAR, THREADS_VAR, TOKEN_VAR,
+    WORKER_VAR, WORLD_SIZE_VAR,
 };
 
 /// torchrun-style launch options.
@@ -45,11 +45,14 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "DIR")]
     pub log_dir: Option<PathBuf>,
     /// After a rank fails, restart every local rank up to this many times; training resumes
-    /// from the newest complete checkpoint. Bad input (exit code 2) is never retried.
+    /// from the newest complete checkpoint. With --survivors-continue, restart the failed rank
+    /// alone, which joins the ranks that carried on (up to this many restarts in all). Bad
+    /// input (exit code 2) is never retried.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: usize,
     /// A rank's failure does not stop the other ranks: they carry on without it, and the job
-    /// succeeds if they do. The program must re-form its group itself: the trainer's
+    /// succeeds if they do; with --max-restarts the failed rank is started again to join them
+    /// (TRAINER_JOINING=1). The program must re-form its group itself: the trainer's
     /// `[fault_tolerance] on_rank_failure = "continue"` sets this on its own.
     #[arg(long)]
     pub survivors_continue: bool,
@@ -247,6 +250,20 @@ impl LaunchPlan {
         ]
     }
 
+    /// The environment of local rank `local_rank` started again after it failed, with
+    /// `--survivors-continue`: the others train on, so it joins them ([`JOINING_VAR`]);
+    /// `restarts` (from 1) is the job's restart count, so fault injection does not fire again.
+    pub fn rejoin_env(
+        &self,
+        local_rank: usize,
+        port: u16,
+        restarts: usize,
+    ) -> Vec<(&'static str, String)> {
+        let mut env = self.rank_env(local_rank, port, restarts);
+        env.push((JOINING_VAR, "1".to_string()));
+        env
+    }
+
     /// Whether rank `rank`'s stderr goes through the launcher (tagged `[rank N]`, kept for the
     /// failure report, copied to `--log-dir`) rather than straight to the terminal: rank 0
     /// keeps the terminal — its progress bar needs one — unless there is a log directory.
@@ -254,11 +271,13 @@ impl LaunchPlan {
         rank != 0 || !stderr_is_terminal || self.log_dir.is_some()
     }
 
-    /// Whether a failed `attempt` (0 first) whose rank exited with `code` is followed by a
-    /// restart: while restarts are left, except after bad input (exit code 2), which fails the
-    /// same way every time.
-    pub fn restarts_after(&self, code: u8, attempt: usize) -> bool {
-        code != USAGE_EXIT_CODE && attempt < self.max_restarts
+    /// Whether a failure whose rank exited with `code` (`None`: killed by a signal), after
+    /// `restarts` restarts, is followed by another: while restarts are left, except after bad
+    /// input (exit code 2), which fails the same way every time. Without
+    /// `--survivors-continue` every rank restarts; with it, the failed rank alone, which joins
+    /// the ranks that carried on.
+    pub fn restarts_after(&self, code: Option<u8>, restarts: usize) -> bool {
+        code != Some(USAGE_EXIT_CODE) && restarts < self.max_restarts
     }
 }
 
@@ -525,9 +544,31 @@ mod tests {
             &env(8),
         )
         .unwrap();
-        assert!(plan.restarts_after(1, 0));
-        assert!(plan.restarts_after(137, 1));
-        assert!(!plan.restarts_after(1, 2), "no restarts left");
-        assert!(!plan.restarts_after(USAGE_EXIT_CODE, 0));
+        assert!(plan.restarts_after(Some(1), 0));
+        assert!(plan.restarts_after(None, 1), "killed by a signal");
+        assert!(!plan.restarts_after(Some(1), 2), "no restarts left");
+        assert!(!plan.restarts_after(Some(USAGE_EXIT_CODE), 0));
+    }
+
+    #[test]
+    fn a_rank_started_again_to_join_is_told_so_and_past_its_faults() {
+        let plan = LaunchPlan::new(
+            &LaunchArgs {
+                max_restarts: 1,
+                survivors_continue: true,
+                ..args(3)
+            },
+            &env(8),
+        )
+        .unwrap();
+        let env = plan.rejoin_env(1, 4242, 1);
+        let get = |name: &str| env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone());
+        assert_eq!(get(JOINING_VAR).as_deref(), Some("1"));
+        assert_eq!(get(RESTART_COUNT_VAR).as_deref(), Some("1"));
+        assert_eq!(get(RANK_VAR).as_deref(), Some("1"));
+        assert!(plan
+            .rank_env(1, 4242, 0)
+            .iter()
+            .all(|(k, _)| *k != JOINING_VAR));
     }
 }

@@ -51,6 +51,11 @@ pub const WORKER_VAR: &str = "TRAINER_WORKER";
 /// `"0"` or absent, so a restarted job can succeed.
 pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
 
+/// `"1"` in the environment of a rank the launcher restarted with `--survivors-continue` (and
+/// `--max-restarts`): the job trains on without it, so it joins the job at a step boundary and
+/// takes the training state from a live rank (`[fault_tolerance]`), instead of starting it.
+pub const JOINING_VAR: &str = "TRAINER_JOINING";
+
 /// Every variable the launcher sets in each rank's environment (the launch plan's tests hold
 /// the plan to it).
 #[cfg(test)]
@@ -94,6 +99,12 @@ pub const CRASH_IN_STEP_VAR: &str = "TRAINER_CRASH_IN_STEP";
 /// ranks R (of the group at that step) leave the job cleanly right after optimizer step STEP,
 /// and the others re-form their group without them, as after a failure at that boundary.
 pub const LEAVE_AFTER_STEP_VAR: &str = "TRAINER_LEAVE_AFTER_STEP";
+
+/// Fault injection (the scripted grow of `[fault_tolerance]`'s tests): `"STEP"` makes the job
+/// admit a joining process right after optimizer step STEP, every rank waiting there for one
+/// to ask (instead of admitting one after the next step once it asks). A rank that left by
+/// [`LEAVE_AFTER_STEP_VAR`] then joins again in the same process, as a restarted one would.
+pub const JOIN_AFTER_STEP_VAR: &str = "TRAINER_JOIN_AFTER_STEP";
 
 /// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
 /// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other

@@ -50,6 +50,8 @@ pub enum Record {
         previous_world_size: usize,
         /// The ranks (of the previous group) that are gone.
         lost: Vec<usize>,
+        /// The ranks (of the new group) of the processes that joined.
+        joined: Vec<usize>,
         /// Steps dropped so far because a rank died during them.
         dropped_steps: usize,
         /// Seconds from the start of the failed step (or boundary) to the re-formed group.

@@ -18,8 +18,8 @@ use burn::tensor::{Device, Tensor};
 use burn::train::TrainStep;
 use burn_ddp::ddp::fsdp::reshard::ShardTarget;
 use burn_ddp::ddp::zero::sharded_sync;
-use burn_ddp::elastic::AgreementOptions;
-use burn_ddp::{DataParallel, Distributed, MicroBatch, StepOutcome};
+use burn_ddp::elastic::{AgreementOptions, PlannedJoin};
+use burn_ddp::{DataParallel, DdpError, Distributed, MicroBatch, StepOutcome};
 
 use super::across_ranks::{across_ranks, train_metrics_window};
 use super::events::HeldState;
@@ -30,7 +30,7 @@ use super::step_kind::{StepInput, StepKind};
 use super::summary::Validation;
 use super::training_loop::{fit, Fitted, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
-use crate::engine::checkpoint::{Checkpoint, TrainPosition};
+use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::device::{pin_default_device, train_device};
 use crate::engine::fault_injection;
 use crate::engine::fit::rank_reporter::RankReporter;
@@ -54,6 +54,9 @@ pub struct RankStart<A: App> {
     pub device: Device,
     /// `--no-resume`: start over even where `checkpoint.resume` would resume.
     pub no_resume: bool,
+    /// This rank joined a job that was training (the launcher restarted it): it starts from
+    /// rank 0's state, handed over at its admission.
+    pub joined: bool,
 }
 
 impl<A: App> RankStart<A> {
@@ -66,6 +69,7 @@ impl<A: App> RankStart<A> {
             optimizer: self.config.optimizer.clone(),
             fault_tolerance: ft.clone(),
             survivors_continue: ft.survivors_continue(&self.config.distributed),
+            joining: self.joined,
         }
     }
 }
@@ -89,9 +93,13 @@ pub fn start<A: App>(
             "data: the training set is empty (check the [data] table)".into()
         ));
     }
-    let dist = Distributed::from_env_or_standalone(
-        parallel::ddp_options(&config.distributed, &config.fault_tolerance).tcp_options(),
-    )?;
+    let joined = fault_injection::joining();
+    let dist = match joined {
+        true => join_job::<A>(&config)?,
+        false => Distributed::from_env_or_standalone(
+            parallel::ddp_options(&config.distributed, &config.fault_tolerance).tcp_options(),
+        )?,
+    };
     // ZeRO stage 3 on a GPU trains with Burn's gradient checkpointing (burn-ddp's rule).
     let device = DataParallel::training_device(
         &parallel::ddp_options(&config.distributed, &config.fault_tolerance),
@@ -104,7 +112,42 @@ pub fn start<A: App>(
         data,
         device,
         no_resume,
+        joined,
     })
+}
+
+/// Whether `error` says that the job this process asked to join had ended (nothing to do:
+/// not a failure).
+pub fn job_ended(error: &anyhow::Error) -> bool {
+    error
+        .chain()
+        .any(|c| matches!(c.downcast_ref::<DdpError>(), Some(DdpError::JobEnded)))
+}
+
+/// A joiner's exit when the job ended before it could join: success, said.
+pub fn ended_before_joining() -> ExitCode {
+    eprintln!("the job ended before this rank could join it: nothing left to train");
+    ExitCode::SUCCESS
+}
+
+/// A rank that joins the job the environment describes while it trains: asks the job's store
+/// to admit it and forms the grown group once it is (burn-ddp's `Distributed::join`; at most
+/// `distributed.timeout_secs`).
+fn join_job<A: App>(config: &AppConfig<A>) -> anyhow::Result<Distributed> {
+    let env = burn_ddp::DistEnv::from_env()?;
+    let options = parallel::ddp_options(&config.distributed, &config.fault_tolerance);
+    tracing::info!(
+        "rank {} joins the running job (restarted by its launcher)",
+        env.rank
+    );
+    let (dist, admission) = Distributed::join(env, options.tcp_options(), &config.fingerprint())?;
+    tracing::info!(
+        "admitted after step {}: rank {} of {}",
+        admission.step,
+        admission.rank,
+        admission.world
+    );
+    Ok(dist)
 }
 
 /// Trains app `A` data-parallel as one rank of the formed job (steps 3 and 4 of the module
@@ -118,10 +161,14 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         data,
         device,
         no_resume,
+        joined,
     } = start;
     let mut ddp =
         parallel::data_parallel(dist, &config.distributed, &config.fault_tolerance, &device)?;
-    ddp.check_same(&config.fingerprint())?;
+    if !joined {
+        // A joiner's settings were checked by rank 0 as it admitted it.
+        ddp.check_same(&config.fingerprint())?;
+    }
     let (rank, world) = (ddp.rank(), ddp.world_size());
     device.seed(fault_injection::init_seed(config.training.seed, rank));
     let model = app.model(&config.model, &config.data, &device)?;
@@ -138,7 +185,14 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         Fitted::Done(_, summary) => summary,
         Fitted::Left { step } => {
             eprintln!("[rank {rank}] left the job after step {step}; the other ranks train on");
-            return Ok(ExitCode::SUCCESS);
+            if fault_injection::join_after_step().is_none() {
+                return Ok(ExitCode::SUCCESS);
+            }
+            // The scripted grow: this process joins again, as a restarted one would.
+            return match steps.into_joining_start() {
+                Err(e) if job_ended(&e) => Ok(ended_before_joining()),
+                start => train(start?),
+            };
         }
     };
     // The job may have re-formed: rank 0 is the new group's.
@@ -172,6 +226,8 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
 
 /// The data-parallel step kind of one rank (module docs).
 struct DataParallelSteps<A: App> {
+    /// Kept to start again as a joiner (the tests' scripted grow).
+    app: A,
     config: AppConfig<A>,
     ddp: DataParallel,
     data: Datasets<A::Item>,
@@ -221,11 +277,67 @@ impl<A: App> DataParallelSteps<A> {
             resume: config.checkpoint.resume && !no_resume,
             slow_step: fault_injection::slow_step_if_asked(ddp.rank()),
             outputs_before_step: 0,
+            app,
             config,
             ddp,
             data,
             device,
         }
+    }
+
+    /// A rank that left the job starting again as one that joins it (the tests' scripted
+    /// grow): its group closed, then [`join_job`] as a restarted rank does.
+    fn into_joining_start(self) -> anyhow::Result<RankStart<A>> {
+        let Self {
+            app,
+            config,
+            ddp,
+            data,
+            device,
+            ..
+        } = self;
+        drop(ddp);
+        let dist = join_job::<A>(&config)?;
+        Ok(RankStart {
+            app,
+            config,
+            dist,
+            data,
+            device,
+            no_resume: true,
+            joined: true,
+        })
+    }
+
+    /// Rank 0's training state to the ranks that join (`joining`: this rank is one; the
+    /// members' own state is kept): its weights (as at the start: `DataParallel::prepare`),
+    /// its optimizer state (burnpack bytes, as a checkpoint holds it) and `loop_state`;
+    /// returns the module and rank 0's loop state. Collective over the grown job.
+    fn hand_over(
+        &mut self,
+        module: A::Model,
+        loop_state: Vec<u8>,
+        joining: bool,
+    ) -> anyhow::Result<(A::Model, Vec<u8>)> {
+        let module = self.ddp.prepare(module)?;
+        let ours = match self.ddp.rank() {
+            0 => self
+                .optim
+                .into_bytes()
+                .map_err(|e| anyhow::anyhow!("cannot serialise the optimizer state: {e}"))?
+                .to_vec(),
+            _ => Vec::new(),
+        };
+        let state = self.ddp.broadcast_bytes(ours)?;
+        if joining {
+            self.optim = checkpoint::load_optimizer_bytes(
+                Path::new("(rank 0's optimizer state, handed over)"),
+                state,
+                optimizer(&self.config.optimizer),
+            )?;
+        }
+        let loop_state = self.ddp.broadcast_bytes(loop_state)?;
+        Ok((module, loop_state))
     }
 
     /// Forward and backward of each micro-batch of the step, each weighted by its share of the
@@ -462,7 +574,59 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         Ok(Regrouped {
             previous_world,
             lost,
+            joined: Vec::new(),
         })
+    }
+
+    /// The scripted grow (`TRAINER_JOIN_AFTER_STEP`) admits its joiner at its step only,
+    /// waiting for it there at most the group's timeout.
+    fn joiners_due(&mut self, step: usize) -> anyhow::Result<Option<PlannedJoin>> {
+        let wait = match fault_injection::join_after_step() {
+            Some(at) if at == step => {
+                Some(Duration::from_secs(self.config.distributed.timeout_secs))
+            }
+            Some(_) => return Ok(None),
+            None => None,
+        };
+        Ok(self.ddp.joiners_due(step as u64, wait)?)
+    }
+
+    fn admit(
+        &mut self,
+        module: A::Model,
+        plan: &PlannedJoin,
+        loop_state: Vec<u8>,
+    ) -> anyhow::Result<(A::Model, Regrouped)> {
+        let previous_world = self.ddp.world_size();
+        let joined = self.ddp.admit_joiners(plan)?;
+        if joined == 0 {
+            return Ok((
+                module,
+                Regrouped {
+                    previous_world,
+                    lost: Vec::new(),
+                    joined: Vec::new(),
+                },
+            ));
+        }
+        tracing::info!(
+            "{joined} rank(s) joined the job after step {}: {} ranks now",
+            plan.step,
+            self.ddp.world_size()
+        );
+        let (module, _) = self.hand_over(module, loop_state, false)?;
+        Ok((
+            module,
+            Regrouped {
+                previous_world,
+                lost: Vec::new(),
+                joined: (previous_world..self.ddp.world_size()).collect(),
+            },
+        ))
+    }
+
+    fn join(&mut self, module: A::Model) -> anyhow::Result<(A::Model, Vec<u8>)> {
+        self.hand_over(module, Vec::new(), true)
     }
 
     fn train_metrics(
@@ -561,6 +725,8 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     /// The gradient synchronisations and bytes of the run (rank 0, with `output.log_samples`:
     /// for the tests).
     fn finish(&mut self, position: TrainPosition) -> anyhow::Result<()> {
+        // A process that asks to join from now on is told the job is over.
+        self.ddp.close_to_joiners()?;
         let stats = self.ddp.gradient_stats();
         let overlap = self.ddp.overlap_stats();
         tracing::debug!(

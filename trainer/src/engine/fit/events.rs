@@ -85,6 +85,7 @@ pub(crate) enum Event<'a> {
         world_size: usize,
         previous_world_size: usize,
         lost: &'a [usize],
+        joined: &'a [usize],
         dropped_steps: usize,
         recovery_secs: f64,
         total_steps: usize,

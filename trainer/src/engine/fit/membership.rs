@@ -1,9 +1,13 @@
 //! What the loop needs to carry on when the job's membership changes at a step boundary
 //! (`[fault_tolerance] on_rank_failure = "continue"`, or a scripted resize in the tests): why
-//! it changes, what the step kind reports back, and which errors are the loss of peers.
+//! it changes, what the step kind reports back, which errors are the loss of peers, and the
+//! loop's state a joining rank takes from rank 0.
 
 use burn_ddp::elastic::{collective_failed_peers, failed_peers};
 use burn_ddp::{CollectiveError, DdpError};
+use serde::{Deserialize, Serialize};
+
+use crate::engine::checkpoint::TrainPosition;
 
 /// Why the job re-forms its group.
 #[derive(Debug, Clone, Copy)]
@@ -28,6 +32,32 @@ pub(crate) struct Regrouped {
     pub previous_world: usize,
     /// The ranks of the previous group that are not in the new one.
     pub lost: Vec<usize>,
+    /// The ranks (of the new group) of the processes that joined.
+    pub joined: Vec<usize>,
+}
+
+/// The loop's part of the training state, as rank 0 hands it to the ranks that join at a step
+/// boundary (the step kind hands over the module and its own state): what a checkpoint's
+/// manifest and schedule file hold, and the counts the run's summary goes on from.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct LoopState {
+    pub position: TrainPosition,
+    /// The learning-rate schedule's record.
+    pub schedule: Vec<u8>,
+    pub last_saved: Option<usize>,
+    pub skipped: usize,
+}
+
+impl LoopState {
+    pub(crate) fn to_bytes(&self) -> anyhow::Result<Vec<u8>> {
+        Ok(serde_json::to_vec(self)?)
+    }
+
+    pub(crate) fn from_bytes(bytes: &[u8]) -> anyhow::Result<Self> {
+        serde_json::from_slice(bytes).map_err(|e| {
+            anyhow::anyhow!("the training state rank 0 handed over does not read: {e}")
+        })
+    }
 }
 
 /// The ranks found gone when `error` is the loss of peers (burn-ddp's
@@ -47,7 +77,26 @@ pub(crate) fn peer_failure(error: &anyhow::Error) -> Option<Vec<usize>> {
 mod tests {
     use burn_ddp::{CollectiveError, DdpError};
 
-    use super::peer_failure;
+    use super::{peer_failure, LoopState};
+    use crate::engine::checkpoint::TrainPosition;
+
+    #[test]
+    fn the_loop_state_survives_the_hand_over() {
+        let state = LoopState {
+            position: TrainPosition {
+                epoch: 2,
+                consumed: 96,
+                step: 41,
+            },
+            schedule: vec![0, 7, 255],
+            last_saved: Some(40),
+            skipped: 1,
+        };
+        let bytes = state.to_bytes().map_err(|e| e.to_string());
+        let back = bytes.and_then(|b| LoopState::from_bytes(&b).map_err(|e| e.to_string()));
+        assert_eq!(back, Ok(state));
+        assert!(LoopState::from_bytes(b"{").is_err());
+    }
 
     #[test]
     fn a_broken_group_is_a_peer_failure_and_a_mismatch_is_not() {

@@ -40,5 +40,7 @@ pub(crate) mod step_kind;
 pub(crate) mod summary;
 pub(crate) mod training_loop;
 
-pub use data_parallel::{start, train, RankStart, TIMELINE_HEADING};
+pub use data_parallel::{
+    ended_before_joining, job_ended, start, train, RankStart, TIMELINE_HEADING,
+};
 pub use summary::{Summary, Validation};

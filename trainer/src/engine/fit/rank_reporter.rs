@@ -71,15 +71,24 @@ impl RankReporter {
                     world_size,
                     previous_world_size,
                     lost,
+                    joined,
                     recovery_secs,
                     ..
                 },
             ) = (&mut self.reporter, record)
             {
-                reporter.say(&format!(
-                    "after step {}: lost rank(s) {lost:?} of {previous_world_size}; training on with {world_size} ranks ({recovery_secs:.2} s from the failed step's start)",
-                    position.step
-                ));
+                let change = match (lost.is_empty(), joined.is_empty()) {
+                    (_, true) => format!(
+                        "lost rank(s) {lost:?} of {previous_world_size}; training on with {world_size} ranks ({recovery_secs:.2} s from the failed step's start)"
+                    ),
+                    (true, false) => format!(
+                        "rank(s) {joined:?} joined the {previous_world_size}; training on with {world_size} ranks ({recovery_secs:.2} s to hand them the training state)"
+                    ),
+                    (false, false) => format!(
+                        "lost rank(s) {lost:?} of {previous_world_size}, rank(s) {joined:?} joined; training on with {world_size} ranks ({recovery_secs:.2} s)"
+                    ),
+                };
+                reporter.say(&format!("after step {}: {change}", position.step));
             }
             self.record(record);
         }
@@ -156,6 +165,7 @@ impl EventSink for RankReporter {
                 world_size,
                 previous_world_size,
                 lost,
+                joined,
                 dropped_steps,
                 recovery_secs,
                 total_steps,
@@ -169,6 +179,7 @@ impl EventSink for RankReporter {
                     world_size,
                     previous_world_size,
                     lost: lost.to_vec(),
+                    joined: joined.to_vec(),
                     dropped_steps,
                     recovery_secs,
                 },

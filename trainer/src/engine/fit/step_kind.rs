@@ -12,6 +12,7 @@
 use std::sync::Arc;
 
 use burn::data::dataset::Dataset;
+use burn_ddp::elastic::PlannedJoin;
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
@@ -117,6 +118,37 @@ pub(crate) trait StepKind {
     fn regroup(&mut self, change: MembershipChange<'_>) -> anyhow::Result<Regrouped> {
         let _ = change;
         anyhow::bail!("this way of stepping cannot re-form its group after a rank is lost")
+    }
+
+    /// At a step boundary after `step` optimizer steps, when ranks may join
+    /// (`[fault_tolerance] on_rank_failure = "continue"`): the join due now, if any. Every
+    /// rank calls it at every such boundary; not a collective. A way to step that cannot grow
+    /// admits nobody (the default).
+    fn joiners_due(&mut self, step: usize) -> anyhow::Result<Option<PlannedJoin>> {
+        let _ = step;
+        Ok(None)
+    }
+
+    /// Admits `plan`'s joiners into the job, then hands them rank 0's training state: the
+    /// module (returned), the step kind's own (the optimizer's), and `loop_state` (the loop's,
+    /// see [`LoopState`](super::membership::LoopState)), as the joiners'
+    /// [`join`](Self::join) takes them. Collective over the grown job.
+    fn admit(
+        &mut self,
+        module: Self::Module,
+        plan: &PlannedJoin,
+        loop_state: Vec<u8>,
+    ) -> anyhow::Result<(Self::Module, Regrouped)> {
+        let _ = (module, plan, loop_state);
+        anyhow::bail!("this way of stepping cannot admit joining ranks")
+    }
+
+    /// A rank that joined a training job (its group formed with the others'): takes rank 0's
+    /// training state as [`admit`](Self::admit) hands it over; returns the module and the
+    /// loop's state. Collective over the grown job.
+    fn join(&mut self, module: Self::Module) -> anyhow::Result<(Self::Module, Vec<u8>)> {
+        let _ = module;
+        anyhow::bail!("this way of stepping cannot join a running job")
     }
 
     /// The end of the run, after the final checkpoint and validation.

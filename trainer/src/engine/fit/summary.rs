@@ -14,7 +14,7 @@ pub(crate) fn skipped_steps(skipped: usize) -> String {
 /// The end of a run's closing line for the times the job re-formed its group without ranks
 /// that left or died: nothing when it never did.
 pub(crate) fn regroups(membership: &Membership) -> String {
-    match membership.regroups {
+    let lost = match membership.regroups {
         0 => String::new(),
         n => format!(
             "; the job re-formed {n} time{} without the ranks it lost ({} step{} in flight dropped, {:.2} s recovering)",
@@ -23,7 +23,16 @@ pub(crate) fn regroups(membership: &Membership) -> String {
             if membership.dropped_steps == 1 { "" } else { "s" },
             membership.recovery_secs
         ),
-    }
+    };
+    let joined = match membership.joins {
+        0 => String::new(),
+        n => format!(
+            "; ranks joined it {n} time{} ({:.2} s handing them the training state)",
+            if n == 1 { "" } else { "s" },
+            membership.join_secs
+        ),
+    };
+    lost + &joined
 }
 
 /// What membership changes cost a run.
@@ -35,6 +44,11 @@ pub struct Membership {
     pub dropped_steps: usize,
     /// Seconds from the start of each failed step (or boundary) to the re-formed group, summed.
     pub recovery_secs: f64,
+    /// Times ranks joined the job (a restarted rank, or a new one).
+    pub joins: usize,
+    /// Seconds the job spent admitting them (the grown group formed, the state handed over),
+    /// summed.
+    pub join_secs: f64,
 }
 
 /// What a finished run reports.

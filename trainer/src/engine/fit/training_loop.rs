@@ -13,15 +13,19 @@
 //! (`regroup`), the loop drops the step in flight (its weights are the clone taken before it),
 //! re-shards the rest of the epoch over the ranks left and plans the run again from the
 //! position, exactly as a resume at that world size would (`after_regroup`), and goes on: the
-//! one loop, re-entered at the same epoch.
+//! one loop, re-entered at the same epoch. Processes that ask to join are admitted the same
+//! way at a step boundary (`admit_joiners`): the step kind forms the grown group and hands
+//! them rank 0's state with the loop's ([`LoopState`]); a joiner's loop starts from it
+//! (`Start::Joined`) where a resumed one starts from a checkpoint.
 
 use std::time::Instant;
 
+use burn_ddp::elastic::PlannedJoin;
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
 use super::events::{Event, EventSink, HeldState};
-use super::membership::{peer_failure, MembershipChange, Regrouped};
+use super::membership::{peer_failure, LoopState, MembershipChange, Regrouped};
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
 use super::summary::{Membership, NonFiniteGradients, Summary, Validation};
@@ -44,8 +48,12 @@ pub(crate) struct LoopSettings {
     pub checkpoint: CheckpointConfig,
     pub optimizer: OptimizerConfig,
     pub fault_tolerance: FaultToleranceConfig,
-    /// Whether the survivors of a failure carry on (`fault_tolerance`, at ZeRO stage 0).
+    /// Whether the survivors of a failure carry on (`fault_tolerance`, at ZeRO stage 0); they
+    /// then also admit processes that ask to join.
     pub survivors_continue: bool,
+    /// Whether this rank joined a job that was training (it starts from rank 0's state, not
+    /// from a checkpoint).
+    pub joining: bool,
 }
 
 /// How a rank's training ended.
@@ -76,6 +84,18 @@ enum Boundary {
     Regrouped,
     /// This rank left the job.
     Left,
+    /// Processes join the job now.
+    Join(PlannedJoin),
+}
+
+/// Where a rank's loop starts.
+enum Start<'c> {
+    /// The run's beginning.
+    Fresh,
+    /// The newest checkpoint every rank agreed on.
+    Resumed(&'c Checkpoint),
+    /// Rank 0's state, handed over as this rank joined the job.
+    Joined(LoopState),
 }
 
 /// Trains `module` with step kind `kind` from the newest checkpoint (or the start) to the end
@@ -89,8 +109,21 @@ pub(crate) fn fit<K: StepKind, E: EventSink>(
     settings: &LoopSettings,
     events: &mut E,
 ) -> anyhow::Result<Fitted<K::Module>> {
-    let (mut module, restored) = kind.restore(module)?;
-    let mut run = TrainingLoop::set_up(kind, events, settings, sampler, restored.as_ref())?;
+    let (mut module, mut run) = if settings.joining {
+        let (module, state) = kind.join(module)?;
+        let start = Start::Joined(LoopState::from_bytes(&state)?);
+        (
+            module,
+            TrainingLoop::set_up(kind, events, settings, sampler, start)?,
+        )
+    } else {
+        let (module, restored) = kind.restore(module)?;
+        let start = restored.as_ref().map_or(Start::Fresh, Start::Resumed);
+        (
+            module,
+            TrainingLoop::set_up(kind, events, settings, sampler, start)?,
+        )
+    };
     while run.plan.more_after(run.position) {
         module = run.train_epoch(module)?;
         if run.left {
@@ -125,26 +158,44 @@ struct TrainingLoop<'r, K: StepKind, E: EventSink> {
 }
 
 impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
-    /// The step plan from the restored position, the schedule (restored), and the `Started`
-    /// event.
+    /// The step plan from the start's position, the schedule (restored or handed over), and
+    /// the `Started` event.
     fn set_up(
         kind: &'r mut K,
         events: &'r mut E,
         settings: &'r LoopSettings,
         sampler: EpochSampler,
-        restored: Option<&Checkpoint>,
+        start: Start<'_>,
     ) -> anyhow::Result<Self> {
-        let position = restored.map_or_else(TrainPosition::default, |c| c.manifest.position);
+        let position = match &start {
+            Start::Fresh => TrainPosition::default(),
+            Start::Resumed(c) => c.manifest.position,
+            Start::Joined(state) => state.position,
+        };
         let plan = plan(&*kind, settings, &sampler, position);
         let mut schedule = Schedule::new(
             &settings.optimizer,
             kind.data_parallel_size(),
             plan.total_steps,
         )?;
-        if let Some(ckpt) = restored {
-            schedule = checkpoint::load_schedule(ckpt, schedule)?;
+        let (mut last_saved, mut skipped) = (None, 0);
+        match start {
+            Start::Fresh => {}
+            Start::Resumed(ckpt) => {
+                schedule = checkpoint::load_schedule(ckpt, schedule)?;
+                last_saved = Some(position.step);
+            }
+            Start::Joined(state) => {
+                schedule = schedule
+                    .load_bytes(state.schedule)
+                    .map_err(|e| anyhow::anyhow!("the learning-rate schedule: {e}"))?;
+                (last_saved, skipped) = (state.last_saved, state.skipped);
+            }
         }
-        let resumed_from = restored.map(|c| c.manifest.position.step);
+        let resumed_from = match settings.joining {
+            false => last_saved,
+            true => None,
+        };
         events.on(Event::Started {
             position,
             total_steps: plan.total_steps,
@@ -161,10 +212,10 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             clock: PhaseClock::new(),
             window: ThroughputWindow::new(),
             position,
-            last_saved: resumed_from,
+            last_saved,
             last_valid: None,
             lr: 0.0,
-            skipped: 0,
+            skipped,
             membership: Membership::default(),
             left: false,
         })
@@ -212,6 +263,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             match self.after_step(&module, step_samples) {
                 Ok(Boundary::Continue) => {}
                 Ok(Boundary::Regrouped | Boundary::Left) => return Ok(module),
+                Ok(Boundary::Join(plan)) => return self.admit_joiners(module, &plan),
                 Err(e) if self.settings.survivors_continue => {
                     self.carry_on_after(e, None, started)?;
                     return Ok(module);
@@ -269,7 +321,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
 
     /// What the plan asks for after an optimizer step: a metrics line, a replica check, a
     /// checkpoint; then the fault-injection hooks, the last of which is the tests' scripted
-    /// resize.
+    /// resize; then, when the survivors of a failure carry on, whether processes join now.
     fn after_step(
         &mut self,
         module: &K::Module,
@@ -307,8 +359,36 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
                 self.after_regroup(regrouped, schedule, started)?;
                 Ok(Boundary::Regrouped)
             }
+            None if self.settings.survivors_continue => match self.kind.joiners_due(step)? {
+                Some(plan) => Ok(Boundary::Join(plan)),
+                None => Ok(Boundary::Continue),
+            },
             None => Ok(Boundary::Continue),
         }
+    }
+
+    /// Admits `plan`'s joiners at this step boundary: the step kind forms the grown group and
+    /// hands them rank 0's state and the loop's ([`LoopState`]), then the rest of the run is
+    /// planned again at the grown world size ([`after_regroup`](Self::after_regroup)).
+    /// Collective over the grown job.
+    fn admit_joiners(
+        &mut self,
+        module: K::Module,
+        plan: &PlannedJoin,
+    ) -> anyhow::Result<K::Module> {
+        let started = Instant::now();
+        let schedule = self.schedule_state()?;
+        let state = LoopState {
+            position: self.position,
+            schedule: schedule.clone(),
+            last_saved: self.last_saved,
+            skipped: self.skipped,
+        };
+        let (module, regrouped) = self.kind.admit(module, plan, state.to_bytes()?)?;
+        if !regrouped.joined.is_empty() {
+            self.after_regroup(regrouped, schedule, started)?;
+        }
+        Ok(module)
     }
 
     /// A failure at a step boundary that the survivors survive: the step kind re-forms the
@@ -387,14 +467,20 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         self.clock.exclude(recovery);
         self.window.exclude(recovery);
         let recovery_secs = recovery.as_secs_f64();
-        self.membership.regroups += 1;
-        self.membership.recovery_secs += recovery_secs;
+        if regrouped.joined.is_empty() {
+            self.membership.regroups += 1;
+            self.membership.recovery_secs += recovery_secs;
+        } else {
+            self.membership.joins += 1;
+            self.membership.join_secs += recovery_secs;
+        }
         self.events.on(Event::Regrouped {
             position: self.position,
             rank,
             world_size: world,
             previous_world_size: regrouped.previous_world,
             lost: &regrouped.lost,
+            joined: &regrouped.joined,
             dropped_steps: self.membership.dropped_steps,
             recovery_secs,
             total_steps: self.plan.total_steps,

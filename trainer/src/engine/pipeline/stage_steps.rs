@@ -89,6 +89,8 @@ where
         data,
         device,
         no_resume,
+        // Pipelines refuse on_rank_failure = "continue", so no stage is started to join.
+        joined: _,
     } = start;
     let pp = form::<A>(dist, &config, no_resume, &device)?;
     let which = StageOf {

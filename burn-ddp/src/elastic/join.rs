@@ -1,0 +1,359 @@
+//! Processes joining a job that is training, through the job's rendezvous store (the plan
+//! and the admissions themselves are [`super::admission`]'s).
+//!
+//! Keys in the job's own namespace (a joiner knows no generation): `join/requests` (a
+//! counter: a request's number), `join/request/{n}` (the joiner's settings fingerprint),
+//! `join/reply/{n}` ([`Reply`]) and `join/closed` (the job has ended: nobody joins any more).
+//! In each generation's namespace: `join/planned` ([`PlannedJoin`]).
+//!
+//! At every step boundary each member calls [`JoinWatch::at_boundary`]. Rank 0 reads the
+//! request counter (one store round trip) and, when requests wait, plans their join for the
+//! boundary after the next step; the others look for the plan (one round trip). Rank 0 wrote
+//! the plan before it took part in that next step, and no rank finishes a step without every
+//! rank's part in its gradient all-reduce, so every member has read the plan by the planned
+//! boundary, where they all admit the joiners together.
+
+use std::time::{Duration, Instant};
+
+use super::admission::{Admission, PlannedJoin, Reply};
+use crate::error::DdpError;
+use crate::store::Store;
+
+/// How often a waiting party looks at the store.
+const POLL: Duration = Duration::from_millis(10);
+/// The deadline of one store read of a value known to be there (or about to be: a request's
+/// fingerprint follows its number).
+const READ: Duration = Duration::from_secs(5);
+const REQUESTS: &str = "join/requests";
+const CLOSED: &str = "join/closed";
+const PLANNED: &str = "join/planned";
+
+fn request_key(n: u64) -> String {
+    format!("join/request/{n}")
+}
+
+fn reply_key(n: u64) -> String {
+    format!("join/reply/{n}")
+}
+
+/// Asks the job behind `root` (the job's store) to let this process join, with its settings
+/// `fingerprint`, and waits for the answer, at most `timeout`. Not collective: the job's
+/// members admit it at a step boundary ([`JoinWatch`]).
+///
+/// # Errors
+/// [`DdpError::Mismatch`] when the job refused this process (its settings differ);
+/// [`DdpError::Membership`] when the job did not answer within `timeout`; [`DdpError::JobEnded`] when the job ended first; [`DdpError::Store`] when the
+/// store fails.
+pub fn request_to_join(
+    root: &dyn Store,
+    fingerprint: &str,
+    timeout: Duration,
+) -> Result<Admission, DdpError> {
+    let n = u64::try_from(root.add(REQUESTS, 1)?).unwrap_or(0);
+    root.set(&request_key(n), fingerprint.as_bytes())?;
+    let deadline = Instant::now() + timeout;
+    let key = reply_key(n);
+    loop {
+        if root.check(&[&key])? {
+            let bytes = root.get(&key, READ)?;
+            return match Reply::decode(&bytes) {
+                Some(Reply::Admitted(admission)) => Ok(admission),
+                Some(Reply::Refused(reason)) => Err(DdpError::Mismatch(format!(
+                    "the job refused this process: {reason}; start it with the job's config"
+                ))),
+                None => Err(DdpError::Membership(format!(
+                    "the job's answer to join request {n} cannot be read: {:?}",
+                    String::from_utf8_lossy(&bytes)
+                ))),
+            };
+        }
+        if root.check(&[CLOSED])? {
+            return Err(DdpError::JobEnded);
+        }
+        if Instant::now() >= deadline {
+            return Err(DdpError::Membership(format!(
+                "the job did not admit this process within {timeout:?} (join request {n}): its ranks admit joiners at step boundaries while training, with [fault_tolerance] on_rank_failure = \"continue\""
+            )));
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// Tells every process that asks to join from now on that the job has ended. Rank 0 calls it
+/// when the run is over.
+pub fn close(root: &dyn Store) -> Result<(), DdpError> {
+    Ok(root.set(CLOSED, b"")?)
+}
+
+/// What a member of the job knows of joins between step boundaries (the same on every
+/// member).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct JoinWatch {
+    /// Every request up to this number has been dealt with.
+    handled: u64,
+    /// The join planned in this generation, once this member has read it.
+    planned: Option<PlannedJoin>,
+}
+
+/// Where a member stands when it looks for joiners.
+#[derive(Debug, Clone, Copy)]
+pub struct Boundary<'a> {
+    /// This member's rank in its generation.
+    pub rank: usize,
+    /// Optimizer steps applied.
+    pub step: u64,
+    /// Rank 0's settings fingerprint, to refuse a joiner whose settings differ (`None`: any).
+    pub fingerprint: Option<&'a str>,
+    /// Set: admit a joiner at this very boundary, waiting up to this long for one to ask
+    /// (the tests' scripted join); every member must pass it alike.
+    pub wait_for_joiner: Option<Duration>,
+}
+
+impl JoinWatch {
+    /// A member of a job that has dealt with every request up to `handled` (0 at the start).
+    pub fn new(handled: u64) -> Self {
+        Self {
+            handled,
+            planned: None,
+        }
+    }
+
+    /// A new generation: a join planned in the last one is void (rank 0 plans the waiting
+    /// requests again).
+    pub fn regrouped(&mut self) {
+        self.planned = None;
+    }
+
+    /// At the step boundary `at`: the join due now, if any (module docs). `root` is the
+    /// job's store, `group` this generation's namespace of it. Rank 0 refuses, here, the
+    /// requests whose fingerprint differs from `at.fingerprint`. Not collective, but every
+    /// member must call it at every boundary.
+    ///
+    /// # Errors
+    /// [`DdpError::Store`] when the store fails or a value does not come in time;
+    /// [`DdpError::Membership`] when a plan cannot be read or no joiner asks within the
+    /// scripted wait.
+    pub fn at_boundary(
+        &mut self,
+        root: &dyn Store,
+        group: &dyn Store,
+        at: Boundary<'_>,
+    ) -> Result<Option<PlannedJoin>, DdpError> {
+        if self.planned.is_none() {
+            self.planned = match at.rank {
+                0 => self.plan(root, group, at)?,
+                _ => read_plan(group, at.wait_for_joiner)?,
+            };
+        }
+        match &self.planned {
+            Some(plan) if plan.step == at.step => {
+                let plan = plan.clone();
+                self.handled = plan.handled;
+                self.planned = None;
+                Ok(Some(plan))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Rank 0: plans the waiting requests' join (after the next step, or now when scripted).
+    fn plan(
+        &self,
+        root: &dyn Store,
+        group: &dyn Store,
+        at: Boundary<'_>,
+    ) -> Result<Option<PlannedJoin>, DdpError> {
+        let mut waiting = u64::try_from(root.add(REQUESTS, 0)?).unwrap_or(0);
+        let step = match at.wait_for_joiner {
+            Some(wait) => {
+                let deadline = Instant::now() + wait;
+                while waiting <= self.handled {
+                    if Instant::now() >= deadline {
+                        return Err(DdpError::Membership(format!(
+                            "no process asked to join within {wait:?} at step {} (the scripted join)",
+                            at.step
+                        )));
+                    }
+                    std::thread::sleep(POLL);
+                    waiting = u64::try_from(root.add(REQUESTS, 0)?).unwrap_or(0);
+                }
+                at.step
+            }
+            None if waiting > self.handled => at.step + 1,
+            None => return Ok(None),
+        };
+        let mut requests = Vec::new();
+        for n in self.handled + 1..=waiting {
+            let theirs = root.get(&request_key(n), READ)?;
+            match at.fingerprint {
+                Some(ours) if theirs != ours.as_bytes() => {
+                    let reason = format!(
+                        "its settings differ from the job's (job: {ours}; this process: {})",
+                        String::from_utf8_lossy(&theirs)
+                    );
+                    root.set(&reply_key(n), &Reply::Refused(reason).encode())?;
+                }
+                _ => requests.push(n),
+            }
+        }
+        let plan = PlannedJoin {
+            step,
+            handled: waiting,
+            requests,
+        };
+        group.set(PLANNED, &plan.encode())?;
+        Ok(Some(plan))
+    }
+}
+
+/// The others: the plan rank 0 wrote in this generation, if it has (waiting for it when
+/// `wait` is set).
+fn read_plan(group: &dyn Store, wait: Option<Duration>) -> Result<Option<PlannedJoin>, DdpError> {
+    let bytes = match wait {
+        // Rank 0 itself waits up to `wait` for a joiner before it writes the plan.
+        Some(wait) => group.get(PLANNED, wait + READ)?,
+        None if group.check(&[PLANNED])? => group.get(PLANNED, READ)?,
+        None => return Ok(None),
+    };
+    PlannedJoin::decode(&bytes).map(Some).ok_or_else(|| {
+        DdpError::Membership(format!(
+            "the planned join in the store cannot be read: {:?}",
+            String::from_utf8_lossy(&bytes)
+        ))
+    })
+}
+
+/// Rank 0, at the planned boundary: tells each joiner of `plan` its place in the job of
+/// `world` ranks grown as generation `generation`.
+pub fn reply_to_joiners(
+    root: &dyn Store,
+    plan: &PlannedJoin,
+    world: usize,
+    generation: u64,
+) -> Result<(), DdpError> {
+    for (request, admission) in plan.admissions(world, generation) {
+        root.set(&reply_key(request), &Reply::Admitted(admission).encode())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{close, reply_to_joiners, request_to_join, Boundary, JoinWatch};
+    use crate::error::DdpError;
+    use crate::store::{MemoryStore, PrefixStore, Store};
+
+    fn at(rank: usize, step: u64, wait: Option<Duration>) -> Boundary<'static> {
+        Boundary {
+            rank,
+            step,
+            fingerprint: Some("cfg-a"),
+            wait_for_joiner: wait,
+        }
+    }
+
+    /// A request seen at step 4 joins after step 5 on rank 0 and rank 1 alike; a joiner with
+    /// other settings is refused; the joiner is told its place.
+    #[test]
+    fn a_request_joins_after_the_next_step_on_every_member() {
+        let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let group: Arc<dyn Store> = Arc::new(PrefixStore::new("gen-1", Arc::clone(&root)));
+        let (mut zero, mut one) = (JoinWatch::new(0), JoinWatch::new(0));
+        let none = |w: &mut JoinWatch, rank, step| {
+            w.at_boundary(root.as_ref(), group.as_ref(), at(rank, step, None))
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(none(&mut zero, 0, 3), Ok(None));
+        assert_eq!(none(&mut one, 1, 3), Ok(None));
+        let joiner = {
+            let root = Arc::clone(&root);
+            std::thread::spawn(move || {
+                request_to_join(root.as_ref(), "cfg-a", Duration::from_secs(30))
+                    .map_err(|e| e.to_string())
+            })
+        };
+        let odd = {
+            let root = Arc::clone(&root);
+            std::thread::spawn(move || {
+                request_to_join(root.as_ref(), "cfg-b", Duration::from_secs(30))
+                    .map_err(|e| e.to_string())
+            })
+        };
+        while root.add("join/requests", 0).unwrap_or(0) < 2 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let planned = none(&mut zero, 0, 4);
+        assert_eq!(
+            planned,
+            Ok(None),
+            "planned for the next boundary, not this one"
+        );
+        let due = none(&mut zero, 0, 5).ok().flatten();
+        let due_one = none(&mut one, 1, 5).ok().flatten();
+        assert_eq!(due, due_one);
+        let plan = due.expect("the join is due at step 5");
+        assert_eq!((plan.step, plan.handled, plan.requests.len()), (5, 2, 1));
+        assert!(reply_to_joiners(root.as_ref(), &plan, 2, 1).is_ok());
+        let results = [joiner.join(), odd.join()];
+        let admitted = results
+            .iter()
+            .filter(|r| matches!(r, Ok(Ok(a)) if a.rank == 2 && a.world == 3 && a.step == 5))
+            .count();
+        let refused = results
+            .iter()
+            .filter(|r| matches!(r, Ok(Err(e)) if e.contains("settings differ")))
+            .count();
+        assert_eq!((admitted, refused), (1, 1), "{results:?}");
+        // Dealt with: nothing more is planned.
+        assert_eq!(none(&mut zero, 0, 6), Ok(None));
+    }
+
+    /// A process that asks after the job closed is told so.
+    #[test]
+    fn a_joiner_of_an_ended_job_is_told_so() {
+        let root = MemoryStore::new();
+        assert!(close(&root).is_ok());
+        let got = request_to_join(&root, "cfg", Duration::from_secs(30));
+        assert!(matches!(got, Err(DdpError::JobEnded)), "{got:?}");
+    }
+
+    /// The scripted join: every member waits at the boundary for a joiner, and it joins there.
+    #[test]
+    fn a_scripted_join_waits_for_its_joiner_at_that_boundary() {
+        let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let group: Arc<dyn Store> = Arc::new(PrefixStore::new("gen-2", Arc::clone(&root)));
+        let wait = Some(Duration::from_secs(30));
+        let member = |rank: usize| {
+            let (root, group) = (Arc::clone(&root), Arc::clone(&group));
+            std::thread::spawn(move || {
+                JoinWatch::new(0)
+                    .at_boundary(root.as_ref(), group.as_ref(), at(rank, 8, wait))
+                    .map_err(|e| e.to_string())
+            })
+        };
+        let (zero, one) = (member(0), member(1));
+        std::thread::sleep(Duration::from_millis(50));
+        let joiner = {
+            let root = Arc::clone(&root);
+            std::thread::spawn(move || {
+                request_to_join(root.as_ref(), "cfg-a", Duration::from_secs(30))
+                    .map_err(|e| e.to_string())
+            })
+        };
+        let plans = [zero.join(), one.join()];
+        let plan = match &plans {
+            [Ok(Ok(Some(a))), Ok(Ok(Some(b)))] if a == b => a.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!((plan.step, plan.requests.clone()), (8, vec![1]));
+        assert!(reply_to_joiners(root.as_ref(), &plan, 2, 3).is_ok());
+        let admission = joiner.join().ok().and_then(Result::ok);
+        assert_eq!(
+            admission.map(|a| (a.rank, a.world, a.generation)),
+            Some((2, 3, 3))
+        );
+    }
+}
