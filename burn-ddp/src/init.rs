@@ -41,14 +41,17 @@ pub struct Distributed {
     /// The settings fingerprint this process joined with (a founding member's is checked by
     /// [`check_same`](Self::check_same) instead).
     pub(crate) fingerprint: Option<String>,
+    /// A joiner's request, whose heartbeat beats for as long as this process is in the job
+    /// (see [`crate::joining`]).
+    pub(crate) _join_request: Option<crate::elastic::JoinRequest>,
     _server: Option<TcpStoreServer>,
 }
 
 /// The job's store as a rank connects to it, before it forms a group.
-struct Connected {
-    store: Arc<dyn Store>,
-    server: Option<TcpStoreServer>,
-    options: TcpGroupOptions,
+pub(crate) struct Connected {
+    pub store: Arc<dyn Store>,
+    pub server: Option<TcpStoreServer>,
+    pub options: TcpGroupOptions,
 }
 
 impl Distributed {
@@ -80,13 +83,14 @@ impl Distributed {
             generation: 0,
             joins_handled: 0,
             fingerprint: None,
+            _join_request: None,
             _server: server,
         })
     }
 
     /// The job's store, connected as [`init`](Self::init) connects to it (rank 0 hosting it
     /// when `may_host` and nobody else does), with the options completed (token, address).
-    fn connect(
+    pub(crate) fn connect(
         env: &DistEnv,
         mut options: TcpGroupOptions,
         may_host: bool,
@@ -234,6 +238,7 @@ impl Distributed {
             generation: self.generation,
             joins_handled: 0,
             fingerprint: None,
+            _join_request: None,
             _server: None,
         })
     }
@@ -244,10 +249,13 @@ impl Distributed {
     /// [`join`](Self::join)). The group forms through the job's store under `gen-{g}/`, so
     /// nothing of an earlier generation is read; it then takes this one's place, and the store
     /// server this rank may host moves along. The old group's connections close. On an error
-    /// `self` is unchanged. Collective over the new generation's ranks only; the deadline is
+    /// `self` keeps its group, but the generation's number is spent: a second attempt forms
+    /// the next one. Collective over the new generation's ranks only; the deadline is
     /// the group's timeout.
     pub fn regroup(&mut self, rank: usize, world: usize) -> Result<(), CollectiveError> {
-        let generation = self.generation + 1;
+        // Spent even when forming fails: its namespace holds the failed attempt's keys, so a
+        // second attempt forms the one after it.
+        self.generation += 1;
         let env = DistEnv {
             rank,
             world_size: world,
@@ -257,24 +265,31 @@ impl Distributed {
             env,
             Arc::clone(&self.root),
             self.group.options().clone(),
-            generation,
+            self.generation,
         )?;
         next._server = self._server.take();
+        next._join_request = self._join_request.take();
         *self = next;
         Ok(())
     }
 
+    /// Generation `generation`'s namespace of `root`, the job's store (generation 0 is the
+    /// store itself).
+    pub(crate) fn generation_store(root: &Arc<dyn Store>, generation: u64) -> Arc<dyn Store> {
+        match generation {
+            0 => Arc::clone(root),
+            g => Arc::new(PrefixStore::new(format!("gen-{g}"), Arc::clone(root))),
+        }
+    }
+
     /// Generation `generation` of the job through `root`, the job's store.
-    fn form_generation(
+    pub(crate) fn form_generation(
         env: DistEnv,
         root: Arc<dyn Store>,
         options: TcpGroupOptions,
         generation: u64,
     ) -> Result<Self, CollectiveError> {
-        let store: Arc<dyn Store> = match generation {
-            0 => Arc::clone(&root),
-            g => Arc::new(PrefixStore::new(format!("gen-{g}"), Arc::clone(&root))),
-        };
+        let store = Self::generation_store(&root, generation);
         let group = TcpProcessGroup::new(Arc::clone(&store), env.rank, env.world_size, options)?;
         Ok(Self {
             env,
@@ -284,40 +299,9 @@ impl Distributed {
             generation,
             joins_handled: 0,
             fingerprint: None,
+            _join_request: None,
             _server: None,
         })
-    }
-
-    /// Joins a job that is already training (a rank restarted by its launcher, or a new one):
-    /// connects to the job's store as [`init`](Self::init) does (hosting nothing), asks to
-    /// join with this process's settings `fingerprint`, waits until the job admits it at a
-    /// step boundary (at most `options.timeout`: the job may be validating or writing a
-    /// checkpoint), and forms the grown generation with the ranks already there. Returns the
-    /// job, in which this process has the rank the admission gave, and the admission.
-    /// Collective with the job's ranks at their admission (see [`crate::elastic::join`]).
-    ///
-    /// # Errors
-    /// [`DdpError::Mismatch`] when the job refuses this process (other settings);
-    /// [`DdpError::JobEnded`] when it ended before this process could join;
-    /// [`DdpError::Membership`] when it did not admit it in time; [`DdpError::Store`] on a deadline or a
-    /// lost store; what forming the group reports.
-    pub fn join(
-        env: DistEnv,
-        options: TcpGroupOptions,
-        fingerprint: &str,
-    ) -> Result<(Self, crate::elastic::Admission), DdpError> {
-        let Connected { store, options, .. } = Self::connect(&env, options, false)?;
-        let admission =
-            crate::elastic::join::request_to_join(store.as_ref(), fingerprint, options.timeout)?;
-        let env = DistEnv {
-            rank: admission.rank,
-            world_size: admission.world,
-            ..env
-        };
-        let mut dist = Self::form_generation(env, store, options, admission.generation)?;
-        dist.joins_handled = admission.handled;
-        dist.fingerprint = Some(fingerprint.to_owned());
-        Ok((dist, admission))
     }
 
     /// A job whose group was formed by the caller (the tests' in-process worlds).
@@ -331,6 +315,7 @@ impl Distributed {
             generation: 0,
             joins_handled: 0,
             fingerprint: None,
+            _join_request: None,
             _server: None,
         }
     }
@@ -411,6 +396,7 @@ impl Distributed {
             generation: 0,
             joins_handled: 0,
             fingerprint: None,
+            _join_request: None,
             _server: None,
         }
     }

@@ -11,13 +11,14 @@
 //! | [`call`] | one collective call's description (operation, element type, kind, sequence number): what groups check across ranks and errors name |
 //! | [`group`] | the [`group::ProcessGroup`] trait and its conformance suite; the rendezvous and stall reporter every group shares; the ring plan (pure); the TCP ring backend with shared-memory links for same-host neighbours; NCCL (feature `cuda`) |
 //! | [`init`] | [`init::Distributed::init`]: store + group from the environment |
+//! | [`joining`] | [`Distributed::join`]: a process that joins a job while it trains (asks through the store, beats a heartbeat, forms the grown group) |
 //! | [`sampler`] | [`sampler::DistributedSampler`]: which samples each rank takes, per epoch |
 //! | [`rng`] | [`rng::SplitMix64`], the one random generator: sample orders, splits, synthetic data (platform-stable) |
 //! | [`hash`] | [`hash::fnv1a64`], the one hash: checkpoint checksums, config fingerprints, replica checksums |
 //! | [`kernels`] | [`kernels::BucketOps`]: pack, unpack + scale, bf16/fp16 compression — CubeCL kernels on wgpu/CUDA, Burn ops elsewhere |
 //! | [`data_parallel`] | [`DataParallel`], the one home of the DDP step: join, prepare, what runs before each micro-batch's backward ([`DataParallel::micro_batch`]), sync gradients (host ring or NCCL; ZeRO stages 1 to 3), buffers, shard, sums, rank-0 actions, barrier — used by the engine, the burn-train strategy and own loops |
 //! | [`ddp`] | the DDP layer, a folder per way of stepping: plain DDP (parameter broadcast, the reducer, the gradient path, buffers), [`ddp::options`] ([`DdpOptions`], [`GradientTransport`], [`ZeroStage`], the process groups a rank forms), [`ddp::buckets`] (plan, host staging or NCCL, the finite check), [`ddp::overlap`] (buckets summed during backward), [`ddp::zero`] (stages 1 and 2), [`ddp::fsdp`] (stage 3), [`ddp::sync_batch_norm`] ([`SyncBatchNorm`]); [`ddp::sharding::Sharding`] and [`MicroBatch`] are what `DataParallel` holds and takes. Threads and groups: `docs/concurrency.md` |
-//! | [`elastic`] | a job that goes on when ranks leave or die: the survivors' agreement through the store (who carries on, at which step); [`DataParallel::regroup`] re-forms the groups among them |
+//! | [`elastic`] | a job that goes on when ranks leave or die and grows when processes join: the survivors' agreement through the store (who carries on, at which step), the join plan, heartbeats; [`DataParallel::regroup`] re-forms the groups among them, [`DataParallel::admit_joiners`] with the joiners |
 //! | [`pipeline`] | pipeline parallelism (so far): the stages × replicas layout, GPipe and 1F1B schedules with a simulation of their bubble, the point-to-point links between neighbouring stages, `PipelineStage` and the pipeline step, the `PipelineParallel` handle |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
@@ -46,6 +47,7 @@ pub mod hash;
 pub mod host_values;
 pub mod hostlist;
 pub mod init;
+pub mod joining;
 pub mod kernels;
 #[cfg(feature = "burn-train")]
 pub mod learner;
@@ -64,3 +66,4 @@ pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError, SyncBatchNormError};
 pub use group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};
 pub use init::Distributed;
+pub use joining::PendingJoin;

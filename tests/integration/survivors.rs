@@ -272,7 +272,10 @@ enum Join {
 /// Trains `body` at `world` ranks twice: rank `victim` killed as `kill` says and started again
 /// by the launcher to join as `join` says; then the same rank leaving at the same boundary
 /// and joining again at the same step, as scripted. Both end bit for bit alike, and the
-/// failed run's metrics record the lost rank and the joined one.
+/// failed run's metrics record the lost rank and the joined one. With `dies_joining`
+/// (`TRAINER_CRASH_WHILE_JOINING`'s stage) the first restart dies on its way in: the members
+/// carry on without it (one more re-formed job in the metrics, which changes nothing else)
+/// and the second restart joins.
 fn assert_failure_and_rejoin_equal_scripted_resize(
     name: &str,
     body: &str,
@@ -280,6 +283,7 @@ fn assert_failure_and_rejoin_equal_scripted_resize(
     victim: usize,
     kill: Kill,
     join: Join,
+    dies_joining: Option<&str>,
 ) {
     let dir = scratch(&format!("rejoin-{name}"));
     // Every step's replicas compared: a joiner that took anything else than rank 0's state
@@ -292,12 +296,16 @@ fn assert_failure_and_rejoin_equal_scripted_resize(
     if let Join::After(step) = join {
         env.push(("TRAINER_JOIN_AFTER_STEP", step.to_string()));
     }
-    let out = train_restarting(&dir, "failed", &body, world, &env, 1);
+    let restarts = 1 + usize::from(dies_joining.is_some());
+    if let Some(stage) = dies_joining {
+        env.push(("TRAINER_CRASH_WHILE_JOINING", stage.to_string()));
+    }
+    let out = train_restarting(&dir, "failed", &body, world, &env, restarts);
     assert_says(
         &out.stderr,
         &[
             &format!("rank {victim} failed: killed by signal 9"),
-            &format!("started rank {victim} again to join the others (1 of 1 restarts)"),
+            &format!("started rank {victim} again to join the others ({restarts} of {restarts} restarts)"),
         ],
         &out,
     );
@@ -314,29 +322,51 @@ fn assert_failure_and_rejoin_equal_scripted_resize(
             )
         })
         .collect();
-    let joined_at = changes.get(1).map_or(0, |c| c.0);
+    let joined_at = changes.last().map_or(0, |c| c.0);
     if let Join::After(step) = join {
         assert_eq!(joined_at, step, "{context}: {changes:?}");
     }
-    assert_eq!(
-        changes,
-        vec![
-            (
-                kill.boundary(),
-                Some(world as u64 - 1),
-                serde_json::json!([victim]),
-                serde_json::json!([]),
-            ),
-            (
-                joined_at,
-                Some(world as u64),
-                serde_json::json!([]),
-                serde_json::json!([world - 1]),
-            ),
-        ],
-        "{context}: {}",
-        out.all()
-    );
+    let mut expected = vec![(
+        kill.boundary(),
+        Some(world as u64 - 1),
+        serde_json::json!([victim]),
+        serde_json::json!([]),
+    )];
+    if let Some(stage) = dies_joining {
+        // Found dead by its silence, not by the set-up's deadline.
+        let why = match stage {
+            "asked" => "stopped beating",
+            _ => "re-form the job",
+        };
+        assert_says(&out.stderr, &[why], &out);
+        // Lost with the rank it was to take in the grown job; the next restart may have
+        // asked in time to be planned with it, and is then given up on with it (it asks
+        // again).
+        let (given_up_at, lost) = changes
+            .get(1)
+            .map_or((0, serde_json::json!([])), |c| (c.0, c.2.clone()));
+        assert!(given_up_at > kill.boundary(), "{context}: {changes:?}");
+        let two_joiners = serde_json::json!([world - 1, world]);
+        if lost == two_joiners {
+            assert_says(&out.stderr, &["asking again"], &out);
+        }
+        expected.push((
+            given_up_at,
+            Some(world as u64 - 1),
+            match lost == two_joiners {
+                true => two_joiners,
+                false => serde_json::json!([world - 1]),
+            },
+            serde_json::json!([]),
+        ));
+    }
+    expected.push((
+        joined_at,
+        Some(world as u64),
+        serde_json::json!([]),
+        serde_json::json!([world - 1]),
+    ));
+    assert_eq!(changes, expected, "{context}: {}", out.all());
     assert!(joined_at > kill.boundary(), "{context}: {changes:?}");
 
     let scripted = [
@@ -368,6 +398,7 @@ fn a_rank_killed_and_started_again_joins_where_a_scripted_leave_and_join_do() {
         1,
         Kill::MidStep(6),
         Join::After(12),
+        None,
     );
     // Rank 0 dies: it joins again as the last rank of the grown job.
     assert_failure_and_rejoin_equal_scripted_resize(
@@ -377,6 +408,7 @@ fn a_rank_killed_and_started_again_joins_where_a_scripted_leave_and_join_do() {
         0,
         Kill::MidStep(9),
         Join::After(15),
+        None,
     );
     assert_failure_and_rejoin_equal_scripted_resize(
         "digits-adam-w3-between",
@@ -385,6 +417,7 @@ fn a_rank_killed_and_started_again_joins_where_a_scripted_leave_and_join_do() {
         2,
         Kill::AfterStep(7),
         Join::After(14),
+        None,
     );
 }
 
@@ -401,7 +434,30 @@ fn a_restarted_rank_joins_as_soon_as_it_asks() {
         2,
         Kill::MidStep(5),
         Join::WhenItAsks,
+        None,
     );
+}
+
+/// The restarted rank dies on its way in: after it asked (the members form the grown group
+/// with a dead process and give up on it once its heartbeat has been silent for the failure
+/// detection time, which they say, not at the set-up's deadline) or once in the grown group (the
+/// hand-over fails on the members, who carry on as after any failure). Either way the
+/// members go on where they stood and the launcher's next restart joins; the run ends where
+/// a scripted leave and join end.
+#[test]
+fn a_rank_killed_while_it_joins_is_given_up_on_and_the_next_restart_joins() {
+    let body = digits_config(SGD, 4, "max_steps = 240").replace("epochs = 3", "epochs = 2");
+    for stage in ["asked", "admitted"] {
+        assert_failure_and_rejoin_equal_scripted_resize(
+            &format!("digits-sgd-w3-dies-{stage}"),
+            &body,
+            3,
+            2,
+            Kill::MidStep(5),
+            Join::WhenItAsks,
+            Some(stage),
+        );
+    }
 }
 
 #[test]
@@ -414,6 +470,7 @@ fn the_transformer_rejoins_as_a_scripted_leave_and_join_do() {
         1,
         Kill::MidStep(5),
         Join::After(8),
+        None,
     );
 }
 

@@ -9,13 +9,15 @@
 //! [`prepare`](DataParallel::prepare) and [`broadcast_bytes`](DataParallel::broadcast_bytes)
 //! calls as the members, in the same order.
 
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use super::handle::DataParallel;
 use crate::elastic::join::{self, Boundary};
-use crate::elastic::PlannedJoin;
-use crate::error::DdpError;
-use crate::group::ProcessGroup;
+use crate::elastic::{agree_on_survivors, Admitted, AgreementOptions, PlannedJoin};
+use crate::error::{CollectiveError, DdpError};
+use crate::group::{ProcessGroup, TcpProcessGroup};
+use crate::init::Distributed;
 
 impl DataParallel {
     /// At the step boundary after `step` optimizer steps: the join due now, if any. Rank 0
@@ -46,29 +48,104 @@ impl DataParallel {
 
     /// Admits `plan`'s joiners (due now: [`joiners_due`](Self::joiners_due)): rank 0 tells
     /// each its place, and the members form the grown generation with them, keeping their
-    /// ranks (the joiners take the ranks after, in request order). Returns how many joined (0
-    /// when rank 0 refused them all: nothing changes). Then hand the joiners the training
-    /// state (module docs). Collective over the grown job.
+    /// ranks (the joiners take the ranks after, in request order). Then hand the joiners the
+    /// training state (module docs). Collective over the grown job.
+    ///
+    /// While the grown group forms, every member watches the joiners' heartbeats: one silent
+    /// for the failure detection time (it died on its way in) makes the set-up fail on every
+    /// rank within a second. When the grown group cannot form, the members agree through the
+    /// store on who carries on (as after a failure, [`crate::elastic::agreement`]) and form
+    /// their next generation without the joiners: [`Admitted::failure`] says why, and nothing
+    /// else changes unless a member died too ([`Admitted::lost`]).
     ///
     /// # Errors
-    /// [`DdpError::Membership`] under ZeRO stages 1 to 3; a store failure; what forming the
-    /// group reports (a joiner that died before it: the group's deadline).
-    pub fn admit_joiners(&mut self, plan: &PlannedJoin) -> Result<usize, DdpError> {
+    /// [`DdpError::Membership`] under ZeRO stages 1 to 3; a store failure; what the members'
+    /// agreement or their re-formed group report.
+    pub fn admit_joiners(&mut self, plan: &PlannedJoin) -> Result<Admitted, DdpError> {
         let joining = plan.requests.len();
         if joining == 0 {
-            return Ok(0);
+            return Ok(Admitted::default());
         }
         let (rank, world) = (self.rank(), self.world_size());
+        let generation = self.dist.generation + 1;
         if rank == 0 {
-            join::reply_to_joiners(
-                self.dist.root.as_ref(),
-                plan,
-                world,
-                self.dist.generation + 1,
-            )?;
+            join::reply_to_joiners(self.dist.root.as_ref(), plan, world, generation)?;
         }
-        self.next_generation(rank, world + joining)?;
-        Ok(joining)
+        match self.form_watching_joiners(plan, world + joining, generation) {
+            Ok(()) => Ok(Admitted {
+                joined: joining,
+                ..Admitted::default()
+            }),
+            Err(DdpError::Collective(e)) => {
+                self.carry_on_without_joiners(plan, (world, world + joining), generation, e)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Forms generation `generation` of `grown` ranks with `plan`'s joiners, aborting its
+    /// set-up on every rank when a joiner's heartbeat stops (see
+    /// [`admit_joiners`](Self::admit_joiners)).
+    fn form_watching_joiners(
+        &mut self,
+        plan: &PlannedJoin,
+        grown: usize,
+        generation: u64,
+    ) -> Result<(), DdpError> {
+        let rank = self.rank();
+        let root = Arc::clone(&self.dist.root);
+        let tcp = self.dist.group.options().clone();
+        let detection = self.options.failure_detection;
+        let (done, until_done) = mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            scope.spawn(move || {
+                let gone = join::watch_joiners(root.as_ref(), &plan.requests, detection, &until_done);
+                if let Some((request, silent)) = gone {
+                    let why = format!(
+                        "the process of join request {request} stopped beating for {silent:.1?}: it died on its way into the job"
+                    );
+                    let store = Distributed::generation_store(&root, generation);
+                    TcpProcessGroup::abort_forming(store, &tcp, rank, &why);
+                }
+            });
+            let formed = self.next_generation(rank, grown);
+            drop(done);
+            formed
+        })
+    }
+
+    /// After the grown generation `generation` failed to form (`why`): the members agree, in
+    /// its namespace, on who carries on at `plan`'s step (a member whose set-up went through
+    /// and whose hand-over then failed agrees there too, as after any failure), and form
+    /// their next generation. `worlds`: the job's size before and with the joiners.
+    fn carry_on_without_joiners(
+        &mut self,
+        plan: &PlannedJoin,
+        (world, grown): (usize, usize),
+        generation: u64,
+        why: CollectiveError,
+    ) -> Result<Admitted, DdpError> {
+        let rank = self.rank();
+        tracing::warn!(
+            "rank {rank}: the joiners of the step boundary after step {} did not join ({why}); the {world} members carry on without them",
+            plan.step
+        );
+        let store = Distributed::generation_store(&self.dist.root, generation);
+        let joiners: Vec<usize> = (world..grown).collect();
+        let survivors = agree_on_survivors(
+            store.as_ref(),
+            rank,
+            grown,
+            plan.step,
+            &joiners,
+            &AgreementOptions::after_detection(self.options.failure_detection),
+        )?;
+        self.regroup(&survivors.members)?;
+        Ok(Admitted {
+            joined: 0,
+            failure: Some(why.to_string()),
+            lost: survivors.lost.into_iter().filter(|&r| r < world).collect(),
+        })
     }
 
     /// Rank 0's `bytes` on every rank (the others' `bytes` are not read): training state that

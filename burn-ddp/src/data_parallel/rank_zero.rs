@@ -2,34 +2,11 @@
 //! a counter while it works, so a waiting rank tells a slow disk from a dead rank 0 within the
 //! failure detection time instead of at the action's deadline.
 
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use crate::elastic::heartbeat::Silence;
 use crate::error::{DdpError, StoreError};
 use crate::store::Store;
-
-/// Runs `action` while a helper thread adds 1 to `beat_key` every `interval` (store errors
-/// there are ignored: the verdict that follows says what went wrong).
-pub(super) fn with_heartbeat<T>(
-    store: &dyn Store,
-    beat_key: &str,
-    interval: Duration,
-    action: impl FnOnce() -> T,
-) -> T {
-    let (done, stop) = mpsc::channel::<()>();
-    std::thread::scope(|scope| {
-        scope.spawn(move || loop {
-            let _ = store.add(beat_key, 1);
-            match stop.recv_timeout(interval) {
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                _ => return,
-            }
-        });
-        let result = action();
-        drop(done);
-        result
-    })
-}
 
 /// Waits for rank 0's verdict under `key`, up to `timeout`; fails with
 /// [`DdpError::RankZeroGone`] once `beat_key` has not moved for `detection` after a first beat
@@ -44,11 +21,9 @@ pub(super) fn wait_for_verdict(
     let started = Instant::now();
     let deadline = started + timeout;
     let slice = (detection / 4).max(Duration::from_millis(10));
-    let mut last_beat: Option<i64> = None;
-    let mut moved_at = started;
+    let mut silence = Silence::new(detection, detection * 4, started);
     loop {
-        let now = Instant::now();
-        let left = deadline.saturating_duration_since(now);
+        let left = deadline.saturating_duration_since(Instant::now());
         if left <= slice {
             return Ok(store.get(key, left)?);
         }
@@ -58,20 +33,10 @@ pub(super) fn wait_for_verdict(
             Err(e) => return Err(e.into()),
         }
         let beat = store.add(beat_key, 0)?;
-        let now = Instant::now();
-        if beat != 0 && last_beat != Some(beat) {
-            last_beat = Some(beat);
-            moved_at = now;
-        }
-        let allowed = if last_beat.is_some() {
-            detection
-        } else {
-            detection * 4
-        };
-        if now.duration_since(moved_at) > allowed {
+        if let Some(silent) = silence.observe(beat, Instant::now()) {
             return Err(DdpError::RankZeroGone {
                 what: what.to_string(),
-                silent: now.duration_since(moved_at),
+                silent,
             });
         }
     }
@@ -81,7 +46,8 @@ pub(super) fn wait_for_verdict(
 mod tests {
     use std::time::Duration;
 
-    use super::{wait_for_verdict, with_heartbeat};
+    use super::wait_for_verdict;
+    use crate::elastic::heartbeat::beat_while as with_heartbeat;
     use crate::error::DdpError;
     use crate::store::{MemoryStore, Store};
 

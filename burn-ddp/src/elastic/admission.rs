@@ -18,6 +18,20 @@ pub struct PlannedJoin {
     pub requests: Vec<u64>,
 }
 
+/// What admitting a [`PlannedJoin`]'s joiners did (the same on every member).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Admitted {
+    /// How many joined: the plan's joiners, or 0 when none did (all refused, or the grown
+    /// group could not form).
+    pub joined: usize,
+    /// Why the grown group could not form (a joiner died on its way in), when it could not:
+    /// the members then carried on among themselves.
+    pub failure: Option<String>,
+    /// Members (their ranks before the admission) that did not carry on after a failed
+    /// admission: they died during it too.
+    pub lost: Vec<usize>,
+}
+
 /// What a joining process is told: its place in the grown job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Admission {

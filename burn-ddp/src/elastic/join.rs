@@ -3,7 +3,8 @@
 //!
 //! Keys in the job's own namespace (a joiner knows no generation): `join/requests` (a
 //! counter: a request's number), `join/request/{n}` (the joiner's settings fingerprint),
-//! `join/reply/{n}` ([`Reply`]) and `join/closed` (the job has ended: nobody joins any more).
+//! `join/beat/{n}` (the joiner's heartbeat, a counter), `join/reply/{n}` ([`Reply`]) and
+//! `join/closed` (the job has ended: nobody joins any more).
 //! In each generation's namespace: `join/planned` ([`PlannedJoin`]).
 //!
 //! At every step boundary each member calls [`JoinWatch::at_boundary`]. Rank 0 reads the
@@ -13,9 +14,11 @@
 //! rank's part in its gradient all-reduce, so every member has read the plan by the planned
 //! boundary, where they all admit the joiners together.
 
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::admission::{Admission, PlannedJoin, Reply};
+use super::heartbeat::{Heartbeat, Silence};
 use crate::error::DdpError;
 use crate::store::Store;
 
@@ -36,46 +39,110 @@ fn reply_key(n: u64) -> String {
     format!("join/reply/{n}")
 }
 
+fn beat_key(n: u64) -> String {
+    format!("join/beat/{n}")
+}
+
+/// A process's request to join the job, from [`ask_to_join`]: it beats the request's
+/// heartbeat (`join/beat/{n}`) for as long as it lives, so the members that admit it tell a
+/// joiner that died on its way in from a slow one within their failure detection time.
+pub struct JoinRequest {
+    number: u64,
+    _beat: Heartbeat,
+}
+
 /// Asks the job behind `root` (the job's store) to let this process join, with its settings
-/// `fingerprint`, and waits for the answer, at most `timeout`. Not collective: the job's
-/// members admit it at a step boundary ([`JoinWatch`]).
+/// `fingerprint`, and starts the request's heartbeat (every `beat_every`). Not collective: the
+/// job's members admit it at a step boundary ([`JoinWatch`]); wait for their answer with
+/// [`JoinRequest::answer`].
 ///
 /// # Errors
-/// [`DdpError::Mismatch`] when the job refused this process (its settings differ);
-/// [`DdpError::Membership`] when the job did not answer within `timeout`; [`DdpError::JobEnded`] when the job ended first; [`DdpError::Store`] when the
-/// store fails.
-pub fn request_to_join(
-    root: &dyn Store,
+/// [`DdpError::Store`] when the store fails.
+pub fn ask_to_join(
+    root: &Arc<dyn Store>,
     fingerprint: &str,
-    timeout: Duration,
-) -> Result<Admission, DdpError> {
-    let n = u64::try_from(root.add(REQUESTS, 1)?).unwrap_or(0);
-    root.set(&request_key(n), fingerprint.as_bytes())?;
-    let deadline = Instant::now() + timeout;
-    let key = reply_key(n);
+    beat_every: Duration,
+) -> Result<JoinRequest, DdpError> {
+    let number = u64::try_from(root.add(REQUESTS, 1)?).unwrap_or(0);
+    let beat = Heartbeat::start(Arc::clone(root), beat_key(number), beat_every);
+    root.set(&request_key(number), fingerprint.as_bytes())?;
+    Ok(JoinRequest {
+        number,
+        _beat: beat,
+    })
+}
+
+impl JoinRequest {
+    /// The request's number (the order in which the job admits its joiners).
+    pub fn number(&self) -> u64 {
+        self.number
+    }
+
+    /// Waits for the job's answer, until `deadline`.
+    ///
+    /// # Errors
+    /// [`DdpError::Mismatch`] when the job refused this process (its settings differ);
+    /// [`DdpError::Membership`] when the job did not answer in time; [`DdpError::JobEnded`]
+    /// when the job ended first; [`DdpError::Store`] when the store fails.
+    pub fn answer(&self, root: &dyn Store, deadline: Instant) -> Result<Admission, DdpError> {
+        let (n, started) = (self.number, Instant::now());
+        let key = reply_key(n);
+        loop {
+            if root.check(&[&key])? {
+                let bytes = root.get(&key, READ)?;
+                return match Reply::decode(&bytes) {
+                    Some(Reply::Admitted(admission)) => Ok(admission),
+                    Some(Reply::Refused(reason)) => Err(DdpError::Mismatch(format!(
+                        "the job refused this process: {reason}; start it with the job's config"
+                    ))),
+                    None => Err(DdpError::Membership(format!(
+                        "the job's answer to join request {n} cannot be read: {:?}",
+                        String::from_utf8_lossy(&bytes)
+                    ))),
+                };
+            }
+            if root.check(&[CLOSED])? {
+                return Err(DdpError::JobEnded);
+            }
+            if Instant::now() >= deadline {
+                return Err(DdpError::Membership(format!(
+                    "the job did not admit this process within {:?} (join request {n}): its ranks admit joiners at step boundaries while training, with [fault_tolerance] on_rank_failure = \"continue\"",
+                    started.elapsed()
+                )));
+            }
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// Watches the heartbeats of the joiners of `requests` until `done` fires (or its sender is
+/// dropped): the first found silent for longer than `detection`, with how long it was
+/// silent, else `None`. A member runs it beside forming the grown group, whose set-up would
+/// otherwise wait for a dead joiner until its deadline.
+pub(crate) fn watch_joiners(
+    root: &dyn Store,
+    requests: &[u64],
+    detection: Duration,
+    done: &mpsc::Receiver<()>,
+) -> Option<(u64, Duration)> {
+    let now = Instant::now();
+    let mut watches: Vec<(u64, Silence)> = requests
+        .iter()
+        .map(|&n| (n, Silence::new(detection, detection * 4, now)))
+        .collect();
+    let every = (detection / 4).max(Duration::from_millis(10));
     loop {
-        if root.check(&[&key])? {
-            let bytes = root.get(&key, READ)?;
-            return match Reply::decode(&bytes) {
-                Some(Reply::Admitted(admission)) => Ok(admission),
-                Some(Reply::Refused(reason)) => Err(DdpError::Mismatch(format!(
-                    "the job refused this process: {reason}; start it with the job's config"
-                ))),
-                None => Err(DdpError::Membership(format!(
-                    "the job's answer to join request {n} cannot be read: {:?}",
-                    String::from_utf8_lossy(&bytes)
-                ))),
-            };
+        match done.recv_timeout(every) {
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            _ => return None,
         }
-        if root.check(&[CLOSED])? {
-            return Err(DdpError::JobEnded);
+        for (n, watch) in &mut watches {
+            // A store error counts as no beat: the set-up's own deadline still holds.
+            let beats = root.add(&beat_key(*n), 0).unwrap_or(0);
+            if let Some(silent) = watch.observe(beats, Instant::now()) {
+                return Some((*n, silent));
+            }
         }
-        if Instant::now() >= deadline {
-            return Err(DdpError::Membership(format!(
-                "the job did not admit this process within {timeout:?} (join request {n}): its ranks admit joiners at step boundaries while training, with [fault_tolerance] on_rank_failure = \"continue\""
-            )));
-        }
-        std::thread::sleep(POLL);
     }
 }
 
@@ -242,9 +309,22 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::{close, reply_to_joiners, request_to_join, Boundary, JoinWatch};
+    use std::time::Instant;
+
+    use super::{ask_to_join, close, reply_to_joiners, watch_joiners, Boundary, JoinWatch};
+    use crate::elastic::Admission;
     use crate::error::DdpError;
     use crate::store::{MemoryStore, PrefixStore, Store};
+
+    /// Asks and waits for the answer, as a joiner does.
+    fn request_to_join(
+        root: &Arc<dyn Store>,
+        fingerprint: &str,
+        timeout: Duration,
+    ) -> Result<Admission, DdpError> {
+        let request = ask_to_join(root, fingerprint, Duration::from_millis(20))?;
+        request.answer(root.as_ref(), Instant::now() + timeout)
+    }
 
     fn at(rank: usize, step: u64, wait: Option<Duration>) -> Boundary<'static> {
         Boundary {
@@ -271,15 +351,13 @@ mod tests {
         let joiner = {
             let root = Arc::clone(&root);
             std::thread::spawn(move || {
-                request_to_join(root.as_ref(), "cfg-a", Duration::from_secs(30))
-                    .map_err(|e| e.to_string())
+                request_to_join(&root, "cfg-a", Duration::from_secs(30)).map_err(|e| e.to_string())
             })
         };
         let odd = {
             let root = Arc::clone(&root);
             std::thread::spawn(move || {
-                request_to_join(root.as_ref(), "cfg-b", Duration::from_secs(30))
-                    .map_err(|e| e.to_string())
+                request_to_join(&root, "cfg-b", Duration::from_secs(30)).map_err(|e| e.to_string())
             })
         };
         while root.add("join/requests", 0).unwrap_or(0) < 2 {
@@ -314,8 +392,8 @@ mod tests {
     /// A process that asks after the job closed is told so.
     #[test]
     fn a_joiner_of_an_ended_job_is_told_so() {
-        let root = MemoryStore::new();
-        assert!(close(&root).is_ok());
+        let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        assert!(close(root.as_ref()).is_ok());
         let got = request_to_join(&root, "cfg", Duration::from_secs(30));
         assert!(matches!(got, Err(DdpError::JobEnded)), "{got:?}");
     }
@@ -339,8 +417,7 @@ mod tests {
         let joiner = {
             let root = Arc::clone(&root);
             std::thread::spawn(move || {
-                request_to_join(root.as_ref(), "cfg-a", Duration::from_secs(30))
-                    .map_err(|e| e.to_string())
+                request_to_join(&root, "cfg-a", Duration::from_secs(30)).map_err(|e| e.to_string())
             })
         };
         let plans = [zero.join(), one.join()];
@@ -355,5 +432,35 @@ mod tests {
             admission.map(|a| (a.rank, a.world, a.generation)),
             Some((2, 3, 3))
         );
+    }
+
+    /// A joiner that beats is never called gone; one whose request died (its heartbeat
+    /// stopped) is, within the detection time, long before any set-up deadline.
+    #[test]
+    fn a_joiner_that_stops_beating_is_called_gone() {
+        let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let detection = Duration::from_millis(200);
+        let alive = ask_to_join(&root, "cfg", detection / 4).map_err(|e| e.to_string());
+        let dead = ask_to_join(&root, "cfg", detection / 4).map_err(|e| e.to_string());
+        let (Ok(alive), Ok(dead)) = (alive, dead) else {
+            panic!("asking failed");
+        };
+        let (n_alive, n_dead) = (alive.number(), dead.number());
+        let (done, until_done) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let root = &root;
+            let watcher = scope
+                .spawn(move || watch_joiners(root.as_ref(), &[n_alive], detection, &until_done));
+            std::thread::sleep(detection * 3);
+            drop(done);
+            assert_eq!(watcher.join().ok(), Some(None), "a beating joiner is alive");
+        });
+        drop(dead);
+        let (_never, running) = std::sync::mpsc::channel();
+        let started = Instant::now();
+        let gone = watch_joiners(root.as_ref(), &[n_alive, n_dead], detection, &running);
+        assert_eq!(gone.map(|(n, _)| n), Some(n_dead));
+        assert!(started.elapsed() < Duration::from_secs(10));
+        drop(alive);
     }
 }

@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use crate::launcher::worker_env::{
-    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR, JOINING_VAR,
-    JOIN_AFTER_STEP_VAR, LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR,
-    SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
+    CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR,
+    CRASH_WHILE_JOINING_VAR, JOINING_VAR, JOIN_AFTER_STEP_VAR, LEAVE_AFTER_STEP_VAR, RANK_VAR,
+    RESTART_COUNT_VAR, SEED_BY_RANK_VAR, SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
 };
 
 /// The rank this process was launched as (`RANK`), else `rank`: the crash and stall hooks
@@ -137,6 +137,37 @@ pub fn join_after_step() -> Option<usize> {
     std::env::var(JOIN_AFTER_STEP_VAR)
         .ok()
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// Where a joining process stands, for [`crash_while_joining_if_asked`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinStage {
+    /// It asked the job to admit it and waits for the answer.
+    Asked,
+    /// It is in the grown group and about to take the training state from rank 0.
+    Admitted,
+}
+
+impl JoinStage {
+    fn name(self) -> &'static str {
+        match self {
+            JoinStage::Asked => "asked",
+            JoinStage::Admitted => "admitted",
+        }
+    }
+}
+
+/// `TRAINER_CRASH_WHILE_JOINING=asked|admitted`: kills this process with SIGKILL at that
+/// stage of its join, on its first restart only (the restart after that joins).
+pub fn crash_while_joining_if_asked(stage: JoinStage) {
+    let asked = std::env::var(CRASH_WHILE_JOINING_VAR).ok();
+    if asked.as_deref().map(str::trim) == Some(stage.name()) && restart_count() == 1 {
+        eprintln!(
+            "{CRASH_WHILE_JOINING_VAR}={}: killing this joining process (fault injection)",
+            stage.name()
+        );
+        kill_self();
+    }
 }
 
 /// Whether the launcher restarted this rank to join the running job (`TRAINER_JOINING=1`;

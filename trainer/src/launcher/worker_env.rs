@@ -106,6 +106,12 @@ pub const LEAVE_AFTER_STEP_VAR: &str = "TRAINER_LEAVE_AFTER_STEP";
 /// [`LEAVE_AFTER_STEP_VAR`] then joins again in the same process, as a restarted one would.
 pub const JOIN_AFTER_STEP_VAR: &str = "TRAINER_JOIN_AFTER_STEP";
 
+/// Fault injection: `"asked"` kills a rank on its first restart as a joiner right after it
+/// asked the job to admit it (the job admits a dead process: the members must give up on it
+/// within the failure detection time); `"admitted"` once it is in the grown group, before
+/// rank 0 has handed it the training state (the hand-over fails on the members).
+pub const CRASH_WHILE_JOINING_VAR: &str = "TRAINER_CRASH_WHILE_JOINING";
+
 /// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
 /// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other
 /// ranks' stall warning (`distributed.stall_warning_secs`) can be seen in a live job.

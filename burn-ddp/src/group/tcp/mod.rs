@@ -113,6 +113,20 @@ impl TcpProcessGroup {
         Ok(group)
     }
 
+    /// Makes every rank that forms a group through `store` with `options` (in
+    /// [`new`](Self::new)) fail within a second with `why`, as if rank `rank` had failed its
+    /// set-up: for a party that knows the group cannot form (a member it waits for died).
+    /// Not collective; store failures are ignored (the set-up's deadline still holds).
+    pub fn abort_forming(
+        store: Arc<dyn Store>,
+        options: &TcpGroupOptions,
+        rank: usize,
+        why: &dyn std::fmt::Display,
+    ) {
+        let store = PrefixStore::new(options.store_prefix.clone(), store);
+        crate::group::rendezvous::publish_abort(&store, rank, why);
+    }
+
     /// The options the group was formed with (resolved: token, address, shared memory), so a
     /// second group of the same job can be formed alike under another
     /// [`store_prefix`](TcpGroupOptions::store_prefix).

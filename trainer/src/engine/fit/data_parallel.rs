@@ -32,7 +32,7 @@ use super::training_loop::{fit, Fitted, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
 use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::device::{pin_default_device, train_device};
-use crate::engine::fault_injection;
+use crate::engine::fault_injection::{self, JoinStage};
 use crate::engine::fit::rank_reporter::RankReporter;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
@@ -140,7 +140,9 @@ fn join_job<A: App>(config: &AppConfig<A>) -> anyhow::Result<Distributed> {
         "rank {} joins the running job (restarted by its launcher)",
         env.rank
     );
-    let (dist, admission) = Distributed::join(env, options.tcp_options(), &config.fingerprint())?;
+    let pending = Distributed::ask_to_join(env, options.tcp_options(), &config.fingerprint())?;
+    fault_injection::crash_while_joining_if_asked(JoinStage::Asked);
+    let (dist, admission) = pending.admitted()?;
     tracing::info!(
         "admitted after step {}: rank {} of {}",
         admission.step,
@@ -598,7 +600,22 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         loop_state: Vec<u8>,
     ) -> anyhow::Result<(A::Model, Regrouped)> {
         let previous_world = self.ddp.world_size();
-        let joined = self.ddp.admit_joiners(plan)?;
+        let admitted = self.ddp.admit_joiners(plan)?;
+        if admitted.failure.is_some() {
+            // The members carried on without the joiners: as after a failure, a group that
+            // lost them (and any member that died meanwhile).
+            let grown = previous_world + plan.requests.len();
+            let lost = admitted.lost.into_iter().chain(previous_world..grown);
+            return Ok((
+                module,
+                Regrouped {
+                    previous_world: grown,
+                    lost: lost.collect(),
+                    joined: Vec::new(),
+                },
+            ));
+        }
+        let joined = admitted.joined;
         if joined == 0 {
             return Ok((
                 module,
@@ -626,6 +643,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     }
 
     fn join(&mut self, module: A::Model) -> anyhow::Result<(A::Model, Vec<u8>)> {
+        fault_injection::crash_while_joining_if_asked(JoinStage::Admitted);
         self.hand_over(module, Vec::new(), true)
     }
 

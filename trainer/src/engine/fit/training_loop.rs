@@ -369,8 +369,9 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
 
     /// Admits `plan`'s joiners at this step boundary: the step kind forms the grown group and
     /// hands them rank 0's state and the loop's ([`LoopState`]), then the rest of the run is
-    /// planned again at the grown world size ([`after_regroup`](Self::after_regroup)).
-    /// Collective over the grown job.
+    /// planned again at the grown world size ([`after_regroup`](Self::after_regroup)). A
+    /// joiner that dies on its way in is lost as a failed rank is: the members carry on
+    /// without it from this boundary. Collective over the grown job.
     fn admit_joiners(
         &mut self,
         module: K::Module,
@@ -384,8 +385,17 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             last_saved: self.last_saved,
             skipped: self.skipped,
         };
-        let (module, regrouped) = self.kind.admit(module, plan, state.to_bytes()?)?;
-        if !regrouped.joined.is_empty() {
+        // The weights to carry on from if a joiner dies while rank 0 hands them over.
+        let before = module.clone();
+        let (module, regrouped) = match self.kind.admit(module, plan, state.to_bytes()?) {
+            Ok(admitted) => admitted,
+            Err(e) if self.settings.survivors_continue => {
+                self.carry_on_after(e, None, started)?;
+                return Ok(before);
+            }
+            Err(e) => return Err(e),
+        };
+        if !regrouped.joined.is_empty() || !regrouped.lost.is_empty() {
             self.after_regroup(regrouped, schedule, started)?;
         }
         Ok(module)
