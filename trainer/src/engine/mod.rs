@@ -16,6 +16,7 @@
 //! | `sharded_checkpoint` | ZeRO stage 3's checkpoints: each rank's part, joined or re-cut on resume, consolidated |
 //! | `memory` | the memory pre-flight: parameters, optimizer state and activations against the machine |
 //! | `throughput` | samples per second since the last log line, validation left out |
+//! | `process_age` | how long this process has lived (`/proc`): a restarted rank's report of its way back |
 //! | `fault_injection` | crashes, stalls and stragglers asked for by tests' environment variables |
 
 pub(crate) mod checkpoint;
@@ -29,6 +30,7 @@ pub(crate) mod parallel;
 pub mod pipeline;
 pub(crate) mod plan;
 pub(crate) mod preflight;
+pub(crate) mod process_age;
 pub(crate) mod schedule;
 pub(crate) mod sharded_checkpoint;
 pub(crate) mod throughput;

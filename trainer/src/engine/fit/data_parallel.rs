@@ -37,6 +37,7 @@ use crate::engine::fit::rank_reporter::RankReporter;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
 use crate::engine::preflight::{preflight, Splitting};
+use crate::engine::process_age::process_age_text;
 use crate::engine::schedule::Schedule;
 use crate::engine::sharded_checkpoint;
 use crate::report::metrics::{MetricValue, Metrics};
@@ -141,13 +142,18 @@ fn join_job<A: App>(config: &AppConfig<A>) -> anyhow::Result<Distributed> {
         env.rank
     );
     let pending = Distributed::ask_to_join(env, options.tcp_options(), &config.fingerprint())?;
+    tracing::info!(
+        "asked to join {} after this process started",
+        process_age_text()
+    );
     fault_injection::crash_while_joining_if_asked(JoinStage::Asked);
     let (dist, admission) = pending.admitted()?;
     tracing::info!(
-        "admitted after step {}: rank {} of {}",
+        "admitted after step {}: rank {} of {} ({} after this process started)",
         admission.step,
         admission.rank,
-        admission.world
+        admission.world,
+        process_age_text()
     );
     Ok(dist)
 }

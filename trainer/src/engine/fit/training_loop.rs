@@ -36,6 +36,7 @@ use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::fault_injection;
 use crate::engine::loader::BatchStream;
 use crate::engine::plan::{PlanInput, StepPlan};
+use crate::engine::process_age::process_age_text;
 use crate::engine::schedule::Schedule;
 use crate::engine::throughput::ThroughputWindow;
 use crate::error::UsageError;
@@ -155,6 +156,8 @@ struct TrainingLoop<'r, K: StepKind, E: EventSink> {
     membership: Membership,
     /// Whether this rank has left the job (a scripted resize).
     left: bool,
+    /// A joiner before its first step, which it reports.
+    first_step_as_joiner: bool,
 }
 
 impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
@@ -218,6 +221,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             skipped,
             membership: Membership::default(),
             left: false,
+            first_step_as_joiner: settings.joining,
         })
     }
 
@@ -258,6 +262,16 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             };
             self.position = self.plan.after_step(self.position, epoch_start, k);
             self.clock.end_step();
+            if std::mem::take(&mut self.first_step_as_joiner) {
+                // Said on every rank (as a left rank's line is): how fast a restarted rank
+                // got back to work.
+                eprintln!(
+                    "[rank {}] trained its first step in the job (step {}) {} after this process started",
+                    self.kind.rank(),
+                    self.position.step,
+                    process_age_text()
+                );
+            }
             self.window
                 .add(step_samples.len() * self.kind.data_parallel_size());
             match self.after_step(&module, step_samples) {
