@@ -274,3 +274,106 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
         b.all()
     );
 }
+
+/// The final validation accuracy (percent) that rank 0 printed.
+fn final_accuracy(out: &Output) -> f64 {
+    let line = out
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("final validation:"))
+        .unwrap_or_else(|| panic!("no final validation line:\n{}", out.all()));
+    let value = line
+        .split("Accuracy ")
+        .nth(1)
+        .and_then(|rest| rest.split('%').next())
+        .and_then(|v| v.trim().parse().ok());
+    value.unwrap_or_else(|| panic!("no accuracy in {line:?}"))
+}
+
+/// A node lost and back, with `--survivors-continue` on both nodes: node 1's launcher is
+/// killed with SIGKILL once the job has trained 40 steps (its ranks die with it, by
+/// `PR_SET_PDEATHSIG`); node 0's ranks carry on alone; node 1's launcher started again with
+/// the same command finds the job training and its ranks join it. Both nodes end with exit
+/// code 0, the metrics record the lost ranks and the joined ones, and the model reaches the
+/// accuracy of an uninterrupted run of the same config on 4 local ranks.
+#[test]
+fn a_node_whose_launcher_dies_leaves_node_0_training_and_joins_again_when_started() {
+    let Some(hosts) = Hosts::create("e", 4) else {
+        return;
+    };
+    let dir = scratch("multinode-elastic");
+    let body = digits_config(SGD, 8, "max_steps = 300")
+        .replace("epochs = 3", "epochs = 10")
+        .replace("every_epochs = 0", "every_epochs = 0\nevery_steps = 20")
+        + "\n[fault_tolerance]\non_rank_failure = \"continue\"\n";
+    let nodes = write_config(&dir, "nodes", &body);
+    let cfg = nodes.display().to_string();
+    let args = ["--config", &cfg, "--survivors-continue"];
+    // Rank 0 (node 0) 20 ms slower per step: the run lasts long enough for node 1 to come
+    // back (about 300 × 20 ms).
+    let node = |ns: &str, n: usize| {
+        let mut cmd = hosts.node(ns, n, &args, STORE_PORT);
+        cmd.env("TRAINER_SLOW_STEP", "0:20");
+        cmd
+    };
+    let mut a = spawn(&mut node(&hosts.a, 0));
+    let b = spawn(&mut node(&hosts.b, 1));
+    a.wait_for_line("step-00000040");
+    // The launcher alone (`ip netns exec` runs it in its own process).
+    signal(b.id(), libc::SIGKILL);
+    let b = finish(b);
+    assert_eq!(b.signal, Some(9), "node 1's launcher:\n{}", b.all());
+    let again = finish(spawn(&mut node(&hosts.b, 1)));
+    assert_eq!(
+        again.code,
+        Some(0),
+        "node 1 started again:\n{}",
+        again.all()
+    );
+    assert_says(
+        &again.stderr,
+        &["is training already: the 2 rank(s) of node 1 join it"],
+        &again,
+    );
+    let a = finish(a);
+    assert_eq!(a.code, Some(0), "node 0:\n{}", a.all());
+    assert_says(&a.stdout, &["; ranks joined it 1 time ("], &a);
+
+    let metrics = std::fs::read_to_string(dir.join("nodes-out/metrics.jsonl")).unwrap_or_default();
+    let changes: Vec<(u64, serde_json::Value, serde_json::Value)> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|r| r["kind"] == "regroup")
+        .map(|r| {
+            (
+                r["world_size"].as_u64().unwrap_or(0),
+                r["lost"].clone(),
+                r["joined"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        changes,
+        vec![
+            (2, serde_json::json!([2, 3]), serde_json::json!([])),
+            (4, serde_json::json!([]), serde_json::json!([2, 3])),
+        ],
+        "{}",
+        a.all()
+    );
+
+    let local = write_config(&dir, "local", &body);
+    let out = run(trainer()
+        .arg("--config")
+        .arg(&local)
+        .args(["--nproc-per-node", "4"]));
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    let (elastic, uninterrupted) = (final_accuracy(&a), final_accuracy(&out));
+    eprintln!(
+        "final accuracy: {elastic}% with node 1 lost and back, {uninterrupted}% uninterrupted"
+    );
+    assert!(
+        elastic >= uninterrupted - 2.0,
+        "node 1 lost and back: {elastic}% against {uninterrupted}% uninterrupted"
+    );
+}

@@ -164,6 +164,17 @@ impl DataParallel {
         Ok(buffer)
     }
 
+    /// Rank 0, once training with joiners admitted (at every step boundary,
+    /// [`joiners_due`](Self::joiners_due)): a process that comes later, such as a launcher
+    /// whose node came back, joins instead of starting the job
+    /// ([`crate::elastic::join::job_state`]). The others: nothing.
+    pub fn open_to_joiners(&self) -> Result<(), DdpError> {
+        match self.rank() {
+            0 => join::open(self.dist.root.as_ref()),
+            _ => Ok(()),
+        }
+    }
+
     /// Rank 0, when the run is over: a process that asks to join from now on is told that the
     /// job has ended ([`DdpError::JobEnded`]) instead of waiting. The others: nothing.
     pub fn close_to_joiners(&self) -> Result<(), DdpError> {

@@ -3,8 +3,9 @@
 //!
 //! Keys in the job's own namespace (a joiner knows no generation): `join/requests` (a
 //! counter: a request's number), `join/request/{n}` (the joiner's settings fingerprint),
-//! `join/beat/{n}` (the joiner's heartbeat, a counter), `join/reply/{n}` ([`Reply`]) and
-//! `join/closed` (the job has ended: nobody joins any more).
+//! `join/beat/{n}` (the joiner's heartbeat, a counter), `join/reply/{n}` ([`Reply`]),
+//! `join/open` (the job trains and admits joiners) and `join/closed` (the job has ended: nobody
+//! joins any more).
 //! In each generation's namespace: `join/planned` ([`PlannedJoin`]).
 //!
 //! At every step boundary each member calls [`JoinWatch::at_boundary`]. Rank 0 reads the
@@ -28,6 +29,7 @@ const POLL: Duration = Duration::from_millis(10);
 /// fingerprint follows its number).
 const READ: Duration = Duration::from_secs(5);
 const REQUESTS: &str = "join/requests";
+const OPEN: &str = "join/open";
 const CLOSED: &str = "join/closed";
 const PLANNED: &str = "join/planned";
 
@@ -143,6 +145,34 @@ pub(crate) fn watch_joiners(
                 return Some((*n, silent));
             }
         }
+    }
+}
+
+/// Where a job stands for a process that would take part in it ([`job_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobState {
+    /// Not training yet: its processes start it.
+    NotStarted,
+    /// Training, and admitting joiners: a process joins it.
+    Training,
+    /// Over: nothing left to do.
+    Ended,
+}
+
+/// Rank 0, once the job trains with joiners admitted at its step boundaries: a process that
+/// comes later (a launcher whose node came back) joins instead of starting the job.
+pub fn open(root: &dyn Store) -> Result<(), DdpError> {
+    Ok(root.set(OPEN, b"")?)
+}
+
+/// Where the job behind `root` stands ([`open`], [`close`]). Not collective.
+pub fn job_state(root: &dyn Store) -> Result<JobState, DdpError> {
+    if root.check(&[CLOSED])? {
+        Ok(JobState::Ended)
+    } else if root.check(&[OPEN])? {
+        Ok(JobState::Training)
+    } else {
+        Ok(JobState::NotStarted)
     }
 }
 
@@ -311,7 +341,10 @@ mod tests {
 
     use std::time::Instant;
 
-    use super::{ask_to_join, close, reply_to_joiners, watch_joiners, Boundary, JoinWatch};
+    use super::{
+        ask_to_join, close, job_state, open, reply_to_joiners, watch_joiners, Boundary, JobState,
+        JoinWatch,
+    };
     use crate::elastic::Admission;
     use crate::error::DdpError;
     use crate::store::{MemoryStore, PrefixStore, Store};
@@ -389,11 +422,17 @@ mod tests {
         assert_eq!(none(&mut zero, 0, 6), Ok(None));
     }
 
-    /// A process that asks after the job closed is told so.
+    /// A job is not started, training, then ended; a process that asks after it closed is told
+    /// so.
     #[test]
     fn a_joiner_of_an_ended_job_is_told_so() {
         let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let state = || job_state(root.as_ref()).map_err(|e| e.to_string());
+        assert_eq!(state(), Ok(JobState::NotStarted));
+        assert!(open(root.as_ref()).is_ok());
+        assert_eq!(state(), Ok(JobState::Training));
         assert!(close(root.as_ref()).is_ok());
+        assert_eq!(state(), Ok(JobState::Ended));
         let got = request_to_join(&root, "cfg", Duration::from_secs(30));
         assert!(matches!(got, Err(DdpError::JobEnded)), "{got:?}");
     }

@@ -31,7 +31,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use burn_ddp::store::TcpStoreServer;
+use burn_ddp::elastic::join::{job_state, JobState};
+use burn_ddp::store::{TcpStore, TcpStoreServer};
+use burn_ddp::DdpError;
 use clap::Args;
 
 use crate::error::UsageError;
@@ -157,6 +159,23 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
     let mut port = plan.port;
     // Restarts so far: of every rank (an attempt), or with --survivors-continue of one rank.
     let mut restarts = 0;
+    let mut joining = match job_state_for_node(&plan, port) {
+        JobState::NotStarted => false,
+        JobState::Training => {
+            eprintln!(
+                "trainer launcher: the job at {}:{port} is training already: the {} rank(s) of node {} join it",
+                plan.master_addr, plan.nproc, plan.node_rank
+            );
+            true
+        }
+        JobState::Ended => {
+            eprintln!(
+                "trainer launcher: the job at {}:{port} has ended: nothing left to train",
+                plan.master_addr
+            );
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
     loop {
         let attempt = restarts;
         // A fresh store per attempt: the ranks of a restarted job start from an empty store.
@@ -182,7 +201,8 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
                 String::new()
             }
         );
-        let children = start_ranks(&plan, program, port, attempt)?;
+        let children = start_ranks(&plan, program, port, attempt, joining)?;
+        joining = false;
         let outcome = if plan.survivors_continue {
             let mut rejoin = |local_rank: usize, restarts: usize| {
                 start_rank(
@@ -261,20 +281,44 @@ fn machine() -> LaunchEnv {
 }
 
 /// Starts every local rank of one attempt; if one cannot start, stops those already started.
+/// How long a node other than node 0 waits for node 0's store to tell whether the job trains
+/// already; a store not up by then is a job not started (its ranks wait for it themselves).
+const JOB_STATE_WAIT: Duration = Duration::from_secs(10);
+
+/// Where the job stands for this node's launcher: with `--survivors-continue`, a node other than
+/// node 0 (which hosts the store: when it starts, nothing trains) asks node 0's store, so that a
+/// node that comes back (its launcher killed, its machine restarted) joins the job its ranks
+/// left instead of starting another. Anything else, or a store that does not answer within
+/// [`JOB_STATE_WAIT`], is a job not started.
+fn job_state_for_node(plan: &LaunchPlan, port: u16) -> JobState {
+    if !plan.survivors_continue || plan.node_rank == 0 {
+        return JobState::NotStarted;
+    }
+    let endpoint = format!("{}:{port}", plan.master_addr);
+    let state = TcpStore::connect(&endpoint, &plan.token, JOB_STATE_WAIT)
+        .map_err(DdpError::from)
+        .and_then(|store| job_state(&store));
+    state.unwrap_or_else(|e| {
+        tracing::debug!("no job state from the store at {endpoint} ({e}): starting the job");
+        JobState::NotStarted
+    })
+}
+
+/// Starts the local ranks, as ranks that start the job or (`joining`) that join it.
 fn start_ranks(
     plan: &LaunchPlan,
     program: &Program,
     port: u16,
     attempt: usize,
+    joining: bool,
 ) -> anyhow::Result<Vec<Rank>> {
     let mut children = Vec::with_capacity(plan.nproc);
     for local_rank in 0..plan.nproc {
-        let started = start_rank(
-            plan,
-            program,
-            local_rank,
-            plan.rank_env(local_rank, port, attempt),
-        );
+        let env = match joining {
+            true => plan.rejoin_env(local_rank, port, attempt),
+            false => plan.rank_env(local_rank, port, attempt),
+        };
+        let started = start_rank(plan, program, local_rank, env);
         match started {
             Ok(started) => children.push(started),
             Err(e) => {

@@ -132,8 +132,8 @@ pub fn ended_before_joining() -> ExitCode {
 }
 
 /// A rank that joins the job the environment describes while it trains: asks the job's store
-/// to admit it and forms the grown group once it is (burn-ddp's `Distributed::join`; at most
-/// `distributed.timeout_secs`).
+/// to admit it and forms the grown group once it is (burn-ddp's `Distributed::ask_to_join` and
+/// `PendingJoin::admitted`; at most `distributed.timeout_secs`).
 fn join_job<A: App>(config: &AppConfig<A>) -> anyhow::Result<Distributed> {
     let env = burn_ddp::DistEnv::from_env()?;
     let options = parallel::ddp_options(&config.distributed, &config.fault_tolerance);
@@ -176,6 +176,10 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
     if !joined {
         // A joiner's settings were checked by rank 0 as it admitted it.
         ddp.check_same(&config.fingerprint())?;
+    }
+    if settings.survivors_continue {
+        // From now on a launcher whose node came back starts its ranks as joiners.
+        ddp.open_to_joiners()?;
     }
     let (rank, world) = (ddp.rank(), ddp.world_size());
     device.seed(fault_injection::init_seed(config.training.seed, rank));
