@@ -133,6 +133,16 @@ pub enum CollectiveError {
         timeout: Duration,
         waiting_on: String,
     },
+    /// Peers whose heartbeat stood still for longer than the failure detection while this
+    /// rank waited on them ([`crate::TcpGroupOptions::peer_heartbeats`]).
+    #[error("rank {rank}: {desc}: rank(s) {silent:?} silent for {quiet:?} (no heartbeat in the store): dead, frozen or cut off from the job's network; this rank was waiting for {waiting_on}")]
+    PeerSilent {
+        rank: usize,
+        desc: CollectiveDesc,
+        silent: Box<[usize]>,
+        quiet: Duration,
+        waiting_on: String,
+    },
     /// A peer closed its connection or the network failed.
     #[error("rank {rank}: {desc}: connection with rank {peer} ({peer_addr}) failed: {source}. Rank {peer} probably exited or crashed: look at its log")]
     PeerLost {

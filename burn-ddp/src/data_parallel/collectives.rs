@@ -81,7 +81,7 @@ impl DataParallel {
         if self.rank() == 0 {
             let result = match self.world_size() {
                 1 => action(),
-                _ => crate::elastic::heartbeat::beat_while(
+                _ => crate::store::heartbeat::beat_while(
                     self.dist.store.as_ref(),
                     &beat_key,
                     detection / 4,

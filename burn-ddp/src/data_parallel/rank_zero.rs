@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::elastic::heartbeat::Silence;
 use crate::error::{DdpError, StoreError};
+use crate::store::heartbeat::Silence;
 use crate::store::Store;
 
 /// Waits for rank 0's verdict under `key`, up to `timeout`; fails with
@@ -47,8 +47,8 @@ mod tests {
     use std::time::Duration;
 
     use super::wait_for_verdict;
-    use crate::elastic::heartbeat::beat_while as with_heartbeat;
     use crate::error::DdpError;
+    use crate::store::heartbeat::beat_while as with_heartbeat;
     use crate::store::{MemoryStore, Store};
 
     /// A slow action that beats is waited for; one that stopped beating is named gone within

@@ -68,14 +68,17 @@ impl DataParallel {
     /// After a collective of this handle failed because peers died or stopped answering
     /// ([`crate::elastic::failed_peers`] of the error gives `known_gone`): agrees with the
     /// other survivors, through the job's store, on who carries on (every rank of the group
-    /// that announces itself within `options`' window) and checks that they all applied `step`
-    /// optimizer steps, then [`regroup`](Self::regroup)s among them. Returns the agreement
-    /// (the old ranks that carry on, the ranks lost); the new rank and world size are the
-    /// handle's. Collective over the survivors; bounded by `options` and the set-up's deadline.
+    /// that announces itself within `options`' window) and from which step (this rank applied
+    /// `step` optimizer steps), then [`regroup`](Self::regroup)s among them. Returns the
+    /// agreement (the old ranks that carry on, the ranks lost, those one step
+    /// [`behind`](Survivors::behind), which must then take the new rank 0's state: the weights
+    /// by [`prepare`](Self::prepare), the rest by [`broadcast_bytes`](Self::broadcast_bytes));
+    /// the new rank and world size are the handle's. Collective over the survivors; bounded by
+    /// `options` and the set-up's deadline.
     ///
     /// # Errors
-    /// [`DdpError::Membership`] when this rank was left out, the survivors stand at different
-    /// steps, or [`regroup`](Self::regroup) refuses; a store failure.
+    /// [`DdpError::Membership`] when this rank was left out, the survivors stand more than a
+    /// step apart, or [`regroup`](Self::regroup) refuses; a store failure.
     pub fn regroup_after_failure(
         &mut self,
         known_gone: &[usize],

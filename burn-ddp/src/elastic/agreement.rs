@@ -70,7 +70,7 @@ fn step_key(rank: usize) -> String {
 ///
 /// # Errors
 /// [`DdpError::Store`] when the store fails; [`DdpError::Membership`] when this rank was left
-/// out (too late), the decision cannot be read, or the survivors stand at different steps.
+/// out (too late), the decision cannot be read, or the survivors stand more than a step apart.
 pub fn agree_on_survivors(
     store: &dyn Store,
     rank: usize,

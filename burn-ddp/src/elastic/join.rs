@@ -19,8 +19,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::admission::{Admission, PlannedJoin, Reply};
-use super::heartbeat::{Heartbeat, Silence};
 use crate::error::DdpError;
+use crate::store::heartbeat::{Heartbeat, Silence};
 use crate::store::Store;
 
 /// How often a waiting party looks at the store.

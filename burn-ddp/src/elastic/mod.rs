@@ -7,7 +7,6 @@
 //! | [`survivors`] | pure: which ranks carry on after a failure and at which step, from what each survivor announced; the announcement and the decision as store values |
 //! | [`agreement`] | the survivors' agreement through the job's rendezvous store: one rank decides, every survivor reads the same decision |
 //! | [`admission`] | pure: a planned join (after which step, which requests) and each joiner's place, as store values |
-//! | `heartbeat` | a counter beaten in the store by a party the others wait for (rank 0 writing a checkpoint, a joiner being admitted), and the pure watch that calls it gone |
 //! | [`join`] | joining through the store: a process asks and waits; at each step boundary rank 0 plans the waiting requests' join and every member reads the plan |
 //!
 //! The re-formed groups themselves are [`DataParallel::regroup`](crate::DataParallel::regroup),
@@ -17,7 +16,6 @@
 
 pub mod admission;
 pub mod agreement;
-pub(crate) mod heartbeat;
 pub mod join;
 pub mod survivors;
 

@@ -2,11 +2,13 @@
 //!
 //! Every survivor announces the number of optimizer steps it has applied; one of them (the
 //! first to arrive, see [`super::agreement`]) waits for the others and writes the decision:
-//! the announced ranks, in their old rank order, with their steps. A rank that did not announce
-//! in time is left out (it died, or is too late to be trusted). The survivors carry on only when
-//! they all stand at the same step: a step that some survivor applied and another did not
-//! (a rank died in the last moments of the gradient all-reduce) cannot be dropped on one and
-//! kept on another, so the decision then refuses to go on, naming the ranks and their steps.
+//! the announced ranks with their steps. A rank that did not announce in time is left out (it
+//! died, or is too late to be trusted). The survivors carry on from the furthest step: a rank
+//! died in the last moments of a step, after some survivor finished it and before another
+//! did, so the ones behind (one step at most) take the state of one that finished it, which
+//! becomes the new group's rank 0 (the members in rank order, those ahead first). Steps that
+//! differ by more than one cannot happen in a synchronous job: the decision then refuses to go
+//! on, naming the ranks and their steps.
 
 use std::collections::BTreeMap;
 
@@ -22,34 +24,45 @@ pub struct Survivors {
     pub step: u64,
     /// The ranks of the group that failed that are not members.
     pub lost: Vec<usize>,
+    /// Members one step behind `step`: they take the new rank 0's state (module docs).
+    pub behind: Vec<usize>,
 }
 
 impl Survivors {
     /// The decision from each announced rank's applied steps, in a group of `world` ranks.
-    /// Fails when the survivors stand at different steps (module docs).
+    /// Fails when the survivors stand more than one step apart (module docs).
     pub fn decide(world: usize, announced: &BTreeMap<usize, u64>) -> Result<Self, DdpError> {
-        let members: Vec<usize> = announced.keys().copied().collect();
         let lost = (0..world).filter(|r| !announced.contains_key(r)).collect();
-        let mut steps = announced.values().copied();
-        let Some(step) = steps.next() else {
+        let (Some(&step), Some(&lowest)) = (announced.values().max(), announced.values().min())
+        else {
             return Err(DdpError::Membership(
                 "no rank announced itself after the failure".into(),
             ));
         };
-        if steps.any(|s| s != step) {
+        if step - lowest > 1 {
             let each: Vec<String> = announced
                 .iter()
                 .map(|(r, s)| format!("rank {r} at step {s}"))
                 .collect();
             return Err(DdpError::Membership(format!(
-                "the surviving ranks stand at different steps ({}): a rank died as the last gradient all-reduce ended, so some ranks applied that step and others did not; restart every rank from the newest checkpoint",
+                "the surviving ranks stand more than one step apart ({}), which a synchronous job cannot; restart every rank from the newest checkpoint",
                 each.join(", ")
             )));
         }
+        let ahead = announced
+            .iter()
+            .filter(|(_, &s)| s == step)
+            .map(|(&r, _)| r);
+        let behind: Vec<usize> = announced
+            .iter()
+            .filter(|(_, &s)| s < step)
+            .map(|(&r, _)| r)
+            .collect();
         Ok(Self {
-            members,
+            members: ahead.chain(behind.iter().copied()).collect(),
             step,
             lost,
+            behind,
         })
     }
 
@@ -95,6 +108,7 @@ pub fn failed_peers(error: &DdpError) -> Option<Vec<usize>> {
 pub fn collective_failed_peers(error: &CollectiveError) -> Option<Vec<usize>> {
     match error {
         CollectiveError::PeerGone { gone, .. } => Some(gone.iter().map(|g| g.rank).collect()),
+        CollectiveError::PeerSilent { silent, .. } => Some(silent.to_vec()),
         CollectiveError::PeerLost { .. }
         | CollectiveError::Timeout { .. }
         | CollectiveError::Aborted { .. } => Some(Vec::new()),
@@ -118,19 +132,33 @@ mod tests {
                 members: vec![0, 2, 3],
                 step: 7,
                 lost: vec![1],
+                behind: vec![],
             })
         );
     }
 
+    /// A rank one step behind carries on after the ranks ahead, the first of which is the
+    /// new rank 0 whose state it takes; ranks further apart are refused, each step named.
     #[test]
-    fn survivors_at_different_steps_are_refused_with_each_step_named() {
-        let announced = BTreeMap::from([(0, 7), (2, 8)]);
+    fn a_rank_one_step_behind_follows_and_further_apart_is_refused() {
+        let announced = BTreeMap::from([(0, 7), (2, 8), (3, 8)]);
+        let s = Survivors::decide(4, &announced).map_err(|e| e.to_string());
+        assert_eq!(
+            s,
+            Ok(Survivors {
+                members: vec![2, 3, 0],
+                step: 8,
+                lost: vec![1],
+                behind: vec![0],
+            })
+        );
+        let announced = BTreeMap::from([(0, 6), (2, 8)]);
         let e = Survivors::decide(3, &announced)
             .err()
             .map(|e| e.to_string());
         assert!(
             e.as_deref()
-                .is_some_and(|e| e.contains("rank 0 at step 7, rank 2 at step 8")),
+                .is_some_and(|e| e.contains("rank 0 at step 6, rank 2 at step 8")),
             "{e:?}"
         );
     }

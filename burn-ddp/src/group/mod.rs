@@ -15,6 +15,8 @@
 //! - `postmortem`: after a failed collective, which rank died without reporting (the root cause
 //!   that every survivor names, instead of the neighbour whose closed link reached it).
 //! - `stall`: the stall reporter (who has not arrived), shared by the TCP and NCCL groups.
+//! - `liveness`: peer heartbeats, so a collective names a dead, frozen or cut-off peer within
+//!   the failure detection time.
 //! - [`shm`]: the shared-memory byte channel of same-host ring links.
 //! - [`staging`]: the work around an all-reduce or reduce-scatter (pack, round, check, scale,
 //!   unpack) cut into the ring's pieces, so that a group can do it while its pieces are on the
@@ -31,6 +33,7 @@ pub use crate::call;
 #[cfg(test)]
 mod conformance;
 pub(crate) mod greeting;
+pub(crate) mod liveness;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod netif;

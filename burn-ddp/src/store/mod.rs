@@ -11,6 +11,9 @@
 //! - [`host`]: [`StoreHost`], who hosts the job's store, from the launcher's variables.
 //! - [`prefix`]: [`PrefixStore`], one namespace of a store (a group's keys), so several groups and
 //!   job attempts can share one store.
+//! - `heartbeat`: a counter beaten in the store by a process the others wait for (rank 0
+//!   writing a checkpoint, a joiner on its way in, every rank of a group with peer heartbeats),
+//!   and the pure watch that calls it gone.
 //! - `contract`: the [`Store`] trait every store implements.
 //! - `backoff`: the capped back-off of every retry loop in the crate.
 
@@ -19,6 +22,7 @@ pub mod c10d;
 pub mod client;
 mod connection;
 mod contract;
+pub(crate) mod heartbeat;
 pub mod host;
 pub mod memory;
 pub mod prefix;

@@ -60,6 +60,8 @@ pub fn ddp_options(d: &DistributedConfig, ft: &FaultToleranceConfig) -> DdpOptio
         } else {
             default.failure_detection
         },
+        // A cut-off or frozen rank is then named within the detection time too.
+        peer_heartbeats: ft.survivors_continue(d),
     }
 }
 

@@ -45,6 +45,9 @@ pub struct DdpOptions {
     /// the silent ones dead ([`TcpGroupOptions::failure_detection`], 2.5 s): how long the
     /// survivors of a failure take to know who died.
     pub failure_detection: Duration,
+    /// [`TcpGroupOptions::peer_heartbeats`]: a dead, frozen or cut-off peer is named within
+    /// about twice `failure_detection` instead of at `timeout`.
+    pub peer_heartbeats: bool,
 }
 
 impl Default for DdpOptions {
@@ -59,6 +62,7 @@ impl Default for DdpOptions {
             timeout: Duration::from_secs(300),
             stall_warning: Duration::from_secs(60),
             failure_detection: TcpGroupOptions::default().failure_detection,
+            peer_heartbeats: false,
         }
     }
 }
@@ -108,6 +112,7 @@ impl DdpOptions {
             stall_warning: self.stall_warning,
             shared_memory_ring_bytes: job_ring_bytes(self.zero_stage),
             failure_detection: self.failure_detection,
+            peer_heartbeats: self.peer_heartbeats,
             ..Default::default()
         }
     }

@@ -77,7 +77,7 @@ struct Slot {
 /// forming it failed (later calls fail at once, as an aborted group does).
 enum Group {
     Recipe(Recipe),
-    Formed(TcpProcessGroup),
+    Formed(Box<TcpProcessGroup>),
     /// Why forming it failed.
     Failed(String),
 }
@@ -211,7 +211,7 @@ pub fn sum_in_place(values: &mut [f32]) -> bool {
             recipe.options.clone(),
         );
         *group = match formed {
-            Ok(formed) => Group::Formed(formed),
+            Ok(formed) => Group::Formed(Box::new(formed)),
             Err(e) => {
                 tracing::error!("synchronised BatchNorm: forming its group failed: {e}");
                 let why = e.to_string();

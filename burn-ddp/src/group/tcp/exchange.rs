@@ -23,6 +23,7 @@ use super::transport::{socket_read, socket_write, Wakeup};
 use crate::call::{CollectiveDesc, ReduceOp};
 use crate::error::CollectiveError;
 use crate::group::element::Element;
+use crate::group::liveness::PeerLiveness;
 use crate::group::poll::{pollfd, wait_fds};
 use crate::group::ring::{RecvAction, RingPlan, SendItem};
 use crate::group::staging::StagedBuffer;
@@ -45,7 +46,7 @@ pub(super) fn exchange<T: Element>(
     call: &Call<'_>,
     buffer: &mut [T],
     scratch: &mut [u8],
-    mut stall: StallReporter<'_>,
+    (mut stall, mut liveness): (StallReporter<'_>, Option<PeerLiveness<'_>>),
     mut staged: Option<&mut StagedBuffer<'_, T>>,
 ) -> Result<(), CollectiveError> {
     let mut st = Progress::new(call);
@@ -93,8 +94,19 @@ pub(super) fn exchange<T: Element>(
             });
         }
         stall.warn_if_due(now, call.desc, Some(call.desc.seq), || st.waiting_on(ring));
+        if let Some((silent, quiet)) = liveness.as_mut().and_then(|l| l.silent_peers(now)) {
+            return Err(CollectiveError::PeerSilent {
+                rank: call.rank,
+                desc: *call.desc,
+                silent: silent.into_boxed_slice(),
+                quiet,
+                waiting_on: st.waiting_on(ring),
+            });
+        }
+        let next_check = liveness.as_ref().map_or(deadline, PeerLiveness::next_check);
         let wake = deadline
             .min(stall.next_warning())
+            .min(next_check)
             .saturating_duration_since(now);
         let mut fds = st.poll_set(ring);
         wait_fds(&mut fds, wake).map_err(|e| ring.next.lost(call.desc, call.rank, e))?;

@@ -61,6 +61,7 @@ use self::setup::Ring;
 use super::call_log::CallLog;
 use super::collective::{Checked, Collective, Membership};
 use super::element::Element;
+use super::liveness::{start_beating, PeerLiveness};
 use super::postmortem::{post_mortem, Report, Verdict};
 use super::process_group::ProcessGroup;
 use super::rendezvous::{check_member, Rendezvous};
@@ -69,6 +70,7 @@ use super::staging::{self, PieceSchedule, PieceStaging, StagedBuffer};
 use super::stall::StallReporter;
 use crate::call::{CollectiveDesc, CollectiveKind, ReduceOp};
 use crate::error::CollectiveError;
+use crate::store::heartbeat::Heartbeat;
 use crate::store::{PrefixStore, Store};
 
 /// A process group whose collectives run over a TCP ring. See the module docs.
@@ -81,6 +83,8 @@ pub struct TcpProcessGroup {
     calls: CallLog,
     /// Receive buffer for pieces that are reduced (u64 words so any element type is aligned).
     scratch: Vec<u64>,
+    /// This rank's heartbeat, with [`TcpGroupOptions::peer_heartbeats`] (`super::liveness`).
+    _heartbeat: Option<Heartbeat>,
 }
 
 impl TcpProcessGroup {
@@ -105,9 +109,15 @@ impl TcpProcessGroup {
             options,
             calls: CallLog::new(rank),
             scratch: Vec::new(),
+            _heartbeat: None,
         };
         if world_size > 1 {
             group.connect()?;
+            if group.options.peer_heartbeats {
+                let store: Arc<dyn Store> = Arc::new(group.store.clone());
+                let detection = group.options.failure_detection;
+                group._heartbeat = Some(start_beating(store, rank, detection));
+            }
         }
         tracing::debug!(rank, world_size, "process group ready");
         Ok(group)
@@ -356,8 +366,16 @@ impl TcpProcessGroup {
             self.options.stall_warning,
             Instant::now(),
         );
+        let liveness = self._heartbeat.is_some().then(|| {
+            PeerLiveness::new(
+                &self.store,
+                (self.member.rank, self.member.world_size),
+                self.options.failure_detection,
+                Instant::now(),
+            )
+        });
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
-        exchange::exchange(ring, &call, buffer, scratch, stall, staged)
+        exchange::exchange(ring, &call, buffer, scratch, (stall, liveness), staged)
     }
 }
 

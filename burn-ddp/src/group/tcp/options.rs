@@ -41,6 +41,13 @@ pub struct TcpGroupOptions {
     /// this bounds how long a rank's death takes to be known. Default 2.5 s. Need not match
     /// across ranks.
     pub failure_detection: Duration,
+    /// Each rank beats a counter in the store, and a collective that has waited
+    /// `failure_detection` reads its peers' (`group/liveness.rs`): a peer whose counter stood
+    /// still that long (dead, frozen, or cut off from the job's network) fails the call, naming
+    /// it ([`CollectiveError::PeerSilent`](crate::CollectiveError::PeerSilent)), instead of
+    /// the wait going on to `timeout`. Costs a store round trip per rank every quarter of
+    /// `failure_detection`. Default off; must match across ranks.
+    pub peer_heartbeats: bool,
 }
 
 impl Default for TcpGroupOptions {
@@ -55,6 +62,7 @@ impl Default for TcpGroupOptions {
             shared_memory_ring_bytes: shm::DEFAULT_CAPACITY,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
             failure_detection: crate::group::postmortem::REPORT_WINDOW,
+            peer_heartbeats: false,
         }
     }
 }

@@ -551,6 +551,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     /// `DataParallel::regroup_after_failure`); a dropped step's outputs go.
     fn regroup(&mut self, change: MembershipChange<'_>) -> anyhow::Result<Regrouped> {
         let previous_world = self.ddp.world_size();
+        let mut roll_forward = None;
         let lost = match change {
             MembershipChange::Planned { leaving } => {
                 let members: Vec<usize> = (0..previous_world)
@@ -570,11 +571,15 @@ impl<A: App> StepKind for DataParallelSteps<A> {
                     self.outputs.truncate(self.outputs_before_step);
                 }
                 let detection = Duration::from_secs_f64(self.config.fault_tolerance.detection_secs);
+                let old_rank = self.ddp.rank();
                 let survivors = self.ddp.regroup_after_failure(
                     known_gone,
                     step as u64,
                     &AgreementOptions::after_detection(detection),
                 )?;
+                if !survivors.behind.is_empty() {
+                    roll_forward = Some(survivors.behind.contains(&old_rank));
+                }
                 survivors.lost
             }
         };
@@ -587,6 +592,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
             previous_world,
             lost,
             joined: Vec::new(),
+            roll_forward,
         })
     }
 
@@ -622,6 +628,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
                     previous_world: grown,
                     lost: lost.collect(),
                     joined: Vec::new(),
+                    roll_forward: None,
                 },
             ));
         }
@@ -633,6 +640,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
                     previous_world,
                     lost: Vec::new(),
                     joined: Vec::new(),
+                    roll_forward: None,
                 },
             ));
         }
@@ -648,8 +656,18 @@ impl<A: App> StepKind for DataParallelSteps<A> {
                 previous_world,
                 lost: Vec::new(),
                 joined: (previous_world..self.ddp.world_size()).collect(),
+                roll_forward: None,
             },
         ))
+    }
+
+    fn catch_up(
+        &mut self,
+        module: A::Model,
+        loop_state: Vec<u8>,
+        receiving: bool,
+    ) -> anyhow::Result<(A::Model, Vec<u8>)> {
+        self.hand_over(module, loop_state, receiving)
     }
 
     fn join(&mut self, module: A::Model) -> anyhow::Result<(A::Model, Vec<u8>)> {

@@ -34,6 +34,10 @@ pub(crate) struct Regrouped {
     pub lost: Vec<usize>,
     /// The ranks (of the new group) of the processes that joined.
     pub joined: Vec<usize>,
+    /// After a failure in the last moments of a step that some survivors finished and others
+    /// did not: every member takes the new rank 0's state (it finished it), which this rank
+    /// receives (`Some(true)`: it was behind) or sends along (`Some(false)`).
+    pub roll_forward: Option<bool>,
 }
 
 /// The loop's part of the training state, as rank 0 hands it to the ranks that join at a step

@@ -143,6 +143,20 @@ pub(crate) trait StepKind {
         anyhow::bail!("this way of stepping cannot admit joining ranks")
     }
 
+    /// After the survivors of a failure re-formed at different steps (`Regrouped::roll_forward`):
+    /// every member takes rank 0's training state as [`join`](Self::join) does, the module
+    /// (returned), the step kind's own and `loop_state`, which rank 0 sends and a member
+    /// `receiving` (it was behind) gets back (the others get theirs). Collective.
+    fn catch_up(
+        &mut self,
+        module: Self::Module,
+        loop_state: Vec<u8>,
+        receiving: bool,
+    ) -> anyhow::Result<(Self::Module, Vec<u8>)> {
+        let _ = (module, loop_state, receiving);
+        anyhow::bail!("this way of stepping cannot hand its state to ranks behind it")
+    }
+
     /// A rank that joined a training job (its group formed with the others'): takes rank 0's
     /// training state as [`admit`](Self::admit) hands it over; returns the module and the
     /// loop's state. Collective over the grown job.

@@ -255,8 +255,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             ) {
                 (Ok(stepped), _) => stepped,
                 (Err(e), Some((module, schedule))) => {
-                    self.carry_on_after(e, Some(schedule), started)?;
-                    return Ok(module);
+                    return self.carry_on_after(e, module, Some(schedule), started);
                 }
                 (Err(e), None) => return Err(e),
             };
@@ -279,8 +278,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
                 Ok(Boundary::Regrouped | Boundary::Left) => return Ok(module),
                 Ok(Boundary::Join(plan)) => return self.admit_joiners(module, &plan),
                 Err(e) if self.settings.survivors_continue => {
-                    self.carry_on_after(e, None, started)?;
-                    return Ok(module);
+                    return self.carry_on_after(e, module, None, started);
                 }
                 Err(e) => return Err(e),
             }
@@ -404,8 +402,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         let (module, regrouped) = match self.kind.admit(module, plan, state.to_bytes()?) {
             Ok(admitted) => admitted,
             Err(e) if self.settings.survivors_continue => {
-                self.carry_on_after(e, None, started)?;
-                return Ok(before);
+                return self.carry_on_after(e, before, None, started);
             }
             Err(e) => return Err(e),
         };
@@ -416,16 +413,20 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
     }
 
     /// A failure at a step boundary that the survivors survive: the step kind re-forms the
-    /// group with the ranks that carry on, then [`after_regroup`](Self::after_regroup).
-    /// `dropped`: the schedule's state before the step in flight, when the failure came during
-    /// it (the step is dropped). Any other error, or one while re-forming, ends the run as
-    /// before. Collective over the survivors.
+    /// group with the ranks that carry on, from `module` (the weights at the boundary); when
+    /// some of them had finished one more step than others, every member takes the new rank
+    /// 0's state ([`roll_forward`](Self::roll_forward)); then
+    /// [`after_regroup`](Self::after_regroup). `dropped`: the schedule's state before the step
+    /// in flight, when the failure came during it (the step is dropped). Any other error, or
+    /// one while re-forming, ends the run as before. Returns the module to go on with.
+    /// Collective over the survivors.
     fn carry_on_after(
         &mut self,
         error: anyhow::Error,
+        module: K::Module,
         dropped: Option<Vec<u8>>,
         started: Instant,
-    ) -> anyhow::Result<()> {
+    ) -> anyhow::Result<K::Module> {
         let in_step = dropped.is_some();
         let Some(known_gone) = peer_failure(&error) else {
             return Err(error);
@@ -451,7 +452,44 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             Some(before) => before,
             None => self.schedule_state()?,
         };
-        self.after_regroup(regrouped, schedule, started)
+        let (module, schedule) = match regrouped.roll_forward {
+            Some(receiving) => self.roll_forward(module, schedule, receiving)?,
+            None => (module, schedule),
+        };
+        self.after_regroup(regrouped, schedule, started)?;
+        Ok(module)
+    }
+
+    /// The survivors stood one step apart: rank 0 of the re-formed group (which finished the
+    /// step) hands every member its module, its step kind's state and the loop's
+    /// ([`LoopState`]); a member `receiving` (it was behind) goes on from them. Returns the
+    /// module and the schedule's state to go on with. Collective.
+    fn roll_forward(
+        &mut self,
+        module: K::Module,
+        schedule: Vec<u8>,
+        receiving: bool,
+    ) -> anyhow::Result<(K::Module, Vec<u8>)> {
+        let ours = LoopState {
+            position: self.position,
+            schedule: schedule.clone(),
+            last_saved: self.last_saved,
+            skipped: self.skipped,
+        };
+        let (module, theirs) = self.kind.catch_up(module, ours.to_bytes()?, receiving)?;
+        if !receiving {
+            return Ok((module, schedule));
+        }
+        let theirs = LoopState::from_bytes(&theirs)?;
+        tracing::warn!(
+            "rank {}: at step {}, one behind the others, it goes on from rank 0's state at step {}",
+            self.kind.rank(),
+            self.position.step,
+            theirs.position.step
+        );
+        self.position = theirs.position;
+        (self.last_saved, self.skipped) = (theirs.last_saved, theirs.skipped);
+        Ok((module, theirs.schedule))
     }
 
     /// The learning-rate schedule's state (its record), as a checkpoint holds it.

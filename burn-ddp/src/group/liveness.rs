@@ -1,0 +1,124 @@
+//! Peer heartbeats ([`TcpGroupOptions::peer_heartbeats`](crate::TcpGroupOptions)): each rank of
+//! the group beats `alive/{rank}` in the group's namespace of the store from a thread of its
+//! own, and a collective that waits on its peers reads their counters once it has waited the
+//! failure detection time. A rank whose counter stood still that long is gone (dead, frozen, or
+//! cut off from the store and so from the job): the call fails naming it, within about twice
+//! the detection time, instead of at the collective's deadline. A live rank that is slow (a long
+//! validation, a checkpoint write) beats on, so it is waited for as before.
+//!
+//! What a rank's silence cannot tell apart: a link cut between two ranks while both still reach
+//! the store (neither is named; the collective's deadline still holds).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::store::heartbeat::{Heartbeat, Silence};
+use crate::store::Store;
+
+fn beat_key(rank: usize) -> String {
+    format!("alive/{rank}")
+}
+
+/// Starts rank `rank`'s heartbeat in `store` (the group's namespace): every quarter of
+/// `detection`, until dropped.
+pub(crate) fn start_beating(store: Arc<dyn Store>, rank: usize, detection: Duration) -> Heartbeat {
+    let every = (detection / 4).max(Duration::from_millis(10));
+    Heartbeat::start(store, beat_key(rank), every)
+}
+
+/// One call's watch over its peers' heartbeats (module docs).
+pub(crate) struct PeerLiveness<'a> {
+    store: &'a dyn Store,
+    rank: usize,
+    world_size: usize,
+    detection: Duration,
+    next_check: Instant,
+    /// Each peer's watch, from the first check on.
+    watches: Vec<(usize, Silence)>,
+}
+
+impl<'a> PeerLiveness<'a> {
+    /// The watch of a call that started at `start`: the first check is due after `detection`.
+    pub fn new(
+        store: &'a dyn Store,
+        (rank, world_size): (usize, usize),
+        detection: Duration,
+        start: Instant,
+    ) -> Self {
+        Self {
+            store,
+            rank,
+            world_size,
+            detection,
+            next_check: start + detection,
+            watches: Vec::new(),
+        }
+    }
+
+    /// When the next check is due (a waiting loop should wake up by then).
+    pub fn next_check(&self) -> Instant {
+        self.next_check
+    }
+
+    /// If a check is due at `now`: the peers whose heartbeat stood still for longer than the
+    /// detection time, and the longest silence, when there are any. Store errors count as no
+    /// news (the collective's deadline still holds).
+    pub fn silent_peers(&mut self, now: Instant) -> Option<(Vec<usize>, Duration)> {
+        if now < self.next_check {
+            return None;
+        }
+        self.next_check = now + (self.detection / 4).max(Duration::from_millis(10));
+        if self.watches.is_empty() {
+            let allowance = (self.detection, self.detection * 4);
+            self.watches = (0..self.world_size)
+                .filter(|&r| r != self.rank)
+                .map(|r| (r, Silence::new(allowance.0, allowance.1, now)))
+                .collect();
+        }
+        let mut silent = Vec::new();
+        let mut longest = Duration::ZERO;
+        for (peer, watch) in &mut self.watches {
+            let Ok(beats) = self.store.add(&beat_key(*peer), 0) else {
+                return None;
+            };
+            if let Some(quiet) = watch.observe(beats, Instant::now()) {
+                silent.push(*peer);
+                longest = longest.max(quiet);
+            }
+        }
+        (!silent.is_empty()).then_some((silent, longest))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::{start_beating, PeerLiveness};
+    use crate::store::{MemoryStore, Store};
+
+    /// A beating peer is never named; one whose heartbeat stopped is, after the detection
+    /// time; nothing is read before the first check is due.
+    #[test]
+    fn a_peer_that_stops_beating_is_named_and_a_beating_one_is_not() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let detection = Duration::from_millis(100);
+        let one = start_beating(Arc::clone(&store), 1, detection);
+        let two = start_beating(Arc::clone(&store), 2, detection);
+        let start = Instant::now();
+        let mut watch = PeerLiveness::new(store.as_ref(), (0, 3), detection, start);
+        assert_eq!(watch.silent_peers(start), None, "not due yet");
+        drop(two);
+        let named = loop {
+            let now = Instant::now();
+            if let Some((silent, _)) = watch.silent_peers(now) {
+                break silent;
+            }
+            assert!(now - start < Duration::from_secs(20), "never named");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert_eq!(named, vec![2]);
+        drop(one);
+    }
+}
