@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::store::Store;
+use super::contract::Store;
 
 /// Adds 1 to `key` every `interval` until `stop` is dropped or sent to. Store errors are
 /// ignored: the waiting side's verdict says what went wrong.
@@ -115,7 +115,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{Heartbeat, Silence};
-    use crate::store::{MemoryStore, Store};
+    use crate::store::contract::Store;
+    use crate::store::memory::MemoryStore;
 
     /// A counter that moves keeps the watch quiet; one that stops is called silent once it has
     /// stood still longer than allowed; a counter never beaten gets the longer allowance.
