@@ -275,21 +275,6 @@ fn a_cut_link_stops_every_rank_with_a_clear_error() {
     );
 }
 
-/// The final validation accuracy (percent) that rank 0 printed.
-fn final_accuracy(out: &Output) -> f64 {
-    let line = out
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("final validation:"))
-        .unwrap_or_else(|| panic!("no final validation line:\n{}", out.all()));
-    let value = line
-        .split("Accuracy ")
-        .nth(1)
-        .and_then(|rest| rest.split('%').next())
-        .and_then(|v| v.trim().parse().ok());
-    value.unwrap_or_else(|| panic!("no accuracy in {line:?}"))
-}
-
 /// How node 1 is lost.
 #[derive(Clone, Copy, Debug)]
 enum Loss {

@@ -419,3 +419,46 @@ fn an_output_the_users_build_lacks_is_refused_naming_trainers_feature() {
         ],
     );
 }
+
+/// The user's own model under `[fault_tolerance] on_rank_failure = "continue"`: rank 1 of 3
+/// killed in the middle of step 5 and started again by `trainer launch --survivors-continue
+/// --max-restarts 1` joins after step 10, taking rank 0's weights, optimizer state and
+/// position; the run ends bit for bit where a scripted leave after step 4 and join after step
+/// 10 end, every step's replicas compared.
+#[test]
+fn the_users_model_survives_a_killed_rank_that_rejoins_as_a_scripted_leave_and_join_do() {
+    let dir = scratch("user-crate-rejoin");
+    let body = circles_config(3, "check_replicas_every = 1")
+        + "\n[fault_tolerance]\non_rank_failure = \"continue\"\n";
+    let failed = write_config(&dir, "failed", &body);
+    let out = launch_example_on(
+        3,
+        &failed,
+        &["--survivors-continue", "--max-restarts", "1"],
+        &[
+            ("TRAINER_CRASH_IN_STEP", "5"),
+            ("TRAINER_CRASH_RANK", "1"),
+            ("TRAINER_JOIN_AFTER_STEP", "10"),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_says(
+        &out.stderr,
+        &["started rank 1 again to join the others (1 of 1 restarts)"],
+        &out,
+    );
+    assert_says(&out.stdout, &["; ranks joined it 1 time ("], &out);
+    let scripted = write_config(&dir, "scripted", &body);
+    let out = launch_example_on(
+        3,
+        &scripted,
+        &["--survivors-continue"],
+        &[
+            ("TRAINER_LEAVE_AFTER_STEP", "4:1"),
+            ("TRAINER_JOIN_AFTER_STEP", "10"),
+        ],
+    );
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    assert_says(&out.stderr, &["[rank 1] left the job after step 4"], &out);
+    crate::resume::assert_same_checkpoints(&dir, "failed", "scripted", "the user's model");
+}

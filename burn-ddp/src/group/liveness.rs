@@ -1,10 +1,12 @@
 //! Peer heartbeats ([`TcpGroupOptions::peer_heartbeats`](crate::TcpGroupOptions)): each rank of
 //! the group beats `alive/{rank}` in the group's namespace of the store from a thread of its
 //! own, and a collective that waits on its peers reads their counters once it has waited the
-//! failure detection time. A rank whose counter stood still that long is gone (dead, frozen, or
-//! cut off from the store and so from the job): the call fails naming it, within about twice
-//! the detection time, instead of at the collective's deadline. A live rank that is slow (a long
-//! validation, a checkpoint write) beats on, so it is waited for as before.
+//! failure detection time. A rank whose counter stood still for twice that (eight missed beats:
+//! a loaded machine may starve a live rank's beating thread for a moment) is gone (dead,
+//! frozen, or cut off from the store and so from the job): the call fails naming it, within
+//! about three times the detection time, instead of at the collective's deadline. A live rank
+//! that is slow (a long validation, a checkpoint write) beats on, so it is waited for as
+//! before.
 //!
 //! What a rank's silence cannot tell apart: a link cut between two ranks while both still reach
 //! the store (neither is named; the collective's deadline still holds).
@@ -60,8 +62,8 @@ impl<'a> PeerLiveness<'a> {
         self.next_check
     }
 
-    /// If a check is due at `now`: the peers whose heartbeat stood still for longer than the
-    /// detection time, and the longest silence, when there are any. Store errors count as no
+    /// If a check is due at `now`: the peers whose heartbeat stood still for longer than twice
+    /// the detection time, and the longest silence, when there are any. Store errors count as no
     /// news (the collective's deadline still holds).
     pub fn silent_peers(&mut self, now: Instant) -> Option<(Vec<usize>, Duration)> {
         if now < self.next_check {
@@ -69,7 +71,7 @@ impl<'a> PeerLiveness<'a> {
         }
         self.next_check = now + (self.detection / 4).max(Duration::from_millis(10));
         if self.watches.is_empty() {
-            let allowance = (self.detection, self.detection * 4);
+            let allowance = (self.detection * 2, self.detection * 8);
             self.watches = (0..self.world_size)
                 .filter(|&r| r != self.rank)
                 .map(|r| (r, Silence::new(allowance.0, allowance.1, now)))
@@ -98,8 +100,8 @@ mod tests {
     use super::{start_beating, PeerLiveness};
     use crate::store::{MemoryStore, Store};
 
-    /// A beating peer is never named; one whose heartbeat stopped is, after the detection
-    /// time; nothing is read before the first check is due.
+    /// A beating peer is never named; one whose heartbeat stopped is, after twice the
+    /// detection time; nothing is read before the first check is due.
     #[test]
     fn a_peer_that_stops_beating_is_named_and_a_beating_one_is_not() {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());

@@ -46,7 +46,7 @@ pub struct DdpOptions {
     /// survivors of a failure take to know who died.
     pub failure_detection: Duration,
     /// [`TcpGroupOptions::peer_heartbeats`]: a dead, frozen or cut-off peer is named within
-    /// about twice `failure_detection` instead of at `timeout`.
+    /// about three times `failure_detection` instead of at `timeout`.
     pub peer_heartbeats: bool,
 }
 

@@ -43,8 +43,8 @@ pub struct TcpGroupOptions {
     pub failure_detection: Duration,
     /// Each rank beats a counter in the store, and a collective that has waited
     /// `failure_detection` reads its peers' (`group/liveness.rs`): a peer whose counter stood
-    /// still that long (dead, frozen, or cut off from the job's network) fails the call, naming
-    /// it ([`CollectiveError::PeerSilent`](crate::CollectiveError::PeerSilent)), instead of
+    /// still for twice that (dead, frozen, or cut off from the job's network) fails the call,
+    /// naming it ([`CollectiveError::PeerSilent`](crate::CollectiveError::PeerSilent)), instead of
     /// the wait going on to `timeout`. Costs a store round trip per rank every quarter of
     /// `failure_detection`. Default off; must match across ranks.
     pub peer_heartbeats: bool,
