@@ -5,9 +5,10 @@
 //!
 //! From its request on, the joiner beats a heartbeat in the job's store for as long as it is
 //! in the job; the members that admit it watch it while they form the grown group, so a
-//! joiner that dies on its way in costs them the failure detection time, not the set-up's
-//! deadline. When forming the grown group fails (the members gave up on a joiner, maybe this
-//! one, too slow to be told from a dead one), the joiner asks again, until its deadline.
+//! joiner that dies on its way in costs them about twice the failure detection time, not the
+//! set-up's deadline. When forming the grown group fails (the members gave up on a joiner,
+//! maybe this one, too slow to be told from a dead one), the joiner asks again, until its
+//! deadline.
 
 use std::time::{Duration, Instant};
 

@@ -52,7 +52,7 @@ impl DataParallel {
     /// training state (module docs). Collective over the grown job.
     ///
     /// While the grown group forms, every member watches the joiners' heartbeats: one silent
-    /// for the failure detection time (it died on its way in) makes the set-up fail on every
+    /// for twice the failure detection time (it died on its way in) makes the set-up fail on every
     /// rank within a second. When the grown group cannot form, the members agree through the
     /// store on who carries on (as after a failure, [`crate::elastic::agreement`]) and form
     /// their next generation without the joiners: [`Admitted::failure`] says why, and nothing

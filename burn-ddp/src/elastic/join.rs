@@ -118,8 +118,9 @@ impl JoinRequest {
 }
 
 /// Watches the heartbeats of the joiners of `requests` until `done` fires (or its sender is
-/// dropped): the first found silent for longer than `detection`, with how long it was
-/// silent, else `None`. A member runs it beside forming the grown group, whose set-up would
+/// dropped): the first found silent for longer than twice `detection` (eight missed beats: a
+/// loaded machine may starve a live joiner's beating thread for a moment), with how long it
+/// was silent, else `None`. A member runs it beside forming the grown group, whose set-up would
 /// otherwise wait for a dead joiner until its deadline.
 pub(crate) fn watch_joiners(
     root: &dyn Store,
@@ -130,7 +131,7 @@ pub(crate) fn watch_joiners(
     let now = Instant::now();
     let mut watches: Vec<(u64, Silence)> = requests
         .iter()
-        .map(|&n| (n, Silence::new(detection, detection * 4, now)))
+        .map(|&n| (n, Silence::new(detection * 2, detection * 8, now)))
         .collect();
     let every = (detection / 4).max(Duration::from_millis(10));
     loop {
