@@ -174,7 +174,7 @@ pub fn train_or_launch<A: App>(
     };
     if args.launch.requested() && !is_worker {
         let ranks_here = args.launch.ranks_here();
-        let world_size = ranks_here.saturating_mul(args.launch.nnodes);
+        let world_size = ranks_here.saturating_mul(args.launch.nnodes.max);
         let checked = preflight(&app, config, ranks_here, world_size, splitting)?;
         let mut launch_args = args.launch.clone();
         // The config's fault tolerance decides what a rank's failure does to the others.

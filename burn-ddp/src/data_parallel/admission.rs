@@ -23,7 +23,8 @@ impl DataParallel {
     /// At the step boundary after `step` optimizer steps: the join due now, if any. Rank 0
     /// reads the job's join requests and plans their join for the next boundary (refusing a
     /// joiner whose fingerprint differs from the one [`check_same`](Self::check_same)
-    /// checked); the others read the plan (one store round trip each). `wait_for_joiner`
+    /// checked, and the ones beyond [`DdpOptions::max_world_size`](crate::DdpOptions)); the
+    /// others read the plan (one store round trip each). `wait_for_joiner`
     /// (the tests' scripted join, the same on every rank): admit a joiner at this very
     /// boundary, waiting up to that long for one to ask. Not a collective, but every member
     /// must call it at every step boundary with the same `step`.
@@ -39,6 +40,8 @@ impl DataParallel {
         let at = Boundary {
             rank: self.rank(),
             step,
+            world: self.world_size(),
+            max_world: self.options.max_world_size,
             fingerprint: self.fingerprint.as_deref(),
             wait_for_joiner,
         };

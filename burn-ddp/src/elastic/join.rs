@@ -200,6 +200,11 @@ pub struct Boundary<'a> {
     pub rank: usize,
     /// Optimizer steps applied.
     pub step: u64,
+    /// The job's world size now.
+    pub world: usize,
+    /// The most ranks the job may grow to (`None`: no bound): rank 0 refuses the requests
+    /// beyond it, in request order (the launcher's `--nnodes MIN:MAX`).
+    pub max_world: Option<usize>,
     /// Rank 0's settings fingerprint, to refuse a joiner whose settings differ (`None`: any).
     pub fingerprint: Option<&'a str>,
     /// Set: admit a joiner at this very boundary, waiting up to this long for one to ask
@@ -281,17 +286,24 @@ impl JoinWatch {
             None => return Ok(None),
         };
         let mut requests = Vec::new();
+        let room = at.max_world.map(|max| max.saturating_sub(at.world));
         for n in self.handled + 1..=waiting {
             let theirs = root.get(&request_key(n), READ)?;
-            match at.fingerprint {
-                Some(ours) if theirs != ours.as_bytes() => {
-                    let reason = format!(
-                        "its settings differ from the job's (job: {ours}; this process: {})",
-                        String::from_utf8_lossy(&theirs)
-                    );
-                    root.set(&reply_key(n), &Reply::Refused(reason).encode())?;
-                }
-                _ => requests.push(n),
+            let refusal = match (at.fingerprint, room, at.max_world) {
+                (Some(ours), ..) if theirs != ours.as_bytes() => Some(format!(
+                    "its settings differ from the job's (job: {ours}; this process: {})",
+                    String::from_utf8_lossy(&theirs)
+                )),
+                (_, Some(room), Some(max)) if requests.len() >= room => Some(format!(
+                    "the job is at its largest: {} rank(s) with {} joining, and it grows to at most {max} (the launcher's --nnodes MIN:MAX, or fault_tolerance.max_world_size)",
+                    at.world,
+                    requests.len()
+                )),
+                _ => None,
+            };
+            match refusal {
+                Some(reason) => root.set(&reply_key(n), &Reply::Refused(reason).encode())?,
+                None => requests.push(n),
             }
         }
         let plan = PlannedJoin {
@@ -364,6 +376,8 @@ mod tests {
         Boundary {
             rank,
             step,
+            world: 2,
+            max_world: None,
             fingerprint: Some("cfg-a"),
             wait_for_joiner: wait,
         }
@@ -421,6 +435,51 @@ mod tests {
         assert_eq!((admitted, refused), (1, 1), "{results:?}");
         // Dealt with: nothing more is planned.
         assert_eq!(none(&mut zero, 0, 6), Ok(None));
+    }
+
+    /// A job of 2 that grows to at most 3: of two joiners, the first to ask joins and the
+    /// second is refused, named why.
+    #[test]
+    fn joiners_beyond_the_largest_world_are_refused() {
+        let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let group: Arc<dyn Store> = Arc::new(PrefixStore::new("gen-1", Arc::clone(&root)));
+        let first = ask_to_join(&root, "cfg-a", Duration::from_millis(20));
+        let second = ask_to_join(&root, "cfg-a", Duration::from_millis(20));
+        let (Ok(first), Ok(second)) = (first, second) else {
+            panic!("the requests could not be written");
+        };
+        let mut watch = JoinWatch::new(0);
+        let mut boundary = |step| {
+            let bounded = Boundary {
+                max_world: Some(3),
+                ..at(0, step, None)
+            };
+            watch
+                .at_boundary(root.as_ref(), group.as_ref(), bounded)
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(boundary(4), Ok(None), "planned for the next boundary");
+        let plan = boundary(5).ok().flatten().expect("a join is planned");
+        assert_eq!(
+            (plan.handled, plan.requests.clone()),
+            (2, vec![first.number()])
+        );
+        assert!(reply_to_joiners(root.as_ref(), &plan, 2, 1).is_ok());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let admitted = first
+            .answer(root.as_ref(), deadline)
+            .map_err(|e| e.to_string());
+        assert!(
+            matches!(&admitted, Ok(a) if a.rank == 2 && a.world == 3),
+            "{admitted:?}"
+        );
+        let refused = second
+            .answer(root.as_ref(), deadline)
+            .map_err(|e| e.to_string());
+        assert!(
+            matches!(&refused, Err(e) if e.contains("at most 3")),
+            "{refused:?}"
+        );
     }
 
     /// A job is not started, training, then ended; a process that asks after it closed is told

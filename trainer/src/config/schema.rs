@@ -297,6 +297,10 @@ pub struct FaultToleranceConfig {
     /// The fewest ranks the job trains with (`"continue"`): below it the survivors stop,
     /// exit code 2, saying how many are left.
     pub min_world_size: usize,
+    /// The most ranks the job grows to (`"continue"`): a process that asks to join a job this
+    /// large is refused, told why. Absent: no bound. The launcher's `--nnodes MIN:MAX` sets
+    /// both bounds for its ranks (`MIN` and `MAX` times `--nproc-per-node`), within these.
+    pub max_world_size: Option<usize>,
     /// Seconds a rank that lost a peer waits for the other ranks' failure reports before it
     /// names the silent ones dead (`"continue"` only; 1.0): how long the survivors stall
     /// before they re-form, about torchft's best measured heartbeat. A live rank slower than
@@ -318,12 +322,25 @@ impl Default for FaultToleranceConfig {
         Self {
             on_rank_failure: OnRankFailure::Restart,
             min_world_size: 1,
+            max_world_size: None,
             detection_secs: 1.0,
         }
     }
 }
 
 impl FaultToleranceConfig {
+    /// These settings within a launcher's bounds on the job's world size (`--nnodes MIN:MAX`
+    /// tells its ranks `MIN` and `MAX` times `--nproc-per-node`): the larger minimum, the
+    /// smaller maximum.
+    pub fn within(mut self, min: Option<usize>, max: Option<usize>) -> Self {
+        self.min_world_size = self.min_world_size.max(min.unwrap_or(0));
+        self.max_world_size = match (self.max_world_size, max) {
+            (Some(ours), Some(theirs)) => Some(ours.min(theirs)),
+            (ours, theirs) => ours.or(theirs),
+        };
+        self
+    }
+
     /// Whether the survivors of a failure carry on in this job: `"continue"`, at ZeRO stage 0
     /// (a sharded state is only whole in the checkpoint).
     pub fn survivors_continue(&self, distributed: &DistributedConfig) -> bool {

@@ -140,6 +140,15 @@ impl<M, D> Config<M, D> {
                 "must be at least 1 (got 0)".into(),
             );
         }
+        if let Some(max) = ft.max_world_size.filter(|&max| max < ft.min_world_size) {
+            return invalid(
+                "fault_tolerance.max_world_size",
+                format!(
+                    "must be at least fault_tolerance.min_world_size = {} (got {max})",
+                    ft.min_world_size
+                ),
+            );
+        }
         if self.checkpoint.keep_last == 0 {
             return invalid("checkpoint.keep_last", "must be at least 1 (got 0)".into());
         }

@@ -62,6 +62,7 @@ pub fn ddp_options(d: &DistributedConfig, ft: &FaultToleranceConfig) -> DdpOptio
         },
         // A cut-off or frozen rank is then named within the detection time too.
         peer_heartbeats: ft.survivors_continue(d),
+        max_world_size: ft.max_world_size,
     }
 }
 

@@ -31,9 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use burn_ddp::elastic::join::{job_state, JobState};
-use burn_ddp::store::{TcpStore, TcpStoreServer};
-use burn_ddp::DdpError;
+use burn_ddp::store::TcpStoreServer;
 use clap::Args;
 
 use crate::error::UsageError;
@@ -41,6 +39,7 @@ use crate::finding::Status;
 pub use crate::launcher::launch_plan::LaunchArgs;
 use crate::launcher::launch_plan::{LaunchEnv, LaunchPlan, USAGE_EXIT_CODE};
 use crate::launcher::limits::{limit_checks, JobShape};
+use crate::launcher::node_rendezvous::{self, Entry};
 use crate::launcher::ranklog::RankLog;
 use crate::launcher::worker_env::{THREADS_VAR, TOKEN_VAR};
 
@@ -143,7 +142,7 @@ const GRACE: Duration = Duration::from_secs(10);
 /// [`UsageError`]. Checks of the program's input (a config file, for example) are the caller's,
 /// before this call, so that bad input fails once instead of once per rank.
 pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> {
-    let plan = LaunchPlan::new(args, &machine())?;
+    let mut plan = LaunchPlan::new(args, &machine(args))?;
     if let Ok(outer) = burn_ddp::DistEnv::from_env() {
         plan.check_outer_job(outer.rank, outer.world_size)?;
     }
@@ -159,23 +158,6 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
     let mut port = plan.port;
     // Restarts so far: of every rank (an attempt), or with --survivors-continue of one rank.
     let mut restarts = 0;
-    let mut joining = match job_state_for_node(&plan, port) {
-        JobState::NotStarted => false,
-        JobState::Training => {
-            eprintln!(
-                "trainer launcher: the job at {}:{port} is training already: the {} rank(s) of node {} join it",
-                plan.master_addr, plan.nproc, plan.node_rank
-            );
-            true
-        }
-        JobState::Ended => {
-            eprintln!(
-                "trainer launcher: the job at {}:{port} has ended: nothing left to train",
-                plan.master_addr
-            );
-            return Ok(ExitCode::SUCCESS);
-        }
-    };
     loop {
         let attempt = restarts;
         // A fresh store per attempt: the ranks of a restarted job start from an empty store.
@@ -188,6 +170,28 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
             }
             None => None,
         };
+        // Where this node enters is decided once: a restart starts the same nodes again.
+        let mut joining = false;
+        if attempt == 0 {
+            match node_rendezvous::enter(&plan, port)? {
+                Entry::Start(placed) => plan = placed,
+                Entry::Join(placed) => {
+                    plan = placed;
+                    joining = true;
+                    eprintln!(
+                        "trainer launcher: the job at {}:{port} is training already: the {} rank(s) of node {} join it",
+                        plan.master_addr, plan.nproc, plan.node_rank
+                    );
+                }
+                Entry::Ended => {
+                    eprintln!(
+                        "trainer launcher: the job at {}:{port} has ended: nothing left to train",
+                        plan.master_addr
+                    );
+                    return Ok(ExitCode::SUCCESS);
+                }
+            }
+        }
         tracing::info!(
             "launching {} rank(s) on node {} of {} (world size {}), store at {}:{port}{}",
             plan.nproc,
@@ -202,7 +206,6 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
             }
         );
         let children = start_ranks(&plan, program, port, attempt, joining)?;
-        joining = false;
         let outcome = if plan.survivors_continue {
             let mut rejoin = |local_rank: usize, restarts: usize| {
                 start_rank(
@@ -268,10 +271,14 @@ fn refuse_beyond_limits(plan: &LaunchPlan) -> Result<(), UsageError> {
     )))
 }
 
-/// What the plan needs from this machine: its cores, the launcher's `RAYON_NUM_THREADS`, and
-/// the job token (the launcher's `BURN_DDP_TOKEN`, else 128 fresh random bits).
-fn machine() -> LaunchEnv {
+/// What the plan needs from this machine: its cores, the launcher's `RAYON_NUM_THREADS`, the
+/// job token (the launcher's `BURN_DDP_TOKEN`, else 128 fresh random bits), and, for an
+/// elastic job without `--node-rank`, whether `--master-addr` is this machine's.
+fn machine(args: &LaunchArgs) -> LaunchEnv {
+    let decides_host = args.nnodes.is_elastic() && args.node_rank.is_none();
     LaunchEnv {
+        master_addr_is_here: decides_host
+            && args.master_addr.as_deref().is_some_and(is_this_machine),
         cores: std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1),
@@ -280,28 +287,10 @@ fn machine() -> LaunchEnv {
     }
 }
 
-/// Starts every local rank of one attempt; if one cannot start, stops those already started.
-/// How long a node other than node 0 waits for node 0's store to tell whether the job trains
-/// already; a store not up by then is a job not started (its ranks wait for it themselves).
-const JOB_STATE_WAIT: Duration = Duration::from_secs(10);
-
-/// Where the job stands for this node's launcher: with `--survivors-continue`, a node other than
-/// node 0 (which hosts the store: when it starts, nothing trains) asks node 0's store, so that a
-/// node that comes back (its launcher killed, its machine restarted) joins the job its ranks
-/// left instead of starting another. Anything else, or a store that does not answer within
-/// [`JOB_STATE_WAIT`], is a job not started.
-fn job_state_for_node(plan: &LaunchPlan, port: u16) -> JobState {
-    if !plan.survivors_continue || plan.node_rank == 0 {
-        return JobState::NotStarted;
-    }
-    let endpoint = format!("{}:{port}", plan.master_addr);
-    let state = TcpStore::connect(&endpoint, &plan.token, JOB_STATE_WAIT)
-        .map_err(DdpError::from)
-        .and_then(|store| job_state(&store));
-    state.unwrap_or_else(|e| {
-        tracing::debug!("no job state from the store at {endpoint} ({e}): starting the job");
-        JobState::NotStarted
-    })
+/// Whether `addr` names this machine: a socket can be bound to it (binding to another
+/// machine's address fails with `EADDRNOTAVAIL`), as torchrun tells its store's host.
+fn is_this_machine(addr: &str) -> bool {
+    std::net::TcpListener::bind((addr, 0)).is_ok()
 }
 
 /// Starts the local ranks, as ranks that start the job or (`joining`) that join it.

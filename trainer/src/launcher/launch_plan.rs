@@ -11,14 +11,16 @@
 //! ```
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::Args;
 
 use crate::error::UsageError;
+use crate::launcher::nodes::NodeRange;
 use crate::launcher::worker_env::{
     AGENT_STORE_VAR, GROUP_RANK_VAR, JOINING_VAR, LOCAL_RANK_VAR, LOCAL_WORLD_SIZE_VAR,
-    MASTER_ADDR_VAR, MASTER_PORT_VAR, RANK_VAR, RESTART_COUNT_VAR, THREADS_VAR, TOKEN_VAR,
-    WORKER_VAR, WORLD_SIZE_VAR,
+    MASTER_ADDR_VAR, MASTER_PORT_VAR, MAX_WORLD_SIZE_VAR, MIN_WORLD_SIZE_VAR, RANK_VAR,
+    RESTART_COUNT_VAR, THREADS_VAR, TOKEN_VAR, WORKER_VAR, WORLD_SIZE_VAR,
 };
 
 /// torchrun-style launch options.
@@ -27,12 +29,18 @@ pub struct LaunchArgs {
     /// Start this many ranks on this machine and supervise them.
     #[arg(long)]
     pub nproc_per_node: Option<usize>,
-    /// Number of machines in the job.
-    #[arg(long, default_value_t = 1)]
-    pub nnodes: usize,
-    /// This machine's index, 0..nnodes (node 0 hosts the rendezvous store).
-    #[arg(long, default_value_t = 0)]
-    pub node_rank: usize,
+    /// Number of machines in the job: N, or MIN:MAX (torchrun's elastic range) — the job
+    /// starts once MIN are there (waiting --rdzv-last-call-timeout for more, up to MAX), a
+    /// node lost shrinks it down to MIN, and a node that comes, or comes back, grows it up to
+    /// MAX. A range needs --survivors-continue (the trainer's `on_rank_failure = "continue"`).
+    #[arg(long, default_value_t = NodeRange::default())]
+    pub nnodes: NodeRange,
+    /// This machine's index, 0..nnodes (default 0; node 0 hosts the rendezvous store). With
+    /// --nnodes MIN:MAX the launchers number themselves as they come, node 0 first: leave it
+    /// out (node 0 is the machine that has --master-addr), or give 0 to node 0 and any other
+    /// number to the others (several nodes on one machine).
+    #[arg(long)]
+    pub node_rank: Option<usize>,
     /// Address of node 0, reachable from every node (default 127.0.0.1 on one node).
     #[arg(long)]
     pub master_addr: Option<String>,
@@ -56,6 +64,15 @@ pub struct LaunchArgs {
     /// `[fault_tolerance] on_rank_failure = "continue"` sets this on its own.
     #[arg(long)]
     pub survivors_continue: bool,
+    /// --nnodes MIN:MAX: how long node 0 waits for MIN nodes, and another node for node 0's
+    /// store and its place (torchrun's `join_timeout`).
+    #[arg(long, value_name = "SECS", default_value_t = 600)]
+    pub rdzv_join_timeout: u64,
+    /// --nnodes MIN:MAX: once MIN nodes are there, how long node 0 waits for more before the
+    /// job starts with the nodes there (torchrun's `last_call_timeout`); a node that comes
+    /// later joins the running job.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub rdzv_last_call_timeout: u64,
 }
 
 impl LaunchArgs {
@@ -65,8 +82,8 @@ impl LaunchArgs {
     /// of being ignored by a run of one process.
     pub fn requested(&self) -> bool {
         self.nproc_per_node.is_some()
-            || self.nnodes != 1
-            || self.node_rank != 0
+            || self.nnodes != NodeRange::default()
+            || self.node_rank.is_some()
             || self.master_addr.is_some()
             || self.master_port.is_some()
             || self.log_dir.is_some()
@@ -96,6 +113,19 @@ pub struct LaunchEnv {
     /// The job token: the launcher's `BURN_DDP_TOKEN` when set (it must be the same on every
     /// node), else a fresh random one.
     pub token: String,
+    /// Whether `--master-addr` is an address of this machine (with `--nnodes MIN:MAX` and no
+    /// `--node-rank`: this launcher is node 0 and hosts the store).
+    pub master_addr_is_here: bool,
+}
+
+/// The deadlines of an elastic job's node rendezvous (`--nnodes MIN:MAX`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RendezvousTimeouts {
+    /// Node 0 waiting for `MIN` nodes; another node waiting for node 0's store, its place,
+    /// and (coming late) for the job to train.
+    pub join: Duration,
+    /// Node 0 waiting for more than `MIN` nodes.
+    pub last_call: Duration,
 }
 
 /// The validated launch: what every attempt starts, and where.
@@ -103,12 +133,18 @@ pub struct LaunchEnv {
 pub struct LaunchPlan {
     /// Ranks on this machine (`--nproc-per-node`, default 1): `LOCAL_WORLD_SIZE`.
     pub nproc: usize,
-    /// Machines in the job (`--nnodes`).
+    /// `--nnodes`: the fewest and the most machines of the job.
+    pub nodes: NodeRange,
+    /// Machines in the job: `--nnodes N`, or with `MIN:MAX` `MAX` until the node rendezvous
+    /// says how many start it ([`placed`](Self::placed)).
     pub nnodes: usize,
-    /// This machine's index (`--node-rank`): `GROUP_RANK`.
+    /// This machine's index (`--node-rank`, or its place in an elastic job's rendezvous):
+    /// `GROUP_RANK`.
     pub node_rank: usize,
     /// Ranks in the job, `nproc * nnodes`: `WORLD_SIZE`.
     pub world_size: usize,
+    /// The node rendezvous's deadlines (`--nnodes MIN:MAX`).
+    pub rendezvous: RendezvousTimeouts,
     /// Node 0's address, as the ranks reach it: `MASTER_ADDR`.
     pub master_addr: String,
     /// The store's port before the first bind; 0 lets the OS pick one (one machine only). The
@@ -141,24 +177,38 @@ impl LaunchPlan {
         if nproc == 0 {
             return Err(UsageError("--nproc-per-node must be at least 1".into()));
         }
-        if args.nnodes == 0 {
+        let nodes = args.nnodes;
+        if nodes.min == 0 {
             return Err(UsageError("--nnodes must be at least 1".into()));
         }
-        if args.node_rank >= args.nnodes {
+        if let Some(node_rank) = args.node_rank.filter(|&r| r >= nodes.max) {
             return Err(UsageError(format!(
-                "--node-rank {} is not in 0..{} (--nnodes {})",
-                args.node_rank, args.nnodes, args.nnodes
+                "--node-rank {node_rank} is not in 0..{} (--nnodes {nodes})",
+                nodes.max
             )));
         }
-        let single_node = args.nnodes == 1;
+        if nodes.is_elastic() && !args.survivors_continue {
+            return Err(UsageError(format!(
+                "--nnodes {nodes}: a job whose nodes come and go needs its ranks to train on when a node is lost: add --survivors-continue (the trainer sets it for `[fault_tolerance] on_rank_failure = \"continue\"`), or give a fixed --nnodes"
+            )));
+        }
+        // With a range the launchers number themselves as they come: node 0 (the store's
+        // host) is the one given 0, or, given none, the one that has --master-addr; any
+        // other starts as "some node" and takes its number from node 0's rendezvous.
+        let node_rank = match (nodes.is_elastic(), args.node_rank) {
+            (false, rank) => rank.unwrap_or(0),
+            (true, Some(0)) => 0,
+            (true, Some(_)) => 1,
+            (true, None) => usize::from(!env.master_addr_is_here),
+        };
+        let single_node = nodes.max == 1;
         let master_addr = match &args.master_addr {
             Some(addr) => addr.clone(),
             None if single_node => "127.0.0.1".to_string(),
             None => {
                 return Err(UsageError(format!(
                     "--master-addr (node 0's address, reachable from every node) is required \
-                     with --nnodes {}",
-                    args.nnodes
+                     with --nnodes {nodes}"
                 )))
             }
         };
@@ -166,15 +216,14 @@ impl LaunchPlan {
             Some(0) if !single_node => {
                 return Err(UsageError(format!(
                     "--master-port 0 (a port the OS picks) only works on one machine: with \
-                     --nnodes {} every node must be given node 0's port",
-                    args.nnodes
+                     --nnodes {nodes} every node must be given node 0's port"
                 )))
             }
             Some(port) => port,
             None if single_node => 0,
             None => DEFAULT_MULTI_NODE_PORT,
         };
-        let store_host = (args.node_rank == 0).then(|| {
+        let store_host = (node_rank == 0).then(|| {
             if single_node && is_loopback_name(&master_addr) {
                 "127.0.0.1"
             } else {
@@ -183,9 +232,14 @@ impl LaunchPlan {
         });
         Ok(Self {
             nproc,
-            nnodes: args.nnodes,
-            node_rank: args.node_rank,
-            world_size: nproc * args.nnodes,
+            nodes,
+            nnodes: nodes.max,
+            node_rank,
+            world_size: nproc * nodes.max,
+            rendezvous: RendezvousTimeouts {
+                join: Duration::from_secs(args.rdzv_join_timeout),
+                last_call: Duration::from_secs(args.rdzv_last_call_timeout),
+            },
             master_addr,
             port,
             store_host,
@@ -210,6 +264,24 @@ impl LaunchPlan {
             "this process is already rank {outer_rank} of {outer_world} of a job another launcher started (RANK, SLURM_PROCID or OMPI_COMM_WORLD_RANK is set: torchrun, srun, mpirun, or a stale export), and the launcher options (--nproc-per-node {}, --nnodes {}) ask it to start ranks of its own: each of the {outer_world} would start a separate job of {} ranks, all writing the same output. Under another launcher, drop the launcher options (it starts the ranks); to use this launcher as the per-node agent, start one task per node and give --nnodes the number of tasks",
             self.nproc, self.nnodes, self.world_size
         )))
+    }
+
+    /// This machine as node `node_rank` of the `nnodes` that start an elastic job (its node
+    /// rendezvous's answer).
+    pub fn placed(&self, node_rank: usize, nnodes: usize) -> Self {
+        Self {
+            node_rank,
+            nnodes,
+            world_size: self.nproc * nnodes,
+            ..self.clone()
+        }
+    }
+
+    /// This machine as node `node_rank`, come after an elastic job started: its ranks join
+    /// it, and the job's admission gives each its rank and world size ([`JOINING_VAR`]); until
+    /// then their `RANK` and `WORLD_SIZE` are as if the job had `node_rank + 1` nodes.
+    pub fn late(&self, node_rank: usize) -> Self {
+        self.placed(node_rank, node_rank + 1)
     }
 
     /// The global rank of local rank `local_rank` of this machine.
@@ -248,6 +320,27 @@ impl LaunchPlan {
             (WORKER_VAR, "1".to_string()),
             (RESTART_COUNT_VAR, attempt.to_string()),
         ]
+        .into_iter()
+        .chain(self.world_size_bounds())
+        .collect()
+    }
+
+    /// With `--nnodes MIN:MAX`, the fewest and the most ranks of the job, for the ranks to
+    /// stop below and to refuse joiners beyond ([`MIN_WORLD_SIZE_VAR`], [`MAX_WORLD_SIZE_VAR`]).
+    fn world_size_bounds(&self) -> Vec<(&'static str, String)> {
+        match self.nodes.is_elastic() {
+            true => vec![
+                (
+                    MIN_WORLD_SIZE_VAR,
+                    (self.nodes.min * self.nproc).to_string(),
+                ),
+                (
+                    MAX_WORLD_SIZE_VAR,
+                    (self.nodes.max * self.nproc).to_string(),
+                ),
+            ],
+            false => Vec::new(),
+        }
     }
 
     /// The environment of local rank `local_rank` started again after it failed, with
@@ -308,13 +401,14 @@ mod tests {
             cores,
             threads: None,
             token: "secret".into(),
+            master_addr_is_here: false,
         }
     }
 
     fn args(nproc: usize) -> LaunchArgs {
         LaunchArgs {
             nproc_per_node: Some(nproc),
-            nnodes: 1,
+            nnodes: NodeRange::exactly(1),
             ..LaunchArgs::default()
         }
     }
@@ -326,18 +420,18 @@ mod tests {
     #[test]
     fn any_launcher_option_asks_for_the_launcher_with_one_rank_by_default() {
         let none = LaunchArgs {
-            nnodes: 1,
+            nnodes: NodeRange::exactly(1),
             ..LaunchArgs::default()
         };
         assert!(!none.requested());
         let asking = [
             args(2),
             LaunchArgs {
-                nnodes: 2,
+                nnodes: NodeRange::exactly(2),
                 ..none.clone()
             },
             LaunchArgs {
-                node_rank: 1,
+                node_rank: Some(1),
                 ..none.clone()
             },
             LaunchArgs {
@@ -376,8 +470,8 @@ mod tests {
         assert!(nested.contains("drop the launcher options"), "{nested}");
         // srun --ntasks-per-node 1 -N 2 trainer --nproc-per-node 2 --nnodes 2 --node-rank R.
         let agent = LaunchArgs {
-            nnodes: 2,
-            node_rank: 1,
+            nnodes: NodeRange::exactly(2),
+            node_rank: Some(1),
             master_addr: Some("node01".into()),
             ..args(2)
         };
@@ -390,8 +484,8 @@ mod tests {
     fn node_1_of_2_with_3_procs_gets_ranks_3_to_5_and_their_environment() {
         let args = LaunchArgs {
             nproc_per_node: Some(3),
-            nnodes: 2,
-            node_rank: 1,
+            nnodes: NodeRange::exactly(2),
+            node_rank: Some(1),
             master_addr: Some("10.0.0.1".into()),
             ..LaunchArgs::default()
         };
@@ -435,7 +529,7 @@ mod tests {
         );
 
         let first_of_two = LaunchArgs {
-            nnodes: 2,
+            nnodes: NodeRange::exactly(2),
             master_addr: Some("10.0.0.1".into()),
             master_port: Some(29400),
             ..args(2)
@@ -479,14 +573,14 @@ mod tests {
         assert_eq!(error(&args(0)), "--nproc-per-node must be at least 1");
         assert_eq!(
             error(&LaunchArgs {
-                nnodes: 0,
+                nnodes: NodeRange::exactly(0),
                 ..args(1)
             }),
             "--nnodes must be at least 1"
         );
         let out_of_range = error(&LaunchArgs {
-            nnodes: 2,
-            node_rank: 2,
+            nnodes: NodeRange::exactly(2),
+            node_rank: Some(2),
             master_addr: Some("10.0.0.1".into()),
             ..args(1)
         });
@@ -495,14 +589,14 @@ mod tests {
             "{out_of_range}"
         );
         let no_addr = error(&LaunchArgs {
-            nnodes: 2,
-            node_rank: 1,
+            nnodes: NodeRange::exactly(2),
+            node_rank: Some(1),
             ..args(1)
         });
         assert!(no_addr.contains("--master-addr"), "{no_addr}");
         assert!(no_addr.contains("--nnodes 2"), "{no_addr}");
         let port_0 = error(&LaunchArgs {
-            nnodes: 2,
+            nnodes: NodeRange::exactly(2),
             master_addr: Some("10.0.0.1".into()),
             master_port: Some(0),
             ..args(1)
@@ -570,5 +664,69 @@ mod tests {
             .rank_env(1, 4242, 0)
             .iter()
             .all(|(k, _)| *k != JOINING_VAR));
+    }
+
+    #[test]
+    fn an_elastic_job_needs_its_survivors_and_numbers_its_nodes_as_they_come() {
+        let elastic = LaunchArgs {
+            nnodes: NodeRange { min: 1, max: 3 },
+            master_addr: Some("10.0.0.1".into()),
+            survivors_continue: true,
+            ..args(2)
+        };
+        let refused = error(&LaunchArgs {
+            survivors_continue: false,
+            ..elastic.clone()
+        });
+        assert!(refused.contains("--nnodes 1:3"), "{refused}");
+        assert!(refused.contains("--survivors-continue"), "{refused}");
+
+        // Without --node-rank, node 0 is the machine that has --master-addr.
+        let here = LaunchEnv {
+            master_addr_is_here: true,
+            ..env(8)
+        };
+        let host = LaunchPlan::new(&elastic, &here).unwrap();
+        assert_eq!((host.node_rank, host.nnodes, host.world_size), (0, 3, 6));
+        assert!(host.store_bind_addr(29500).is_some());
+        let other = LaunchPlan::new(&elastic, &env(8)).unwrap();
+        assert!(other.store_bind_addr(29500).is_none());
+        // Given, 0 hosts and any other number does not (several nodes on one machine).
+        let numbered = |node_rank, env: &LaunchEnv| {
+            LaunchPlan::new(
+                &LaunchArgs {
+                    node_rank: Some(node_rank),
+                    ..elastic.clone()
+                },
+                env,
+            )
+            .unwrap()
+            .store_bind_addr(29500)
+            .is_some()
+        };
+        assert!(numbered(0, &env(8)));
+        assert!(!numbered(2, &here));
+
+        // The rendezvous places it second of 2 nodes: ranks 2 and 3 of 4, told the bounds.
+        let placed = other.placed(1, 2);
+        assert_eq!((placed.world_size, placed.rank(1)), (4, 3));
+        let vars = placed.rank_env(1, 29500, 0);
+        let get = |name: &str| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.clone())
+        };
+        assert_eq!(get(RANK_VAR).as_deref(), Some("3"));
+        assert_eq!(get(WORLD_SIZE_VAR).as_deref(), Some("4"));
+        assert_eq!(get(MIN_WORLD_SIZE_VAR).as_deref(), Some("2"));
+        assert_eq!(get(MAX_WORLD_SIZE_VAR).as_deref(), Some("6"));
+        // Come late, as fourth: its ranks' provisional numbers lie within their world.
+        let late = other.late(3);
+        assert_eq!((late.rank(1), late.world_size), (7, 8));
+        // A fixed --nnodes tells no bounds.
+        let fixed = LaunchPlan::new(&args(2), &env(8))
+            .unwrap()
+            .rank_env(0, 1, 0);
+        assert!(fixed.iter().all(|(k, _)| *k != MIN_WORLD_SIZE_VAR));
     }
 }

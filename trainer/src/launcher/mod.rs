@@ -5,6 +5,8 @@
 //! |---|---|
 //! | `launch` | spawning, supervising and restarting local ranks; the failure report |
 //! | `launch_plan` | the launcher's pure decisions: ranks, each rank's environment, threads, port |
+//! | `nodes` | `--nnodes N` or `MIN:MAX`; an elastic rendezvous's decisions, pure |
+//! | `node_rendezvous` | how a launcher enters its job: the nodes' rendezvous in node 0's store, or joining a job that trains |
 //! | `worker_env` | the launcher ↔ worker contract: every environment variable and rendezvous key |
 //! | `limits` | this machine's limits (open files, threads, kernel tasks) against a job: the launcher refuses, the doctor shows |
 //! | `ranklog` | each rank's stderr, tagged and kept for the failure report |
@@ -14,6 +16,8 @@
 pub(crate) mod launch;
 pub(crate) mod launch_plan;
 pub(crate) mod limits;
+pub(crate) mod node_rendezvous;
+pub(crate) mod nodes;
 pub(crate) mod orphan;
 pub(crate) mod ranklog;
 pub(crate) mod torchelastic;

@@ -56,6 +56,39 @@ pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
 /// takes the training state from a live rank (`[fault_tolerance]`), instead of starting it.
 pub const JOINING_VAR: &str = "TRAINER_JOINING";
 
+/// With `--nnodes MIN:MAX` only: the fewest ranks the job trains with, `MIN` times
+/// `LOCAL_WORLD_SIZE`; a trainer stops below it (exit code 2), as below
+/// `fault_tolerance.min_world_size`, whichever is larger.
+pub const MIN_WORLD_SIZE_VAR: &str = "TRAINER_MIN_WORLD_SIZE";
+
+/// With `--nnodes MIN:MAX` only: the most ranks the job grows to, `MAX` times
+/// `LOCAL_WORLD_SIZE`; a trainer's rank 0 refuses the joiners beyond it, as beyond
+/// `fault_tolerance.max_world_size`, whichever is smaller.
+pub const MAX_WORLD_SIZE_VAR: &str = "TRAINER_MAX_WORLD_SIZE";
+
+/// This rank's bounds on the job's world size, [`MIN_WORLD_SIZE_VAR`] and
+/// [`MAX_WORLD_SIZE_VAR`], each when its launcher set it.
+///
+/// # Errors
+/// A [`UsageError`](crate::error::UsageError) naming the variable when it is not a number.
+pub fn world_size_bounds() -> Result<(Option<usize>, Option<usize>), crate::error::UsageError> {
+    Ok((
+        world_size_bound(MIN_WORLD_SIZE_VAR)?,
+        world_size_bound(MAX_WORLD_SIZE_VAR)?,
+    ))
+}
+
+fn world_size_bound(var: &str) -> Result<Option<usize>, crate::error::UsageError> {
+    match std::env::var(var) {
+        Err(_) => Ok(None),
+        Ok(value) => value.trim().parse().map(Some).map_err(|_| {
+            crate::error::UsageError(format!(
+                "{var}={value:?} is not a number of ranks (the launcher's --nnodes MIN:MAX sets it)"
+            ))
+        }),
+    }
+}
+
 /// Every variable the launcher sets in each rank's environment (the launch plan's tests hold
 /// the plan to it).
 #[cfg(test)]

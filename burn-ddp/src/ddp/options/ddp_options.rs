@@ -48,6 +48,10 @@ pub struct DdpOptions {
     /// [`TcpGroupOptions::peer_heartbeats`]: a dead, frozen or cut-off peer is named within
     /// about three times `failure_detection` instead of at `timeout`.
     pub peer_heartbeats: bool,
+    /// The most ranks the job grows to by admitting joiners
+    /// ([`DataParallel::joiners_due`](crate::DataParallel::joiners_due)): rank 0 refuses the
+    /// joiners beyond it, telling them why. `None`: no bound. Only rank 0's value counts.
+    pub max_world_size: Option<usize>,
 }
 
 impl Default for DdpOptions {
@@ -63,6 +67,7 @@ impl Default for DdpOptions {
             stall_warning: Duration::from_secs(60),
             failure_detection: TcpGroupOptions::default().failure_detection,
             peer_heartbeats: false,
+            max_world_size: None,
         }
     }
 }

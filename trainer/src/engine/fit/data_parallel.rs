@@ -40,6 +40,7 @@ use crate::engine::preflight::{preflight, Splitting};
 use crate::engine::process_age::process_age_text;
 use crate::engine::schedule::Schedule;
 use crate::engine::sharded_checkpoint;
+use crate::launcher::worker_env::world_size_bounds;
 use crate::report::metrics::{MetricValue, Metrics};
 use crate::report::timing::{Phase, PhaseClock, RankTimes, StepTime};
 
@@ -86,7 +87,10 @@ pub fn start<A: App>(
 ) -> anyhow::Result<RankStart<A>> {
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
-    let config = preflight(&app, config_path, 1, world_size, splitting)?;
+    let mut config = preflight(&app, config_path, 1, world_size, splitting)?;
+    // A launcher's --nnodes MIN:MAX bounds the job's size within the config's.
+    let (min, max) = world_size_bounds()?;
+    config.fault_tolerance = config.fault_tolerance.clone().within(min, max);
     pin_default_device();
     let data = app.datasets(&config.data)?;
     if data.train.is_empty() {

@@ -391,12 +391,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
     ) -> anyhow::Result<K::Module> {
         let started = Instant::now();
         let schedule = self.schedule_state()?;
-        let state = LoopState {
-            position: self.position,
-            schedule: schedule.clone(),
-            last_saved: self.last_saved,
-            skipped: self.skipped,
-        };
+        let state = self.loop_state(schedule.clone());
         // The weights to carry on from if a joiner dies while rank 0 hands them over.
         let before = module.clone();
         let (module, regrouped) = match self.kind.admit(module, plan, state.to_bytes()?) {
@@ -470,12 +465,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         schedule: Vec<u8>,
         receiving: bool,
     ) -> anyhow::Result<(K::Module, Vec<u8>)> {
-        let ours = LoopState {
-            position: self.position,
-            schedule: schedule.clone(),
-            last_saved: self.last_saved,
-            skipped: self.skipped,
-        };
+        let ours = self.loop_state(schedule.clone());
         let (module, theirs) = self.kind.catch_up(module, ours.to_bytes()?, receiving)?;
         if !receiving {
             return Ok((module, schedule));
@@ -490,6 +480,17 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         self.position = theirs.position;
         (self.last_saved, self.skipped) = (theirs.last_saved, theirs.skipped);
         Ok((module, theirs.schedule))
+    }
+
+    /// What a rank hands over of the loop (to a joiner, or to a survivor one step behind),
+    /// with the schedule's state `schedule`.
+    fn loop_state(&self, schedule: Vec<u8>) -> LoopState {
+        LoopState {
+            position: self.position,
+            schedule,
+            last_saved: self.last_saved,
+            skipped: self.skipped,
+        }
     }
 
     /// The learning-rate schedule's state (its record), as a checkpoint holds it.
@@ -514,7 +515,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         let min = self.settings.fault_tolerance.min_world_size;
         if world < min {
             return Err(UsageError(format!(
-                "only {world} of {} ranks are left after step {} (lost ranks {:?}), fewer than fault_tolerance.min_world_size = {min}: stopping; the newest checkpoint resumes the run",
+                "only {world} of {} ranks are left after step {} (lost ranks {:?}), fewer than fault_tolerance.min_world_size = {min} (or the launcher's --nnodes MIN times --nproc-per-node, when larger): stopping; the newest checkpoint resumes the run",
                 regrouped.previous_world, self.position.step, regrouped.lost
             ))
             .into());

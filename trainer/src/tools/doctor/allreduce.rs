@@ -21,6 +21,7 @@ use burn_ddp::{Distributed, ProcessGroup, ReduceOp, TcpGroupOptions};
 use super::checks::{AllReduceRun, RankReport};
 use crate::error::describe_error;
 use crate::launcher::launch::{self, LaunchArgs, Program};
+use crate::launcher::nodes::NodeRange;
 use crate::launcher::worker_env::RANK_VAR;
 
 /// Elements of each all-reduce: 4 MiB of `f32`, the order of a gradient bucket.
@@ -69,7 +70,7 @@ pub fn run(ranks: usize) -> AllReduceRun {
     // Loopback and a port the OS picks: this check never collides with a job.
     let args = LaunchArgs {
         nproc_per_node: Some(ranks),
-        nnodes: 1,
+        nnodes: NodeRange::exactly(1),
         master_addr: Some("127.0.0.1".into()),
         ..LaunchArgs::default()
     };

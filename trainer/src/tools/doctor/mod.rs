@@ -57,6 +57,7 @@ use crate::error::UsageError;
 use crate::finding::{self, Finding};
 use crate::launcher::launch_plan::{LaunchArgs, LaunchEnv, LaunchPlan};
 use crate::launcher::limits::{limit_checks, JobShape};
+use crate::launcher::nodes::NodeRange;
 use crate::launcher::worker_env::{MASTER_ADDR_VAR, MASTER_PORT_VAR, THREADS_VAR};
 
 #[derive(Args, Debug, Clone, Default)]
@@ -69,9 +70,10 @@ pub struct DoctorArgs {
     /// this process, else 1). The all-reduce check starts this many.
     #[arg(long)]
     pub nproc_per_node: Option<usize>,
-    /// Machines in the job (default 1, or what a launcher's variables say).
+    /// Machines in the job, N or MIN:MAX (the checks take MAX; default 1, or what a
+    /// launcher's variables say).
     #[arg(long)]
-    pub nnodes: Option<usize>,
+    pub nnodes: Option<NodeRange>,
     /// This machine's index, 0..nnodes (node 0 hosts the rendezvous store).
     #[arg(long)]
     pub node_rank: Option<usize>,
@@ -327,6 +329,7 @@ impl Job {
             .unwrap_or(1);
         let nnodes = args
             .nnodes
+            .map(|range| range.max)
             .or(from_env(|e| e.world_size.div_ceil(e.local_world_size)))
             .unwrap_or(1);
         let node_rank = args
@@ -349,8 +352,8 @@ impl Job {
         LaunchPlan::new(
             &LaunchArgs {
                 nproc_per_node: Some(nproc),
-                nnodes,
-                node_rank,
+                nnodes: NodeRange::exactly(nnodes),
+                node_rank: Some(node_rank),
                 master_addr,
                 master_port,
                 ..LaunchArgs::default()
@@ -359,6 +362,7 @@ impl Job {
                 cores,
                 threads: lookup(THREADS_VAR),
                 token: String::new(),
+                master_addr_is_here: false,
             },
         )
     }
@@ -557,7 +561,7 @@ mod tests {
             bad_port.0
         );
         let two_nodes = DoctorArgs {
-            nnodes: Some(2),
+            nnodes: Some(NodeRange::exactly(2)),
             ..DoctorArgs::default()
         };
         assert!(job(&two_nodes, &[])
