@@ -444,6 +444,13 @@ fn a_job_of_1_to_2_nodes_starts_on_node_0_alone_and_grows_when_node_1_comes() {
     a.wait_for_line("step-00000040");
     let b = finish(spawn(&mut node(&hosts.b)));
     assert_eq!(b.code, Some(0), "node 1:\n{}", b.all());
+    for first in b
+        .stderr
+        .lines()
+        .filter(|l| l.contains("trained its first step"))
+    {
+        eprintln!("node 1: {first}");
+    }
     assert_says(
         &b.stderr,
         &["is training already: the 2 rank(s) of node 1 join it"],
