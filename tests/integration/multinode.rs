@@ -100,6 +100,16 @@ impl Hosts {
         self.node_of(ns, &["--nnodes", "2", "--node-rank", &node], args, port)
     }
 
+    /// The trainer with config `cfg`, run inside namespace `ns` with 2 ranks as a node of an
+    /// elastic job of `range` nodes (the same command on every node), with a last call of 1 s;
+    /// rank 0 20 ms slower per step, so that the run lasts long enough for a node to come.
+    fn elastic_node(&self, ns: &str, range: &str, cfg: &str) -> Command {
+        let elastic = ["--nnodes", range, "--rdzv-last-call-timeout", "1"];
+        let mut cmd = self.node_of(ns, &elastic, &["--config", cfg], STORE_PORT);
+        cmd.env("TRAINER_SLOW_STEP", "0:20");
+        cmd
+    }
+
     /// The trainer, run inside namespace `ns` with 2 ranks, as the `nodes` options say.
     fn node_of(&self, ns: &str, nodes: &[&str], args: &[&str], port: u16) -> Command {
         let cmd = trainer();
@@ -434,12 +444,7 @@ fn a_job_of_1_to_2_nodes_starts_on_node_0_alone_and_grows_when_node_1_comes() {
     let body = long_continued_config();
     let nodes = write_config(&dir, "nodes", &body);
     let cfg = nodes.display().to_string();
-    let elastic = ["--nnodes", "1:2", "--rdzv-last-call-timeout", "1"];
-    let node = |ns: &str| {
-        let mut cmd = hosts.node_of(ns, &elastic, &["--config", &cfg], STORE_PORT);
-        cmd.env("TRAINER_SLOW_STEP", "0:20");
-        cmd
-    };
+    let node = |ns: &str| hosts.elastic_node(ns, "1:2", &cfg);
     let mut a = spawn(&mut node(&hosts.a));
     a.wait_for_line("step-00000040");
     let b = finish(spawn(&mut node(&hosts.b)));
@@ -499,12 +504,7 @@ fn a_job_of_2_to_3_nodes_stops_with_exit_code_2_when_fewer_than_2_are_left() {
     let nodes = write_config(&dir, "nodes", &long_continued_config());
     let cfg = nodes.display().to_string();
     // `on_rank_failure = "continue"` in the config is what lets the range through.
-    let elastic = ["--nnodes", "2:3", "--rdzv-last-call-timeout", "1"];
-    let node = |ns: &str| {
-        let mut cmd = hosts.node_of(ns, &elastic, &["--config", &cfg], STORE_PORT);
-        cmd.env("TRAINER_SLOW_STEP", "0:20");
-        cmd
-    };
+    let node = |ns: &str| hosts.elastic_node(ns, "2:3", &cfg);
     let b = spawn(&mut node(&hosts.b));
     let mut a = spawn(&mut node(&hosts.a));
     a.wait_for_line("step-00000020");
