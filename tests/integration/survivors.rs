@@ -219,6 +219,43 @@ fn two_ranks_killed_at_once_leave_the_other_two_where_a_scripted_resize_does() {
     assert_scripted_resize_ends_alike(&dir, &body, 4, "5:1+2", "ranks 1 and 2 killed in step 6");
 }
 
+/// Rank 3 of 4 killed in step 6, then rank 1 killed as the survivors form their next group
+/// (after they agreed that it carries on): ranks 0 and 2 notice its silence within the
+/// detection time, agree again among the ranks of the group that could not form, and carry
+/// on as one re-forming without both, ending where a scripted resize without ranks 1 and 3
+/// ends.
+#[test]
+fn a_rank_killed_while_the_survivors_re_form_is_left_out_too() {
+    let dir = scratch("survivors-while-re-forming");
+    let body = continuing(&digits(ADAM), "");
+    let killing = [
+        ("TRAINER_CRASH_IN_STEP", "6".to_string()),
+        ("TRAINER_CRASH_RANK", "3".to_string()),
+        ("TRAINER_CRASH_WHILE_REGROUPING", "1".to_string()),
+    ];
+    let out = train_with(&dir, "failed", &body, 4, &killing);
+    assert_says(
+        &out.stderr,
+        &[
+            "killing this process while the survivors re-form",
+            "stopped beating",
+            "they agree again",
+        ],
+        &out,
+    );
+    let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
+    assert_eq!(
+        regroups
+            .iter()
+            .map(|r| (r["lost"].clone(), r["world_size"].as_u64()))
+            .collect::<Vec<_>>(),
+        vec![(serde_json::json!([1, 3]), Some(2))],
+        "{}",
+        out.all()
+    );
+    assert_scripted_resize_ends_alike(&dir, &body, 4, "5:1+3", "rank 1 killed while re-forming");
+}
+
 /// Rank 0 killed while it writes the checkpoint of step 10 (its weights written, the
 /// checkpoint not complete): the others know within the detection time (rank 0's heartbeat
 /// stops), re-form without it, and the new rank 0 writes the later checkpoints; no damaged

@@ -1,11 +1,16 @@
 //! Re-forming a handle's groups among the ranks that carry on: a planned resize, or the
 //! survivors of a failure (the agreement is [`crate::elastic`]'s).
 
+use std::sync::{mpsc, Arc};
+
 use super::handle::DataParallel;
 use crate::ddp::options::zero_stage::ZeroStage;
 use crate::ddp::sync_batch_norm::sync_group;
 use crate::elastic::{agree_on_survivors, AgreementOptions, Survivors};
 use crate::error::DdpError;
+use crate::group::liveness::wait_for_silence;
+use crate::group::TcpProcessGroup;
+use crate::init::Distributed;
 
 impl DataParallel {
     /// Re-forms every group of this handle (the job's ring, the gradient path and its overlap
@@ -25,25 +30,72 @@ impl DataParallel {
     /// state is nowhere else but in a checkpoint: restart every rank from it) and when this
     /// rank is not in `members`; what forming the groups reports.
     pub fn regroup(&mut self, members: &[usize]) -> Result<(), DdpError> {
+        self.regroup_watching(members, false)
+    }
+
+    /// [`regroup`](Self::regroup); with `watch` (and peer heartbeats on), the other members'
+    /// heartbeats in the current group are watched while the new one forms: a member that
+    /// dies then makes the set-up fail on every rank within about twice the failure
+    /// detection time, instead of at its deadline.
+    fn regroup_watching(&mut self, members: &[usize], watch: bool) -> Result<(), DdpError> {
         let rank = self.rank();
         let Some(new_rank) = members.iter().position(|&m| m == rank) else {
             return Err(DdpError::Membership(format!(
                 "rank {rank} is not among the ranks that carry on ({members:?})"
             )));
         };
-        self.next_generation(new_rank, members.len())
+        let watched = match watch {
+            true => members.iter().copied().filter(|&m| m != rank).collect(),
+            false => Vec::new(),
+        };
+        self.next_generation_watching(new_rank, members.len(), watched)
     }
 
     /// Forms the job's next generation, in which this rank is `rank` of `world`, and every
     /// part of the handle over it. Collective over the new generation.
     pub(super) fn next_generation(&mut self, rank: usize, world: usize) -> Result<(), DdpError> {
+        self.next_generation_watching(rank, world, Vec::new())
+    }
+
+    /// [`next_generation`](Self::next_generation), aborting the new group's set-up on every
+    /// rank when one of `watched` (ranks of the current group, expected in the new one) stops
+    /// beating its heartbeat in the current group: it died while the group formed. Without
+    /// peer heartbeats nothing is watched.
+    fn next_generation_watching(
+        &mut self,
+        rank: usize,
+        world: usize,
+        watched: Vec<usize>,
+    ) -> Result<(), DdpError> {
         let stage = self.zero_stage();
         if stage != ZeroStage::Off {
             return Err(DdpError::Membership(format!(
                 "cannot re-form the job at ZeRO stage {stage}: each rank holds the only live copy of its shard of the training state, so a lost rank's shard is only in the newest checkpoint; restart every rank from it (the launcher's --max-restarts)"
             )));
         }
-        self.dist.regroup(rank, world)?;
+        if watched.is_empty() || !self.options.peer_heartbeats {
+            self.dist.regroup(rank, world)?;
+        } else {
+            let heartbeats = self.dist.group.heartbeat_store();
+            let forming = Distributed::generation_store(&self.dist.root, self.dist.generation + 1);
+            let tcp = self.dist.group.options().clone();
+            let detection = self.options.failure_detection;
+            let (done, until_done) = mpsc::channel::<()>();
+            std::thread::scope(|scope| {
+                scope.spawn(move || {
+                    let silent = wait_for_silence(heartbeats.as_ref(), watched, detection, &until_done);
+                    if let Some((silent, quiet)) = silent {
+                        let why = format!(
+                            "rank(s) {silent:?} of the group that failed stopped beating for {quiet:.1?} while the survivors formed their next group: they died too"
+                        );
+                        TcpProcessGroup::abort_forming(forming, &tcp, rank, &why);
+                    }
+                });
+                let formed = self.dist.regroup(rank, world);
+                drop(done);
+                formed
+            })?;
+        }
         self.joins.regrouped();
         self.form_again()
     }
@@ -76,6 +128,12 @@ impl DataParallel {
     /// the new rank and world size are the handle's. Collective over the survivors; bounded by
     /// `options` and the set-up's deadline.
     ///
+    /// With peer heartbeats ([`DdpOptions::peer_heartbeats`](crate::DdpOptions)), a survivor
+    /// that dies while the others form their group is noticed within about twice the failure
+    /// detection time: the set-up fails on every rank, and the ranks of the group that could
+    /// not form agree again, in its namespace, on who carries on (as many times as ranks die
+    /// this way). The agreement returned then names the ranks of the group that failed first.
+    ///
     /// # Errors
     /// [`DdpError::Membership`] when this rank was left out, the survivors stand more than a
     /// step apart, or [`regroup`](Self::regroup) refuses; a store failure.
@@ -85,15 +143,59 @@ impl DataParallel {
         step: u64,
         options: &AgreementOptions,
     ) -> Result<Survivors, DdpError> {
-        let survivors = agree_on_survivors(
-            self.dist.store.as_ref(),
-            self.rank(),
-            self.world_size(),
-            step,
-            known_gone,
-            options,
-        )?;
-        self.regroup(&survivors.members)?;
-        Ok(survivors)
+        self.regroup_after_failure_with(known_gone, step, options, &mut |_| {})
+    }
+
+    /// [`regroup_after_failure`](Self::regroup_after_failure), calling `before_forming` with
+    /// each agreement before this rank forms the group it decided on (a test kills a rank
+    /// there: a death while the survivors re-form).
+    ///
+    /// # Errors
+    /// As [`regroup_after_failure`](Self::regroup_after_failure).
+    pub fn regroup_after_failure_with(
+        &mut self,
+        known_gone: &[usize],
+        step: u64,
+        options: &AgreementOptions,
+        before_forming: &mut dyn FnMut(&Survivors),
+    ) -> Result<Survivors, DdpError> {
+        let rank = self.rank();
+        // Where the round's agreement is held, among how many ranks, this rank's number there,
+        // and what the rounds before decided.
+        let mut agreed_in = Arc::clone(&self.dist.store);
+        let (mut world, mut round_rank) = (self.world_size(), rank);
+        let mut gone = known_gone.to_vec();
+        let mut before: Option<Survivors> = None;
+        let mut rounds_left = self.world_size();
+        loop {
+            rounds_left -= 1;
+            let round =
+                agree_on_survivors(agreed_in.as_ref(), round_rank, world, step, &gone, options)?;
+            let survivors = match &before {
+                Some(before) => before.then(&round),
+                None => round,
+            };
+            before_forming(&survivors);
+            let generation = self.dist.generation + 1;
+            match self.regroup_watching(&survivors.members, true) {
+                Ok(()) => return Ok(survivors),
+                // A round fails when a rank died in it: at most one round per rank.
+                Err(DdpError::Collective(e)) if self.options.peer_heartbeats && rounds_left > 0 => {
+                    tracing::warn!(
+                        "rank {rank}: the survivors could not form their next group ({e}); they agree again"
+                    );
+                    agreed_in = Distributed::generation_store(&self.dist.root, generation);
+                    world = survivors.members.len();
+                    round_rank = survivors
+                        .members
+                        .iter()
+                        .position(|&m| m == rank)
+                        .unwrap_or(world);
+                    gone = Vec::new();
+                    before = Some(survivors);
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 }

@@ -66,6 +66,28 @@ impl Survivors {
         })
     }
 
+    /// This decision followed by `next`, agreed among this decision's members (numbered as
+    /// in their group, `members`' order) when the group they decided on could not form: the
+    /// ranks of the group that failed first that carry on after both, those lost in either,
+    /// and those behind.
+    pub fn then(&self, next: &Survivors) -> Survivors {
+        let original = |ranks: &[usize]| -> Vec<usize> {
+            ranks
+                .iter()
+                .filter_map(|&r| self.members.get(r).copied())
+                .collect()
+        };
+        let mut lost = self.lost.clone();
+        lost.extend(original(&next.lost));
+        lost.sort_unstable();
+        Survivors {
+            members: original(&next.members),
+            step: next.step,
+            lost,
+            behind: original(&next.behind),
+        }
+    }
+
     /// The decision as the store value every survivor reads: `rank:step` pairs, comma-separated.
     pub(crate) fn encode(announced: &BTreeMap<usize, u64>) -> Vec<u8> {
         let pairs: Vec<String> = announced.iter().map(|(r, s)| format!("{r}:{s}")).collect();
@@ -160,6 +182,33 @@ mod tests {
             e.as_deref()
                 .is_some_and(|e| e.contains("rank 0 at step 6, rank 2 at step 8")),
             "{e:?}"
+        );
+    }
+
+    /// Ranks 0, 2, 3 of 4 decided on; forming their group failed and, among its ranks, 0 and
+    /// 2 (ranks 0 and 3 of the first group) carried on, 2 one step behind.
+    #[test]
+    fn a_second_decision_among_the_first_ones_members_names_the_first_groups_ranks() {
+        let first = Survivors {
+            members: vec![0, 2, 3],
+            step: 7,
+            lost: vec![1],
+            behind: vec![],
+        };
+        let second = Survivors {
+            members: vec![0, 2],
+            step: 7,
+            lost: vec![1],
+            behind: vec![2],
+        };
+        assert_eq!(
+            first.then(&second),
+            Survivors {
+                members: vec![0, 3],
+                step: 7,
+                lost: vec![1, 2],
+                behind: vec![3],
+            }
         );
     }
 

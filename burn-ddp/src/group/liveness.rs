@@ -11,6 +11,7 @@
 //! What a rank's silence cannot tell apart: a link cut between two ranks while both still reach
 //! the store (neither is named; the collective's deadline still holds).
 
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,8 +32,8 @@ pub(crate) fn start_beating(store: Arc<dyn Store>, rank: usize, detection: Durat
 /// One call's watch over its peers' heartbeats (module docs).
 pub(crate) struct PeerLiveness<'a> {
     store: &'a dyn Store,
-    rank: usize,
-    world_size: usize,
+    /// The ranks watched.
+    peers: Vec<usize>,
     detection: Duration,
     next_check: Instant,
     /// Each peer's watch, from the first check on.
@@ -47,10 +48,20 @@ impl<'a> PeerLiveness<'a> {
         detection: Duration,
         start: Instant,
     ) -> Self {
+        let peers = (0..world_size).filter(|&r| r != rank).collect();
+        Self::watching(store, peers, detection, start)
+    }
+
+    /// A watch over `peers` alone, from `start`: the first check is due after `detection`.
+    pub fn watching(
+        store: &'a dyn Store,
+        peers: Vec<usize>,
+        detection: Duration,
+        start: Instant,
+    ) -> Self {
         Self {
             store,
-            rank,
-            world_size,
+            peers,
             detection,
             next_check: start + detection,
             watches: Vec::new(),
@@ -72,9 +83,10 @@ impl<'a> PeerLiveness<'a> {
         self.next_check = now + (self.detection / 4).max(Duration::from_millis(10));
         if self.watches.is_empty() {
             let allowance = (self.detection * 2, self.detection * 8);
-            self.watches = (0..self.world_size)
-                .filter(|&r| r != self.rank)
-                .map(|r| (r, Silence::new(allowance.0, allowance.1, now)))
+            self.watches = self
+                .peers
+                .iter()
+                .map(|&r| (r, Silence::new(allowance.0, allowance.1, now)))
                 .collect();
         }
         let mut silent = Vec::new();
@@ -92,12 +104,35 @@ impl<'a> PeerLiveness<'a> {
     }
 }
 
+/// Watches `peers`' heartbeats in `store` (a group's namespace) from now until one has stood
+/// still for twice `detection` — returns them and the longest silence — or until `until`
+/// says stop (a message, or its sender dropped) — returns `None`. For a party that waits on
+/// those peers outside a collective (the survivors forming their next group).
+pub(crate) fn wait_for_silence(
+    store: &dyn Store,
+    peers: Vec<usize>,
+    detection: Duration,
+    until: &Receiver<()>,
+) -> Option<(Vec<usize>, Duration)> {
+    let mut watch = PeerLiveness::watching(store, peers, detection, Instant::now());
+    loop {
+        let wait = watch.next_check().saturating_duration_since(Instant::now());
+        match until.recv_timeout(wait) {
+            Err(RecvTimeoutError::Timeout) => {}
+            Ok(()) | Err(RecvTimeoutError::Disconnected) => return None,
+        }
+        if let Some(silent) = watch.silent_peers(Instant::now()) {
+            return Some(silent);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::{start_beating, PeerLiveness};
+    use super::{start_beating, wait_for_silence, PeerLiveness};
     use crate::store::{MemoryStore, Store};
 
     /// A beating peer is never named; one whose heartbeat stopped is, after twice the
@@ -121,6 +156,36 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         };
         assert_eq!(named, vec![2]);
+        drop(one);
+    }
+
+    /// Only the peers watched count: rank 3 never beats and is not watched; rank 2 stops and
+    /// is named; a watch told to stop returns nothing.
+    #[test]
+    fn a_watch_over_some_peers_names_the_one_that_stops() {
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let detection = Duration::from_millis(100);
+        let one = start_beating(Arc::clone(&store), 1, detection);
+        let two = start_beating(Arc::clone(&store), 2, detection);
+        let (stop, until) = std::sync::mpsc::channel();
+        let watcher = {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                wait_for_silence(store.as_ref(), vec![1, 2], detection, &until)
+            })
+        };
+        drop(two);
+        let named = watcher.join().ok().flatten().map(|(silent, _)| silent);
+        assert_eq!(named, Some(vec![2]));
+        drop(stop);
+
+        let (stop, until) = std::sync::mpsc::channel();
+        let watcher = {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || wait_for_silence(store.as_ref(), vec![1], detection, &until))
+        };
+        assert!(stop.send(()).is_ok());
+        assert_eq!(watcher.join().ok().flatten(), None);
         drop(one);
     }
 }

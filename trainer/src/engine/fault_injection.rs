@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use crate::launcher::worker_env::{
     CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR,
-    CRASH_WHILE_JOINING_VAR, JOINING_VAR, JOIN_AFTER_STEP_VAR, LEAVE_AFTER_STEP_VAR, RANK_VAR,
-    RESTART_COUNT_VAR, SEED_BY_RANK_VAR, SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
+    CRASH_WHILE_JOINING_VAR, CRASH_WHILE_REGROUPING_VAR, JOINING_VAR, JOIN_AFTER_STEP_VAR,
+    LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR, SLOW_STEP_VAR,
+    STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
 };
 
 /// The rank this process was launched as (`RANK`), else `rank`: the crash and stall hooks
@@ -165,6 +166,22 @@ pub fn crash_while_joining_if_asked(stage: JoinStage) {
         eprintln!(
             "{CRASH_WHILE_JOINING_VAR}={}: killing this joining process (fault injection)",
             stage.name()
+        );
+        kill_self();
+    }
+}
+
+/// `TRAINER_CRASH_WHILE_REGROUPING=R`: kills this process with SIGKILL when it was launched as
+/// rank R, right before it forms the survivors' next group with them; first attempt only.
+pub fn crash_while_regrouping_if_asked() {
+    let asked = std::env::var(CRASH_WHILE_REGROUPING_VAR).ok();
+    let rank = asked
+        .as_deref()
+        .and_then(|r| r.trim().parse::<usize>().ok());
+    if rank.is_some_and(|r| r == launch_rank(usize::MAX)) && restart_count() == 0 {
+        eprintln!(
+            "[rank {}] {CRASH_WHILE_REGROUPING_VAR}: killing this process while the survivors re-form (fault injection)",
+            launch_rank(usize::MAX)
         );
         kill_self();
     }

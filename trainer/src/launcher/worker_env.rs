@@ -145,6 +145,11 @@ pub const JOIN_AFTER_STEP_VAR: &str = "TRAINER_JOIN_AFTER_STEP";
 /// rank 0 has handed it the training state (the hand-over fails on the members).
 pub const CRASH_WHILE_JOINING_VAR: &str = "TRAINER_CRASH_WHILE_JOINING";
 
+/// Fault injection: `"R"` kills the rank launched as R (`RANK`) with SIGKILL after the
+/// survivors of a failure agreed that it carries on, right before it forms their next group
+/// with them (a death while the survivors re-form). First attempt only.
+pub const CRASH_WHILE_REGROUPING_VAR: &str = "TRAINER_CRASH_WHILE_REGROUPING";
+
 /// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
 /// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other
 /// ranks' stall warning (`distributed.stall_warning_secs`) can be seen in a live job.

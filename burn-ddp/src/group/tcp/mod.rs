@@ -137,6 +137,12 @@ impl TcpProcessGroup {
         crate::group::rendezvous::publish_abort(&store, rank, why);
     }
 
+    /// The group's namespace of the store, where its ranks beat their heartbeats
+    /// ([`TcpGroupOptions::peer_heartbeats`]; [`crate::group::liveness`]).
+    pub(crate) fn heartbeat_store(&self) -> Arc<dyn Store> {
+        Arc::new(self.store.clone())
+    }
+
     /// The options the group was formed with (resolved: token, address, shared memory), so a
     /// second group of the same job can be formed alike under another
     /// [`store_prefix`](TcpGroupOptions::store_prefix).

@@ -576,10 +576,11 @@ impl<A: App> StepKind for DataParallelSteps<A> {
                 }
                 let detection = Duration::from_secs_f64(self.config.fault_tolerance.detection_secs);
                 let old_rank = self.ddp.rank();
-                let survivors = self.ddp.regroup_after_failure(
+                let survivors = self.ddp.regroup_after_failure_with(
                     known_gone,
                     step as u64,
                     &AgreementOptions::after_detection(detection),
+                    &mut |_| fault_injection::crash_while_regrouping_if_asked(),
                 )?;
                 if !survivors.behind.is_empty() {
                     roll_forward = Some(survivors.behind.contains(&old_rank));
