@@ -9,6 +9,9 @@
 //!   port is bound before any rank starts: no race for a "free" port), on loopback when every
 //!   rank is local and on all interfaces otherwise. Without `--master-port` on a single node the
 //!   OS picks a free port, so two jobs on one machine never collide.
+//! - Where this node's ranks enter the job — start it, join it while it trains (a node that
+//!   comes back, or comes after an elastic `--nnodes MIN:MAX` job started), or find it over —
+//!   is [`node_rendezvous`]'s decision, made once the store is up.
 //! - Each child gets torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //!   `LOCAL_WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job token, and dies with the
 //!   launcher (`PR_SET_PDEATHSIG`), so no orphan outlives it.
