@@ -497,6 +497,69 @@ fn a_rank_killed_while_it_joins_is_given_up_on_and_the_next_restart_joins() {
     }
 }
 
+/// Rank 3 of 4 killed in step 5 and started again by the launcher; rank 1 killed as the
+/// members are about to admit it (before it forms the grown group with them): the others find
+/// rank 1 silent within the detection time, not at the set-up's deadline, and carry on
+/// without both; the launcher's restarts of both join later (at one step boundary or at
+/// two), every step's replicas equal, and the run ends at 4 ranks.
+#[test]
+fn a_member_killed_while_a_joiner_is_admitted_is_left_out_and_both_join_again() {
+    let dir = scratch("survivors-while-admitting");
+    let body = digits_config(SGD, 4, "max_steps = 240").replace("epochs = 3", "epochs = 2");
+    let body = continuing(&body, "").replace("[training]", "[training]\ncheck_replicas_every = 1");
+    let env = [
+        ("TRAINER_CRASH_IN_STEP", "5".to_string()),
+        ("TRAINER_CRASH_RANK", "3".to_string()),
+        ("TRAINER_CRASH_WHILE_ADMITTING", "1".to_string()),
+    ];
+    let out = train_restarting(&dir, "failed", &body, 4, &env, 2);
+    assert_says(
+        &out.stderr,
+        &[
+            "killing this process while the members admit joiners",
+            "of the current group stopped beating",
+        ],
+        &out,
+    );
+    let changes: Vec<_> = records(&dir.join("failed-out/metrics.jsonl"), "regroup")
+        .iter()
+        .map(|r| {
+            (
+                r["world_size"].as_u64(),
+                r["lost"].clone(),
+                r["joined"].clone(),
+            )
+        })
+        .collect();
+    let json = |ranks: &[usize]| serde_json::json!(ranks);
+    // Lost: rank 3; then rank 1 with the joiner it was to admit (rank 3 of the grown job).
+    assert_eq!(
+        changes.get(..2),
+        Some(
+            &[
+                (Some(3), json(&[3]), json(&[])),
+                (Some(2), json(&[1, 3]), json(&[]))
+            ][..]
+        ),
+        "{}",
+        out.all()
+    );
+    let joins = changes.get(2..).unwrap_or_default();
+    let mut joined: Vec<u64> = joins
+        .iter()
+        .filter_map(|(_, _, j)| j.as_array())
+        .flatten()
+        .filter_map(serde_json::Value::as_u64)
+        .collect();
+    joined.sort_unstable();
+    assert!(
+        joins.iter().all(|(_, lost, _)| *lost == json(&[])),
+        "{changes:?}"
+    );
+    assert_eq!(joined, vec![2, 3], "{changes:?}\n{}", out.all());
+    assert_eq!(joins.last().map(|c| c.0), Some(Some(4)), "{changes:?}");
+}
+
 #[test]
 fn the_transformer_rejoins_as_a_scripted_leave_and_join_do() {
     let body = text_config(NOAM_ADAM, 5, "max_steps = 12");

@@ -54,9 +54,10 @@ impl DataParallel {
     /// ranks (the joiners take the ranks after, in request order). Then hand the joiners the
     /// training state (module docs). Collective over the grown job.
     ///
-    /// While the grown group forms, every member watches the joiners' heartbeats: one silent
-    /// for twice the failure detection time (it died on its way in) makes the set-up fail on every
-    /// rank within a second. When the grown group cannot form, the members agree through the
+    /// While the grown group forms, every member watches the joiners' heartbeats and, with
+    /// peer heartbeats, the other members': one silent for twice the failure detection time
+    /// (it died on its way in, or a member died) makes the set-up fail on every rank within a
+    /// second. When the grown group cannot form, the members agree through the
     /// store on who carries on (as after a failure, [`crate::elastic::agreement`]) and form
     /// their next generation without the joiners: [`Admitted::failure`] says why, and nothing
     /// else changes unless a member died too ([`Admitted::lost`]).
@@ -87,7 +88,7 @@ impl DataParallel {
     }
 
     /// Forms generation `generation` of `grown` ranks with `plan`'s joiners, aborting its
-    /// set-up on every rank when a joiner's heartbeat stops (see
+    /// set-up on every rank when a joiner's or a member's heartbeat stops (see
     /// [`admit_joiners`](Self::admit_joiners)).
     fn form_watching_joiners(
         &mut self,
@@ -111,7 +112,9 @@ impl DataParallel {
                     TcpProcessGroup::abort_forming(store, &tcp, rank, &why);
                 }
             });
-            let formed = self.next_generation(rank, grown);
+            // The members are watched too: one that dies now is as silent to the others.
+            let members = (0..self.world_size()).filter(|&m| m != rank).collect();
+            let formed = self.next_generation_watching(rank, grown, members);
             drop(done);
             formed
         })

@@ -22,46 +22,33 @@ impl DataParallel {
     /// its bucket plan again.
     ///
     /// Collective over `members`, which every member passes alike; the set-up's deadline is
-    /// the options' timeout. On an error the handle keeps its broken group (every collective
-    /// fails).
+    /// the options' timeout. With peer heartbeats ([`DdpOptions::peer_heartbeats`](crate::DdpOptions)),
+    /// the other members' heartbeats in the current group are watched while the new one forms:
+    /// a member that dies then makes the set-up fail on every rank within about twice the
+    /// failure detection time, instead of at its deadline. On an error the handle keeps its
+    /// broken group (every collective fails).
     ///
     /// # Errors
     /// [`DdpError::Membership`] under ZeRO stages 1 to 3 (a rank's shard of the training
     /// state is nowhere else but in a checkpoint: restart every rank from it) and when this
     /// rank is not in `members`; what forming the groups reports.
     pub fn regroup(&mut self, members: &[usize]) -> Result<(), DdpError> {
-        self.regroup_watching(members, false)
-    }
-
-    /// [`regroup`](Self::regroup); with `watch` (and peer heartbeats on), the other members'
-    /// heartbeats in the current group are watched while the new one forms: a member that
-    /// dies then makes the set-up fail on every rank within about twice the failure
-    /// detection time, instead of at its deadline.
-    fn regroup_watching(&mut self, members: &[usize], watch: bool) -> Result<(), DdpError> {
         let rank = self.rank();
         let Some(new_rank) = members.iter().position(|&m| m == rank) else {
             return Err(DdpError::Membership(format!(
                 "rank {rank} is not among the ranks that carry on ({members:?})"
             )));
         };
-        let watched = match watch {
-            true => members.iter().copied().filter(|&m| m != rank).collect(),
-            false => Vec::new(),
-        };
+        let watched = members.iter().copied().filter(|&m| m != rank).collect();
         self.next_generation_watching(new_rank, members.len(), watched)
     }
 
     /// Forms the job's next generation, in which this rank is `rank` of `world`, and every
-    /// part of the handle over it. Collective over the new generation.
-    pub(super) fn next_generation(&mut self, rank: usize, world: usize) -> Result<(), DdpError> {
-        self.next_generation_watching(rank, world, Vec::new())
-    }
-
-    /// [`next_generation`](Self::next_generation), aborting the new group's set-up on every
-    /// rank when one of `watched` (ranks of the current group, expected in the new one) stops
-    /// beating its heartbeat in the current group: it died while the group formed. Without
-    /// peer heartbeats nothing is watched.
-    fn next_generation_watching(
+    /// part of the handle over it, aborting the new group's set-up on every rank when one of
+    /// `watched` (ranks of the current group, expected in the new one) stops beating its
+    /// heartbeat in the current group: it died while the group formed. Without peer
+    /// heartbeats nothing is watched. Collective over the new generation.
+    pub(super) fn next_generation_watching(
         &mut self,
         rank: usize,
         world: usize,
@@ -86,7 +73,7 @@ impl DataParallel {
                     let silent = wait_for_silence(heartbeats.as_ref(), watched, detection, &until_done);
                     if let Some((silent, quiet)) = silent {
                         let why = format!(
-                            "rank(s) {silent:?} of the group that failed stopped beating for {quiet:.1?} while the survivors formed their next group: they died too"
+                            "rank(s) {silent:?} of the current group stopped beating for {quiet:.1?} while it formed its next one: they died"
                         );
                         TcpProcessGroup::abort_forming(forming, &tcp, rank, &why);
                     }
@@ -177,7 +164,7 @@ impl DataParallel {
             };
             before_forming(&survivors);
             let generation = self.dist.generation + 1;
-            match self.regroup_watching(&survivors.members, true) {
+            match self.regroup(&survivors.members) {
                 Ok(()) => return Ok(survivors),
                 // A round fails when a rank died in it: at most one round per rank.
                 Err(DdpError::Collective(e)) if self.options.peer_heartbeats && rounds_left > 0 => {

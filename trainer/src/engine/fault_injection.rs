@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use crate::launcher::worker_env::{
     CRASH_AFTER_STEP_VAR, CRASH_IN_CHECKPOINT_VAR, CRASH_IN_STEP_VAR, CRASH_RANK_VAR,
-    CRASH_WHILE_JOINING_VAR, CRASH_WHILE_REGROUPING_VAR, JOINING_VAR, JOIN_AFTER_STEP_VAR,
-    LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR, SLOW_STEP_VAR,
-    STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
+    CRASH_WHILE_ADMITTING_VAR, CRASH_WHILE_JOINING_VAR, CRASH_WHILE_REGROUPING_VAR, JOINING_VAR,
+    JOIN_AFTER_STEP_VAR, LEAVE_AFTER_STEP_VAR, RANK_VAR, RESTART_COUNT_VAR, SEED_BY_RANK_VAR,
+    SLOW_STEP_VAR, STALL_AFTER_STEP_VAR, STALL_RANK_VAR,
 };
 
 /// The rank this process was launched as (`RANK`), else `rank`: the crash and stall hooks
@@ -174,13 +174,25 @@ pub fn crash_while_joining_if_asked(stage: JoinStage) {
 /// `TRAINER_CRASH_WHILE_REGROUPING=R`: kills this process with SIGKILL when it was launched as
 /// rank R, right before it forms the survivors' next group with them; first attempt only.
 pub fn crash_while_regrouping_if_asked() {
-    let asked = std::env::var(CRASH_WHILE_REGROUPING_VAR).ok();
+    crash_if_named(CRASH_WHILE_REGROUPING_VAR, "while the survivors re-form");
+}
+
+/// `TRAINER_CRASH_WHILE_ADMITTING=R`: kills this process with SIGKILL when it was launched as
+/// rank R, right before it forms the grown group with the joiners due; first attempt only.
+pub fn crash_while_admitting_if_asked() {
+    crash_if_named(CRASH_WHILE_ADMITTING_VAR, "while the members admit joiners");
+}
+
+/// Kills this process with SIGKILL when `var` names the rank it was launched as and it was
+/// not restarted; says so with `when`.
+fn crash_if_named(var: &str, when: &str) {
+    let asked = std::env::var(var).ok();
     let rank = asked
         .as_deref()
         .and_then(|r| r.trim().parse::<usize>().ok());
     if rank.is_some_and(|r| r == launch_rank(usize::MAX)) && restart_count() == 0 {
         eprintln!(
-            "[rank {}] {CRASH_WHILE_REGROUPING_VAR}: killing this process while the survivors re-form (fault injection)",
+            "[rank {}] {var}: killing this process {when} (fault injection)",
             launch_rank(usize::MAX)
         );
         kill_self();

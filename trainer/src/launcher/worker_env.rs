@@ -150,6 +150,11 @@ pub const CRASH_WHILE_JOINING_VAR: &str = "TRAINER_CRASH_WHILE_JOINING";
 /// with them (a death while the survivors re-form). First attempt only.
 pub const CRASH_WHILE_REGROUPING_VAR: &str = "TRAINER_CRASH_WHILE_REGROUPING";
 
+/// Fault injection: `"R"` kills the rank launched as R (`RANK`) with SIGKILL at a step
+/// boundary where joiners are due, right before it forms the grown group with them (a
+/// member's death while a joiner is admitted). First attempt only.
+pub const CRASH_WHILE_ADMITTING_VAR: &str = "TRAINER_CRASH_WHILE_ADMITTING";
+
 /// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
 /// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other
 /// ranks' stall warning (`distributed.stall_warning_secs`) can be seen in a live job.

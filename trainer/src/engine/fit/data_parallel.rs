@@ -621,6 +621,9 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         loop_state: Vec<u8>,
     ) -> anyhow::Result<(A::Model, Regrouped)> {
         let previous_world = self.ddp.world_size();
+        if !plan.requests.is_empty() {
+            fault_injection::crash_while_admitting_if_asked();
+        }
         let admitted = self.ddp.admit_joiners(plan)?;
         if admitted.failure.is_some() {
             // The members carried on without the joiners: as after a failure, a group that
