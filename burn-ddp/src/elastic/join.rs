@@ -248,6 +248,12 @@ impl JoinWatch {
                 _ => read_plan(group, at.wait_for_joiner)?,
             };
         }
+        // A plan of an earlier boundary was dealt with there: its key stays in the
+        // generation's namespace when nobody joined (every request refused), and a member
+        // that kept it would never read rank 0's next plan, which overwrites it.
+        if self.planned.as_ref().is_some_and(|p| p.step < at.step) {
+            self.planned = None;
+        }
         match &self.planned {
             Some(plan) if plan.step == at.step => {
                 let plan = plan.clone();
@@ -435,6 +441,33 @@ mod tests {
         assert_eq!((admitted, refused), (1, 1), "{results:?}");
         // Dealt with: nothing more is planned.
         assert_eq!(none(&mut zero, 0, 6), Ok(None));
+    }
+
+    /// A join whose every request was refused leaves its plan in the generation's namespace
+    /// (the generation does not change): at the next boundaries the members take it for
+    /// dealt with, and a later request's plan is due on rank 1 where it is on rank 0.
+    #[test]
+    fn a_plan_nobody_joined_by_does_not_hide_the_next_one() {
+        let root: Arc<dyn Store> = Arc::new(MemoryStore::new());
+        let group: Arc<dyn Store> = Arc::new(PrefixStore::new("gen-1", Arc::clone(&root)));
+        let (mut zero, mut one) = (JoinWatch::new(0), JoinWatch::new(0));
+        let mut both = |step| {
+            let due = |w: &mut JoinWatch, rank| {
+                w.at_boundary(root.as_ref(), group.as_ref(), at(rank, step, None))
+                    .map(|p| p.map(|p| (p.step, p.requests)))
+                    .map_err(|e| e.to_string())
+            };
+            (due(&mut zero, 0), due(&mut one, 1))
+        };
+        let odd = ask_to_join(&root, "cfg-b", Duration::from_millis(20));
+        assert!(odd.is_ok());
+        assert_eq!(both(3), (Ok(None), Ok(None)));
+        assert_eq!(both(4), (Ok(Some((4, vec![]))), Ok(Some((4, vec![])))));
+        assert_eq!(both(5), (Ok(None), Ok(None)), "the refused plan is spent");
+        let good = ask_to_join(&root, "cfg-a", Duration::from_millis(20));
+        assert!(good.is_ok());
+        assert_eq!(both(6), (Ok(None), Ok(None)), "planned for step 7");
+        assert_eq!(both(7), (Ok(Some((7, vec![2]))), Ok(Some((7, vec![2])))));
     }
 
     /// A job of 2 that grows to at most 3: of two joiners, the first to ask joins and the
