@@ -14,6 +14,12 @@
 //! At ZeRO stage 3 (`--zero-stage 3`) each rank keeps a shard of the marked layers: three
 //! more lines (`fully_shard`, `gathered`, and `DataParallel::training_device`, which turns
 //! on Burn's gradient checkpointing where stage 3 needs it).
+//!
+//! With `--survivors` (under `trainer launch --survivors-continue`) a rank that dies does not
+//! end the job: the step in flight is dropped, the others agree on who carries on
+//! (`DataParallel::regroup_after_failure`), take the rest of the epoch over themselves and
+//! train on ([`carry_on`]; `docs/fault-tolerance.md` has the recipe, `tests/integration/tiers.rs`
+//! kills a rank).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,7 +29,9 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
+use burn_ddp::elastic::{failed_peers, AgreementOptions};
 use burn_ddp::rng::SplitMix64;
+use burn_ddp::sampler::DistributedSampler;
 use burn_ddp::{
     mark_block, DataParallel, DdpError, DdpOptions, MicroBatch, StepOutcome, ZeroStage,
 };
@@ -97,9 +105,12 @@ struct Args {
     out: PathBuf,
     zero_stage: ZeroStage,
     adam: bool,
+    /// The survivors of a rank's death carry on.
+    survivors: bool,
 }
 
-/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1|2|3`, `--adam`.
+/// `--batch B` (per rank), `--steps N`, `--out DIR`, `--zero-stage 0|1|2|3`, `--adam`,
+/// `--survivors`.
 fn args() -> Result<Args, String> {
     let mut a = Args {
         batch: 8,
@@ -107,11 +118,16 @@ fn args() -> Result<Args, String> {
         out: PathBuf::from("runs/own-loop"),
         zero_stage: ZeroStage::Off,
         adam: false,
+        survivors: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
-        if flag == "--adam" {
-            a.adam = true;
+        match flag.as_str() {
+            "--adam" => a.adam = true,
+            "--survivors" => a.survivors = true,
+            _ => {}
+        }
+        if flag == "--adam" || flag == "--survivors" {
             continue;
         }
         let value = it.next().ok_or(format!("{flag} needs a value"))?;
@@ -129,12 +145,29 @@ fn args() -> Result<Args, String> {
             "--out" => a.out = value.into(),
             other => {
                 return Err(format!(
-                    "unknown argument {other} (use --batch, --steps, --out, --zero-stage, --adam)"
+                    "unknown argument {other} (use --batch, --steps, --out, --zero-stage, --adam, --survivors)"
                 ))
             }
         }
     }
+    if a.survivors && (a.adam || a.zero_stage != ZeroStage::Off) {
+        // SGD holds no state, so the survivors need hand nothing over but the weights.
+        return Err(
+            "--survivors trains with plain SGD at ZeRO stage 0: leave out --adam and --zero-stage"
+                .into(),
+        );
+    }
     Ok(a)
+}
+
+/// Where the loop stands in the run: what the survivors of a failure go on from.
+#[derive(Debug, Clone, Copy, Default)]
+struct Position {
+    /// Optimizer steps applied.
+    step: usize,
+    epoch: usize,
+    /// Samples of the epoch's global order consumed (by every rank together).
+    consumed: usize,
 }
 
 /// The training loop, for any optimizer.
@@ -156,15 +189,26 @@ fn train(
         let _ = m.forward(sample);
     })?;
     let loss_fn = CrossEntropyLossConfig::new().init(device);
-    let (mut step, mut epoch) = (0, 0);
+    let mut at = Position::default();
     let (mut loss_sum, mut seen) = (0.0, 0.0);
-    while step < a.steps {
-        // This rank's share of the epoch's global permutation.
-        for chunk in ddp.shard(data.len(), 7, epoch).chunks(a.batch) {
-            let x: Vec<f32> = chunk.iter().flat_map(|&i| data[i].0.clone()).collect();
-            let y: Vec<i64> = chunk.iter().map(|&i| data[i].1).collect();
-            let x = Tensor::<1>::from_floats(x.as_slice(), device).reshape([chunk.len(), FEATURES]);
-            let y = Tensor::<1, Int>::from_ints(y.as_slice(), device);
+    if ddp.rank() == 0 {
+        println!("own loop: training on {} rank(s)", ddp.world_size());
+    }
+    while at.step < a.steps {
+        // This rank's share of the rest of the epoch's global permutation (all of it, unless
+        // the job re-formed in the middle of it).
+        let sampler =
+            DistributedSampler::new(data.len(), ddp.world_size(), ddp.rank()).with_seed(7);
+        let world = ddp.world_size();
+        let mut regrouped = false;
+        for chunk in sampler
+            .indices(at.epoch as u64, at.consumed)
+            .chunks(a.batch)
+        {
+            // With --survivors: the weights this step starts from, to go on from if a rank
+            // dies during it (cheap: Burn's tensors are shared, the update makes new ones).
+            let before = a.survivors.then(|| model.clone());
+            let (x, y) = batch(&data, chunk, device);
             // Before the forward: this backward may sum the marked layers' gradients while it
             // runs (the step's only micro-batch), and at stage 3 the marked layers are gathered
             // whole for this forward and its backward.
@@ -174,31 +218,109 @@ fn train(
                 .clone()
                 .try_into_scalar::<f64>()
                 .map_err(|e| DdpError::Device(format!("reading the loss: {e:?}")))?;
-            loss_sum += value * chunk.len() as f64;
-            seen += chunk.len() as f64;
             let grads = GradientsParams::from_grads(loss.backward(), &model);
             drop(scope);
             // The DDP step: the mean gradient over every rank's batch, your optimizer (under
             // ZeRO stage 1 each rank steps its own parameters and sends them), the buffers.
             // Every rank gets the same outcome, so all stop together on NaN or Inf.
-            let (next, outcome) = ddp.step(model, grads, |m, g| optim.step(lr, m, g))?;
+            let mut updated = false;
+            let stepped = ddp.step(model, grads, |m, g| {
+                updated = true;
+                optim.step(lr, m, g)
+            });
+            let (next, outcome) = match stepped {
+                Ok(stepped) => stepped,
+                // Once this rank's optimizer applied the step it cannot be dropped.
+                Err(e) => {
+                    let before = before.filter(|_| !updated);
+                    (model, at) = carry_on(ddp, before, e, at)?;
+                    regrouped = true;
+                    break;
+                }
+            };
             model = next;
             if let StepOutcome::Skipped { ranks } = outcome {
                 return Err(DdpError::Unsupported(format!(
-                    "non-finite gradients at step {step} on rank(s) {ranks:?}"
+                    "non-finite gradients at step {} on rank(s) {ranks:?}",
+                    at.step
                 )));
             }
-            step += 1;
-            if step == a.steps {
+            loss_sum += value * chunk.len() as f64;
+            seen += chunk.len() as f64;
+            at.step += 1;
+            at.consumed += chunk.len() * world;
+            if at.step == a.steps {
                 break;
             }
         }
-        epoch += 1;
+        if !regrouped && at.step < a.steps {
+            (at.epoch, at.consumed) = (at.epoch + 1, 0);
+        }
     }
     let [loss_sum, seen] = ddp.sum([loss_sum, seen])?;
     // Stage 3: the whole model, gathered on every rank, for rank 0 to write.
     let model = ddp.gathered(&model)?;
-    Ok((model, loss_sum / seen, step))
+    Ok((model, loss_sum / seen, at.step))
+}
+
+/// The samples `chunk` of `data` as a batch on `device`: features and labels.
+fn batch(
+    data: &[(Vec<f32>, i64)],
+    chunk: &[usize],
+    device: &Device,
+) -> (Tensor<2>, Tensor<1, Int>) {
+    let x: Vec<f32> = chunk.iter().flat_map(|&i| data[i].0.clone()).collect();
+    let y: Vec<i64> = chunk.iter().map(|&i| data[i].1).collect();
+    let x = Tensor::<1>::from_floats(x.as_slice(), device).reshape([chunk.len(), FEATURES]);
+    (x, Tensor::<1, Int>::from_ints(y.as_slice(), device))
+}
+
+/// After a failed step: when it was the loss of peers (`failed_peers`) and the step can be
+/// dropped (`before`, the weights it started from), the survivors agree on who carries on
+/// and re-form their groups, and every member goes on from the weights and the position of
+/// the new rank 0 (the members that finished one more step than others, if any, lead; SGD
+/// holds no other state). Any other error ends the run. Collective over the survivors.
+fn carry_on(
+    ddp: &mut DataParallel,
+    before: Option<Mlp>,
+    error: DdpError,
+    at: Position,
+) -> Result<(Mlp, Position), DdpError> {
+    let (Some(model), Some(known_gone)) = (before, failed_peers(&error)) else {
+        return Err(error);
+    };
+    eprintln!(
+        "rank {}: {error}; the survivors re-form the job",
+        ddp.rank()
+    );
+    let survivors =
+        ddp.regroup_after_failure(&known_gone, at.step as u64, &AgreementOptions::default())?;
+    // Rank 0's weights and position (it stood at the furthest step) on every member.
+    let model = ddp.prepare(model)?;
+    let ours = [at.step, at.epoch, at.consumed]
+        .map(|n| n.to_le_bytes())
+        .concat();
+    let theirs = ddp.broadcast_bytes(ours)?;
+    let number = |i: usize| {
+        let bytes = theirs.get(i * 8..i * 8 + 8).and_then(|b| b.try_into().ok());
+        bytes.map(usize::from_le_bytes).ok_or_else(|| {
+            DdpError::Membership(format!("rank 0's position reads {} bytes", theirs.len()))
+        })
+    };
+    let at = Position {
+        step: number(0)?,
+        epoch: number(1)?,
+        consumed: number(2)?,
+    };
+    if ddp.rank() == 0 {
+        println!(
+            "own loop: lost rank(s) {:?} after step {}; {} rank(s) train on",
+            survivors.lost,
+            at.step,
+            ddp.world_size()
+        );
+    }
+    Ok((model, at))
 }
 
 /// Rank 0 writes the weights; the others wait for it (and fail if it failed).
@@ -230,7 +352,11 @@ fn save<M: ModuleSnapshot>(
 fn run() -> Result<(), Failure> {
     let a = args().map_err(|e| Failure(e, 2))?;
     // Join the job (launcher / torchrun / Slurm / Open MPI variables), or run alone.
-    let options = DdpOptions::default().with_zero_stage(a.zero_stage);
+    // --survivors: every rank beats a heartbeat, so a frozen or cut-off peer is named within
+    // the failure detection time, not at the collective's deadline.
+    let options = DdpOptions::default()
+        .with_zero_stage(a.zero_stage)
+        .with_peer_heartbeats(a.survivors);
     let device = train_device(&options);
     let mut ddp = DataParallel::from_env(options, &device)?;
     let trained = if a.adam {
@@ -239,6 +365,10 @@ fn run() -> Result<(), Failure> {
         train(&mut ddp, &a, &device, SgdConfig::new().init(), 0.05)
     };
     let (model, mean_loss, steps) = trained?;
+    if a.survivors {
+        // Every replica the same after the failure (one collective checksum).
+        ddp.check_replicas(&model, steps)?;
+    }
     save(&mut ddp, &model, &a.out).map_err(|e| Failure(e, 1))?;
     if ddp.rank() == 0 {
         println!(

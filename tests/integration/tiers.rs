@@ -66,3 +66,44 @@ fn your_own_loop_with_zero_stages_1_to_3_and_adam_matches_one_process() {
         assert!(diff < 1e-4, "stage {stage}: max |w2 - w1| = {diff:e}");
     }
 }
+
+/// The own loop's recipe for fault tolerance (`--survivors`, under `trainer launch
+/// --survivors-continue`): rank 1 of 3 is killed with SIGKILL from outside while the job
+/// trains; the two others drop the step in flight, re-form, take the rest of the epoch over
+/// themselves and finish every step, with equal replicas (the example checks them), and the
+/// job exits 0.
+#[test]
+fn your_own_loop_survives_a_rank_killed_from_outside() {
+    let dir = scratch("own-loop-survivors");
+    let mut launcher = spawn(
+        trainer()
+            .args([
+                "launch",
+                "--nproc-per-node",
+                "3",
+                "--survivors-continue",
+                "--",
+            ])
+            .arg(own_loop())
+            .args(["--survivors", "--batch", "8", "--steps", "3000", "--out"])
+            .arg(dir.join("out")),
+    );
+    launcher.wait_for_line("own loop: training on 3 rank(s)");
+    let victim = tree_of(launcher.id())
+        .into_iter()
+        .find(|&pid| rank_of(pid) == Some(1));
+    let Some(victim) = victim else {
+        launcher.fail("no process of rank 1 under the launcher");
+    };
+    signal(victim, libc::SIGKILL);
+    let out = finish(launcher);
+    assert_eq!(out.code, Some(0), "{}", out.all());
+    for said in [
+        "rank 1 failed: killed by signal 9",
+        "the survivors re-form the job",
+        "own loop: lost rank(s) [1] after step",
+        "own loop: 3000 steps on 2 rank(s)",
+    ] {
+        assert!(out.all().contains(said), "missing {said:?}:\n{}", out.all());
+    }
+}

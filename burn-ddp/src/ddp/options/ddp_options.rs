@@ -42,7 +42,8 @@ pub struct DdpOptions {
     /// Warn about ranks that have not arrived after this long in one collective.
     pub stall_warning: Duration,
     /// How long a rank that lost a peer waits for the others' failure reports before it names
-    /// the silent ones dead ([`TcpGroupOptions::failure_detection`], 2.5 s): how long the
+    /// the silent ones dead ([`TcpGroupOptions::failure_detection`]; default
+    /// [`DEFAULT_FAILURE_DETECTION`](crate::group::DEFAULT_FAILURE_DETECTION), 1 s): how long the
     /// survivors of a failure take to know who died.
     pub failure_detection: Duration,
     /// [`TcpGroupOptions::peer_heartbeats`]: a dead, frozen or cut-off peer is named within
@@ -100,6 +101,14 @@ impl DdpOptions {
 
     pub fn with_buffers(mut self, rule: Option<BufferSync>) -> Self {
         self.buffers = rule;
+        self
+    }
+
+    /// [`peer_heartbeats`](Self::peer_heartbeats): on for a job whose survivors carry on
+    /// after a rank dies, so that a frozen or cut-off peer is named within the failure
+    /// detection time.
+    pub fn with_peer_heartbeats(mut self, on: bool) -> Self {
+        self.peer_heartbeats = on;
         self
     }
 
