@@ -30,6 +30,10 @@
 
 use crate::error::InitError;
 
+/// The variable in which a launcher that fences gives each process it starts an identity of
+/// its own, unique over the job's life ([`crate::elastic::fencing`]).
+pub const FENCE_ID_VAR: &str = "BURN_DDP_FENCE_ID";
+
 /// The identity of this process in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DistEnv {
@@ -51,6 +55,9 @@ pub struct DistEnv {
     /// The launcher's identity of this job, e.g. `slurm-4242.0`; `None` when the launcher
     /// gives none (the trainer's own launcher sets `BURN_DDP_TOKEN` instead).
     pub launcher_job: Option<String>,
+    /// This process's identity for fencing, from a launcher that ends the processes the job
+    /// left out ([`FENCE_ID_VAR`]; see [`crate::elastic::fencing`]); `None` under other launchers.
+    pub fence_id: Option<String>,
 }
 
 const RANK_VARS: [&str; 3] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"];
@@ -99,6 +106,7 @@ impl DistEnv {
             master_port,
             derived,
             launcher_job,
+            fence_id: lookup(FENCE_ID_VAR).filter(|id| !id.is_empty()),
         })
     }
 

@@ -75,6 +75,7 @@ impl Distributed {
             options,
         } = Self::connect(&env, options, true)?;
         let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
+        register_for_fencing(store.as_ref(), &env)?;
         Ok(Self {
             env,
             group,
@@ -291,6 +292,7 @@ impl Distributed {
     ) -> Result<Self, CollectiveError> {
         let store = Self::generation_store(&root, generation);
         let group = TcpProcessGroup::new(Arc::clone(&store), env.rank, env.world_size, options)?;
+        register_for_fencing(store.as_ref(), &env)?;
         Ok(Self {
             env,
             group,
@@ -382,6 +384,7 @@ impl Distributed {
             master_port: 0,
             derived: Vec::new(),
             launcher_job: None,
+            fence_id: None,
         };
         // World size 1 never touches the store or the network, so this cannot fail.
         let group = match TcpProcessGroup::new(store.clone(), 0, 1, TcpGroupOptions::default()) {
@@ -400,6 +403,20 @@ impl Distributed {
             _server: None,
         }
     }
+}
+
+/// Records this process's identity for fencing ([`crate::elastic::fencing`]) as rank
+/// `env.rank` of the generation whose namespace is `generation`, when its launcher gave one.
+fn register_for_fencing(generation: &dyn Store, env: &DistEnv) -> Result<(), CollectiveError> {
+    let Some(identity) = &env.fence_id else {
+        return Ok(());
+    };
+    crate::elastic::fencing::register(generation, env.rank, identity).map_err(|source| {
+        CollectiveError::Store {
+            rank: env.rank,
+            source,
+        }
+    })
 }
 
 /// The job token of this torchrun attempt: rank 0 draws it and publishes it in the attempt's

@@ -16,6 +16,7 @@ use crate::elastic::join::{ask_to_join, JoinRequest};
 use crate::elastic::Admission;
 use crate::env::DistEnv;
 use crate::error::DdpError;
+use crate::fault::{self, FaultPoint, JoinStage};
 use crate::group::TcpGroupOptions;
 use crate::init::{Connected, Distributed};
 
@@ -59,6 +60,7 @@ impl Distributed {
         let deadline = Instant::now() + options.timeout;
         let connected = Self::connect(&env, options, false)?;
         let request = ask(&connected, fingerprint)?;
+        fault::point(FaultPoint::Joining(JoinStage::Asked));
         Ok(PendingJoin {
             env,
             connected,

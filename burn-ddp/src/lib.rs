@@ -22,6 +22,7 @@
 //! | [`pipeline`] | pipeline parallelism (so far): the stages × replicas layout, GPipe and 1F1B schedules with a simulation of their bubble, the point-to-point links between neighbouring stages, `PipelineStage` and the pipeline step, the `PipelineParallel` handle |
 //! | `learner` (feature `burn-train`) | burn-train's `SupervisedTraining` across processes: `DdpStrategy`, `DistributedDataLoaderBuilder`, outputs gathered for metrics |
 //! | `cuda` (feature `cuda`) | run-time checks for the CUDA driver and NCCL, GPU selection from the local rank |
+//! | [`fault`] | fault points: the one seam through which a test injects a fault (a program installs one handler; without one a point does nothing) |
 //! | [`error`] | typed errors per layer |
 //! | [`testing`] | test support: skipped tests recorded and counted, never silent |
 //!
@@ -42,6 +43,7 @@ pub mod ddp;
 pub mod elastic;
 pub mod env;
 pub mod error;
+pub mod fault;
 pub mod group;
 pub mod hash;
 pub mod host_values;
@@ -64,6 +66,8 @@ pub use ddp::{
 };
 pub use env::DistEnv;
 pub use error::{CollectiveError, DdpError, InitError, StoreError, SyncBatchNormError};
-pub use group::{ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup};
+pub use group::{
+    ProcessGroup, ReduceOp, TcpGroupOptions, TcpProcessGroup, DEFAULT_FAILURE_DETECTION,
+};
 pub use init::Distributed;
 pub use joining::PendingJoin;

@@ -189,6 +189,46 @@ fn a_rank_killed_between_steps_leaves_the_others_where_a_scripted_resize_does() 
     assert_failure_equals_scripted_resize("digits-sgd-w4", &digits(SGD), 4, 3, Kill::AfterStep(4));
 }
 
+/// A rank that freezes (SIGSTOP, never resumed: a hung driver, a machine that stopped
+/// answering) right after step 5 is left out as a dead one is, and its launcher ends it once
+/// the survivors decided (fencing): the survivors finish, the job exits 0 instead of waiting
+/// for the frozen process forever, and the run ends where a scripted leave at that boundary
+/// ends, bit for bit.
+#[test]
+fn a_frozen_rank_is_left_out_and_ended_so_that_the_job_finishes() {
+    let dir = scratch("survivors-frozen");
+    let body = continuing(&digits(SGD), "");
+    let freezing = [("TRAINER_FREEZE_AFTER_STEP", "5:1".to_string())];
+    let out = train_with(&dir, "failed", &body, 3, &freezing);
+    assert_says(
+        &out.stderr,
+        &[
+            "[rank 1] TRAINER_FREEZE_AFTER_STEP=5:1: stopping this process (SIGSTOP)",
+            "the job left rank 1 out (the survivors of step 5 carry on without it",
+            "rank 1 ended, left out by the job: killed by signal 9",
+        ],
+        &out,
+    );
+    let regroups = records(&dir.join("failed-out/metrics.jsonl"), "regroup");
+    let changes: Vec<_> = regroups
+        .iter()
+        .map(|r| {
+            (
+                r["step"].as_u64(),
+                r["world_size"].as_u64(),
+                r["lost"].clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        changes,
+        vec![(Some(5), Some(2), serde_json::json!([1]))],
+        "{}",
+        out.all()
+    );
+    assert_scripted_resize_ends_alike(&dir, &body, 3, "5:1", "rank 1 frozen after step 5");
+}
+
 #[test]
 fn the_transformer_survives_a_rank_killed_mid_step_as_a_scripted_resize_does() {
     let body = text_config(NOAM_ADAM, 5, "max_steps = 12");

@@ -13,9 +13,11 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use super::handle::DataParallel;
+use crate::elastic::fencing::fence;
 use crate::elastic::join::{self, Boundary};
 use crate::elastic::{agree_on_survivors, Admitted, AgreementOptions, PlannedJoin};
 use crate::error::{CollectiveError, DdpError};
+use crate::fault::{self, FaultPoint};
 use crate::group::{ProcessGroup, TcpProcessGroup};
 use crate::init::Distributed;
 
@@ -70,6 +72,7 @@ impl DataParallel {
         if joining == 0 {
             return Ok(Admitted::default());
         }
+        fault::point(FaultPoint::Admitting);
         let (rank, world) = (self.rank(), self.world_size());
         let generation = self.dist.generation + 1;
         if rank == 0 {
@@ -146,11 +149,31 @@ impl DataParallel {
             &joiners,
             &AgreementOptions::after_detection(self.options.failure_detection),
         )?;
+        // The members this left out (they died while the grown group formed) are fenced
+        // as after any failure; the joiners given up on are alive or gone, and ask again.
+        let lost: Vec<usize> = survivors
+            .lost
+            .iter()
+            .copied()
+            .filter(|&r| r < world)
+            .collect();
+        if survivors.members.first() == Some(&rank) {
+            let why = format!(
+                "the members carry on without it after step {} (it fell silent while they admitted joiners)",
+                plan.step
+            );
+            fence(
+                self.dist.store.as_ref(),
+                self.dist.root.as_ref(),
+                &lost,
+                &why,
+            )?;
+        }
         self.regroup(&survivors.members)?;
         Ok(Admitted {
             joined: 0,
             failure: Some(why.to_string()),
-            lost: survivors.lost.into_iter().filter(|&r| r < world).collect(),
+            lost,
         })
     }
 

@@ -36,7 +36,7 @@
 //! | `outcome` | [`StepOutcome`] |
 //! | `rank_zero` | rank 0's actions the others wait for through the store, with a heartbeat that tells a slow disk from a dead rank 0 |
 //! | `regroup` | the groups formed again among the ranks that carry on ([`DataParallel::regroup`], [`DataParallel::regroup_after_failure`]; [`crate::elastic`]) |
-//! | `admission` | processes joining a job that trains: the members admit them at a step boundary and form the grown group ([`DataParallel::joiners_due`], [`DataParallel::admit_joiners`], [`DataParallel::join`]), and hand them the state as bytes |
+//! | `admission` | processes joining a job that trains: the members admit them at a step boundary and form the grown group ([`DataParallel::joiners_due`], [`DataParallel::admit_joiners`]; the joiner's side is [`Distributed::join`](crate::Distributed::join) in `joining.rs`), and hand them the state as bytes |
 
 mod admission;
 mod collectives;

@@ -6,8 +6,10 @@ use std::sync::{mpsc, Arc};
 use super::handle::DataParallel;
 use crate::ddp::options::zero_stage::ZeroStage;
 use crate::ddp::sync_batch_norm::sync_group;
+use crate::elastic::fencing::fence;
 use crate::elastic::{agree_on_survivors, AgreementOptions, Survivors};
 use crate::error::DdpError;
+use crate::fault::{self, FaultPoint};
 use crate::group::liveness::wait_for_silence;
 use crate::group::TcpProcessGroup;
 use crate::init::Distributed;
@@ -121,6 +123,9 @@ impl DataParallel {
     /// not form agree again, in its namespace, on who carries on (as many times as ranks die
     /// this way). The agreement returned then names the ranks of the group that failed first.
     ///
+    /// The new group's rank 0 asks the launchers to end the lost ranks' processes
+    /// ([`crate::elastic::fencing`]), so that one that froze does not hold the job.
+    ///
     /// # Errors
     /// [`DdpError::Membership`] when this rank was left out, the survivors stand more than a
     /// step apart, or [`regroup`](Self::regroup) refuses; a store failure.
@@ -130,23 +135,9 @@ impl DataParallel {
         step: u64,
         options: &AgreementOptions,
     ) -> Result<Survivors, DdpError> {
-        self.regroup_after_failure_with(known_gone, step, options, &mut |_| {})
-    }
-
-    /// [`regroup_after_failure`](Self::regroup_after_failure), calling `before_forming` with
-    /// each agreement before this rank forms the group it decided on (a test kills a rank
-    /// there: a death while the survivors re-form).
-    ///
-    /// # Errors
-    /// As [`regroup_after_failure`](Self::regroup_after_failure).
-    pub fn regroup_after_failure_with(
-        &mut self,
-        known_gone: &[usize],
-        step: u64,
-        options: &AgreementOptions,
-        before_forming: &mut dyn FnMut(&Survivors),
-    ) -> Result<Survivors, DdpError> {
         let rank = self.rank();
+        // The group that failed first, whose ranks every agreement names.
+        let failed = Arc::clone(&self.dist.store);
         // Where the round's agreement is held, among how many ranks, this rank's number there,
         // and what the rounds before decided.
         let mut agreed_in = Arc::clone(&self.dist.store);
@@ -162,7 +153,18 @@ impl DataParallel {
                 Some(before) => before.then(&round),
                 None => round,
             };
-            before_forming(&survivors);
+            if survivors.members.first() == Some(&rank) {
+                let why = format!(
+                    "the survivors of step {step} carry on without it (fault_tolerance.on_rank_failure = \"continue\")"
+                );
+                fence(
+                    failed.as_ref(),
+                    self.dist.root.as_ref(),
+                    &survivors.lost,
+                    &why,
+                )?;
+            }
+            fault::point(FaultPoint::Regrouping);
             let generation = self.dist.generation + 1;
             match self.regroup(&survivors.members) {
                 Ok(()) => return Ok(survivors),

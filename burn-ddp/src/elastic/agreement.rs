@@ -29,13 +29,10 @@ pub struct AgreementOptions {
 }
 
 impl Default for AgreementOptions {
-    /// A survivor that lost only a messenger learns the root cause from the group's
-    /// post-mortem within 2.5 s, so twice that covers every live rank.
+    /// The agreement of a job whose groups have the default failure detection
+    /// ([`crate::group::DEFAULT_FAILURE_DETECTION`]).
     fn default() -> Self {
-        Self {
-            arrival_window: Duration::from_secs(5),
-            grace: Duration::from_secs(5),
-        }
+        Self::after_detection(crate::group::DEFAULT_FAILURE_DETECTION)
     }
 }
 

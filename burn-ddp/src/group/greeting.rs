@@ -136,7 +136,7 @@ fn read_hello(
         .read_exact(&mut token)
         .map_err(|e| format!("truncated hello: {e}"))?;
     if token != ours.token.as_bytes() {
-        return Err("wrong job token".into());
+        return Err("wrong job token: every rank of a job must have the same BURN_DDP_TOKEN (set the same BURN_DDP_TOKEN=<secret> in each node's environment)".into());
     }
     if rank as usize != peer || world as usize != ours.world {
         return Err(format!(

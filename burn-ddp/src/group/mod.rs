@@ -56,6 +56,7 @@ mod process_group;
 pub use call::{CollectiveDesc, CollectiveKind, DataType, ReduceOp};
 pub use collective::{layout_fingerprint, Checked, Collective, Membership};
 pub use element::Element;
+pub use postmortem::DEFAULT_FAILURE_DETECTION;
 pub use process_group::ProcessGroup;
 pub use staging::PieceStaging;
 pub use tcp::{TcpGroupOptions, TcpProcessGroup};

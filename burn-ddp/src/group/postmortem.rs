@@ -10,13 +10,13 @@
 //! - a rank that reported an error of its own (a mismatch, a timeout, bad arguments): that rank
 //!   speaks for itself, and this rank's error stays as it is ([`Verdict::Reported`]); or
 //! - a rank that has not reported: alive ranks report at once (a lost connection fails them
-//!   immediately), so a rank still silent after [`REPORT_WINDOW`] (never past the collective's
+//!   immediately), so a rank still silent after [`DEFAULT_FAILURE_DETECTION`] (never past the collective's
 //!   deadline) is the one that died ([`Verdict::Gone`], with every silent rank that some report
 //!   lost, and the ranks that lost each).
 //!
 //! The store may be hosted by the rank that died (rank 0 under plain `RANK`/`MASTER_*`
 //! variables): every store call here has a deadline, the whole post-mortem runs on a helper
-//! thread the caller waits for at most [`REPORT_WINDOW`] plus [`STORE_GRACE`], and a store
+//! thread the caller waits for at most [`DEFAULT_FAILURE_DETECTION`] plus [`STORE_GRACE`], and a store
 //! failure is [`Verdict::StoreFailed`] — the caller keeps its own error, never hangs. For the
 //! same reason a rank that has its verdict waits (at most [`LINGER`]) until every reporting rank
 //! has its own (`judged/{rank}`), so the store's host does not take the store away from them.
@@ -28,9 +28,13 @@ use std::time::{Duration, Instant};
 use crate::error::{GoneRank, StoreError};
 use crate::store::{PrefixStore, Store};
 
-/// How long a rank that lost a peer waits for the other ranks' reports before it names the
-/// silent ones as dead, by default ([`crate::group::TcpGroupOptions::failure_detection`]).
-pub(crate) const REPORT_WINDOW: Duration = Duration::from_millis(2500);
+/// The failure detection time of the library and of the trainer, by default
+/// ([`crate::group::TcpGroupOptions::failure_detection`], [`crate::DdpOptions::failure_detection`],
+/// the trainer's `fault_tolerance.detection_secs`): how long a rank that lost a peer waits for
+/// the other ranks' reports before it names the silent ones dead; with peer heartbeats, a
+/// peer silent for twice this is dead. Live ranks report at once, so a second is enough on a
+/// loaded machine and matches torchft's best measured heartbeat.
+pub const DEFAULT_FAILURE_DETECTION: Duration = Duration::from_secs(1);
 /// How often the wait looks again (it also wakes as soon as the awaited rank reports).
 const SLICE: Duration = Duration::from_millis(250);
 /// Extra time the caller gives the helper thread for its store round trips.
@@ -218,7 +222,7 @@ fn gone(
 /// `store`, then calls `published` (the caller closes its connections there: a neighbour that
 /// sees them close then finds the report already there), and, when the rank lost a peer, returns
 /// what the reports say (module docs), waiting for them until `deadline` (the collective's) or
-/// `window` (the group's failure detection, [`REPORT_WINDOW`] by default), whichever comes
+/// `window` (the group's failure detection, [`DEFAULT_FAILURE_DETECTION`] by default), whichever comes
 /// first.
 ///
 /// Bounded whatever the store does: `published` is called within [`STORE_GRACE`] even if the
@@ -281,6 +285,10 @@ mod tests {
     use super::*;
     use crate::store::MemoryStore;
     use std::sync::Arc;
+
+    /// The report window these tests wait with (the default was this long once; the tests
+    /// keep it: "at once" means well within it on a loaded machine).
+    const REPORT_WINDOW: Duration = Duration::from_millis(2500);
 
     fn ns() -> PrefixStore {
         let store: Arc<dyn Store> = Arc::new(MemoryStore::new());

@@ -206,7 +206,7 @@ fn handshake(stream: &mut TcpStream, shared: &Shared) -> Result<(), String> {
             Err(format!("bad protocol magic {magic:#x}"))
         }
         Request::Hello { token, .. } if token != shared.token => {
-            Err("wrong job token (is this rank part of another job?)".into())
+            Err("wrong job token (is this rank part of another job?): every launcher of a multi-node job must share one BURN_DDP_TOKEN (without it each draws its own): set the same BURN_DDP_TOKEN=<secret> in each node's environment".into())
         }
         Request::Hello { .. } => {
             stream.set_read_timeout(None).map_err(|e| e.to_string())?;

@@ -302,7 +302,8 @@ pub struct FaultToleranceConfig {
     /// both bounds for its ranks (`MIN` and `MAX` times `--nproc-per-node`), within these.
     pub max_world_size: Option<usize>,
     /// Seconds a rank that lost a peer waits for the other ranks' failure reports before it
-    /// names the silent ones dead (`"continue"` only; 1.0): how long the survivors stall
+    /// names the silent ones dead (1.0, burn-ddp's `DEFAULT_FAILURE_DETECTION`); under
+    /// `"continue"` a peer silent for twice this is dead too: how long the survivors stall
     /// before they re-form, about torchft's best measured heartbeat. A live rank slower than
     /// this to notice the failure (a loaded machine) is left out of the re-formed job.
     pub detection_secs: f64,
@@ -323,7 +324,7 @@ impl Default for FaultToleranceConfig {
             on_rank_failure: OnRankFailure::Restart,
             min_world_size: 1,
             max_world_size: None,
-            detection_secs: 1.0,
+            detection_secs: burn_ddp::DEFAULT_FAILURE_DETECTION.as_secs_f64(),
         }
     }
 }

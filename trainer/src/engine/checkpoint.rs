@@ -207,7 +207,9 @@ pub fn save_files(
         manifest
             .checksums
             .insert(MODEL_FILE.to_string(), checksum(weights));
-        crate::engine::fault_injection::crash_in_checkpoint_if_asked(manifest.position.step);
+        burn_ddp::fault::point(burn_ddp::fault::FaultPoint::InCheckpoint {
+            step: manifest.position.step,
+        });
         write_synced(&tmp.join(OPTIMIZER_FILE), optimizer)?;
         manifest
             .checksums

@@ -42,7 +42,6 @@ pub struct CheckpointPolicy {
 
 /// The DDP options `[distributed]` describes: its fields are burn-ddp's types already.
 pub fn ddp_options(d: &DistributedConfig, ft: &FaultToleranceConfig) -> DdpOptions {
-    let default = DdpOptions::default();
     DdpOptions {
         transport: d.gradient_sync,
         zero_stage: d.zero_stage,
@@ -52,14 +51,9 @@ pub fn ddp_options(d: &DistributedConfig, ft: &FaultToleranceConfig) -> DdpOptio
         buffers: d.sync_buffers,
         timeout: Duration::from_secs(d.timeout_secs),
         stall_warning: Duration::from_secs(d.stall_warning_secs),
-        // Where the survivors carry on, a death is known after `detection_secs`; elsewhere it
-        // only names the dead rank in the error, and the default's longer wait is kinder to a
-        // loaded machine.
-        failure_detection: if ft.survivors_continue(d) {
-            Duration::from_secs_f64(ft.detection_secs)
-        } else {
-            default.failure_detection
-        },
+        // One detection time, whatever the failure mode: under "restart" it bounds how long
+        // the error that names the dead rank takes.
+        failure_detection: Duration::from_secs_f64(ft.detection_secs),
         // A cut-off or frozen rank is then named within the detection time too.
         peer_heartbeats: ft.survivors_continue(d),
         max_world_size: ft.max_world_size,

@@ -39,12 +39,13 @@ use clap::Args;
 
 use crate::error::UsageError;
 use crate::finding::Status;
+use crate::launcher::fencing::Fencing;
 pub use crate::launcher::launch_plan::LaunchArgs;
 use crate::launcher::launch_plan::{LaunchEnv, LaunchPlan, USAGE_EXIT_CODE};
 use crate::launcher::limits::{limit_checks, JobShape};
 use crate::launcher::node_rendezvous::{self, Entry};
 use crate::launcher::ranklog::RankLog;
-use crate::launcher::worker_env::{THREADS_VAR, TOKEN_VAR};
+use crate::launcher::worker_env::{FENCE_ID_VAR, THREADS_VAR, TOKEN_VAR};
 
 /// Kept here too for the callers that still name it `launch::RESTART_COUNT_VAR`.
 pub use crate::launcher::worker_env::RESTART_COUNT_VAR;
@@ -208,19 +209,28 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
                 String::new()
             }
         );
-        let children = start_ranks(&plan, program, port, attempt, joining)?;
-        let outcome = if plan.survivors_continue {
-            let mut rejoin = |local_rank: usize, restarts: usize| {
-                start_rank(
-                    &plan,
-                    program,
-                    local_rank,
-                    plan.rejoin_env(local_rank, port, restarts),
-                )
-            };
-            supervise_survivors(children, &interrupted, &plan, &mut restarts, &mut rejoin)
-        } else {
-            supervise(children, &interrupted)
+        // With --survivors-continue the job may leave a rank out: this launcher ends it.
+        let mut fencing = plan
+            .survivors_continue
+            .then(|| Fencing::new(&plan, port, random_token()));
+        let children = start_ranks(&plan, program, port, attempt, joining, &mut fencing)?;
+        let outcome = match fencing {
+            Some(mut fencing) => {
+                let mut rejoin = |local_rank: usize, restarts: usize, fencing: &mut Fencing| {
+                    let mut env = plan.rejoin_env(local_rank, port, restarts);
+                    let identity = fencing.next_identity();
+                    env.push((FENCE_ID_VAR, identity.clone()));
+                    start_rank(&plan, program, local_rank, env, Some(identity))
+                };
+                let survivors = Survivors {
+                    plan: &plan,
+                    fencing: &mut fencing,
+                    restarts: &mut restarts,
+                    rejoin: &mut rejoin,
+                };
+                supervise_survivors(children, &interrupted, survivors)
+            }
+            None => supervise(children, &interrupted),
         };
         drop(server);
         match outcome {
@@ -296,21 +306,27 @@ fn is_this_machine(addr: &str) -> bool {
     std::net::TcpListener::bind((addr, 0)).is_ok()
 }
 
-/// Starts the local ranks, as ranks that start the job or (`joining`) that join it.
+/// Starts the local ranks, as ranks that start the job or (`joining`) that join it; with
+/// `fencing`, each with an identity of its own.
 fn start_ranks(
     plan: &LaunchPlan,
     program: &Program,
     port: u16,
     attempt: usize,
     joining: bool,
+    fencing: &mut Option<Fencing>,
 ) -> anyhow::Result<Vec<Rank>> {
     let mut children = Vec::with_capacity(plan.nproc);
     for local_rank in 0..plan.nproc {
-        let env = match joining {
+        let mut env = match joining {
             true => plan.rejoin_env(local_rank, port, attempt),
             false => plan.rank_env(local_rank, port, attempt),
         };
-        let started = start_rank(plan, program, local_rank, env);
+        let identity = fencing.as_mut().map(Fencing::next_identity);
+        if let Some(identity) = &identity {
+            env.push((FENCE_ID_VAR, identity.clone()));
+        }
+        let started = start_rank(plan, program, local_rank, env, identity);
         match started {
             Ok(started) => children.push(started),
             Err(e) => {
@@ -323,12 +339,14 @@ fn start_ranks(
     Ok(children)
 }
 
-/// Starts local rank `local_rank` with the launcher's variables `env`.
+/// Starts local rank `local_rank` with the launcher's variables `env` (which hold
+/// `fence_id`, its identity for fencing, when it has one).
 fn start_rank(
     plan: &LaunchPlan,
     program: &Program,
     local_rank: usize,
     env: Vec<(&'static str, String)>,
+    fence_id: Option<String>,
 ) -> anyhow::Result<Rank> {
     let rank = plan.rank(local_rank);
     let mut cmd = Command::new(&program.exe);
@@ -351,6 +369,8 @@ fn start_rank(
         rank,
         child,
         log,
+        fence_id,
+        fenced: false,
     })
 }
 
@@ -386,6 +406,20 @@ struct Rank {
     rank: usize,
     child: Child,
     log: Option<RankLog>,
+    /// Its identity for fencing (`--survivors-continue`).
+    fence_id: Option<String>,
+    /// This launcher ended it because the job left it out.
+    fenced: bool,
+}
+
+/// What `--survivors-continue`'s supervision works with besides the ranks.
+struct Survivors<'a> {
+    plan: &'a LaunchPlan,
+    fencing: &'a mut Fencing,
+    /// Restarts so far (of one rank each), against `--max-restarts`.
+    restarts: &'a mut usize,
+    /// Starts a failed rank again to join the others: local rank, restart count.
+    rejoin: &'a mut dyn FnMut(usize, usize, &mut Fencing) -> anyhow::Result<Rank>,
 }
 
 /// How a launched group ended.
@@ -465,40 +499,49 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
 }
 
 /// `--survivors-continue`: waits for every rank; a failed rank is reported as it fails and the
-/// others go on without it, and while `--max-restarts` allows (`restarts` counts them) it is
-/// started again by `rejoin` (local rank, restart count) to join them. The job ends as the
-/// last rank to exit ends (the survivors' verdict: success, or 2 when too few ranks were
-/// left); among ranks that exit together, a failure.
+/// others go on without it, and while `--max-restarts` allows it is started again to join
+/// them. A rank the job left out (it froze) is ended with SIGKILL, then treated as failed.
+/// The job ends as the last rank to exit ends (the survivors' verdict: success, or 2 when too
+/// few ranks were left); among ranks that exit together, a failure.
 fn supervise_survivors(
     mut children: Vec<Rank>,
     interrupted: &AtomicUsize,
-    plan: &LaunchPlan,
-    restarts: &mut usize,
-    rejoin: &mut dyn FnMut(usize, usize) -> anyhow::Result<Rank>,
+    survivors: Survivors<'_>,
 ) -> Outcome {
+    let Survivors {
+        plan,
+        fencing,
+        restarts,
+        rejoin,
+    } = survivors;
     let mut done: Vec<Option<ExitStatus>> = vec![None; children.len()];
     let mut last: Option<ExitStatus> = None;
     loop {
         if let Some(outcome) = stop_if_interrupted(&mut children, &done, interrupted) {
             return outcome;
         }
+        end_fenced(&mut children, &done, fencing);
         let before = done.clone();
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         reap(&mut children, &mut done, &mut failed);
-        let mut exited: Vec<ExitStatus> = done
-            .iter()
-            .zip(&before)
-            .filter_map(|(now, was)| now.filter(|_| was.is_none()))
+        // Of the ranks that exited since the last look, a failure speaks for them; a rank this
+        // launcher ended because the job left it out speaks for nobody.
+        let mut exited: Vec<ExitStatus> = (done.iter().zip(&before).zip(&children))
+            .filter(|(_, child)| !child.fenced)
+            .filter_map(|((now, was), _)| now.filter(|_| was.is_none()))
             .collect();
-        // Of the ranks that exited since the last look, a failure speaks for them.
         exited.sort_by_key(ExitStatus::success);
         if let Some(&status) = exited.first() {
             last = Some(status);
         }
         for (rank, status) in failed {
             let still_running = done.iter().filter(|d| d.is_none()).count();
+            let how = match children.iter().any(|r| r.rank == rank && r.fenced) {
+                true => "ended, left out by the job",
+                false => "failed",
+            };
             eprintln!(
-                "trainer launcher: rank {rank} failed: {}; {still_running} rank(s) carry on without it (--survivors-continue)",
+                "trainer launcher: rank {rank} {how}: {}; {still_running} rank(s) carry on without it (--survivors-continue)",
                 describe(status)
             );
             let code = status.code().map(|c| c.clamp(0, 255) as u8);
@@ -509,7 +552,7 @@ fn supervise_survivors(
                 continue;
             };
             *restarts += 1;
-            match rejoin(children[i].local_rank, *restarts) {
+            match rejoin(children[i].local_rank, *restarts, fencing) {
                 Ok(started) => {
                     eprintln!(
                         "trainer launcher: started rank {rank} again to join the others ({} of {} restarts)",
@@ -532,6 +575,27 @@ fn supervise_survivors(
             };
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Ends with SIGKILL each running rank that the job left out (burn-ddp's fencing), saying why;
+/// the next reap finds it killed.
+fn end_fenced(children: &mut [Rank], done: &[Option<ExitStatus>], fencing: &mut Fencing) {
+    let running = children
+        .iter()
+        .enumerate()
+        .filter(|(i, r)| done[*i].is_none() && !r.fenced)
+        .filter_map(|(i, r)| Some((i, r.fence_id.as_deref()?)));
+    for (i, why) in fencing.left_out(running) {
+        let Rank { rank, child, .. } = &mut children[i];
+        let rank = *rank;
+        eprintln!(
+            "trainer launcher: the job left rank {rank} out ({why}); ending it (SIGKILL) so that it cannot hold the job"
+        );
+        if let Err(e) = child.kill() {
+            tracing::warn!("cannot end rank {rank}: {e}");
+        }
+        children[i].fenced = true;
     }
 }
 

@@ -6,6 +6,7 @@
 //! | `launch` | spawning, supervising and restarting local ranks; the failure report |
 //! | `launch_plan` | the launcher's pure decisions: ranks, each rank's environment, threads, port |
 //! | `nodes` | `--nnodes N` or `MIN:MAX`; an elastic rendezvous's decisions, pure |
+//! | `fencing` | `--survivors-continue`: each process's identity, and the processes the job left out ended (SIGKILL), so a frozen rank never holds the job |
 //! | `node_rendezvous` | how a launcher enters its job: the nodes' rendezvous in node 0's store, or joining a job that trains |
 //! | `worker_env` | the launcher ↔ worker contract: every environment variable and rendezvous key |
 //! | `limits` | this machine's limits (open files, threads, kernel tasks) against a job: the launcher refuses, the doctor shows |
@@ -13,6 +14,7 @@
 //! | `orphan` | a rank started by another launcher (torchrun, mpirun, srun) dies with it |
 //! | `torchelastic` | torchrun's error file, written by a failing rank |
 
+pub(crate) mod fencing;
 pub(crate) mod launch;
 pub(crate) mod launch_plan;
 pub(crate) mod limits;

@@ -38,6 +38,11 @@ pub use burn_ddp::init::TOKEN_VAR;
 /// so rank 0 does not start one; `"0"` on the other nodes.
 pub use burn_ddp::init::AGENT_STORE_VAR;
 
+/// With `--survivors-continue`: this process's identity, unique over the job's life, by which
+/// the job asks its launcher to end it once it was left out (burn-ddp's
+/// `elastic::fencing`).
+pub use burn_ddp::elastic::fencing::FENCE_ID_VAR;
+
 /// Threads per rank for the CPU backend: the machine's cores shared among the local ranks (like
 /// torchrun's `OMP_NUM_THREADS`), or the launcher's own value when it has one.
 pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
@@ -55,6 +60,21 @@ pub const RESTART_COUNT_VAR: &str = "TRAINER_RESTART_COUNT";
 /// `--max-restarts`): the job trains on without it, so it joins the job at a step boundary and
 /// takes the training state from a live rank (`[fault_tolerance]`), instead of starting it.
 pub const JOINING_VAR: &str = "TRAINER_JOINING";
+
+/// The launcher's restart count of this rank ([`RESTART_COUNT_VAR`], or torchrun's
+/// `TORCHELASTIC_RESTART_COUNT`): 0 on the first attempt and without a launcher.
+pub fn restart_count() -> u64 {
+    std::env::var(RESTART_COUNT_VAR)
+        .or_else(|_| std::env::var("TORCHELASTIC_RESTART_COUNT"))
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether the launcher restarted this rank to join the running job ([`JOINING_VAR`]).
+pub fn joining() -> bool {
+    std::env::var(JOINING_VAR).is_ok_and(|v| v.trim() == "1")
+}
 
 /// With `--nnodes MIN:MAX` only: the fewest ranks the job trains with, `MIN` times
 /// `LOCAL_WORLD_SIZE`; a trainer stops below it (exit code 2), as below
@@ -154,6 +174,12 @@ pub const CRASH_WHILE_REGROUPING_VAR: &str = "TRAINER_CRASH_WHILE_REGROUPING";
 /// boundary where joiners are due, right before it forms the grown group with them (a
 /// member's death while a joiner is admitted). First attempt only.
 pub const CRASH_WHILE_ADMITTING_VAR: &str = "TRAINER_CRASH_WHILE_ADMITTING";
+
+/// Fault injection: `"STEP:R"` stops the rank launched as R (`RANK`) with SIGSTOP right after
+/// optimizer step STEP, never to resume (a hung driver, a machine that stopped answering):
+/// under `[fault_tolerance] on_rank_failure = "continue"` the others leave it out, and its
+/// launcher ends it (fencing). First attempt only.
+pub const FREEZE_AFTER_STEP_VAR: &str = "TRAINER_FREEZE_AFTER_STEP";
 
 /// Fault injection: `"STEP:SECS"` makes the rank(s) of [`STALL_RANK_VAR`] (default every
 /// rank) sleep SECS seconds right after optimizer step STEP — a straggler, so that the other

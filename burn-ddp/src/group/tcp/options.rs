@@ -38,7 +38,8 @@ pub struct TcpGroupOptions {
     pub store_prefix: String,
     /// How long a rank that lost a peer waits for the other ranks' failure reports before it
     /// names the silent ones dead (the group's post-mortem): live ranks report at once, so
-    /// this bounds how long a rank's death takes to be known. Default 2.5 s. Need not match
+    /// this bounds how long a rank's death takes to be known. Default
+    /// [`DEFAULT_FAILURE_DETECTION`](crate::group::DEFAULT_FAILURE_DETECTION), 1 s. Need not match
     /// across ranks.
     pub failure_detection: Duration,
     /// Each rank beats a counter in the store, and a collective that has waited
@@ -61,7 +62,7 @@ impl Default for TcpGroupOptions {
             shared_memory: None,
             shared_memory_ring_bytes: shm::DEFAULT_CAPACITY,
             store_prefix: DEFAULT_STORE_PREFIX.into(),
-            failure_detection: crate::group::postmortem::REPORT_WINDOW,
+            failure_detection: crate::group::postmortem::DEFAULT_FAILURE_DETECTION,
             peer_heartbeats: false,
         }
     }

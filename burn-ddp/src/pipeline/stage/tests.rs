@@ -350,6 +350,7 @@ fn stage_replicas_average_to_the_whole_model_on_the_global_batch() {
                     master_port: 0,
                     derived: Vec::new(),
                     launcher_job: None,
+                    fence_id: None,
                 };
                 let group = TcpProcessGroup::new(Arc::clone(&store), rank, env.world_size, options)
                     .unwrap();

@@ -19,6 +19,7 @@ use burn::train::TrainStep;
 use burn_ddp::ddp::fsdp::reshard::ShardTarget;
 use burn_ddp::ddp::zero::sharded_sync;
 use burn_ddp::elastic::{AgreementOptions, PlannedJoin};
+use burn_ddp::fault::{self, FaultPoint, JoinStage};
 use burn_ddp::{DataParallel, DdpError, Distributed, MicroBatch, StepOutcome};
 
 use super::across_ranks::{across_ranks, train_metrics_window};
@@ -32,7 +33,7 @@ use super::training_loop::{fit, Fitted, LoopSettings};
 use crate::app::{App, AppConfig, AppError, Datasets, TrainItem, ValidItem};
 use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
 use crate::engine::device::{pin_default_device, train_device};
-use crate::engine::fault_injection::{self, JoinStage};
+use crate::engine::fault_injection;
 use crate::engine::fit::rank_reporter::RankReporter;
 use crate::engine::loader::BatchStream;
 use crate::engine::parallel::{self, CheckpointPolicy};
@@ -40,6 +41,7 @@ use crate::engine::preflight::{preflight, Splitting};
 use crate::engine::process_age::process_age_text;
 use crate::engine::schedule::Schedule;
 use crate::engine::sharded_checkpoint;
+use crate::launcher::worker_env::joining;
 use crate::launcher::worker_env::world_size_bounds;
 use crate::report::metrics::{MetricValue, Metrics};
 use crate::report::timing::{Phase, PhaseClock, RankTimes, StepTime};
@@ -85,6 +87,8 @@ pub fn start<A: App>(
     no_resume: bool,
     splitting: Splitting,
 ) -> anyhow::Result<RankStart<A>> {
+    // Tests' faults, read once, before this rank joins the job.
+    fault_injection::install();
     // This rank's share; the job's world size divides a ZeRO-sharded optimizer state.
     let world_size = burn_ddp::DistEnv::from_env().map_or(1, |env| env.world_size);
     let mut config = preflight(&app, config_path, 1, world_size, splitting)?;
@@ -98,7 +102,7 @@ pub fn start<A: App>(
             "data: the training set is empty (check the [data] table)".into()
         ));
     }
-    let joined = fault_injection::joining();
+    let joined = joining();
     let dist = match joined {
         true => join_job::<A>(&config)?,
         false => Distributed::from_env_or_standalone(
@@ -150,7 +154,6 @@ fn join_job<A: App>(config: &AppConfig<A>) -> anyhow::Result<Distributed> {
         "asked to join {} after this process started",
         process_age_text()
     );
-    fault_injection::crash_while_joining_if_asked(JoinStage::Asked);
     let (dist, admission) = pending.admitted()?;
     tracing::info!(
         "admitted after step {}: rank {} of {} ({} after this process started)",
@@ -186,7 +189,7 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         ddp.open_to_joiners()?;
     }
     let (rank, world) = (ddp.rank(), ddp.world_size());
-    device.seed(fault_injection::init_seed(config.training.seed, rank));
+    device.seed(fault_injection::plan().init_seed(config.training.seed, rank));
     let model = app.model(&config.model, &config.data, &device)?;
     let sampler = EpochSampler::for_app(&app, &config.training, &*data.train, world, rank)?;
     let mut reporter = RankReporter::new(rank, &config.output);
@@ -201,7 +204,7 @@ pub fn train<A: App>(start: RankStart<A>) -> anyhow::Result<ExitCode> {
         Fitted::Done(_, summary) => summary,
         Fitted::Left { step } => {
             eprintln!("[rank {rank}] left the job after step {step}; the other ranks train on");
-            if fault_injection::join_after_step().is_none() {
+            if fault_injection::plan().join_after_step().is_none() {
                 return Ok(ExitCode::SUCCESS);
             }
             // The scripted grow: this process joins again, as a restarted one would.
@@ -291,7 +294,7 @@ impl<A: App> DataParallelSteps<A> {
             outputs: Vec::new(),
             checkpoints: CheckpointPolicy::for_app(&app, &config),
             resume: config.checkpoint.resume && !no_resume,
-            slow_step: fault_injection::slow_step_if_asked(ddp.rank()),
+            slow_step: fault_injection::plan().slow_step(ddp.rank()),
             outputs_before_step: 0,
             app,
             config,
@@ -521,7 +524,10 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         self.device.seed(step.seed);
         self.outputs_before_step = self.outputs.len();
         let grads = self.accumulate(&model, batches, step, clock)?;
-        fault_injection::crash_in_step_if_asked(self.ddp.rank(), step.number);
+        fault::point(FaultPoint::InStep {
+            rank: self.ddp.rank(),
+            step: step.number,
+        });
         let (optim, lr) = (&mut self.optim, step.lr);
         let mut optimizer_time = Duration::ZERO;
         let mut updated = false;
@@ -576,11 +582,10 @@ impl<A: App> StepKind for DataParallelSteps<A> {
                 }
                 let detection = Duration::from_secs_f64(self.config.fault_tolerance.detection_secs);
                 let old_rank = self.ddp.rank();
-                let survivors = self.ddp.regroup_after_failure_with(
+                let survivors = self.ddp.regroup_after_failure(
                     known_gone,
                     step as u64,
                     &AgreementOptions::after_detection(detection),
-                    &mut |_| fault_injection::crash_while_regrouping_if_asked(),
                 )?;
                 if !survivors.behind.is_empty() {
                     roll_forward = Some(survivors.behind.contains(&old_rank));
@@ -604,7 +609,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     /// The scripted grow (`TRAINER_JOIN_AFTER_STEP`) admits its joiner at its step only,
     /// waiting for it there at most the group's timeout.
     fn joiners_due(&mut self, step: usize) -> anyhow::Result<Option<PlannedJoin>> {
-        let wait = match fault_injection::join_after_step() {
+        let wait = match fault_injection::plan().join_after_step() {
             Some(at) if at == step => {
                 Some(Duration::from_secs(self.config.distributed.timeout_secs))
             }
@@ -621,9 +626,6 @@ impl<A: App> StepKind for DataParallelSteps<A> {
         loop_state: Vec<u8>,
     ) -> anyhow::Result<(A::Model, Regrouped)> {
         let previous_world = self.ddp.world_size();
-        if !plan.requests.is_empty() {
-            fault_injection::crash_while_admitting_if_asked();
-        }
         let admitted = self.ddp.admit_joiners(plan)?;
         if admitted.failure.is_some() {
             // The members carried on without the joiners: as after a failure, a group that
@@ -679,7 +681,7 @@ impl<A: App> StepKind for DataParallelSteps<A> {
     }
 
     fn join(&mut self, module: A::Model) -> anyhow::Result<(A::Model, Vec<u8>)> {
-        fault_injection::crash_while_joining_if_asked(JoinStage::Admitted);
+        fault::point(FaultPoint::Joining(JoinStage::Admitted));
         self.hand_over(module, Vec::new(), true)
     }
 
@@ -815,12 +817,15 @@ fn overlap_line(ddp: &DataParallel) -> Option<String> {
         return None;
     }
     Some(if ddp.overlap_enabled() {
+        // Queued during backward is not summed during it: on a machine whose cores backward
+        // keeps busy, the thread may only get to the buckets after it. Both are said.
         format!(
-            "gradient overlap: on; {:.0}% of the gradient communication ({:.2} s) hidden under backward; {} of {} buckets sent during backward",
-            100.0 * stats.hidden_fraction(),
-            stats.communication.as_secs_f64(),
+            "gradient overlap: on; {} of {} buckets queued during backward; their communication took {:.2} s, {:.0}% of it under backward ({:.2} s waited for after backward)",
             stats.buckets_during_backward,
-            stats.buckets
+            stats.buckets,
+            stats.communication.as_secs_f64(),
+            100.0 * stats.hidden_fraction(),
+            stats.exposed.as_secs_f64()
         )
     } else {
         format!(

@@ -3,7 +3,7 @@
 //! | file | what |
 //! |---|---|
 //! | [`training_loop`] | the loop, for any [`StepKind`](step_kind::StepKind): restore, set-up, each epoch's optimizer steps, after-step (log, replica check, checkpoint), validation, finish |
-//! | [`step_kind`] | the contract of a way to step: what the loop asks of data parallelism, of pipeline stages, and of the kinds to come (overlapped DDP, ZeRO 2 and 3) |
+//! | [`step_kind`] | the contract of a way to step: what the loop asks of data parallelism (one step kind for plain DDP, the overlap and ZeRO stages 1 to 3, burn-ddp's `Sharding` modes) and of pipeline stages |
 //! | [`data_parallel`] | the data-parallel step kind (burn-ddp's `DataParallel::step`) and the entry that trains an [`App`](crate::app::App) with it |
 //! | [`membership`] | what the loop needs when the job's membership changes at a step boundary (`[fault_tolerance] on_rank_failure = "continue"`): why, what the step kind reports, which errors are the loss of peers |
 //! | [`events`] | what the loop reports, as events; the loop knows no file and no progress bar ([`rank_reporter`] consumes them) |

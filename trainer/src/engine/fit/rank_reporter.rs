@@ -11,7 +11,6 @@ use burn_ddp::sampler::Sample;
 
 use crate::config::OutputConfig;
 use crate::engine::checkpoint::TrainPosition;
-use crate::engine::fault_injection;
 use crate::engine::fit::events::{Event, EventSink};
 use crate::engine::fit::summary::Validation;
 use crate::report::metrics::{self, Record, Reporter};
@@ -252,7 +251,7 @@ fn open_reporter(
         epoch: position.epoch,
         world_size,
         resumed_from,
-        restart: fault_injection::restart_count(),
+        restart: crate::launcher::worker_env::restart_count(),
         unix_time: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64()),

@@ -1,5 +1,6 @@
-//! What the training loop asks of a way to step (data parallelism, pipeline stages, and the
-//! kinds to come: ZeRO stage 3).
+//! What the training loop asks of a way to step: data parallelism and pipeline stages. Plain
+//! DDP, the gradient overlap and ZeRO stages 1 to 3 are one step kind, data parallelism (the
+//! stages are burn-ddp's `Sharding` modes behind `DataParallel::micro_batch` and `step`).
 //!
 //! The loop owns the position, the plan, the schedule, the sampler, the clocks and the
 //! decisions (when to log, check, save, validate; what a non-finite step means); a step kind

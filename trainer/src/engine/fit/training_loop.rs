@@ -41,6 +41,7 @@ use crate::engine::schedule::Schedule;
 use crate::engine::throughput::ThroughputWindow;
 use crate::error::UsageError;
 use crate::report::timing::{PhaseClock, StepTime};
+use burn_ddp::fault::{self, FaultPoint};
 
 /// The config tables the loop reads.
 #[derive(Debug, Clone, Default)]
@@ -354,9 +355,11 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             self.save_checkpoint(module)?;
         }
         let rank = self.kind.rank();
-        fault_injection::crash_after_step_if_asked(rank, step);
-        fault_injection::stall_if_asked(rank, step);
-        match fault_injection::leaving_after_step(step) {
+        fault::point(FaultPoint::AfterStep { rank, step });
+        match fault_injection::plan()
+            .leaving_after(step)
+            .map(<[usize]>::to_vec)
+        {
             Some(leaving) if leaving.contains(&rank) => {
                 tracing::info!("rank {rank} leaves the job after step {step} (scripted resize)");
                 self.left = true;

@@ -99,10 +99,7 @@ where
     };
     // As the whole model is seeded (the replica's first rank's seed): every stage draws its
     // parameters as that model would.
-    device.seed(fault_injection::init_seed(
-        config.training.seed,
-        pp.replica(),
-    ));
+    device.seed(fault_injection::plan().init_seed(config.training.seed, pp.replica()));
     let stage = build(&config.model, &config.data, which, &device)?;
     let sampler = EpochSampler::for_app(
         &app,
