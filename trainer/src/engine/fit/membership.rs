@@ -1,7 +1,8 @@
-//! What the loop needs to carry on when the job's membership changes at a step boundary
-//! (`[fault_tolerance] on_rank_failure = "continue"`, or a scripted resize in the tests): why
-//! it changes, what the step kind reports back, which errors are the loss of peers, and the
-//! loop's state a joining rank takes from rank 0.
+//! What the loop's membership round (`super::membership_round`) works with when the job's
+//! membership changes (`[fault_tolerance] on_rank_failure = "continue"`, or a scripted resize
+//! in the tests): why it holds one, what it did, why the step kind re-forms, what the step
+//! kind reports back, which errors are the loss of peers, and the loop's state a joining rank
+//! takes from rank 0.
 
 use burn_ddp::elastic::{collective_failed_peers, failed_peers};
 use burn_ddp::{CollectiveError, DdpError};
@@ -23,6 +24,29 @@ pub(crate) enum MembershipChange<'a> {
         step: usize,
         in_step: bool,
     },
+}
+
+/// Why the loop holds a membership round (`super::membership_round`).
+pub(crate) enum RoundCause {
+    /// A step boundary: ranks may leave (the scripted resize) or join.
+    Boundary,
+    /// A collective failed with `error`; `dropped`: the schedule's state before the step in
+    /// flight, when the failure came during it (the step is dropped).
+    Failure {
+        error: anyhow::Error,
+        dropped: Option<Vec<u8>>,
+    },
+}
+
+/// What a membership round did to this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Round {
+    /// Nothing changed: the next step of the same plan.
+    Unchanged,
+    /// The job re-formed (ranks lost, left or joined): the rest of the run is planned again.
+    Regrouped,
+    /// This rank left the job.
+    Left,
 }
 
 /// The group after a change, as the step kind reports it (the new rank and world size are

@@ -5,7 +5,9 @@
 //! | [`training_loop`] | the loop, for any [`StepKind`](step_kind::StepKind): restore, set-up, each epoch's optimizer steps, after-step (log, replica check, checkpoint), validation, finish |
 //! | [`step_kind`] | the contract of a way to step: what the loop asks of data parallelism (one step kind for plain DDP, the overlap and ZeRO stages 1 to 3, burn-ddp's `Sharding` modes) and of pipeline stages |
 //! | [`data_parallel`] | the data-parallel step kind (burn-ddp's `DataParallel::step`) and the entry that trains an [`App`](crate::app::App) with it |
+//! | [`membership_round`] | the loop's one membership entry point, at every step boundary and after a failed step: a scripted leave, the survivors of a failure, joiners; the change applied to the loop in one place |
 //! | [`membership`] | what the loop needs when the job's membership changes at a step boundary (`[fault_tolerance] on_rank_failure = "continue"`): why, what the step kind reports, which errors are the loss of peers |
+//! | [`run_end`] | the end of the run: step times over the ranks, the final checkpoint and validation, the `Finished` event, the summary |
 //! | [`events`] | what the loop reports, as events; the loop knows no file and no progress bar ([`rank_reporter`] consumes them) |
 //! | [`rank_reporter`] | the rank's consumer of the events: rank 0's metrics file and TensorBoard files, the progress bar, the sample log, the charts at the end (what it writes is `crate::report`'s) |
 //! | [`sampler`] | the epoch's sampler: uniform (`DistributedSampler`) or weighted |
@@ -33,8 +35,10 @@ pub(crate) mod across_ranks;
 pub(crate) mod data_parallel;
 pub(crate) mod events;
 pub(crate) mod membership;
+pub(crate) mod membership_round;
 pub(crate) mod optimizer;
 pub(crate) mod rank_reporter;
+pub(crate) mod run_end;
 pub(crate) mod sampler;
 pub(crate) mod step_kind;
 pub(crate) mod summary;

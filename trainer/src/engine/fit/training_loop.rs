@@ -8,24 +8,23 @@
 //! checkpoint); then `end_of_epoch` → `finish` (`time_report`). What each becomes on disk or
 //! screen is the [`EventSink`]'s business.
 //!
-//! When the job's membership changes at a step boundary (`[fault_tolerance] on_rank_failure =
-//! "continue"`: a rank died; or the tests' scripted resize), the step kind re-forms its groups
-//! (`regroup`), the loop drops the step in flight (its weights are the clone taken before it),
-//! re-shards the rest of the epoch over the ranks left and plans the run again from the
-//! position, exactly as a resume at that world size would (`after_regroup`), and goes on: the
-//! one loop, re-entered at the same epoch. Processes that ask to join are admitted the same
-//! way at a step boundary (`admit_joiners`): the step kind forms the grown group and hands
-//! them rank 0's state with the loop's ([`LoopState`]); a joiner's loop starts from it
-//! (`Start::Joined`) where a resumed one starts from a checkpoint.
+//! The job's membership changes in one place, the membership round
+//! ([`super::membership_round`]), which the loop holds at every step boundary and after a
+//! failed step (`[fault_tolerance] on_rank_failure = "continue"`): ranks leave or die, processes
+//! join; the loop then drops the step in flight (its weights are the clone taken before it),
+//! re-shards the rest of the epoch over the ranks there and plans the run again from the
+//! position, exactly as a resume at that world size would, and goes on: the one loop,
+//! re-entered at the same epoch. A joiner's loop starts from rank 0's state
+//! ([`LoopState`], `Start::Joined`) where a resumed one starts from a checkpoint.
 
 use std::time::Instant;
 
-use burn_ddp::elastic::PlannedJoin;
+use burn_ddp::fault::{self, FaultPoint};
 use burn_ddp::sampler::Sample;
 use burn_ddp::StepOutcome;
 
-use super::events::{Event, EventSink, HeldState};
-use super::membership::{peer_failure, LoopState, MembershipChange, Regrouped};
+use super::events::{Event, EventSink};
+use super::membership::{LoopState, Round, RoundCause};
 use super::sampler::EpochSampler;
 use super::step_kind::{StepInput, StepKind};
 use super::summary::{Membership, NonFiniteGradients, Summary, Validation};
@@ -33,15 +32,12 @@ use crate::config::{
     CheckpointConfig, FaultToleranceConfig, OnNonFinite, OptimizerConfig, TrainingConfig,
 };
 use crate::engine::checkpoint::{self, Checkpoint, TrainPosition};
-use crate::engine::fault_injection;
 use crate::engine::loader::BatchStream;
 use crate::engine::plan::{PlanInput, StepPlan};
 use crate::engine::process_age::process_age_text;
 use crate::engine::schedule::Schedule;
 use crate::engine::throughput::ThroughputWindow;
-use crate::error::UsageError;
-use crate::report::timing::{PhaseClock, StepTime};
-use burn_ddp::fault::{self, FaultPoint};
+use crate::report::timing::PhaseClock;
 
 /// The config tables the loop reads.
 #[derive(Debug, Clone, Default)]
@@ -76,18 +72,6 @@ impl<M> Fitted<M> {
             }
         }
     }
-}
-
-/// What the end of a step boundary asks of the loop.
-enum Boundary {
-    /// The next step of the same plan.
-    Continue,
-    /// The job re-formed its group: plan the rest again.
-    Regrouped,
-    /// This rank left the job.
-    Left,
-    /// Processes join the job now.
-    Join(PlannedJoin),
 }
 
 /// Where a rank's loop starts.
@@ -138,25 +122,26 @@ pub(crate) fn fit<K: StepKind, E: EventSink>(
     Ok(Fitted::Done(module, summary))
 }
 
-/// The state of one rank's training between its named steps (see [`fit`]).
-struct TrainingLoop<'r, K: StepKind, E: EventSink> {
-    kind: &'r mut K,
-    events: &'r mut E,
-    settings: &'r LoopSettings,
-    schedule: Schedule,
-    plan: StepPlan,
-    sampler: EpochSampler,
-    clock: PhaseClock,
-    window: ThroughputWindow,
-    position: TrainPosition,
-    last_saved: Option<usize>,
-    last_valid: Option<Validation>,
+/// The state of one rank's training between its named steps (see [`fit`]); the membership
+/// round ([`super::membership_round`]) changes the plan, the sampler and the schedule.
+pub(super) struct TrainingLoop<'r, K: StepKind, E: EventSink> {
+    pub(super) kind: &'r mut K,
+    pub(super) events: &'r mut E,
+    pub(super) settings: &'r LoopSettings,
+    pub(super) schedule: Schedule,
+    pub(super) plan: StepPlan,
+    pub(super) sampler: EpochSampler,
+    pub(super) clock: PhaseClock,
+    pub(super) window: ThroughputWindow,
+    pub(super) position: TrainPosition,
+    pub(super) last_saved: Option<usize>,
+    pub(super) last_valid: Option<Validation>,
     lr: f64,
-    skipped: usize,
+    pub(super) skipped: usize,
     /// What re-forming the job cost so far.
-    membership: Membership,
+    pub(super) membership: Membership,
     /// Whether this rank has left the job (a scripted resize).
-    left: bool,
+    pub(super) left: bool,
     /// A joiner before its first step, which it reports.
     first_step_as_joiner: bool,
 }
@@ -255,8 +240,10 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
                 before,
             ) {
                 (Ok(stepped), _) => stepped,
-                (Err(e), Some((module, schedule))) => {
-                    return self.carry_on_after(e, module, Some(schedule), started);
+                (Err(error), Some((module, before))) => {
+                    let dropped = Some(before);
+                    let failed = RoundCause::Failure { error, dropped };
+                    return Ok(self.membership_round(module, failed, started)?.0);
                 }
                 (Err(e), None) => return Err(e),
             };
@@ -274,15 +261,19 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
             }
             self.window
                 .add(step_samples.len() * self.kind.data_parallel_size());
-            match self.after_step(&module, step_samples) {
-                Ok(Boundary::Continue) => {}
-                Ok(Boundary::Regrouped | Boundary::Left) => return Ok(module),
-                Ok(Boundary::Join(plan)) => return self.admit_joiners(module, &plan),
-                Err(e) if self.settings.survivors_continue => {
-                    return self.carry_on_after(e, module, None, started);
-                }
+            let cause = match self.after_step(&module, step_samples) {
+                Ok(()) => RoundCause::Boundary,
+                Err(error) if self.settings.survivors_continue => RoundCause::Failure {
+                    error,
+                    dropped: None,
+                },
                 Err(e) => return Err(e),
-            }
+            };
+            // The step boundary's membership round: who leaves, who died, who joins.
+            module = match self.membership_round(module, cause, started)? {
+                (module, Round::Unchanged) => module,
+                (module, Round::Regrouped | Round::Left) => return Ok(module),
+            };
             if self.position.step >= self.plan.total_steps {
                 break;
             }
@@ -333,13 +324,8 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
     }
 
     /// What the plan asks for after an optimizer step: a metrics line, a replica check, a
-    /// checkpoint; then the fault-injection hooks, the last of which is the tests' scripted
-    /// resize; then, when the survivors of a failure carry on, whether processes join now.
-    fn after_step(
-        &mut self,
-        module: &K::Module,
-        step_samples: &[Sample],
-    ) -> anyhow::Result<Boundary> {
+    /// checkpoint; then the fault point after the step. Collective.
+    fn after_step(&mut self, module: &K::Module, step_samples: &[Sample]) -> anyhow::Result<()> {
         let step = self.position.step;
         self.events.on(Event::Stepped {
             epoch: self.position.epoch,
@@ -356,202 +342,14 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         }
         let rank = self.kind.rank();
         fault::point(FaultPoint::AfterStep { rank, step });
-        match fault_injection::plan()
-            .leaving_after(step)
-            .map(<[usize]>::to_vec)
-        {
-            Some(leaving) if leaving.contains(&rank) => {
-                tracing::info!("rank {rank} leaves the job after step {step} (scripted resize)");
-                self.left = true;
-                Ok(Boundary::Left)
-            }
-            Some(leaving) => {
-                let started = Instant::now();
-                let regrouped = self
-                    .kind
-                    .regroup(MembershipChange::Planned { leaving: &leaving })?;
-                let schedule = self.schedule_state()?;
-                self.after_regroup(regrouped, schedule, started)?;
-                Ok(Boundary::Regrouped)
-            }
-            None if self.settings.survivors_continue => match self.kind.joiners_due(step)? {
-                Some(plan) => Ok(Boundary::Join(plan)),
-                None => Ok(Boundary::Continue),
-            },
-            None => Ok(Boundary::Continue),
-        }
-    }
-
-    /// Admits `plan`'s joiners at this step boundary: the step kind forms the grown group and
-    /// hands them rank 0's state and the loop's ([`LoopState`]), then the rest of the run is
-    /// planned again at the grown world size ([`after_regroup`](Self::after_regroup)). A
-    /// joiner that dies on its way in is lost as a failed rank is: the members carry on
-    /// without it from this boundary. Collective over the grown job.
-    fn admit_joiners(
-        &mut self,
-        module: K::Module,
-        plan: &PlannedJoin,
-    ) -> anyhow::Result<K::Module> {
-        let started = Instant::now();
-        let schedule = self.schedule_state()?;
-        let state = self.loop_state(schedule.clone());
-        // The weights to carry on from if a joiner dies while rank 0 hands them over.
-        let before = module.clone();
-        let (module, regrouped) = match self.kind.admit(module, plan, state.to_bytes()?) {
-            Ok(admitted) => admitted,
-            Err(e) if self.settings.survivors_continue => {
-                return self.carry_on_after(e, before, None, started);
-            }
-            Err(e) => return Err(e),
-        };
-        if !regrouped.joined.is_empty() || !regrouped.lost.is_empty() {
-            self.after_regroup(regrouped, schedule, started)?;
-        }
-        Ok(module)
-    }
-
-    /// A failure at a step boundary that the survivors survive: the step kind re-forms the
-    /// group with the ranks that carry on, from `module` (the weights at the boundary); when
-    /// some of them had finished one more step than others, every member takes the new rank
-    /// 0's state ([`roll_forward`](Self::roll_forward)); then
-    /// [`after_regroup`](Self::after_regroup). `dropped`: the schedule's state before the step
-    /// in flight, when the failure came during it (the step is dropped). Any other error, or
-    /// one while re-forming, ends the run as before. Returns the module to go on with.
-    /// Collective over the survivors.
-    fn carry_on_after(
-        &mut self,
-        error: anyhow::Error,
-        module: K::Module,
-        dropped: Option<Vec<u8>>,
-        started: Instant,
-    ) -> anyhow::Result<K::Module> {
-        let in_step = dropped.is_some();
-        let Some(known_gone) = peer_failure(&error) else {
-            return Err(error);
-        };
-        let step = self.position.step;
-        tracing::warn!(
-            "rank {}: {error:#}; the survivors re-form the job (fault_tolerance.on_rank_failure = \"continue\")",
-            self.kind.rank()
-        );
-        let change = MembershipChange::Failure {
-            known_gone: &known_gone,
-            step,
-            in_step,
-        };
-        let regrouped = self
-            .kind
-            .regroup(change)
-            .map_err(|e| e.context(format!("carrying on after step {step} failed: {error:#}")))?;
-        if in_step {
-            self.membership.dropped_steps += 1;
-        }
-        let schedule = match dropped {
-            Some(before) => before,
-            None => self.schedule_state()?,
-        };
-        let (module, schedule) = match regrouped.roll_forward {
-            Some(receiving) => self.roll_forward(module, schedule, receiving)?,
-            None => (module, schedule),
-        };
-        self.after_regroup(regrouped, schedule, started)?;
-        Ok(module)
-    }
-
-    /// The survivors stood one step apart: rank 0 of the re-formed group (which finished the
-    /// step) hands every member its module, its step kind's state and the loop's
-    /// ([`LoopState`]); a member `receiving` (it was behind) goes on from them. Returns the
-    /// module and the schedule's state to go on with. Collective.
-    fn roll_forward(
-        &mut self,
-        module: K::Module,
-        schedule: Vec<u8>,
-        receiving: bool,
-    ) -> anyhow::Result<(K::Module, Vec<u8>)> {
-        let ours = self.loop_state(schedule.clone());
-        let (module, theirs) = self.kind.catch_up(module, ours.to_bytes()?, receiving)?;
-        if !receiving {
-            return Ok((module, schedule));
-        }
-        let theirs = LoopState::from_bytes(&theirs)?;
-        tracing::warn!(
-            "rank {}: at step {}, one behind the others, it goes on from rank 0's state at step {}",
-            self.kind.rank(),
-            self.position.step,
-            theirs.position.step
-        );
-        self.position = theirs.position;
-        (self.last_saved, self.skipped) = (theirs.last_saved, theirs.skipped);
-        Ok((module, theirs.schedule))
-    }
-
-    /// What a rank hands over of the loop (to a joiner, or to a survivor one step behind),
-    /// with the schedule's state `schedule`.
-    fn loop_state(&self, schedule: Vec<u8>) -> LoopState {
-        LoopState {
-            position: self.position,
-            schedule,
-            last_saved: self.last_saved,
-            skipped: self.skipped,
-        }
+        Ok(())
     }
 
     /// The learning-rate schedule's state (its record), as a checkpoint holds it.
-    fn schedule_state(&self) -> anyhow::Result<Vec<u8>> {
+    pub(super) fn schedule_state(&self) -> anyhow::Result<Vec<u8>> {
         self.schedule
             .to_bytes()
             .map_err(|e| anyhow::anyhow!("the learning-rate schedule: {e}"))
-    }
-
-    /// The rest of the run at the new world size, from the position: the epoch re-sharded
-    /// over the ranks left, the plan and the schedule's length planned again (the schedule
-    /// goes on from `schedule`, its state at the position), as a resume at this world size
-    /// would; the `Regrouped` event. Fewer ranks than `fault_tolerance.min_world_size` stop
-    /// the run (exit code 2).
-    fn after_regroup(
-        &mut self,
-        regrouped: Regrouped,
-        schedule: Vec<u8>,
-        started: Instant,
-    ) -> anyhow::Result<()> {
-        let (rank, world) = (self.kind.rank(), self.kind.data_parallel_size());
-        let min = self.settings.fault_tolerance.min_world_size;
-        if world < min {
-            return Err(UsageError(format!(
-                "only {world} of {} ranks are left after step {} (lost ranks {:?}), fewer than fault_tolerance.min_world_size = {min} (or the launcher's --nnodes MIN times --nproc-per-node, when larger): stopping; the newest checkpoint resumes the run",
-                regrouped.previous_world, self.position.step, regrouped.lost
-            ))
-            .into());
-        }
-        self.sampler = self.sampler.resharded(world, rank);
-        self.plan = plan(&*self.kind, self.settings, &self.sampler, self.position);
-        self.schedule = Schedule::new(&self.settings.optimizer, world, self.plan.total_steps)?
-            .load_bytes(schedule)
-            .map_err(|e| anyhow::anyhow!("the learning-rate schedule: {e}"))?;
-        // Kept out of the step times and the rate, as validation is.
-        let recovery = started.elapsed();
-        self.clock.exclude(recovery);
-        self.window.exclude(recovery);
-        let recovery_secs = recovery.as_secs_f64();
-        if regrouped.joined.is_empty() {
-            self.membership.regroups += 1;
-            self.membership.recovery_secs += recovery_secs;
-        } else {
-            self.membership.joins += 1;
-            self.membership.join_secs += recovery_secs;
-        }
-        self.events.on(Event::Regrouped {
-            position: self.position,
-            rank,
-            world_size: world,
-            previous_world_size: regrouped.previous_world,
-            lost: &regrouped.lost,
-            joined: &regrouped.joined,
-            dropped_steps: self.membership.dropped_steps,
-            recovery_secs,
-            total_steps: self.plan.total_steps,
-        })?;
-        Ok(())
     }
 
     /// A `Trained` event: the metrics of the steps since the last one over the job, the rate,
@@ -598,84 +396,8 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
         Ok(())
     }
 
-    /// The end of the run: the step times over the ranks, the final checkpoint and validation
-    /// if the last step had none, then what the run held (`Finished`, whose peak memory
-    /// counts the final checkpoint and validation), the step kind's own end. Collective.
-    fn finish(mut self, module: &K::Module) -> anyhow::Result<Summary> {
-        self.events.on(Event::StepsDone)?;
-        // Taken before the final checkpoint: the report is of the steps' times.
-        let times = self.step_times()?;
-        let position = self.position;
-        if self.last_saved != Some(position.step) {
-            self.save_checkpoint(module)?;
-        }
-        let validation = match self.last_valid.take() {
-            Some(v) if v.step == position.step => Some(v),
-            _ => {
-                // Stopped mid-epoch (max_steps): validate the final model too, and record it.
-                let v = self.kind.validate(module, position.step)?;
-                if let Some(v) = &v {
-                    self.events.on(Event::Validated {
-                        epoch: position.epoch,
-                        validation: v,
-                        epochs: None,
-                    })?;
-                }
-                v
-            }
-        };
-        let time = match times {
-            Some((time, report)) => {
-                self.finished(time, &report)?;
-                Some(report)
-            }
-            None => None,
-        };
-        self.kind.finish(position)?;
-        self.events.on(Event::Ended)?;
-        Ok(Summary {
-            validation,
-            steps: position.step,
-            skipped_steps: self.skipped,
-            membership: self.membership.clone(),
-            time,
-        })
-    }
-
-    /// The run's step times over the ranks and the report in words; `None` without steps.
-    /// Collective.
-    fn step_times(&mut self) -> anyhow::Result<Option<(StepTime, String)>> {
-        // The steps since the last log line count in the run's totals.
-        let _ = self.clock.take_window();
-        if self.clock.run_steps() == 0 {
-            return Ok(None);
-        }
-        let (time, ranks) = self.kind.across_ranks(self.clock.run_means())?;
-        let report = time.describe(&ranks);
-        Ok(Some((time, report)))
-    }
-
-    /// The `Finished` event: the step times, and each rank's peak memory and held training
-    /// state, read now, so that the peak includes everything the run did (the final
-    /// checkpoint and validation: at ZeRO stage 2 rank 0's merge of the optimizer state for
-    /// the checkpoint is often its peak). Collective.
-    fn finished(&mut self, time: StepTime, report: &str) -> anyhow::Result<()> {
-        let mut ours = vec![crate::engine::memory::peak_resident_bytes().unwrap_or(0) as f64];
-        ours.extend(self.kind.held_state()?.to_values());
-        let all = self.kind.all_gather(&ours)?;
-        let per_rank = all.chunks(ours.len());
-        self.events.on(Event::Finished {
-            step: self.position.step,
-            world_size: self.kind.world_size(),
-            time,
-            report,
-            peak_rss_bytes: per_rank.clone().map(|r| r[0] as u64).collect(),
-            held: per_rank.map(|r| HeldState::from_values(&r[1..])).collect(),
-        })
-    }
-
     /// A checkpoint of the current position (the step kind writes it). Collective.
-    fn save_checkpoint(&mut self, module: &K::Module) -> anyhow::Result<()> {
+    pub(super) fn save_checkpoint(&mut self, module: &K::Module) -> anyhow::Result<()> {
         let saving = Instant::now();
         self.kind.save(self.position, module, &self.schedule)?;
         self.clock
@@ -687,7 +409,7 @@ impl<'r, K: StepKind, E: EventSink> TrainingLoop<'r, K, E> {
 
 /// The step plan of this rank's shard from `position` (a pipeline's replica is one rank of
 /// the sampler).
-fn plan<K: StepKind>(
+pub(super) fn plan<K: StepKind>(
     kind: &K,
     settings: &LoopSettings,
     sampler: &EpochSampler,

@@ -13,6 +13,7 @@ use burn_ddp::StepOutcome;
 
 use super::*;
 use crate::engine::checkpoint::Manifest;
+use crate::engine::fit::events::HeldState;
 use crate::report::metrics::MetricValue;
 use crate::report::timing::{RankTimes, StepTime};
 
