@@ -19,7 +19,8 @@
 //! end the job: the step in flight is dropped, the others agree on who carries on
 //! (`DataParallel::regroup_after_failure`), take the rest of the epoch over themselves and
 //! train on ([`carry_on`]; `docs/fault-tolerance.md` has the recipe, `tests/integration/tiers.rs`
-//! kills a rank).
+//! kills a rank). A death in the last step, or after the loop (the loss's sum, the final
+//! save), still ends the run: those collectives are outside the recipe.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -249,6 +250,9 @@ fn train(
             seen += chunk.len() as f64;
             at.step += 1;
             at.consumed += chunk.len() * world;
+            if ddp.rank() == 0 && at.step % 500 == 0 {
+                println!("own loop: step {} of {}", at.step, a.steps);
+            }
             if at.step == a.steps {
                 break;
             }

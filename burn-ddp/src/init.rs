@@ -74,8 +74,9 @@ impl Distributed {
             server,
             options,
         } = Self::connect(&env, options, true)?;
-        let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
+        // Recorded before the group forms: a rank that freezes once it formed is fenced too.
         register_for_fencing(store.as_ref(), &env)?;
+        let group = TcpProcessGroup::new(store.clone(), env.rank, env.world_size, options)?;
         Ok(Self {
             env,
             group,
@@ -291,8 +292,8 @@ impl Distributed {
         generation: u64,
     ) -> Result<Self, CollectiveError> {
         let store = Self::generation_store(&root, generation);
-        let group = TcpProcessGroup::new(Arc::clone(&store), env.rank, env.world_size, options)?;
         register_for_fencing(store.as_ref(), &env)?;
+        let group = TcpProcessGroup::new(Arc::clone(&store), env.rank, env.world_size, options)?;
         Ok(Self {
             env,
             group,

@@ -10,7 +10,7 @@
 //! maybe this one, too slow to be told from a dead one), the joiner asks again, until its
 //! deadline.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::elastic::join::{ask_to_join, JoinRequest};
 use crate::elastic::Admission;
@@ -19,6 +19,7 @@ use crate::error::DdpError;
 use crate::fault::{self, FaultPoint, JoinStage};
 use crate::group::TcpGroupOptions;
 use crate::init::{Connected, Distributed};
+use crate::store::heartbeat::beat_period;
 
 /// A process that asked to join and has not been admitted yet ([`Distributed::ask_to_join`]).
 pub struct PendingJoin {
@@ -73,7 +74,7 @@ impl Distributed {
 
 /// Asks the job behind `connected` to admit this process.
 fn ask(connected: &Connected, fingerprint: &str) -> Result<JoinRequest, DdpError> {
-    let beat_every = (connected.options.failure_detection / 4).max(Duration::from_millis(10));
+    let beat_every = beat_period(connected.options.failure_detection);
     ask_to_join(&connected.store, fingerprint, beat_every)
 }
 

@@ -88,7 +88,8 @@ fn your_own_loop_survives_a_rank_killed_from_outside() {
             .args(["--survivors", "--batch", "8", "--steps", "3000", "--out"])
             .arg(dir.join("out")),
     );
-    launcher.wait_for_line("own loop: training on 3 rank(s)");
+    // Past the first steps, whose set-up (the overlap's group) a death would fail.
+    launcher.wait_for_line("own loop: step 500 of 3000");
     let victim = tree_of(launcher.id())
         .into_iter()
         .find(|&pid| rank_of(pid) == Some(1));

@@ -167,7 +167,7 @@ impl DataParallel {
                 self.dist.root.as_ref(),
                 &lost,
                 &why,
-            )?;
+            );
         }
         self.regroup(&survivors.members)?;
         Ok(Admitted {

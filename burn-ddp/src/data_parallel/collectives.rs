@@ -84,7 +84,7 @@ impl DataParallel {
                 _ => crate::store::heartbeat::beat_while(
                     self.dist.store.as_ref(),
                     &beat_key,
-                    detection / 4,
+                    crate::store::heartbeat::beat_period(detection),
                     action,
                 ),
             };

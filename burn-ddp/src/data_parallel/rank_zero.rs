@@ -5,12 +5,13 @@
 use std::time::{Duration, Instant};
 
 use crate::error::{DdpError, StoreError};
-use crate::store::heartbeat::Silence;
+use crate::store::heartbeat::{beat_period, Silence};
 use crate::store::Store;
 
 /// Waits for rank 0's verdict under `key`, up to `timeout`; fails with
-/// [`DdpError::RankZeroGone`] once `beat_key` has not moved for `detection` after a first beat
-/// (four times `detection` before any: rank 0 may reach the action a little later).
+/// [`DdpError::RankZeroGone`] once `beat_key` has stood still as long as the one threshold
+/// rule allows ([`Silence::after_detection`]: twice `detection` after a first beat, eight
+/// times before any: rank 0 may reach the action a little later).
 pub(super) fn wait_for_verdict(
     store: &dyn Store,
     (key, beat_key): (&str, &str),
@@ -20,8 +21,8 @@ pub(super) fn wait_for_verdict(
 ) -> Result<Vec<u8>, DdpError> {
     let started = Instant::now();
     let deadline = started + timeout;
-    let slice = (detection / 4).max(Duration::from_millis(10));
-    let mut silence = Silence::new(detection, detection * 4, started);
+    let slice = beat_period(detection);
+    let mut silence = Silence::after_detection(detection, started);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left <= slice {

@@ -162,7 +162,7 @@ impl DataParallel {
                     self.dist.root.as_ref(),
                     &survivors.lost,
                     &why,
-                )?;
+                );
             }
             fault::point(FaultPoint::Regrouping);
             let generation = self.dist.generation + 1;

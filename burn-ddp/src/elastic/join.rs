@@ -6,21 +6,24 @@
 //! `join/beat/{n}` (the joiner's heartbeat, a counter), `join/reply/{n}` ([`Reply`]),
 //! `join/open` (the job trains and admits joiners) and `join/closed` (the job has ended: nobody
 //! joins any more).
-//! In each generation's namespace: `join/planned` ([`PlannedJoin`]).
+//! In each generation's namespace: `join/planned/{step}` ([`PlannedJoin`]), the join due at
+//! the boundary after step `step`.
 //!
 //! At every step boundary each member calls [`JoinWatch::at_boundary`]. Rank 0 reads the
 //! request counter (one store round trip) and, when requests wait, plans their join for the
-//! boundary after the next step; the others look for the plan (one round trip). Rank 0 wrote
-//! the plan before it took part in that next step, and no rank finishes a step without every
-//! rank's part in its gradient all-reduce, so every member has read the plan by the planned
-//! boundary, where they all admit the joiners together.
+//! boundary after the next step; the others look for the plan due at this boundary (one round
+//! trip). Rank 0 wrote it before it took part in the step that ends there, and no rank
+//! finishes a step without every rank's part in its gradient all-reduce, so the plan is in
+//! the store when the others look, and they all admit the joiners together. Keyed by its
+//! boundary, a plan is never taken for another boundary's (one whose every request was
+//! refused stays in the store while the generation lasts).
 
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use super::admission::{Admission, PlannedJoin, Reply};
 use crate::error::DdpError;
-use crate::store::heartbeat::{Heartbeat, Silence};
+use crate::store::heartbeat::{beat_period, Heartbeat, Silence};
 use crate::store::Store;
 
 /// How often a waiting party looks at the store.
@@ -31,7 +34,11 @@ const READ: Duration = Duration::from_secs(5);
 const REQUESTS: &str = "join/requests";
 const OPEN: &str = "join/open";
 const CLOSED: &str = "join/closed";
-const PLANNED: &str = "join/planned";
+
+/// The plan of the join due at the boundary after step `step`.
+fn planned_key(step: u64) -> String {
+    format!("join/planned/{step}")
+}
 
 fn request_key(n: u64) -> String {
     format!("join/request/{n}")
@@ -131,9 +138,9 @@ pub(crate) fn watch_joiners(
     let now = Instant::now();
     let mut watches: Vec<(u64, Silence)> = requests
         .iter()
-        .map(|&n| (n, Silence::new(detection * 2, detection * 8, now)))
+        .map(|&n| (n, Silence::after_detection(detection, now)))
         .collect();
-    let every = (detection / 4).max(Duration::from_millis(10));
+    let every = beat_period(detection);
     loop {
         match done.recv_timeout(every) {
             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -189,7 +196,7 @@ pub fn close(root: &dyn Store) -> Result<(), DdpError> {
 pub struct JoinWatch {
     /// Every request up to this number has been dealt with.
     handled: u64,
-    /// The join planned in this generation, once this member has read it.
+    /// Rank 0: the join it planned in this generation, until it is due.
     planned: Option<PlannedJoin>,
 }
 
@@ -242,17 +249,16 @@ impl JoinWatch {
         group: &dyn Store,
         at: Boundary<'_>,
     ) -> Result<Option<PlannedJoin>, DdpError> {
-        if self.planned.is_none() {
-            self.planned = match at.rank {
-                0 => self.plan(root, group, at)?,
-                _ => read_plan(group, at.wait_for_joiner)?,
-            };
+        if at.rank != 0 {
+            // The others hold no plan: the one due now is in the store by now (module docs).
+            let due = read_plan(group, at.step, at.wait_for_joiner)?;
+            if let Some(plan) = &due {
+                self.handled = plan.handled;
+            }
+            return Ok(due);
         }
-        // A plan of an earlier boundary was dealt with there: its key stays in the
-        // generation's namespace when nobody joined (every request refused), and a member
-        // that kept it would never read rank 0's next plan, which overwrites it.
-        if self.planned.as_ref().is_some_and(|p| p.step < at.step) {
-            self.planned = None;
+        if self.planned.is_none() {
+            self.planned = self.plan(root, group, at)?;
         }
         match &self.planned {
             Some(plan) if plan.step == at.step => {
@@ -317,18 +323,22 @@ impl JoinWatch {
             handled: waiting,
             requests,
         };
-        group.set(PLANNED, &plan.encode())?;
+        group.set(&planned_key(step), &plan.encode())?;
         Ok(Some(plan))
     }
 }
 
-/// The others: the plan rank 0 wrote in this generation, if it has (waiting for it when
-/// `wait` is set).
-fn read_plan(group: &dyn Store, wait: Option<Duration>) -> Result<Option<PlannedJoin>, DdpError> {
+/// The others: the plan of the join due at the boundary after step `step`, if rank 0 wrote
+/// one (waiting for it when `wait` is set: rank 0 waits up to `wait` for a joiner first).
+fn read_plan(
+    group: &dyn Store,
+    step: u64,
+    wait: Option<Duration>,
+) -> Result<Option<PlannedJoin>, DdpError> {
+    let key = planned_key(step);
     let bytes = match wait {
-        // Rank 0 itself waits up to `wait` for a joiner before it writes the plan.
-        Some(wait) => group.get(PLANNED, wait + READ)?,
-        None if group.check(&[PLANNED])? => group.get(PLANNED, READ)?,
+        Some(wait) => group.get(&key, wait + READ)?,
+        None if group.check(&[&key])? => group.get(&key, READ)?,
         None => return Ok(None),
     };
     PlannedJoin::decode(&bytes).map(Some).ok_or_else(|| {

@@ -15,7 +15,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::store::heartbeat::{Heartbeat, Silence};
+use crate::store::heartbeat::{beat_period, Heartbeat, Silence};
 use crate::store::Store;
 
 fn beat_key(rank: usize) -> String {
@@ -25,7 +25,7 @@ fn beat_key(rank: usize) -> String {
 /// Starts rank `rank`'s heartbeat in `store` (the group's namespace): every quarter of
 /// `detection`, until dropped.
 pub(crate) fn start_beating(store: Arc<dyn Store>, rank: usize, detection: Duration) -> Heartbeat {
-    let every = (detection / 4).max(Duration::from_millis(10));
+    let every = beat_period(detection);
     Heartbeat::start(store, beat_key(rank), every)
 }
 
@@ -80,13 +80,13 @@ impl<'a> PeerLiveness<'a> {
         if now < self.next_check {
             return None;
         }
-        self.next_check = now + (self.detection / 4).max(Duration::from_millis(10));
+        self.next_check = now + beat_period(self.detection);
         if self.watches.is_empty() {
-            let allowance = (self.detection * 2, self.detection * 8);
+            let detection = self.detection;
             self.watches = self
                 .peers
                 .iter()
-                .map(|&r| (r, Silence::new(allowance.0, allowance.1, now)))
+                .map(|&r| (r, Silence::after_detection(detection, now)))
                 .collect();
         }
         let mut silent = Vec::new();

@@ -10,13 +10,14 @@
 //! - a rank that reported an error of its own (a mismatch, a timeout, bad arguments): that rank
 //!   speaks for itself, and this rank's error stays as it is ([`Verdict::Reported`]); or
 //! - a rank that has not reported: alive ranks report at once (a lost connection fails them
-//!   immediately), so a rank still silent after [`DEFAULT_FAILURE_DETECTION`] (never past the collective's
+//!   immediately), so a rank still silent after the group's failure detection time
+//!   ([`DEFAULT_FAILURE_DETECTION`] by default; never past the collective's
 //!   deadline) is the one that died ([`Verdict::Gone`], with every silent rank that some report
 //!   lost, and the ranks that lost each).
 //!
 //! The store may be hosted by the rank that died (rank 0 under plain `RANK`/`MASTER_*`
 //! variables): every store call here has a deadline, the whole post-mortem runs on a helper
-//! thread the caller waits for at most [`DEFAULT_FAILURE_DETECTION`] plus [`STORE_GRACE`], and a store
+//! thread the caller waits for at most the detection time plus [`STORE_GRACE`] (and the linger), and a store
 //! failure is [`Verdict::StoreFailed`] — the caller keeps its own error, never hangs. For the
 //! same reason a rank that has its verdict waits (at most [`LINGER`]) until every reporting rank
 //! has its own (`judged/{rank}`), so the store's host does not take the store away from them.

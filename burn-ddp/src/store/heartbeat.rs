@@ -71,6 +71,13 @@ impl Drop for Heartbeat {
     }
 }
 
+/// How often a heartbeat of a job with failure detection time `detection` beats: four times
+/// per detection time (at least every 10 ms apart). The one rule for every heartbeat (peers,
+/// joiners, rank 0 during its action).
+pub(crate) fn beat_period(detection: Duration) -> Duration {
+    (detection / 4).max(Duration::from_millis(10))
+}
+
 /// How long a counter may stand still: `allowed` once it has moved under the watcher's eyes
 /// (or was found beaten), `before_first` while it is still 0 (the beater may start a little
 /// later than the watcher).
@@ -83,6 +90,15 @@ pub(crate) struct Silence {
 }
 
 impl Silence {
+    /// The one threshold rule of a job with failure detection time `detection`: a beater is
+    /// gone after twice `detection` of silence (eight missed beats: a loaded machine may
+    /// starve a live beating thread for a moment), eight times it before a first beat. Every
+    /// watcher (peers in a collective, members while a generation forms, joiners, the wait
+    /// for rank 0's action) uses it.
+    pub fn after_detection(detection: Duration, now: Instant) -> Self {
+        Self::new(detection * 2, detection * 8, now)
+    }
+
     /// A watch that starts `now`.
     pub fn new(allowed: Duration, before_first: Duration, now: Instant) -> Self {
         Self {

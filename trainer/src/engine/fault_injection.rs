@@ -122,7 +122,10 @@ impl FaultPlan {
             crash_while_admitting: number(CRASH_WHILE_ADMITTING_VAR).filter(|_| first),
             freeze_after_step: lookup(FREEZE_AFTER_STEP_VAR)
                 .and_then(|spec| step_and_ranks(&spec))
-                .and_then(|(step, ranks)| Some((step, *ranks.first()?)))
+                .and_then(|(step, ranks)| match ranks[..] {
+                    [rank] => Some((step, rank)),
+                    _ => None,
+                })
                 .filter(|_| first),
             stall_after_step,
             leave_after_step: lookup(LEAVE_AFTER_STEP_VAR).and_then(|spec| step_and_ranks(&spec)),

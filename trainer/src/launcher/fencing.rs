@@ -5,9 +5,10 @@
 //! that one with SIGKILL. A rank that froze (a hung driver, `SIGSTOP`) then never holds the
 //! job: the survivors finish and the launcher exits with them.
 //!
-//! The store is node 0's (this launcher's own on node 0). A store that cannot be reached
-//! turns fencing off, said once: the job's ranks need that store too, so they fail on their
-//! own.
+//! The store is node 0's (this launcher's own on node 0). One that cannot be reached is asked
+//! again a little later (at the end of a multi-node job node 0's launcher leaves first); one
+//! still unreachable after [`WARN_AFTER`] is said once: the job's ranks need that store too,
+//! so they fail on their own.
 
 use std::time::{Duration, Instant};
 
@@ -19,8 +20,13 @@ use crate::launcher::launch_plan::LaunchPlan;
 /// How often the launcher looks for fenced processes: a frozen rank is ended within this of
 /// the job's decision.
 const LOOK_EVERY: Duration = Duration::from_millis(250);
-/// The deadline of the connection to the store and of each look.
-const STORE_DEADLINE: Duration = Duration::from_secs(5);
+/// The deadline of the connection to the store and of each look: short, since the launcher
+/// supervises its ranks on the same thread.
+const STORE_DEADLINE: Duration = Duration::from_secs(1);
+/// How long after a failed look the launcher asks again.
+const RETRY_AFTER: Duration = Duration::from_secs(2);
+/// How long the store may stay unreachable, while ranks run, before the launcher says so.
+const WARN_AFTER: Duration = Duration::from_secs(10);
 
 /// The identities this launcher gives its processes, and its look-out for fenced ones.
 pub(crate) struct Fencing {
@@ -32,8 +38,10 @@ pub(crate) struct Fencing {
     endpoint: String,
     token: String,
     store: Option<TcpStore>,
-    /// The store could not be reached: no more looks.
-    off: bool,
+    /// Since when the store could not be reached, if it cannot.
+    failing_since: Option<Instant>,
+    /// The launcher said that the store stays unreachable.
+    warned: bool,
     next_look: Instant,
 }
 
@@ -52,7 +60,8 @@ impl Fencing {
             endpoint,
             token: plan.token.clone(),
             store: None,
-            off: false,
+            failing_since: None,
+            warned: false,
             next_look: Instant::now(),
         }
     }
@@ -69,27 +78,41 @@ impl Fencing {
         &mut self,
         running: impl Iterator<Item = (usize, &'a str)>,
     ) -> Vec<(usize, String)> {
-        if self.off || Instant::now() < self.next_look {
+        let now = Instant::now();
+        let running: Vec<(usize, &str)> = running.collect();
+        if running.is_empty() || now < self.next_look {
             return Vec::new();
         }
-        self.next_look = Instant::now() + LOOK_EVERY;
+        self.next_look = now + LOOK_EVERY;
         let looked = self.connected().and_then(|store| {
             let mut out = Vec::new();
-            for (index, identity) in running {
+            for &(index, identity) in &running {
                 if let Some(why) = fenced(store, identity)? {
                     out.push((index, why));
                 }
             }
             Ok(out)
         });
-        looked.unwrap_or_else(|e| {
-            eprintln!(
-                "trainer launcher: cannot ask the job's store at {} which ranks it left out ({e}): a rank that freezes is not ended by this launcher",
-                self.endpoint
-            );
-            self.off = true;
-            Vec::new()
-        })
+        match looked {
+            Ok(out) => {
+                self.failing_since = None;
+                out
+            }
+            Err(e) => {
+                // A new connection next time, a little later.
+                self.store = None;
+                self.next_look = now + RETRY_AFTER;
+                let since = *self.failing_since.get_or_insert(now);
+                if !self.warned && since.elapsed() >= WARN_AFTER {
+                    self.warned = true;
+                    eprintln!(
+                        "trainer launcher: cannot ask the job's store at {} which ranks it left out ({e}); a rank that freezes meanwhile is not ended by this launcher",
+                        self.endpoint
+                    );
+                }
+                Vec::new()
+            }
+        }
     }
 
     /// The store, connected at the first look.

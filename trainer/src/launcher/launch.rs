@@ -222,7 +222,7 @@ pub fn launch(args: &LaunchArgs, program: &Program) -> anyhow::Result<ExitCode> 
                     env.push((FENCE_ID_VAR, identity.clone()));
                     start_rank(&plan, program, local_rank, env, Some(identity))
                 };
-                let survivors = Survivors {
+                let survivors = SurvivorSupervision {
                     plan: &plan,
                     fencing: &mut fencing,
                     restarts: &mut restarts,
@@ -413,7 +413,7 @@ struct Rank {
 }
 
 /// What `--survivors-continue`'s supervision works with besides the ranks.
-struct Survivors<'a> {
+struct SurvivorSupervision<'a> {
     plan: &'a LaunchPlan,
     fencing: &'a mut Fencing,
     /// Restarts so far (of one rank each), against `--max-restarts`.
@@ -506,9 +506,9 @@ fn supervise(mut children: Vec<Rank>, interrupted: &AtomicUsize) -> Outcome {
 fn supervise_survivors(
     mut children: Vec<Rank>,
     interrupted: &AtomicUsize,
-    survivors: Survivors<'_>,
+    survivors: SurvivorSupervision<'_>,
 ) -> Outcome {
-    let Survivors {
+    let SurvivorSupervision {
         plan,
         fencing,
         restarts,
@@ -520,7 +520,6 @@ fn supervise_survivors(
         if let Some(outcome) = stop_if_interrupted(&mut children, &done, interrupted) {
             return outcome;
         }
-        end_fenced(&mut children, &done, fencing);
         let before = done.clone();
         let mut failed: Vec<(usize, ExitStatus)> = Vec::new();
         reap(&mut children, &mut done, &mut failed);
@@ -565,6 +564,8 @@ fn supervise_survivors(
                 Err(e) => eprintln!("trainer launcher: cannot start rank {rank} again: {e:#}"),
             }
         }
+        // After the reap: a rank that exited on its own is never taken for a fenced one.
+        end_fenced(&mut children, &done, fencing);
         if done.iter().all(Option::is_some) {
             flush_logs(children);
             return match last {
