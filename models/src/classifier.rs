@@ -253,6 +253,10 @@ mod tests {
     #[test]
     fn train_steps_reduce_the_loss() {
         let device = autodiff_device();
+        // Seeded: an unlucky random start of the small CNN once missed the bar (the other
+        // tests of this binary may draw from the same generator meanwhile, so the start is
+        // not fixed, only a good one likely).
+        device.seed(11);
         let input = digits();
         let mlp = MlpOptions::default().init(&input, &device);
         let (before, after) = fit(mlp, 40);

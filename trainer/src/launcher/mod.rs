@@ -3,7 +3,8 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | `launch` | spawning, supervising and restarting local ranks; the failure report |
+//! | `launch` | spawning local ranks and restarting every rank (`--max-restarts`) |
+//! | `supervise` | waiting for the started ranks: the first failure stops the others (the failure report), or with `--survivors-continue` the others go on, a failed rank restarts to join, a fenced one is ended |
 //! | `launch_plan` | the launcher's pure decisions: ranks, each rank's environment, threads, port |
 //! | `nodes` | `--nnodes N` or `MIN:MAX`; an elastic rendezvous's decisions, pure |
 //! | `fencing` | `--survivors-continue`: each process's identity, and the processes the job left out ended (SIGKILL), so a frozen rank never holds the job |
@@ -22,5 +23,6 @@ pub(crate) mod node_rendezvous;
 pub(crate) mod nodes;
 pub(crate) mod orphan;
 pub(crate) mod ranklog;
+pub(crate) mod supervise;
 pub(crate) mod torchelastic;
 pub(crate) mod worker_env;

@@ -4,7 +4,8 @@
 //! |---|---|
 //! | [`training_loop`] | the loop, for any [`StepKind`](step_kind::StepKind): restore, set-up, each epoch's optimizer steps, after-step (log, replica check, checkpoint), validation, finish |
 //! | [`step_kind`] | the contract of a way to step: what the loop asks of data parallelism (one step kind for plain DDP, the overlap and ZeRO stages 1 to 3, burn-ddp's `Sharding` modes) and of pipeline stages |
-//! | [`data_parallel`] | the data-parallel step kind (burn-ddp's `DataParallel::step`) and the entry that trains an [`App`](crate::app::App) with it |
+//! | [`data_parallel`] | the entry that trains an [`App`](crate::app::App) data-parallel: join the job, run the loop, rank 0's closing lines |
+//! | [`data_parallel_steps`] | the data-parallel step kind (burn-ddp's `DataParallel::step`, its checkpoints, validation, and the membership changes) |
 //! | [`membership_round`] | the loop's one membership entry point, at every step boundary and after a failed step: a scripted leave, the survivors of a failure, joiners; the change applied to the loop in one place |
 //! | [`membership`] | what the loop needs when the job's membership changes at a step boundary (`[fault_tolerance] on_rank_failure = "continue"`): why, what the step kind reports, which errors are the loss of peers |
 //! | [`run_end`] | the end of the run: step times over the ranks, the final checkpoint and validation, the `Finished` event, the summary |
@@ -33,6 +34,7 @@
 
 pub(crate) mod across_ranks;
 pub(crate) mod data_parallel;
+pub(crate) mod data_parallel_steps;
 pub(crate) mod events;
 pub(crate) mod membership;
 pub(crate) mod membership_round;
