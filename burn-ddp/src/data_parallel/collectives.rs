@@ -8,7 +8,6 @@ use burn::module::Module;
 
 use crate::data_parallel::handle::DataParallel;
 use crate::data_parallel::rank_zero;
-use crate::ddp::param_checksum;
 use crate::error::DdpError;
 use crate::group::{ProcessGroup, ReduceOp};
 use crate::sampler::DistributedSampler;
@@ -43,10 +42,7 @@ impl DataParallel {
     /// bit-identical, naming the first rank that differs from rank 0. Collective.
     /// At ZeRO stage 3 the shards differ by rank: the parameters held whole are compared.
     pub fn check_replicas<M: Module>(&mut self, model: &M, step: usize) -> Result<(), DdpError> {
-        let ours = match self.sharding.full() {
-            Some(state) => state.replicated_checksum(model),
-            None => param_checksum(model),
-        } as i64;
+        let ours = self.sharding.replica_checksum(model) as i64;
         let mut all = vec![0i64; self.world_size()];
         self.dist.group.all_gather(&[ours], &mut all)?;
         if let Some(r) = all.iter().position(|&c| c != all[0]) {

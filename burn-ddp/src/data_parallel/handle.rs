@@ -10,12 +10,12 @@ use burn::tensor::{Bytes, Device, GradientCheckpointingStrategy};
 
 use crate::data_parallel::outcome::StepOutcome;
 use crate::ddp::buffers::{self, BufferSync};
-use crate::ddp::fsdp::fully_sharded::FullyShardedState;
-use crate::ddp::fsdp::sharded_module::ShardedForward;
+use crate::ddp::fsdp::shard_gather::ShardComm;
+use crate::ddp::fsdp::sharded_module::{ShardLayout, ShardedForward};
 use crate::ddp::micro_batch::{MicroBatch, MicroBatchScope};
 use crate::ddp::options::groups::ProcessGroupRole;
 use crate::ddp::options::zero_stage::ZeroStage;
-use crate::ddp::sharding::{grads_extend, Sharding};
+use crate::ddp::sharding::Sharding;
 use crate::ddp::sync_batch_norm::sync_group::{self, SyncGroupGuard};
 use crate::ddp::zero::sharded_sync;
 use crate::ddp::{
@@ -24,7 +24,7 @@ use crate::ddp::{
 };
 use crate::elastic::JoinWatch;
 use crate::error::DdpError;
-use crate::group::{ProcessGroup, TcpProcessGroup};
+use crate::group::TcpProcessGroup;
 use crate::init::Distributed;
 use crate::kernels::host_memory;
 
@@ -32,7 +32,8 @@ use crate::kernels::host_memory;
 pub struct DataParallel {
     pub(super) dist: Distributed,
     pub(super) sync: GradientSync,
-    /// How this rank holds the model: the ZeRO stage, with its state.
+    /// How this rank holds the model: the ZeRO stage, with its state. Every stage-dependent
+    /// part of the step is a method of it: the handle never matches on the stage.
     pub(super) sharding: Sharding,
     /// Whether gradients are checked for NaN / ±Inf (always, today).
     check_finite: bool,
@@ -202,10 +203,7 @@ impl DataParallel {
         model: M,
         forward: impl FnOnce(&M),
     ) -> Result<M, DdpError> {
-        match &mut self.sharding {
-            Sharding::Full(state) => state.shard(model, forward),
-            _ => Ok(model),
-        }
+        self.sharding.shard(model, forward)
     }
 
     /// Under ZeRO stage 3, once [`fully_shard`](Self::fully_shard) has run: the guard under
@@ -215,7 +213,7 @@ impl DataParallel {
     /// [`micro_batch`](Self::micro_batch), the one place that orders what runs before a
     /// backward.
     fn sharded_forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
-        self.sharding.full()?.forward(model)
+        self.sharding.forward(model)
     }
 
     /// Under ZeRO stage 3, a copy of `model` with every shard gathered whole (for a
@@ -226,22 +224,19 @@ impl DataParallel {
     /// # Errors
     /// A failed gather.
     pub fn gathered<M: Module>(&mut self, model: &M) -> Result<M, DdpError> {
-        match self.sharding.full() {
-            Some(state) if state.layout().is_some() => state.gathered(model),
-            _ => Ok(model.clone()),
-        }
+        self.sharding.gathered(model)
     }
 
     /// The stage-3 group's counters (gathers, reduce-scatters, blocks gathered ahead, bytes);
     /// `None` at other stages.
-    pub fn shard_comm(&self) -> Option<&crate::ddp::fsdp::shard_gather::ShardComm> {
-        self.sharding.full().map(FullyShardedState::comm)
+    pub fn shard_comm(&self) -> Option<&ShardComm> {
+        self.sharding.comm()
     }
 
     /// The full shapes of the parameters sharded at stage 3 (`None` before
     /// [`fully_shard`](Self::fully_shard), and at other stages).
-    pub fn shard_layout(&self) -> Option<&crate::ddp::fsdp::sharded_module::ShardLayout> {
-        self.sharding.full().and_then(FullyShardedState::layout)
+    pub fn shard_layout(&self) -> Option<&ShardLayout> {
+        self.sharding.layout()
     }
 
     /// Everything the DDP step needs set up before one micro-batch's forward and backward, in
@@ -308,20 +303,8 @@ impl DataParallel {
         weight: f32,
     ) {
         let world = self.world_size();
-        let owners = match &mut self.sharding {
-            Sharding::Replicated => None,
-            Sharding::Owners {
-                sync,
-                gradients: true,
-            } => Some(sync.plan(model, world)),
-            // Stage 1 reduces its flat buffer after backward; stage 3's gradients are
-            // reduce-scattered by the backward itself.
-            Sharding::Owners {
-                gradients: false, ..
-            }
-            | Sharding::Full(_) => return,
-        };
-        self.sync.arm_overlap(model, earlier, weight, owners);
+        self.sharding
+            .arm_overlap(&mut self.sync, model, earlier, weight, world);
     }
 
     /// What the gradient overlap did so far (zeros where it never ran).
@@ -405,13 +388,16 @@ impl DataParallel {
     /// A collective's failure; [`DdpError::SyncBatchNorm`] when synchronised BatchNorm failed
     /// in this step's forward or backward (those cannot return errors, so it is reported here,
     /// before any gradient is sent).
+    ///
+    /// The step reaches the same function through its sharding ([`Sharding::sync_gradients`]);
+    /// this handle's own entry is for the tests.
+    #[cfg(test)]
     pub(crate) fn average_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
-        check_sync_batch_norm()?;
-        self.sync.sync(&mut self.dist.group, model, grads, None)
+        crate::ddp::sharding::average_gradients(&mut self.sync, &mut self.dist.group, model, grads)
     }
 
     /// The ZeRO stage this handle runs: `Off` (every rank steps every parameter),
@@ -447,79 +433,36 @@ impl DataParallel {
             .map_or(0, |comm| comm.gathered_bytes().training_peak())
     }
 
-    /// What the optimizer step needs from the other ranks, as the ZeRO stage says. Stage 0:
-    /// [`average_gradients`](Self::average_gradients). Stages 1 and 2: `grads` keeps only the
-    /// gradients of the parameters this rank owns, each the mean over the ranks (stage 1:
-    /// one reduce-scatter of the whole gradient after backward; stage 2: one per bucket, in
-    /// the gradient path's bucket plan, during backward for marked blocks); step the optimizer
-    /// with them, then call [`finish_step`](Self::finish_step). Collective, once per
-    /// optimizer step; the verdict on non-finite gradients is the same as stage 0's. Errors as
-    /// [`average_gradients`](Self::average_gradients).
+    /// What the optimizer step needs from the other ranks, as the ZeRO stage says
+    /// ([`Sharding::sync_gradients`]). Stage 0: every gradient replaced with its mean
+    /// ([`average_gradients`](crate::ddp::sharding::average_gradients)). Stages 1 and 2:
+    /// `grads` keeps only the gradients of the parameters this rank owns, each the mean over
+    /// the ranks (stage 1: one reduce-scatter of the whole gradient after backward; stage 2:
+    /// one per bucket, in the gradient path's bucket plan, during backward for marked blocks);
+    /// step the optimizer with them, then call [`finish_step`](Self::finish_step). Stage 3:
+    /// the shards' gradients (reduce-scattered by the backward) and the whole parameters'
+    /// (averaged as at stage 0) under one verdict. Collective, once per optimizer step; the
+    /// verdict on non-finite gradients is the same as stage 0's. Errors as
+    /// [`average_gradients`](crate::ddp::sharding::average_gradients).
     pub(crate) fn sync_gradients<M: Module>(
         &mut self,
         model: &M,
         grads: &mut GradientsParams,
     ) -> Result<GradientCheck, DdpError> {
-        let world = self.dist.env.world_size;
-        match &mut self.sharding {
-            Sharding::Replicated => self.average_gradients(model, grads),
-            Sharding::Owners {
-                sync,
-                gradients: false,
-            } => {
-                check_sync_batch_norm()?;
-                sync.reduce_to_owners(&mut self.dist.group, model, grads)
-            }
-            Sharding::Owners {
-                sync,
-                gradients: true,
-            } => {
-                check_sync_batch_norm()?;
-                let owners = sync.plan(model, world);
-                self.sync
-                    .sync(&mut self.dist.group, model, grads, Some(owners))
-            }
-            Sharding::Full(state) => {
-                let taken = state.take_shard_gradients(model, grads, self.check_finite)?;
-                self.sync_stage_3(model, grads, taken)
-            }
-        }
-    }
-
-    /// Stage 3: the shards' gradients (reduce-scattered by the backward) made means, the whole
-    /// parameters' averaged as at stage 0, and one verdict on both. Collective.
-    fn sync_stage_3<M: Module>(
-        &mut self,
-        model: &M,
-        grads: &mut GradientsParams,
-        (shards, nonfinite): (GradientsParams, bool),
-    ) -> Result<GradientCheck, DdpError> {
-        let mut check = self.average_gradients(model, grads)?;
-        let mut flags = vec![0u8; self.world_size()];
-        self.dist.group.all_gather(&[nonfinite as u8], &mut flags)?;
-        let mut ranks: Vec<usize> = check.nonfinite_ranks;
-        ranks.extend(
-            flags
-                .iter()
-                .enumerate()
-                .filter(|(_, &f)| f != 0)
-                .map(|(r, _)| r),
-        );
-        ranks.sort_unstable();
-        ranks.dedup();
-        check.nonfinite_ranks = ranks;
-        grads_extend(model, grads, shards);
-        Ok(check)
+        self.sharding.sync_gradients(
+            &mut self.sync,
+            &mut self.dist.group,
+            model,
+            grads,
+            self.check_finite,
+        )
     }
 
     /// After the optimizer step. Stages 1 and 2: every rank sends the parameters it stepped
     /// and receives the others' (the replicas are bit-identical again). Stage 0: nothing.
     /// Collective under stages 1 and 2; call it only after a step that was taken.
     pub(crate) fn finish_step<M: Module>(&mut self, model: M) -> Result<M, DdpError> {
-        match self.sharding.owners() {
-            Some(sync) => sync.gather_parameters(&mut self.dist.group, model),
-            None => Ok(model),
-        }
+        self.sharding.finish_step(&mut self.dist.group, model)
     }
 
     /// Makes the model's buffers (BatchNorm running statistics, any `RunningState`, frozen
@@ -555,10 +498,7 @@ impl DataParallel {
         optim: ModuleOptimizer,
     ) -> Result<ModuleOptimizer, DdpError> {
         let (rank, world) = (self.rank(), self.world_size());
-        match self.sharding.owners() {
-            Some(sync) => sharded_sync::keep_owned_state(optim, sync.plan(model, world), rank),
-            None => Ok(optim),
-        }
+        self.sharding.keep_owned_state(model, optim, rank, world)
     }
 
     /// Under stages 1 and 2, every rank's optimizer state merged on rank 0 as burnpack bytes
@@ -574,38 +514,15 @@ impl DataParallel {
         &mut self,
         optim: &ModuleOptimizer,
     ) -> Result<Option<Bytes>, DdpError> {
-        if self.sharding.owners().is_none() {
-            return Ok(None);
-        }
-        sharded_sync::gather_state(optim, &mut self.dist.group, 0)
+        self.sharding
+            .gather_optimizer_state(&mut self.dist.group, optim)
     }
 
     /// What gradient synchronisation did so far (synchronisations, collectives, bytes; at
     /// stages 1 and 2 the parameters' all-gathers included, at stage 3 the shards' gathers and
     /// reduce-scatters).
     pub fn gradient_stats(&self) -> ReducerStats {
-        let path = self.sync.stats();
-        if let Some(state) = self.sharding.full() {
-            let comm = state.comm();
-            return ReducerStats {
-                syncs: path.syncs,
-                bucket_all_reduces: path.bucket_all_reduces
-                    + comm.gathers()
-                    + comm.reduce_scatters(),
-                bytes_reduced: path.bytes_reduced + comm.bytes(),
-            };
-        }
-        match &self.sharding {
-            Sharding::Owners { sync, .. } => {
-                let zero = sync.stats();
-                ReducerStats {
-                    syncs: path.syncs + zero.syncs,
-                    bucket_all_reduces: path.bucket_all_reduces + zero.bucket_all_reduces,
-                    bytes_reduced: path.bytes_reduced + zero.bytes_reduced,
-                }
-            }
-            _ => path,
-        }
+        self.sharding.gradient_stats(self.sync.stats())
     }
 }
 
@@ -615,13 +532,4 @@ impl DataParallel {
 /// [`DataParallel::training_device`] applies it, [`DataParallel::new`] warns without it).
 fn needs_checkpointing(stage: ZeroStage, device: &Device) -> bool {
     stage.shards_parameters() && !host_memory(device.as_dispatch())
-}
-
-/// The failure synchronised BatchNorm recorded in this step's forward or backward, if any
-/// ([`crate::ddp::sync_batch_norm::sync_group`]).
-fn check_sync_batch_norm() -> Result<(), DdpError> {
-    match sync_group::take_error() {
-        Some(e) => Err(e.into()),
-        None => Ok(()),
-    }
 }

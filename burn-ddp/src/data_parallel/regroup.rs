@@ -4,7 +4,6 @@
 use std::sync::{mpsc, Arc};
 
 use super::handle::DataParallel;
-use crate::ddp::options::zero_stage::ZeroStage;
 use crate::ddp::sync_batch_norm::sync_group;
 use crate::elastic::fencing::fence;
 use crate::elastic::{agree_on_survivors, AgreementOptions, Survivors};
@@ -56,12 +55,7 @@ impl DataParallel {
         world: usize,
         watched: Vec<usize>,
     ) -> Result<(), DdpError> {
-        let stage = self.zero_stage();
-        if stage != ZeroStage::Off {
-            return Err(DdpError::Membership(format!(
-                "cannot re-form the job at ZeRO stage {stage}: each rank holds the only live copy of its shard of the training state, so a lost rank's shard is only in the newest checkpoint; restart every rank from it (the launcher's --max-restarts)"
-            )));
-        }
+        self.sharding.check_regroup()?;
         if watched.is_empty() || !self.options.peer_heartbeats {
             self.dist.regroup(rank, world)?;
         } else {

@@ -26,7 +26,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
 
-use crate::ddp::buckets::finite::{probe, FiniteScan};
+use crate::ddp::buckets::finite::{probe, FiniteScan, GradientCheck};
 use crate::ddp::fsdp::block_storage::RestoreReport;
 use crate::ddp::fsdp::shard_gather::ShardComm;
 use crate::ddp::fsdp::shard_prefetch::{BlockShards, Prefetcher};
@@ -36,11 +36,13 @@ use crate::ddp::fsdp::sharded_module::{
 use crate::ddp::module::param_checksum_where;
 use crate::ddp::options::groups::ProcessGroupRole;
 use crate::error::{DdpError, ShardGatherError};
-use crate::group::TcpProcessGroup;
+use crate::group::{ProcessGroup, TcpProcessGroup};
 use crate::init::Distributed;
 use crate::kernels::HalfFormat;
 
-/// One rank's stage-3 state (module docs).
+/// One rank's stage-3 state (module docs). `pub` as the payload of the public
+/// [`Sharding::Full`](crate::ddp::sharding::Sharding::Full); its module and methods are the
+/// crate's.
 pub struct FullyShardedState {
     comm: ShardComm,
     layout: Option<ShardLayout>,
@@ -54,7 +56,10 @@ impl FullyShardedState {
     /// the gradients travel in `compression`'s format ([`ShardComm::new`]). Collective: every
     /// rank calls it at the same point, with the same `compression` (deadline: the job group's
     /// timeout).
-    pub fn form(dist: &Distributed, compression: Option<HalfFormat>) -> Result<Self, DdpError> {
+    pub(crate) fn form(
+        dist: &Distributed,
+        compression: Option<HalfFormat>,
+    ) -> Result<Self, DdpError> {
         let options = ProcessGroupRole::ShardGather.options(dist.group.options());
         let (rank, world) = (dist.env.rank, dist.env.world_size);
         let group = TcpProcessGroup::new(dist.store.clone(), rank, world, options)?;
@@ -84,19 +89,23 @@ impl FullyShardedState {
     }
 
     /// The group of the gathers and reduce-scatters (its counters).
-    pub fn comm(&self) -> &ShardComm {
+    pub(crate) fn comm(&self) -> &ShardComm {
         &self.comm
     }
 
     /// The sharded parameters' full shapes, once [`shard`](Self::shard) has run.
-    pub fn layout(&self) -> Option<&ShardLayout> {
+    pub(crate) fn layout(&self) -> Option<&ShardLayout> {
         self.layout.as_ref()
     }
 
     /// `model` with the parameters of the blocks that `forward` (a forward of the whole model)
     /// marks replaced by this rank's shards. Local: every rank cuts equal replicas the same
     /// way. Fails ([`DdpError::Options`]) when `forward` marks no block.
-    pub fn shard<M: Module>(&mut self, model: M, forward: impl FnOnce(&M)) -> Result<M, DdpError> {
+    pub(crate) fn shard<M: Module>(
+        &mut self,
+        model: M,
+        forward: impl FnOnce(&M),
+    ) -> Result<M, DdpError> {
         let blocks = discover_blocks(|| forward(&model));
         if blocks.is_empty() {
             return Err(DdpError::Options(
@@ -123,7 +132,7 @@ impl FullyShardedState {
     /// The guard under which `mark_block` gathers (`None` before [`shard`](Self::shard)),
     /// with every block of `model` queued for the prefetch thread (the shards' tensor
     /// handles: the thread reads each block's when its turn comes).
-    pub fn forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
+    pub(crate) fn forward<M: Module>(&self, model: &M) -> Option<ShardedForward> {
         let layout = self.layout.as_ref()?;
         // The peak of whole parameters held at once is taken over this forward and backward
         // (the guard ends the window).
@@ -153,14 +162,14 @@ impl FullyShardedState {
 
     /// `model` with its shards gathered whole (for validation, or to save the whole model).
     /// Collective over the stage-3 group.
-    pub fn gathered<M: Module>(&self, model: &M) -> Result<M, DdpError> {
+    pub(crate) fn gathered<M: Module>(&self, model: &M) -> Result<M, DdpError> {
         let whole = gather_module(model, self.layout_or_error()?, &self.comm);
         self.check()?;
         Ok(whole)
     }
 
     /// The first gather or reduce-scatter failure since the last look.
-    pub fn check(&self) -> Result<(), DdpError> {
+    pub(crate) fn check(&self) -> Result<(), DdpError> {
         match self.comm.take_error() {
             Some(e) => Err(DdpError::Unsupported(e.to_string())),
             None => Ok(()),
@@ -171,7 +180,7 @@ impl FullyShardedState {
     /// reduce-scatter's), as the reducer gives the others. Returns
     /// them and whether this rank's shard of the mean holds a NaN or an infinity (when
     /// `check_finite`). Local; fails when a gather or reduce-scatter of this step failed.
-    pub fn take_shard_gradients<M: Module>(
+    pub(crate) fn take_shard_gradients<M: Module>(
         &self,
         model: &M,
         grads: &mut GradientsParams,
@@ -220,12 +229,65 @@ impl FullyShardedState {
     }
 
     /// A checksum of the parameters every rank holds whole (the shards differ by rank).
-    pub fn replicated_checksum<M: Module>(&self, model: &M) -> u64 {
+    pub(crate) fn replicated_checksum<M: Module>(&self, model: &M) -> u64 {
         let layout = self.layout.as_ref();
         param_checksum_where(model, |id| {
             layout.is_none_or(|layout| layout.full_shape(id).is_none())
         })
     }
+}
+
+/// The shards' gradients `taken` by [`FullyShardedState::take_shard_gradients`] (with
+/// whether this rank's held a NaN or an infinity) joined to `check`, the verdict on the
+/// gradients of the parameters held whole (averaged as at stage 0): one verdict over `group`
+/// (an all-gather of each rank's flag), and the shards' gradients moved back into `grads`.
+/// Collective over `group` (the job's), once per optimizer step; every rank gets the same
+/// verdict.
+///
+/// # Errors
+/// The all-gather's failure.
+pub(crate) fn join_shard_gradients<M: Module>(
+    group: &mut TcpProcessGroup,
+    model: &M,
+    grads: &mut GradientsParams,
+    mut check: GradientCheck,
+    (shards, nonfinite): (GradientsParams, bool),
+) -> Result<GradientCheck, DdpError> {
+    let mut flags = vec![0u8; group.world_size()];
+    group.all_gather(&[nonfinite as u8], &mut flags)?;
+    let mut ranks: Vec<usize> = check.nonfinite_ranks;
+    ranks.extend(
+        flags
+            .iter()
+            .enumerate()
+            .filter(|(_, &f)| f != 0)
+            .map(|(r, _)| r),
+    );
+    ranks.sort_unstable();
+    ranks.dedup();
+    check.nonfinite_ranks = ranks;
+    grads_extend(model, grads, shards);
+    Ok(check)
+}
+
+/// Moves every gradient of `from` that `model` has a parameter for into `grads` (the shards'
+/// gradients back beside the whole parameters'). Local.
+fn grads_extend<M: Module>(model: &M, grads: &mut GradientsParams, mut from: GradientsParams) {
+    struct Move<'a> {
+        to: &'a mut GradientsParams,
+        from: &'a mut GradientsParams,
+    }
+    impl ModuleVisitor for Move<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.from.remove::<D>(param.id) {
+                self.to.register(param.id, g);
+            }
+        }
+    }
+    model.visit(&mut Move {
+        to: grads,
+        from: &mut from,
+    });
 }
 
 /// This rank's shard of each sharded parameter of `model`, flat (tensor handles).

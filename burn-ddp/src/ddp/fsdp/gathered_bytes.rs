@@ -36,7 +36,7 @@ pub struct GatheredBytes {
 
 impl GatheredBytes {
     /// Bytes of whole parameters alive now.
-    pub fn live(&self) -> u64 {
+    pub(crate) fn live(&self) -> u64 {
         self.live.load(Ordering::Relaxed)
     }
 

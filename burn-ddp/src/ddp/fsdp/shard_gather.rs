@@ -62,13 +62,13 @@ use crate::kernels::{host16, HalfFormat};
 
 /// Values of a parameter of `numel` values that each of `world` ranks holds (the shards are
 /// equal; the last ones end in zeros).
-pub fn shard_len(numel: usize, world: usize) -> usize {
+pub(crate) fn shard_len(numel: usize, world: usize) -> usize {
     numel.div_ceil(world.max(1))
 }
 
 /// Rank `rank`'s shard of the flattened parameter `full`: [`shard_len`] values, zeros past the
 /// end of `full`.
-pub fn shard_of(full: &[f32], rank: usize, world: usize) -> Vec<f32> {
+pub(crate) fn shard_of(full: &[f32], rank: usize, world: usize) -> Vec<f32> {
     let len = shard_len(full.len(), world);
     let start = (rank * len).min(full.len());
     let end = (start + len).min(full.len());
@@ -131,7 +131,7 @@ impl ShardComm {
     /// `compression`'s 16 bits when given (scaled by `1 / world` before rounding, as stages 0
     /// to 2's buckets), else in `f32`; the parameters are always gathered in `f32`. Every rank
     /// must pass the same `compression`.
-    pub fn new(group: TcpProcessGroup, compression: Option<HalfFormat>) -> Self {
+    pub(crate) fn new(group: TcpProcessGroup, compression: Option<HalfFormat>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(Inner {
                 group,
@@ -153,11 +153,11 @@ impl ShardComm {
         &self.gathered
     }
 
-    pub fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.lock().group.rank()
     }
 
-    pub fn world_size(&self) -> usize {
+    pub(crate) fn world_size(&self) -> usize {
         self.lock().group.world_size()
     }
 
@@ -200,13 +200,13 @@ impl ShardComm {
     /// Bytes of the gathers' and reduce-scatters' buffers so far (each a padded whole
     /// parameter in `f32`, the blocks gathered ahead and again included; a ring sends
     /// `(world - 1) / world` of each).
-    pub fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         self.lock().bytes
     }
 
     /// The first failure of a gather or reduce-scatter since the last call, if any. A step taken
     /// after one would use zeros for a parameter or its gradient: callers check before stepping.
-    pub fn take_error(&self) -> Option<ShardGatherError> {
+    pub(crate) fn take_error(&self) -> Option<ShardGatherError> {
         self.lock().error.take()
     }
 
@@ -290,7 +290,7 @@ impl ShardComm {
 /// [`all_reduce_sum`](crate::ddp::sync_batch_norm::all_reduce_op::all_reduce_sum); on another backend the generated
 /// routing panics, "Backend not supported for custom op").
 #[backend_extension(Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")), Autodiff)]
-pub trait GatherShard: Backend {
+pub(crate) trait GatherShard: Backend {
     /// The parameter of `shape` gathered from every rank's `shard` (module docs); `given`: its
     /// values, when they were gathered ahead.
     fn gather_shard(
@@ -304,7 +304,7 @@ pub trait GatherShard: Backend {
 /// A parameter's whole values gathered ahead of the forward ([`gather_shard_prefetched`]), or
 /// none.
 #[derive(Clone, Default)]
-pub struct Given(GivenValues);
+pub(crate) struct Given(GivenValues);
 
 #[derive(Clone, Default)]
 enum GivenValues {
@@ -447,7 +447,7 @@ impl<B: Backend> RetroForward for RetroGather<B> {
 /// Collective over `comm`'s group (every rank, same parameters, same order; the backward
 /// reduce-scatters, and re-gathers under gradient checkpointing); deadline: the group's
 /// timeout. `shard` holds [`shard_len`]`(shape's elements, world)` values.
-pub fn gather_shard<const D: usize>(
+pub(crate) fn gather_shard<const D: usize>(
     shard: Tensor<1>,
     shape: [usize; D],
     comm: &ShardComm,

@@ -49,7 +49,7 @@ use crate::store::Store;
 
 /// One marked block's shards, as the forward will use them.
 #[derive(Debug, Clone)]
-pub struct BlockShards {
+pub(crate) struct BlockShards {
     /// Its sharded parameters, in the block's visit order.
     pub ids: Vec<ParamId>,
     /// This rank's shard of each ([`shard_len`] values; read when the block's turn comes).
@@ -61,7 +61,7 @@ pub struct BlockShards {
 /// One block gathered whole: each parameter's values in its slot, in `ids`' order (counted
 /// in the rank's [`GatheredBytes`] while they are in memory), and the block's storage
 /// (evicted once the forward has moved on, [`super::block_storage`]).
-pub struct GatheredBlock {
+pub(crate) struct GatheredBlock {
     pub ids: Vec<ParamId>,
     pub(crate) slots: Vec<Arc<ParamSlot>>,
     pub(crate) storage: Arc<BlockStorage>,
@@ -91,7 +91,7 @@ fn send(commands: &Commands, command: Command) -> Result<(), String> {
 }
 
 /// The prefetch thread of one rank (module docs).
-pub struct Prefetcher {
+pub(crate) struct Prefetcher {
     commands: Commands,
     handle: Option<JoinHandle<()>>,
     /// How long the forward waits for a block: the group's deadline and a margin.
@@ -152,7 +152,7 @@ impl Prefetcher {
     /// Queues one forward's blocks; returns the stream the forward takes them from, in order
     /// (the first one asked for now, each next one when the forward takes the one before).
     /// Not collective itself; every rank must queue the same blocks (the same model).
-    pub fn prefetch(&self, blocks: Vec<BlockShards>) -> Option<PrefetchStream> {
+    pub(crate) fn prefetch(&self, blocks: Vec<BlockShards>) -> Option<PrefetchStream> {
         let mut stream = PrefetchStream {
             queued: blocks.into_iter(),
             pending: None,
@@ -181,7 +181,7 @@ impl Drop for Prefetcher {
 /// The blocks of one forward, as the thread gathers them: one block ahead of the forward
 /// (asked for when the forward takes the one before), not further (each block further would
 /// be held whole too).
-pub struct PrefetchStream {
+pub(crate) struct PrefetchStream {
     queued: std::vec::IntoIter<BlockShards>,
     pending: Option<Receiver<Result<GatheredBlock, String>>>,
     commands: Commands,
@@ -200,7 +200,7 @@ impl PrefetchStream {
     }
 
     /// The next block, waiting up to the group's deadline; the one after it is asked for.
-    pub fn take_next(&mut self) -> Result<GatheredBlock, String> {
+    pub(crate) fn take_next(&mut self) -> Result<GatheredBlock, String> {
         let pending = self
             .pending
             .take()

@@ -68,7 +68,7 @@ impl ShardLayout {
 /// it (module docs), and the layout to gather them with. Not collective: every rank cuts the
 /// same values (the replicas must be equal, as [`prepare_module`](crate::ddp::prepare_module) makes
 /// them). Fails only when a parameter cannot be read back as `f32`.
-pub fn shard_module<M: Module>(
+pub(crate) fn shard_module<M: Module>(
     module: M,
     rank: usize,
     world_size: usize,
@@ -133,7 +133,7 @@ impl<F: Fn(ParamId) -> bool> ModuleMapper for Cut<F> {
 /// A copy of `module` (tensor handles) whose sharded parameters are gathered whole, for one
 /// forward (module docs). Collective over `comm`'s group: every rank gathers the same
 /// parameters in the same order (the module's), and its backward reduce-scatters them.
-pub fn gather_module<M: Module>(module: &M, layout: &ShardLayout, comm: &ShardComm) -> M {
+pub(crate) fn gather_module<M: Module>(module: &M, layout: &ShardLayout, comm: &ShardComm) -> M {
     module.clone().map(&mut Gather {
         layout,
         comm,
@@ -214,7 +214,7 @@ enum Marking {
 /// its blocks, the same on every rank). Enter it around a forward of a sharded model (and its
 /// backward); parameters outside marked blocks must not be sharded. Not `Send`: the forward
 /// runs on the thread that entered it.
-pub struct ShardedForward {
+pub(crate) struct ShardedForward {
     /// Where the peak of whole parameters held is taken; its window ends with the guard.
     gathered: Arc<GatheredBytes>,
     _not_send: PhantomData<*const ()>,
@@ -224,14 +224,14 @@ impl ShardedForward {
     /// Installs `layout` and `comm` for this thread's forwards until the guard is dropped (a
     /// second guard replaces the first until it is dropped): each block gathered when it is
     /// marked ([`gather_module`]).
-    pub fn enter(layout: &ShardLayout, comm: &ShardComm) -> Self {
+    pub(crate) fn enter(layout: &ShardLayout, comm: &ShardComm) -> Self {
         Self::install(layout, comm, None)
     }
 
     /// [`enter`](Self::enter), the blocks taken from `prefetched` in order (gathered ahead
     /// by [`super::shard_prefetch`]); a block that does not match the next one there is
     /// gathered on the spot, as is every later block of this forward.
-    pub fn enter_prefetched(
+    pub(crate) fn enter_prefetched(
         layout: &ShardLayout,
         comm: &ShardComm,
         prefetched: PrefetchStream,
@@ -266,7 +266,7 @@ impl Drop for ShardedForward {
 /// thread (a forward of the whole model), in order, each with the ids of its float parameters
 /// that no earlier block has (blocks with none left out): what ZeRO stage 3 shards, and the
 /// order its prefetch follows. Local; the blocks run as they are.
-pub fn discover_blocks(forward: impl FnOnce()) -> Vec<Vec<ParamId>> {
+pub(crate) fn discover_blocks(forward: impl FnOnce()) -> Vec<Vec<ParamId>> {
     FORWARD.with(|f| *f.borrow_mut() = Some(Marking::Discover(Vec::new())));
     // Reset even if `forward` panics, so that a caught panic leaves no recording behind.
     struct Reset;
