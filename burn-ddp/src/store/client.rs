@@ -1,6 +1,7 @@
 //! [`TcpStore`]: the client side of the rendezvous store.
 
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -16,10 +17,14 @@ use crate::error::StoreError;
 const ANSWER_SLACK: Duration = Duration::from_secs(5);
 
 /// A connection to a [`super::TcpStoreServer`]. Thread-safe: requests are serialised on one
-/// connection.
+/// connection; a request the server may hold (a wait) lets the requests already waiting for
+/// the connection go first, so a heartbeat beaten through it is never starved by a loop of
+/// waits (a group's set-up waits in one-second slices).
 pub struct TcpStore {
     addr: String,
     stream: Mutex<TcpStream>,
+    /// Requests waiting for `stream` now.
+    queued: AtomicUsize,
     /// Deadline for the round trip of non-waiting requests.
     timeout: Duration,
 }
@@ -66,6 +71,7 @@ impl TcpStore {
         let store = Self {
             addr: addr.to_string(),
             stream: Mutex::new(stream),
+            queued: AtomicUsize::new(0),
             timeout: connect_timeout.max(Duration::from_secs(1)),
         };
         match store.request(
@@ -105,7 +111,7 @@ impl TcpStore {
             operation: operation.to_string(),
             source,
         };
-        let mut stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        let mut stream = self.take_turn(!wait.is_zero());
         let round_trip = self.timeout
             + wait
             + if wait.is_zero() {
@@ -152,6 +158,22 @@ impl TcpStore {
                 source,
             }),
         }
+    }
+
+    /// The connection, for one request. std's mutex is not fair: a thread that releases it and
+    /// asks again at once (a loop of server-side waits) may take it every time, so a request
+    /// that may be held (`blocking`) first lets those already queued go; they only ever wait
+    /// for a request in flight, so this wait is short.
+    fn take_turn(&self, blocking: bool) -> std::sync::MutexGuard<'_, TcpStream> {
+        if blocking {
+            while self.queued.load(Ordering::Acquire) > 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+        self.queued.fetch_add(1, Ordering::AcqRel);
+        let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        self.queued.fetch_sub(1, Ordering::AcqRel);
+        stream
     }
 
     fn unexpected(&self, operation: &str, response: Response) -> StoreError {
